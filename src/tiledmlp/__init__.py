@@ -1,0 +1,13 @@
+"""tiledmlp: tiled MLPs for long-sequence training with exact gradients and minimal recompute.
+
+The MLP of a decoder layer runs over the tokens in tiles, keeps none of its big intermediates,
+and recomputes only what it must, tile by tile, in the backward.
+"""
+
+from tiledmlp.config import TiledMLPConfig
+from tiledmlp.module import TiledMLP
+from tiledmlp.ops import TiledMLPFunction, TilePlan, tiled_mlp
+
+__version__ = "0.1.0"
+
+__all__ = ["TilePlan", "TiledMLP", "TiledMLPConfig", "TiledMLPFunction", "__version__", "tiled_mlp"]

@@ -1,0 +1,130 @@
+"""The tiled MLP autograd Function.
+
+Invariants:
+- Exactly-once gradients: the weights are explicit inputs of the Function; the backward returns
+  each parameter's gradient once (summed over tiles), so AccumulateGrad, DDP's reducer and ZeRO's
+  hooks fire once per parameter per backward.
+- Nothing is packed by this Function when x requires grad: x is saved by a tiny anchor op that
+  runs before the tiled math, and the weights are kept by reference. Under non-reentrant
+  activation checkpointing PyTorch's recompute stops once every saved tensor is rebuilt, i.e.
+  right after the anchor, so the layer recompute never re-runs the MLP.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from tiledmlp.ops.fast import FastEngine
+from tiledmlp.ops.generic import GenericEngine
+from tiledmlp.ops.tiles import TilePlan
+
+__all__ = ["TiledMLPFunction", "TiledRun", "anchor_input"]
+
+
+class _InputAnchor(torch.autograd.Function):
+    """Identity that saves its input; the tiled Function reads x back from this node."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+def anchor_input(x: torch.Tensor) -> tuple[torch.Tensor, Any]:
+    """Returns (x as an anchored view, the node holding x) when x requires grad, else (x, None)."""
+    if not x.requires_grad:
+        return x, None
+    anchored = _InputAnchor.apply(x)
+    return anchored, anchored.grad_fn
+
+
+@dataclass
+class TiledRun:
+    """Everything one call's forward hands to its backward, besides tensors.
+
+    Attributes:
+        engine: FastEngine or GenericEngine.
+        plan: the tile split, fixed for forward and backward.
+        x_node: the anchor node holding x, or None when the Function saved x itself.
+        lead_shape: x.shape[:-1].
+        layouts_keep_lead: per output, whether it has x's leading dims (else (tokens, ...)).
+    """
+
+    engine: FastEngine | GenericEngine
+    plan: TilePlan
+    x_node: Any
+    lead_shape: tuple[int, ...]
+    layouts_keep_lead: tuple[bool, ...] = ()
+
+    def run_forward(self, x: torch.Tensor) -> list[torch.Tensor | None]:
+        """Tiled forward on x of shape (..., hidden); outputs in their final shapes."""
+        flat = x.reshape(-1, x.shape[-1])
+        if isinstance(self.engine, FastEngine):
+            outs: list[torch.Tensor | None] = [self.engine.forward(flat, self.plan)]
+            self.layouts_keep_lead = (True,)
+        else:
+            outs = self.engine.forward(flat, self.plan)
+            self.layouts_keep_lead = tuple(
+                lay is None or lay.keeps_lead_dims for lay in self.engine.layouts
+            )
+        return [
+            None if o is None else (o.view(*self.lead_shape, *o.shape[1:]) if keep else o)
+            for o, keep in zip(outs, self.layouts_keep_lead)
+        ]
+
+
+class TiledMLPFunction(torch.autograd.Function):
+    """Tiled MLP with exactly-once parameter gradients.
+
+    Inputs: x (the anchored input, (..., hidden)), a TiledRun, then the engine's parameters.
+    Outputs: the module's output tensor(s) (None outputs are dropped and re-inserted outside).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, run: TiledRun, *params: torch.Tensor) -> Any:
+        outs = [o for o in run.run_forward(x) if o is not None]
+        ctx.run = run
+        if run.x_node is None:
+            ctx.save_for_backward(x)
+        non_diff = [o for o in outs if not (o.is_floating_point() or o.is_complex())]
+        if non_diff:
+            ctx.mark_non_differentiable(*non_diff)
+        return outs[0] if len(outs) == 1 else tuple(outs)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> Any:
+        run: TiledRun = ctx.run
+        x = run.x_node.saved_tensors[0] if run.x_node is not None else ctx.saved_tensors[0]
+        flat = x.reshape(-1, x.shape[-1])
+        needs_x = ctx.needs_input_grad[0]
+        needs_params: Sequence[bool] = ctx.needs_input_grad[2:]
+        flat_grads = [
+            g.reshape(flat.shape[0], *g.shape[len(run.lead_shape) :]) if g is not None and keep else g
+            for g, keep in zip(_with_none_slots(grads, run), run.layouts_keep_lead)
+        ]
+        if isinstance(run.engine, FastEngine):
+            gy = flat_grads[0]
+            if gy is None:
+                return (None, None, *([None] * len(needs_params)))
+            dx, pgrads = run.engine.backward(flat, gy, run.plan, needs_x, needs_params)
+        else:
+            dx, pgrads = run.engine.backward(flat, flat_grads, run.plan, needs_x, needs_params)
+        return (None if dx is None else dx.view(x.shape), None, *pgrads)
+
+
+def _with_none_slots(grads: Sequence[torch.Tensor | None], run: TiledRun) -> list[torch.Tensor | None]:
+    """Re-inserts None for outputs that were None (the Function only returned tensors)."""
+    if isinstance(run.engine, FastEngine):
+        return list(grads)
+    it = iter(grads)
+    return [None if lay is None else next(it) for lay in run.engine.layouts]

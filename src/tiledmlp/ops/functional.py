@@ -1,0 +1,127 @@
+"""tiled_mlp(): the functional entry point of the tiled MLP.
+
+Invariant: the result equals mlp(x) (same shape, dtype and device; values up to the rounding of a
+different summation order in the weight gradients), with gradients for x and for every trainable
+parameter of mlp, each delivered exactly once per backward.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+
+from tiledmlp.ops.fast import FastEngine
+from tiledmlp.ops.function import TiledMLPFunction, TiledRun, anchor_input
+from tiledmlp.ops.generic import GenericEngine
+from tiledmlp.ops.policy import MemoryModel, resolve_plan, validate_policy
+from tiledmlp.ops.state import AutocastState
+from tiledmlp.ops.structure import recognise
+
+__all__ = ["tiled_mlp"]
+
+logger = logging.getLogger(__name__)
+
+
+def tiled_mlp(
+    mlp: nn.Module,
+    x: torch.Tensor,
+    *,
+    num_tiles: int | str = "auto",
+    tile_tokens: int | None = None,
+) -> Any:
+    """Runs the token-wise module `mlp` over `x` in tiles of tokens, keeping no intermediates.
+
+    Recognised MLPs (gated: separate gate/up/down as in Llama, Mistral, Qwen, Gemma; fused
+    gate_up as in Phi-3; plain fc1 -> act -> fc2; with or without bias; the module's own
+    activation) take the minimal-recompute path: the backward recomputes only the first
+    projection(s), never the down projection. Cost: 11U FLOPs per training step for a gated MLP
+    against 9U untiled (U = 2 * tokens * hidden * intermediate), 7U against 6U for a plain MLP;
+    per tile of n tokens about 5 * n * intermediate elements of transient memory (4 for plain).
+    Any other token-wise module (LoRA-wrapped projections, MoE blocks, custom MLPs) takes the
+    generic path: each tile is re-run under autograd in the backward (the whole module is
+    recomputed once more), with the forward's RNG and autocast state.
+
+    Args:
+        mlp: a token-wise module: each output row depends only on the same input row.
+        x: (batch, seq, hidden) or (tokens, hidden), floating point.
+        num_tiles: a positive int; "auto" (default): a memory-budget rule that never uses more
+            memory than the untiled module and runs it untiled when tiling would not save memory;
+            "arctic": ceil(tokens / hidden) tiles as in Arctic Long Sequence Training.
+        tile_tokens: tokens per tile (the last tile takes the remainder), instead of num_tiles.
+
+    Returns:
+        What mlp(x) returns: a Tensor of shape (..., out), or the module's tuple of outputs.
+
+    Raises:
+        TypeError: x is not a floating-point Tensor, or its dtype does not match the MLP's.
+        ValueError: bad num_tiles / tile_tokens, x not 2-D or 3-D, x's last dim is not the MLP's
+            hidden size, or the module changes the number of tokens.
+    """
+    validate_policy(num_tiles, tile_tokens)
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"tiled_mlp: x must be a torch.Tensor, got {type(x).__name__}")
+    if not x.is_floating_point():
+        raise TypeError(
+            f"tiled_mlp: x must be a floating-point tensor (the MLP's hidden states), got dtype "
+            f"{x.dtype}; cast it, e.g. x.float()."
+        )
+    if x.dim() not in (2, 3):
+        raise ValueError(
+            f"tiled_mlp: x must be (batch, seq, hidden) or (tokens, hidden), got shape "
+            f"{tuple(x.shape)}; reshape it first."
+        )
+    structure = recognise(mlp)
+    hidden = x.shape[-1]
+    expected = structure.hidden_size if structure is not None else _declared_hidden(mlp)
+    if expected is not None and hidden != expected:
+        raise ValueError(
+            f"tiled_mlp: x's last dimension is {hidden} but the MLP's hidden size is {expected}; "
+            f"expected x of shape (..., {expected})."
+        )
+    num_tokens = x.numel() // hidden if hidden else 0
+    autocast = AutocastState.capture(x.device.type)
+    engine: FastEngine | GenericEngine
+    if structure is not None:
+        engine = FastEngine(structure, autocast)
+        model: MemoryModel | None = MemoryModel(structure, engine.compute_dtype(x))
+    else:
+        engine = GenericEngine(mlp, autocast, three_d=x.dim() == 3)
+        model = None
+    plan = resolve_plan(num_tiles, tile_tokens, num_tokens, hidden, model)
+    if plan is None or plan.num_tiles == 0:
+        logger.debug("tiled_mlp: running %s untiled (%d tokens)", type(mlp).__name__, num_tokens)
+        return mlp(x)
+
+    needs_grad = torch.is_grad_enabled() and (
+        x.requires_grad or any(p.requires_grad for p in engine.params)
+    )
+    x_in, x_node = anchor_input(x) if needs_grad else (x, None)
+    run = TiledRun(engine=engine, plan=plan, x_node=x_node, lead_shape=tuple(x.shape[:-1]))
+    if not needs_grad:
+        outs = run.run_forward(x)
+    else:
+        res = TiledMLPFunction.apply(x_in, run, *engine.params)
+        tensors = iter(res if isinstance(res, tuple) else (res,))
+        outs = [None if keep is None else next(tensors) for keep in _output_slots(run)]
+    if isinstance(engine, GenericEngine) and engine.returns_tuple:
+        return tuple(outs)
+    return outs[0]
+
+
+def _output_slots(run: TiledRun) -> list[bool | None]:
+    """Per output of the module: None where the module returned None, else a placeholder."""
+    if isinstance(run.engine, FastEngine):
+        return [True]
+    return [None if lay is None else True for lay in run.engine.layouts]
+
+
+def _declared_hidden(mlp: nn.Module) -> int | None:
+    """The hidden size a generic module declares (hidden_size attribute or config), if any."""
+    for owner in (mlp, getattr(mlp, "config", None)):
+        value = getattr(owner, "hidden_size", None) if owner is not None else None
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None

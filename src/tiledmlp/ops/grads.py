@@ -1,0 +1,92 @@
+"""Per-parameter gradient accumulators for tiled backward passes.
+
+Invariant: each parameter's gradient is summed over tiles in ONE buffer and handed to autograd
+once. When the parameter (or the compute dtype) is lower precision than float32, the buffer is
+float32 and the tile contributions are exact upcasts of the tile GEMM results, so rounding to the
+parameter dtype happens once, at the end, never once per tile.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["GradSlot", "Scratch"]
+
+_WIDE = (torch.float32, torch.float64)
+
+
+class Scratch:
+    """One flat buffer shared by all slots for tile GEMM results in a low compute dtype.
+
+    Slots use it strictly one after another (GEMM into it, then add it to the accumulator), so
+    a single buffer of the largest parameter's size serves every parameter.
+    """
+
+    def __init__(self) -> None:
+        self._buf: torch.Tensor | None = None
+
+    def view(self, shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        numel = shape.numel()
+        buf = self._buf
+        if buf is None or buf.numel() < numel or buf.dtype != dtype or buf.device != device:
+            buf = torch.empty(numel, dtype=dtype, device=device)
+            self._buf = buf
+        return buf[:numel].view(shape)
+
+
+class GradSlot:
+    """Accumulates the gradient of one parameter over tiles.
+
+    Args:
+        param: the parameter (its shape and dtype define the returned gradient).
+        compute_dtype: dtype the tile GEMMs run in.
+        scratch: shared buffer for low-precision tile results.
+    """
+
+    def __init__(self, param: torch.Tensor, compute_dtype: torch.dtype, scratch: Scratch) -> None:
+        self.param = param
+        self.compute_dtype = compute_dtype
+        self.direct = param.dtype == compute_dtype and param.dtype in _WIDE
+        self.scratch = scratch
+        self.acc: torch.Tensor | None = None
+
+    def _acc(self) -> torch.Tensor:
+        if self.acc is None:
+            dtype = self.param.dtype if self.param.dtype in _WIDE else torch.float32
+            self.acc = torch.zeros(self.param.shape, dtype=dtype, device=self.param.device)
+        return self.acc
+
+    def add_mm(self, a: torch.Tensor, b: torch.Tensor) -> None:
+        """Adds a @ b (both in the compute dtype) to the gradient."""
+        if self.direct:
+            if self.acc is None:
+                self.acc = torch.mm(a, b)
+            else:
+                torch.addmm(self.acc, a, b, out=self.acc)
+            return
+        tile = self.scratch.view(self.param.shape, self.compute_dtype, self.param.device)
+        torch.mm(a, b, out=tile)
+        self._acc().add_(tile)
+
+    def add_rows(self, t: torch.Tensor) -> None:
+        """Adds t.sum(0) (a bias gradient over a tile's tokens) to the gradient."""
+        if self.direct:
+            s = t.sum(0)
+            if self.acc is None:
+                self.acc = s
+            else:
+                self.acc.add_(s)
+            return
+        self._acc().add_(t.sum(0, dtype=torch.float32))
+
+    def add(self, t: torch.Tensor) -> None:
+        """Adds a whole tile gradient (generic path)."""
+        if self.direct and self.acc is None:
+            self.acc = t
+        else:
+            self._acc().add_(t)
+
+    def result(self) -> torch.Tensor:
+        """The summed gradient in the parameter's dtype (zeros if no tile contributed)."""
+        acc = self._acc()
+        return acc if acc.dtype == self.param.dtype else acc.to(self.param.dtype)

@@ -1,0 +1,132 @@
+"""Tile policies: from the user's choice to an explicit tile plan.
+
+Forms: a positive int (number of tiles), "arctic" (ceil(tokens / hidden), the paper's rule),
+"auto" (a memory-budget rule, below), or a tokens-per-tile count.
+
+"auto" for a recognised MLP: tiles of about `weight_bytes / (c_t * m * e)` tokens, i.e. a tile's
+transient intermediates are about the size of the MLP's weights (c_t (n, m) tensors of e bytes per
+token row, see fast.py). It runs untiled when its memory model says tiling would not use less
+memory than the untiled module (short sequences), so "auto" never costs memory and costs no
+recompute where it saves nothing. For modules without a fast path it uses the paper's rule
+beyond two tiles' worth of tokens and runs untiled below.
+
+Invariant: the resolution depends only on the token count, the module's shapes and dtypes, and
+the policy; never on free memory, so every rank with the same inputs gets the same plan.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from tiledmlp.ops.structure import MLPKind, MLPStructure
+from tiledmlp.ops.tiles import TilePlan, arctic_num_tiles, split_by_tile_tokens, split_even
+
+__all__ = ["MemoryModel", "resolve_plan", "validate_policy"]
+
+_NAMED = ("auto", "arctic")
+
+
+def validate_policy(num_tiles: object, tile_tokens: object) -> None:
+    """Raises ValueError unless (num_tiles, tile_tokens) is an allowed combination."""
+    if tile_tokens is not None:
+        if isinstance(tile_tokens, bool) or not isinstance(tile_tokens, int) or tile_tokens < 1:
+            raise ValueError(f"tile_tokens must be a positive int or None, got {tile_tokens!r}")
+        if num_tiles != "auto":
+            raise ValueError(
+                f"give either num_tiles or tile_tokens, not both (got num_tiles={num_tiles!r}, "
+                f"tile_tokens={tile_tokens!r}); leave num_tiles at its default 'auto'."
+            )
+        return
+    if isinstance(num_tiles, str) and num_tiles in _NAMED:
+        return
+    if isinstance(num_tiles, bool) or not isinstance(num_tiles, int) or num_tiles < 1:
+        raise ValueError(
+            f"num_tiles must be a positive int, 'auto' or 'arctic', got {num_tiles!r}"
+        )
+
+
+@dataclass(frozen=True)
+class MemoryModel:
+    """Bytes a recognised MLP needs beyond weights, grads, input, output and their gradients.
+
+    Coefficients count (tokens, intermediate) tensors alive at the peak; measured with the
+    torch.profiler memory timeline (tests/test_memory.py holds them to it).
+    """
+
+    structure: MLPStructure
+    compute_dtype: torch.dtype
+
+    # Untiled autograd keeps g, u, act(g), act(g)*u for SwiGLU and needs two more at the peak
+    # of its backward; a plain MLP keeps fc1's output and act's and needs two more.
+    UNTILED_GATED = 6.0
+    UNTILED_PLAIN = 4.0
+    TILED_GATED = 5.0
+    TILED_PLAIN = 4.0
+
+    @property
+    def _elem(self) -> int:
+        return torch.empty((), dtype=self.compute_dtype).element_size()
+
+    def untiled_bytes(self, tokens: int) -> float:
+        c = self.UNTILED_PLAIN if self.structure.kind is MLPKind.PLAIN else self.UNTILED_GATED
+        return c * tokens * self.structure.intermediate_size * self._elem
+
+    def tiled_bytes(self, tile_tokens: int) -> float:
+        c = self.TILED_PLAIN if self.structure.kind is MLPKind.PLAIN else self.TILED_GATED
+        return c * tile_tokens * self.structure.intermediate_size * self._elem + self._acc_bytes()
+
+    def _acc_bytes(self) -> float:
+        """Extra bytes of grads.GradSlot: a float32 accumulator beside the final low-precision
+        gradient, and one shared scratch in the compute dtype, for every parameter whose
+        gradient is not summed in place (see grads.py)."""
+        wide = (torch.float32, torch.float64)
+        params = [p for p in self.structure.params() if p is not None]
+        indirect = [p for p in params if not (p.dtype == self.compute_dtype and p.dtype in wide)]
+        if not indirect:
+            return 0.0
+        acc = sum(4 * p.numel() for p in indirect if p.dtype not in wide)
+        return acc + max(p.numel() for p in indirect) * self._elem
+
+    def weight_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.structure.params() if p is not None)
+
+    def auto_tile_tokens(self) -> int:
+        c = self.TILED_PLAIN if self.structure.kind is MLPKind.PLAIN else self.TILED_GATED
+        per_token = c * self.structure.intermediate_size * self._elem
+        return max(1, int(self.weight_bytes() // per_token))
+
+
+def resolve_plan(
+    num_tiles: int | str,
+    tile_tokens: int | None,
+    num_tokens: int,
+    hidden_size: int,
+    model: MemoryModel | None,
+) -> TilePlan | None:
+    """The tile plan for a call, or None to run the module untiled ("auto" only).
+
+    Args:
+        num_tiles: int, "auto" or "arctic" (validated by validate_policy).
+        tile_tokens: tokens per tile, or None.
+        num_tokens: flattened tokens of the input.
+        hidden_size: last dim of the input.
+        model: memory model of a recognised MLP, or None for the generic path.
+    """
+    if tile_tokens is not None:
+        return split_by_tile_tokens(num_tokens, tile_tokens)
+    if isinstance(num_tiles, int):
+        return split_even(num_tokens, num_tiles)
+    if num_tiles == "arctic":
+        return split_even(num_tokens, arctic_num_tiles(num_tokens, hidden_size))
+    if model is None:
+        if num_tokens < 2 * hidden_size:
+            return None
+        return split_even(num_tokens, arctic_num_tiles(num_tokens, hidden_size))
+    target = model.auto_tile_tokens()
+    tiles = math.ceil(num_tokens / target)
+    if tiles < 2 or model.tiled_bytes(math.ceil(num_tokens / tiles)) >= model.untiled_bytes(num_tokens):
+        return None
+    return split_even(num_tokens, tiles)

@@ -1,0 +1,227 @@
+"""Recognising MLP shapes that have a minimal-recompute fast path.
+
+A module is recognised by structure, never by class name: its children are two or three plain
+`nn.Linear` layers and one parameter-free activation module (dropout with p=0 is allowed and
+ignored), with matching feature sizes. Which projection is the gate and which is the up
+projection (or which half of a fused gate_up output is which) is decided by a probe: the module's
+own forward and the fast-path forward are run on a few random tokens and must agree. A module the
+probe does not confirm takes the generic path.
+
+Invariant: a returned `MLPStructure` computes exactly what the module's forward computes (up to
+rounding), with the module's own activation object.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import Enum
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["MLPKind", "MLPStructure", "recognise"]
+
+logger = logging.getLogger(__name__)
+
+_PROBE_TOKENS = 5
+
+
+class MLPKind(str, Enum):
+    """The MLP shapes with a fast path."""
+
+    GATED = "gated"  # down(act(gate(x)) * up(x)), gate and up separate (Llama, Mistral, Qwen, Gemma)
+    FUSED_GATED = "fused_gated"  # gate and up as one projection, split in halves (Phi-3)
+    PLAIN = "plain"  # fc2(act(fc1(x))) (GPT-NeoX, BERT-style)
+
+
+@dataclass(frozen=True)
+class MLPStructure:
+    """The parts of a recognised MLP.
+
+    Attributes:
+        kind: the MLP shape.
+        first: the input projection(s): (gate, up) for GATED, (gate_up,) for FUSED_GATED,
+            (fc1,) for PLAIN.
+        down: the output projection.
+        act: the module's own activation.
+        gate_first: FUSED_GATED only: whether the first half of gate_up's output is the gate.
+        act_in_place: whether the activation writes into or returns its input (nn.ReLU(inplace=
+            True), nn.Identity); the fast path then hands it a copy.
+        child_ids: ids of the module's children when recognised, to detect later swaps.
+    """
+
+    kind: MLPKind
+    first: tuple[nn.Linear, ...]
+    down: nn.Linear
+    act: Callable[[torch.Tensor], torch.Tensor]
+    gate_first: bool
+    act_in_place: bool
+    child_ids: tuple[int, ...]
+
+    @property
+    def hidden_size(self) -> int:
+        return self.first[0].in_features
+
+    @property
+    def intermediate_size(self) -> int:
+        return self.down.in_features
+
+    @property
+    def output_size(self) -> int:
+        return self.down.out_features
+
+    @property
+    def linears(self) -> tuple[nn.Linear, ...]:
+        return (*self.first, self.down)
+
+    def params(self) -> list[torch.Tensor | None]:
+        """Weights and biases in a fixed order: (w, b) per linear, first projections then down."""
+        out: list[torch.Tensor | None] = []
+        for lin in self.linears:
+            out += [lin.weight, lin.bias]
+        return out
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Reference forward on (tokens, hidden), used by the probe."""
+        if self.kind is MLPKind.GATED:
+            gate, up = self.first
+            h = self.act(gate(x)) * up(x)
+        elif self.kind is MLPKind.FUSED_GATED:
+            gu = self.first[0](x)
+            m = self.intermediate_size
+            g, u = (gu[..., :m], gu[..., m:]) if self.gate_first else (gu[..., m:], gu[..., :m])
+            h = self.act(g) * u
+        else:
+            h = self.act(self.first[0](x))
+        return F.linear(h, self.down.weight, self.down.bias)
+
+
+_cache: weakref.WeakKeyDictionary[nn.Module, tuple[tuple[object, ...], MLPStructure | None]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def recognise(mlp: nn.Module) -> MLPStructure | None:
+    """Returns the fast-path structure of `mlp`, or None when it must take the generic path.
+
+    The result is cached per module instance and re-derived when its children, their hooks or
+    the training mode change (e.g. a LoRA adapter was injected after the first call).
+    """
+    signature = _signature(mlp)
+    cached = _cache.get(mlp)
+    if cached is not None and cached[0] == signature:
+        return cached[1]
+    structure = _recognise_uncached(mlp, signature[0])
+    _cache[mlp] = (signature, structure)
+    logger.debug("%s: %s path", type(mlp).__name__, structure.kind.value if structure else "generic")
+    return structure
+
+
+def _signature(mlp: nn.Module) -> tuple[tuple[int, ...], bool, bool]:
+    children = tuple(mlp.children())
+    return (tuple(id(c) for c in children), mlp.training, any(_has_hooks(c) for c in children))
+
+
+def _is_plain_linear(m: nn.Module) -> bool:
+    # Subclasses that override forward (quantised layers, LoRA wrappers) are not plain.
+    return isinstance(m, nn.Linear) and type(m).forward is nn.Linear.forward and not _has_hooks(m)
+
+
+def _has_hooks(m: nn.Module) -> bool:
+    return bool(m._forward_hooks or m._forward_pre_hooks)
+
+
+def _recognise_uncached(mlp: nn.Module, child_ids: tuple[int, ...]) -> MLPStructure | None:
+    if any(True for _ in mlp.named_parameters(recurse=False)):
+        return None
+    linears: list[nn.Linear] = []
+    others: list[nn.Module] = []
+    for child in mlp.children():
+        if _is_plain_linear(child):
+            linears.append(child)  # type: ignore[arg-type]
+        elif isinstance(child, nn.Dropout):
+            if child.p != 0:
+                return None  # randomness between the projections: generic path replays RNG
+        elif any(True for _ in child.parameters()) or any(True for _ in child.children()):
+            return None
+        else:
+            others.append(child)
+    if len(others) != 1 or _has_hooks(others[0]) or len(linears) not in (2, 3):
+        return None
+    act = others[0]
+    if linears[0].weight.device.type == "meta" or _is_fake(linears[0].weight):
+        return None  # nothing to probe: no values
+    in_place = _act_aliases_input(act, linears[0].weight)
+    for candidate in _candidates(linears, act, in_place, child_ids):
+        if _probe(mlp, candidate):
+            return candidate
+    return None
+
+
+def _candidates(
+    linears: list[nn.Linear], act: nn.Module, in_place: bool, child_ids: tuple[int, ...]
+) -> list[MLPStructure]:
+    out: list[MLPStructure] = []
+
+    def make(kind: MLPKind, first: tuple[nn.Linear, ...], down: nn.Linear, gate_first: bool) -> None:
+        out.append(MLPStructure(kind, first, down, act, gate_first, in_place, child_ids))
+
+    for down in linears:
+        rest = [lin for lin in linears if lin is not down]
+        m = down.in_features
+        if not all(lin.in_features == rest[0].in_features for lin in rest):
+            continue
+        if len(rest) == 2 and all(lin.out_features == m for lin in rest):
+            make(MLPKind.GATED, (rest[0], rest[1]), down, True)
+            make(MLPKind.GATED, (rest[1], rest[0]), down, True)
+        elif len(rest) == 1 and rest[0].out_features == 2 * m:
+            make(MLPKind.FUSED_GATED, (rest[0],), down, True)
+            make(MLPKind.FUSED_GATED, (rest[0],), down, False)
+        elif len(rest) == 1 and rest[0].out_features == m:
+            make(MLPKind.PLAIN, (rest[0],), down, True)
+    return out
+
+
+def _act_aliases_input(act: nn.Module, like: torch.Tensor) -> bool:
+    """True when act(t) returns t itself, a view of it, or overwrites it."""
+    t = torch.linspace(-3, 3, 16, device=like.device).to(like.dtype)
+    before = t.clone()
+    with torch.no_grad():
+        out = act(t)
+    same_storage = isinstance(out, torch.Tensor) and out.untyped_storage().data_ptr() == (
+        t.untyped_storage().data_ptr()
+    )
+    return same_storage or not torch.equal(t, before)
+
+
+def _probe(mlp: nn.Module, candidate: MLPStructure) -> bool:
+    """Runs the module and the candidate on the same random tokens; True when they agree."""
+    weight = candidate.first[0].weight
+    gen = torch.Generator(device=weight.device).manual_seed(0)
+    x = torch.randn(
+        _PROBE_TOKENS, candidate.hidden_size, generator=gen, device=weight.device
+    ).to(weight.dtype)
+    with torch.no_grad(), torch.autocast(weight.device.type, enabled=False):
+        try:
+            expected = mlp(x)
+        except Exception:  # a module that rejects 2-D input is not a token-wise fast-path MLP
+            return False
+        if not isinstance(expected, torch.Tensor) or expected.shape != (
+            _PROBE_TOKENS,
+            candidate.output_size,
+        ):
+            return False
+        got = candidate.forward(x)
+    tol = 1e-5 if weight.dtype in (torch.float32, torch.float64) else 2e-2
+    scale = expected.abs().max().item() if expected.numel() else 0.0
+    return bool(torch.allclose(got, expected, rtol=tol, atol=tol * max(scale, 1e-30)))
+
+
+def _is_fake(t: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(t, FakeTensor)

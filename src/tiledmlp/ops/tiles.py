@@ -1,0 +1,88 @@
+"""Tile plans: how a run of flattened tokens is cut into tiles.
+
+Invariant: a plan's split sizes are computed once per call and used by the forward and the
+backward alike; every size is positive and the sizes sum to the token count (an empty input has
+an empty plan). Code never assumes it got the number of tiles it asked for: with more tiles
+requested than tokens, the plan simply has one tile per token.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+__all__ = ["TilePlan", "arctic_num_tiles", "split_by_tile_tokens", "split_even"]
+
+
+@dataclass(frozen=True)
+class TilePlan:
+    """Explicit split of `num_tokens` flattened tokens into contiguous tiles.
+
+    Attributes:
+        sizes: tokens in each tile, in order; all positive.
+    """
+
+    sizes: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if any(s <= 0 for s in self.sizes):
+            raise ValueError(f"tile sizes must all be positive, got {self.sizes}")
+
+    @property
+    def num_tiles(self) -> int:
+        return len(self.sizes)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.sizes)
+
+    @property
+    def max_tile(self) -> int:
+        return max(self.sizes, default=0)
+
+    def bounds(self) -> Iterator[tuple[int, int]]:
+        """Yields (start, stop) token offsets of each tile."""
+        start = 0
+        for size in self.sizes:
+            yield start, start + size
+            start += size
+
+
+def split_even(num_tokens: int, num_tiles: int) -> TilePlan:
+    """Splits tokens into at most `num_tiles` tiles whose sizes differ by at most one.
+
+    Args:
+        num_tokens: tokens to split (>= 0).
+        num_tiles: tiles requested (>= 1). With fewer tokens than tiles, every token is a tile.
+
+    Returns:
+        The plan; larger tiles come first.
+    """
+    _check_count("num_tokens", num_tokens, minimum=0)
+    _check_count("num_tiles", num_tiles, minimum=1)
+    tiles = min(num_tiles, num_tokens)
+    if tiles == 0:
+        return TilePlan(())
+    base, extra = divmod(num_tokens, tiles)
+    return TilePlan(tuple(base + 1 if i < extra else base for i in range(tiles)))
+
+
+def split_by_tile_tokens(num_tokens: int, tile_tokens: int) -> TilePlan:
+    """Splits tokens into tiles of `tile_tokens` tokens; the last tile holds the remainder."""
+    _check_count("num_tokens", num_tokens, minimum=0)
+    _check_count("tile_tokens", tile_tokens, minimum=1)
+    full, rest = divmod(num_tokens, tile_tokens)
+    return TilePlan((tile_tokens,) * full + ((rest,) if rest else ()))
+
+
+def arctic_num_tiles(num_tokens: int, hidden_size: int) -> int:
+    """The Arctic Long Sequence Training rule: ceil(tokens / hidden_size), at least one tile."""
+    _check_count("num_tokens", num_tokens, minimum=0)
+    _check_count("hidden_size", hidden_size, minimum=1)
+    return max(1, math.ceil(num_tokens / hidden_size))
+
+
+def _check_count(name: str, value: int, *, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
