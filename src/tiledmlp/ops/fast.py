@@ -95,20 +95,22 @@ class FastEngine:
         out = torch.empty((x.shape[0], s.output_size), dtype=cd, device=x.device)
         with torch.no_grad(), torch.autocast(x.device.type, enabled=False):
             for start, stop in plan.bounds():
-                xt = x[start:stop].to(cd)
-                if s.kind is MLPKind.GATED:
-                    g = F.linear(xt, w[0], w[1])  # type: ignore[arg-type]
-                    u = F.linear(xt, w[2], w[3])  # type: ignore[arg-type]
-                    h = self._act(g).mul_(u)
-                    del g, u
-                elif s.kind is MLPKind.FUSED_GATED:
-                    g, u = self._halves(F.linear(xt, w[0], w[1]))  # type: ignore[arg-type]
-                    h = self._act(g).mul_(u)
-                    del g, u
-                else:
-                    h = self._act(F.linear(xt, w[0], w[1]))  # type: ignore[arg-type]
-                _mm_into(out[start:stop], h.to(cd), w[-2], w[-1])  # type: ignore[arg-type]
+                self._forward_tile(x[start:stop].to(cd), w, out[start:stop])
         return out
+
+    def _forward_tile(
+        self, xt: torch.Tensor, w: list[torch.Tensor | None], out: torch.Tensor
+    ) -> None:
+        s = self.structure
+        if s.kind is MLPKind.GATED:
+            g = F.linear(xt, w[0], w[1])  # type: ignore[arg-type]
+            h = self._act(g).mul_(F.linear(xt, w[2], w[3]))  # type: ignore[arg-type]
+        elif s.kind is MLPKind.FUSED_GATED:
+            g, u = self._halves(F.linear(xt, w[0], w[1]))  # type: ignore[arg-type]
+            h = self._act(g).mul_(u)
+        else:
+            h = self._act(F.linear(xt, w[0], w[1]))  # type: ignore[arg-type]
+        _mm_into(out, h.to(xt.dtype), w[-2], w[-1])  # type: ignore[arg-type]
 
     # -- backward ----------------------------------------------------------------------------
 
@@ -145,57 +147,78 @@ class FastEngine:
             None if p is None else (GradSlot(p, cd, scratch) if next(need_iter) else None)
             for p in self._slots
         ]
-        first_slots = slots[:-2]
-        need_up = needs_x or any(sl is not None for sl in first_slots)
+        need_up = needs_x or any(sl is not None for sl in slots[:-2])
         dx = torch.empty_like(x) if needs_x else None
 
         with torch.no_grad(), torch.autocast(x.device.type, enabled=False):
             for start, stop in plan.bounds():
-                xt = x[start:stop].to(cd)
-                dyt = grad_out[start:stop].to(cd)
-                gu: torch.Tensor | None = None
-                if s.kind is MLPKind.GATED:
-                    g = F.linear(xt, w[0], w[1])  # type: ignore[arg-type]
-                    u: torch.Tensor | None = F.linear(xt, w[2], w[3])  # type: ignore[arg-type]
-                elif s.kind is MLPKind.FUSED_GATED:
-                    gu = F.linear(xt, w[0], w[1])  # type: ignore[arg-type]
-                    g, u = self._halves(gu)
-                else:
-                    g, u = F.linear(xt, w[0], w[1]), None  # type: ignore[arg-type]
-
-                a = self._act(g.clone() if s.act_in_place else g).to(cd)
-                h = a if u is None else a * u  # the down projection's input
-                if slots[-2] is not None:
-                    slots[-2].add_mm(dyt.t(), h)
-                if slots[-1] is not None:
-                    slots[-1].add_rows(dyt)
-                if not need_up:
-                    continue
-                if u is None:
-                    del a, h
-                    dz = self._act_grad(g, torch.mm(dyt, w[-2]))  # type: ignore[arg-type]
-                    self._first_grads(first_slots[0], first_slots[1], dz, xt)
-                    if dx is not None:
-                        self._dx_into(dx[start:stop], dz, w[0], None, None)  # type: ignore[arg-type]
-                    continue
-                dh = torch.mm(dyt, w[-2], out=h)  # type: ignore[arg-type]
-                du = a.mul_(dh)
-                da = u.mul_(dh)
-                del dh, h, a
-                dg = self._act_grad(g, da)
-                if gu is not None:
-                    g.copy_(dg)
-                    u.copy_(du)
-                    del dg, du
-                    self._first_grads(first_slots[0], first_slots[1], gu, xt)
-                    if dx is not None:
-                        self._dx_into(dx[start:stop], gu, w[0], None, None)  # type: ignore[arg-type]
-                else:
-                    self._first_grads(first_slots[0], first_slots[1], dg, xt)
-                    self._first_grads(first_slots[2], first_slots[3], du, xt)
-                    if dx is not None:
-                        self._dx_into(dx[start:stop], dg, w[0], du, w[2])  # type: ignore[arg-type]
+                # One call per tile: its temporaries die on return, before the next tile's exist.
+                self._backward_tile(
+                    x[start:stop].to(cd),
+                    grad_out[start:stop].to(cd),
+                    w,
+                    slots,
+                    need_up,
+                    None if dx is None else dx[start:stop],
+                )
         return dx, self._results(slots, needs_params)
+
+    def _backward_tile(
+        self,
+        xt: torch.Tensor,
+        dyt: torch.Tensor,
+        w: list[torch.Tensor | None],
+        slots: list[GradSlot | None],
+        need_up: bool,
+        dxt: torch.Tensor | None,
+    ) -> None:
+        s = self.structure
+        cd = xt.dtype
+        first_slots = slots[:-2]
+        gu: torch.Tensor | None = None
+        if s.kind is MLPKind.GATED:
+            g = F.linear(xt, w[0], w[1])  # type: ignore[arg-type]
+            u: torch.Tensor | None = F.linear(xt, w[2], w[3])  # type: ignore[arg-type]
+        elif s.kind is MLPKind.FUSED_GATED:
+            gu = F.linear(xt, w[0], w[1])  # type: ignore[arg-type]
+            g, u = self._halves(gu)
+        else:
+            g, u = F.linear(xt, w[0], w[1]), None  # type: ignore[arg-type]
+
+        a = self._act(g.clone() if s.act_in_place else g).to(cd)
+        h = a if u is None else a * u  # the down projection's input
+        if slots[-2] is not None:
+            slots[-2].add_mm(dyt.t(), h)
+        if slots[-1] is not None:
+            slots[-1].add_rows(dyt)
+        if not need_up:
+            return
+        if u is None:
+            del a, h
+            dz = self._act_grad(g, torch.mm(dyt, w[-2]))  # type: ignore[arg-type]
+            self._first_grads(first_slots[0], first_slots[1], dz, xt)
+            if dxt is not None:
+                self._dx_into(dxt, dz, w[0], None, None)  # type: ignore[arg-type]
+            return
+        dh = torch.mm(dyt, w[-2], out=h)  # type: ignore[arg-type]
+        du = a.mul_(dh)
+        da = u.mul_(dh)
+        del dh, h, a
+        dg = self._act_grad(g, da)
+        del da
+        if gu is not None:
+            # [dg | du] in gate_up's layout: one GEMM each for the weight grad and for dx.
+            g.copy_(dg)
+            u.copy_(du)
+            del dg, du
+            self._first_grads(first_slots[0], first_slots[1], gu, xt)
+            if dxt is not None:
+                self._dx_into(dxt, gu, w[0], None, None)  # type: ignore[arg-type]
+        else:
+            self._first_grads(first_slots[0], first_slots[1], dg, xt)
+            self._first_grads(first_slots[2], first_slots[3], du, xt)
+            if dxt is not None:
+                self._dx_into(dxt, dg, w[0], du, w[2])  # type: ignore[arg-type]
 
     def _act_grad(self, z: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
         """Gradient through the module's own activation at z, by re-evaluating it (elementwise,

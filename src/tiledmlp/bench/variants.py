@@ -1,0 +1,66 @@
+"""The MLP variants a benchmark compares: untiled, tiled (ours), DeepSpeed's TiledMLP.
+
+Invariant: every variant computes the same function of (mlp, x) and is driven by the same step
+(forward, then backward with the given upstream gradient), so their numbers are comparable.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from tiledmlp.ops.functional import tiled_mlp
+
+__all__ = ["Variant", "deepspeed_available", "make_variant"]
+
+
+@dataclass(frozen=True)
+class Variant:
+    """A named way to run an MLP: forward(mlp, x) -> output."""
+
+    name: str
+    num_tiles: int | str | None
+    forward: Callable[[nn.Module, torch.Tensor], torch.Tensor]
+
+
+def deepspeed_available() -> bool:
+    try:
+        from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def _gated_forward(mlp: Any, x: torch.Tensor) -> torch.Tensor:
+    return mlp.down_proj(mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x))
+
+
+def make_variant(name: str, num_tiles: int | str | None = None) -> Variant:
+    """Builds a variant.
+
+    Args:
+        name: "untiled", "tiled" (ours) or "deepspeed" (deepspeed's TiledMLP; gated MLPs with
+            gate_proj/up_proj/down_proj/act_fn, the module shape its docs patch).
+        num_tiles: tiles for "tiled" (int, "auto", "arctic") and "deepspeed" (int).
+    """
+    if name == "untiled":
+        return Variant(name, None, lambda mlp, x: mlp(x))
+    if name == "tiled":
+        tiles = "auto" if num_tiles is None else num_tiles
+        return Variant(name, tiles, lambda mlp, x: tiled_mlp(mlp, x, num_tiles=tiles))
+    if name == "deepspeed":
+        if not isinstance(num_tiles, int):
+            raise ValueError(f"the deepspeed variant needs an int num_tiles, got {num_tiles!r}")
+        from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP as DSTiledMLP
+
+        shards = num_tiles
+
+        def ds_forward(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
+            return DSTiledMLP.apply(_gated_forward, mlp, x, shards, [])  # type: ignore[no-any-return]
+
+        return Variant(name, shards, ds_forward)
+    raise ValueError(f"unknown variant {name!r}; expected 'untiled', 'tiled' or 'deepspeed'")
