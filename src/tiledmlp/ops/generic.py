@@ -56,7 +56,10 @@ class GenericEngine:
         self.mlp = mlp
         self.autocast = autocast
         self.three_d = three_d
-        self.params: list[torch.Tensor] = [p for p in mlp.parameters() if p.requires_grad]
+        # Captured at forward time: the backward recomputes with these very tensors even if the
+        # module's parameters were swapped meanwhile (torch.func.functional_call, reparametrize).
+        self.named: dict[str, torch.Tensor] = dict(mlp.named_parameters())
+        self.params: list[torch.Tensor] = [p for p in self.named.values() if p.requires_grad]
         self.rng: list[RNGState] = []
         self.layouts: list[OutputLayout | None] = []  # None for outputs that are None
         self.returns_tuple = False
@@ -189,7 +192,7 @@ class GenericEngine:
             n = stop - start
             xt = self._tile_input(x[start:stop].detach()).requires_grad_(needs_x)
             with torch.enable_grad(), self.autocast.restore(), self.rng[i].replay():
-                tiles = self._split_outputs(self.mlp(xt), n)
+                tiles = self._split_outputs(self._call(xt), n)
             outs, grads = [], []
             for t, g in zip(tiles, grad_outs):
                 if t is not None and g is not None and t.requires_grad:
@@ -211,8 +214,17 @@ class GenericEngine:
         results = iter(slot.result() for slot in slots)
         return dx, [next(results) if need else None for need in needs_params]
 
+    def _call(self, xt: torch.Tensor) -> object:
+        """Runs the module with the parameters it had in the forward."""
+        current = dict(self.mlp.named_parameters())
+        if current.keys() == self.named.keys() and all(
+            current[k] is v for k, v in self.named.items()
+        ):
+            return self.mlp(xt)
+        return torch.func.functional_call(self.mlp, self.named, (xt,), strict=False)
+
     def _check_leaves(self, outs: list[torch.Tensor], xt: torch.Tensor) -> None:
-        known = {id(p) for p in self.mlp.parameters()} | {id(xt)}
+        known = {id(p) for p in self.named.values()} | {id(xt)}
         seen: set[int] = set()
         stack = [t.grad_fn for t in outs if t.grad_fn is not None]
         while stack:

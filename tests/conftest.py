@@ -1,0 +1,97 @@
+"""Shared test helpers: tolerances, reference runs, module factories."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import pytest
+import torch
+from torch import nn
+
+from tiledmlp.bench.models import FusedGatedMLP, GatedMLP, PlainMLP
+
+
+def assert_close_rel(got: torch.Tensor, ref: torch.Tensor, name: str, rtol: float = 1e-5) -> None:
+    """float32 parity rule: rtol, and atol = rtol x the reference's largest magnitude."""
+    assert got.shape == ref.shape, f"{name}: shape {tuple(got.shape)} != {tuple(ref.shape)}"
+    assert got.dtype == ref.dtype, f"{name}: dtype {got.dtype} != {ref.dtype}"
+    scale = ref.abs().max().item() if ref.numel() else 0.0
+    diff = (got.double() - ref.double()).abs()
+    ok = torch.allclose(got.double(), ref.double(), rtol=rtol, atol=rtol * scale)
+    assert ok, (
+        f"{name}: max diff {diff.max().item():.3e}, mean diff {diff.mean().item():.3e}, "
+        f"reference max {scale:.3e}"
+    )
+
+
+def grads_of(
+    fn: Callable[[torch.Tensor], torch.Tensor | tuple[torch.Tensor, ...]],
+    module: nn.Module,
+    x: torch.Tensor,
+    upstream: Sequence[torch.Tensor | None],
+) -> tuple[list[torch.Tensor], torch.Tensor | None, list[torch.Tensor | None]]:
+    """Runs fn(x), backprops `upstream`, returns (outputs, x.grad, [p.grad for p in module])."""
+    for p in module.parameters():
+        p.grad = None
+    xi = x.detach().clone().requires_grad_(x.requires_grad)
+    out = fn(xi)
+    outs = list(out) if isinstance(out, tuple) else [out]
+    pairs = [(o, g) for o, g in zip(outs, upstream) if g is not None and o is not None]
+    torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+    result = (
+        [o.detach() for o in outs],
+        None if xi.grad is None else xi.grad.detach(),
+        [None if p.grad is None else p.grad.detach().clone() for p in module.parameters()],
+    )
+    for p in module.parameters():
+        p.grad = None
+    return result
+
+
+def assert_same_grads(got: tuple, ref: tuple, rtol: float = 1e-5) -> None:
+    outs, dx, pgrads = got
+    routs, rdx, rpgrads = ref
+    for i, (o, r) in enumerate(zip(outs, routs)):
+        assert_close_rel(o, r, f"output[{i}]", rtol)
+    if rdx is None:
+        assert dx is None, "x.grad should be None"
+    else:
+        assert dx is not None, "x.grad is missing"
+        assert_close_rel(dx, rdx, "x.grad", rtol)
+    assert len(pgrads) == len(rpgrads)
+    for i, (g, r) in enumerate(zip(pgrads, rpgrads)):
+        if r is None:
+            assert g is None, f"param[{i}].grad should be None"
+        else:
+            assert g is not None, f"param[{i}].grad is missing"
+            assert_close_rel(g, r, f"param[{i}].grad", rtol)
+
+
+def make_mlp(kind: str, hidden: int = 16, intermediate: int = 24, **kw) -> nn.Module:
+    """kind: swiglu, geglu, swiglu_bias, fused, fused_bias, plain, plain_nobias, relu_inplace."""
+    torch.manual_seed(1234)
+    if kind == "swiglu":
+        return GatedMLP(hidden, intermediate, **kw)
+    if kind == "swiglu_bias":
+        return GatedMLP(hidden, intermediate, bias=True, **kw)
+    if kind == "geglu":
+        return GatedMLP(hidden, intermediate, act=nn.GELU(approximate="tanh"), **kw)
+    if kind == "fused":
+        return FusedGatedMLP(hidden, intermediate, **kw)
+    if kind == "fused_bias":
+        return FusedGatedMLP(hidden, intermediate, bias=True, **kw)
+    if kind == "plain":
+        return PlainMLP(hidden, intermediate, **kw)
+    if kind == "plain_nobias":
+        return PlainMLP(hidden, intermediate, bias=False, **kw)
+    if kind == "relu_inplace":
+        return PlainMLP(hidden, intermediate, act=nn.ReLU(inplace=True), **kw)
+    raise ValueError(kind)
+
+
+FAST_KINDS = ["swiglu", "swiglu_bias", "geglu", "fused", "fused_bias", "plain", "plain_nobias", "relu_inplace"]
+
+
+@pytest.fixture(autouse=True)
+def _deterministic() -> None:
+    torch.manual_seed(0)
