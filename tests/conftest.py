@@ -84,6 +84,10 @@ def make_mlp(kind: str, hidden: int = 16, intermediate: int = 24, **kw) -> nn.Mo
         return PlainMLP(hidden, intermediate, **kw)
     if kind == "plain_nobias":
         return PlainMLP(hidden, intermediate, bias=False, **kw)
+    if kind == "normed":
+        from generic_modules import NormedMLP
+
+        return NormedMLP(hidden, intermediate)
     if kind == "relu_inplace":
         return PlainMLP(hidden, intermediate, act=nn.ReLU(inplace=True), **kw)
     raise ValueError(kind)

@@ -225,7 +225,9 @@ class FastEngine:
         no GEMM) under autograd; the result has z's dtype."""
         z_leaf = z.detach().requires_grad_()
         with torch.enable_grad():
-            a = self._act(z_leaf.clone() if self.structure.act_in_place else z_leaf)
+            # The activation sees a non-leaf (a copy if it writes in place): hooks that modules
+            # get from FlopCounterMode or profilers cannot run on a leaf inside autograd.grad.
+            a = self._act(z_leaf.clone() if self.structure.act_in_place else z_leaf.view_as(z_leaf))
         (dz,) = torch.autograd.grad(a, z_leaf, grad.to(a.dtype))
         return dz.to(z.dtype)
 

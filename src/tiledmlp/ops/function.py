@@ -93,6 +93,7 @@ class TiledMLPFunction(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, run: TiledRun, *params: torch.Tensor) -> Any:
         outs = [o for o in run.run_forward(x) if o is not None]
         ctx.run = run
+        ctx.set_materialize_grads(False)  # an unused output gives None, not a zero-filled tensor
         if run.x_node is None:
             ctx.save_for_backward(x)
         non_diff = [o for o in outs if not (o.is_floating_point() or o.is_complex())]

@@ -192,7 +192,8 @@ class GenericEngine:
             n = stop - start
             xt = self._tile_input(x[start:stop].detach()).requires_grad_(needs_x)
             with torch.enable_grad(), self.autocast.restore(), self.rng[i].replay():
-                tiles = self._split_outputs(self._call(xt), n)
+                # A non-leaf input, so module hooks (FlopCounterMode's) work inside autograd.grad.
+                tiles = self._split_outputs(self._call(xt.view_as(xt) if needs_x else xt), n)
             outs, grads = [], []
             for t, g in zip(tiles, grad_outs):
                 if t is not None and g is not None and t.requires_grad:

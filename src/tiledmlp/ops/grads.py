@@ -86,7 +86,10 @@ class GradSlot:
         else:
             self._acc().add_(t)
 
-    def result(self) -> torch.Tensor:
-        """The summed gradient in the parameter's dtype (zeros if no tile contributed)."""
-        acc = self._acc()
+    def result(self) -> torch.Tensor | None:
+        """The summed gradient in the parameter's dtype; None if no tile contributed (as with
+        the untiled module, whose graph would not reach the parameter)."""
+        acc = self.acc
+        if acc is None:
+            return None
         return acc if acc.dtype == self.param.dtype else acc.to(self.param.dtype)
