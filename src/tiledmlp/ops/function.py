@@ -67,7 +67,9 @@ class TiledRun:
 
     def run_forward(self, x: torch.Tensor) -> list[torch.Tensor | None]:
         """Tiled forward on x of shape (..., hidden); outputs in their final shapes."""
-        flat = x.reshape(-1, x.shape[-1])
+        # Detached before tiling: slices of a requires-grad tensor taken under no_grad look like
+        # graph members without a grad_fn, which breaks module hooks (FlopCounterMode's).
+        flat = x.detach().reshape(-1, x.shape[-1])
         if isinstance(self.engine, FastEngine):
             outs: list[torch.Tensor | None] = [self.engine.forward(flat, self.plan)]
             self.layouts_keep_lead = (True,)

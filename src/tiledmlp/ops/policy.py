@@ -5,9 +5,9 @@ Forms: a positive int (number of tiles), "arctic" (ceil(tokens / hidden), the pa
 
 "auto" for a recognised MLP: tiles of about `weight_bytes / (c_t * m * e)` tokens, i.e. a tile's
 transient intermediates are about the size of the MLP's weights (c_t (n, m) tensors of e bytes per
-token row, see fast.py). It runs untiled when its memory model says tiling would not use less
-memory than the untiled module (short sequences), so "auto" never costs memory and costs no
-recompute where it saves nothing. For modules without a fast path it uses the paper's rule
+token row, see fast.py). It runs untiled unless its memory model predicts that tiling needs at
+most half the untiled module's intermediates (short sequences run untiled), so "auto" never
+costs memory and costs no recompute where it saves little (tests/test_policy.py measures this). For modules without a fast path it uses the paper's rule
 beyond two tiles' worth of tokens and runs untiled below.
 
 Invariant: the resolution depends only on the token count, the module's shapes and dtypes, and
@@ -59,12 +59,16 @@ class MemoryModel:
     structure: MLPStructure
     compute_dtype: torch.dtype
 
-    # Untiled autograd keeps g, u, act(g), act(g)*u for SwiGLU and needs two more at the peak
-    # of its backward; a plain MLP keeps fc1's output and act's and needs two more.
-    UNTILED_GATED = 6.0
-    UNTILED_PLAIN = 4.0
+    # (tokens, intermediate) tensors above weights/grads/x/y/dy/dx at the peak of a step,
+    # measured at long sequences (fp32, h256/m768): untiled SwiGLU 5.5, untiled plain 2.6;
+    # tiled per tile 5 (gated) and 4 (plain), see fast.py.
+    UNTILED_GATED = 5.5
+    UNTILED_PLAIN = 2.5
     TILED_GATED = 5.0
     TILED_PLAIN = 4.0
+    # Tile only where the model predicts at most half the untiled intermediates: at short
+    # sequences the untiled peak overlaps less with the gradients and sits below the model.
+    MARGIN = 0.5
 
     @property
     def _elem(self) -> int:
@@ -127,6 +131,7 @@ def resolve_plan(
         return split_even(num_tokens, arctic_num_tiles(num_tokens, hidden_size))
     target = model.auto_tile_tokens()
     tiles = math.ceil(num_tokens / target)
-    if tiles < 2 or model.tiled_bytes(math.ceil(num_tokens / tiles)) >= model.untiled_bytes(num_tokens):
+    tiled = model.tiled_bytes(math.ceil(num_tokens / tiles))
+    if tiles < 2 or tiled > model.MARGIN * model.untiled_bytes(num_tokens):
         return None
     return split_even(num_tokens, tiles)

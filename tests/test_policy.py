@@ -1,0 +1,87 @@
+"""Tile policies: 'auto' never uses more memory than the untiled module (measured), runs
+untiled where tiling saves little, and depends only on shapes (rank-consistent)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import make_mlp
+from torch.utils.flop_counter import FlopCounterMode
+
+from tiledmlp import tiled_mlp
+from tiledmlp.bench.memory import peak_bytes, tensor_bytes
+from tiledmlp.bench.models import GatedMLP
+from tiledmlp.ops import recognise
+from tiledmlp.ops.structure import MLPKind, MLPStructure
+from tiledmlp.ops.policy import MemoryModel, resolve_plan
+
+
+def _peak(fn, mlp: torch.nn.Module, x: torch.Tensor, dy: torch.Tensor) -> int:
+    def step() -> torch.Tensor:
+        y = fn(x)
+        y.backward(dy)
+        return y
+
+    peak = peak_bytes(step, tensor_bytes(*mlp.parameters(), x, dy), torch.device("cpu"))
+    x.grad = None
+    mlp.zero_grad(set_to_none=True)
+    return peak
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["swiglu", "plain"])
+@pytest.mark.parametrize("tokens", [64, 256, 512, 2048])
+def test_auto_never_uses_more_memory_than_untiled(kind: str, dtype: torch.dtype, tokens: int) -> None:
+    mlp = make_mlp(kind, 256, 768).to(dtype)
+    x = torch.randn(1, tokens, 256, dtype=dtype, requires_grad=True)
+    dy = torch.randn(1, tokens, 256, dtype=dtype)
+    untiled = _peak(mlp, mlp, x, dy)
+    auto = _peak(lambda t: tiled_mlp(mlp, t), mlp, x, dy)
+    assert auto <= untiled, f"auto {auto / 2**20:.2f} MiB > untiled {untiled / 2**20:.2f} MiB"
+
+
+def test_auto_saves_memory_at_long_sequences() -> None:
+    mlp = make_mlp("swiglu", 256, 768)
+    x = torch.randn(1, 4096, 256, requires_grad=True)
+    dy = torch.randn(1, 4096, 256)
+    untiled = _peak(mlp, mlp, x, dy)
+    auto = _peak(lambda t: tiled_mlp(mlp, t), mlp, x, dy)
+    assert auto < 0.5 * untiled
+
+
+def test_auto_runs_untiled_at_short_sequences() -> None:
+    mlp = make_mlp("swiglu", 64, 192)
+    x = torch.randn(1, 32, 64, requires_grad=True)
+    structure = recognise(mlp)
+    assert structure is not None
+    assert resolve_plan("auto", None, 32, 64, MemoryModel(structure, torch.float32)) is None
+    with FlopCounterMode(display=False) as fc:
+        tiled_mlp(mlp, x).sum().backward()
+    assert fc.get_total_flops() == 9 * 2 * 32 * 64 * 192  # the plain module's 9U, no recompute
+
+
+def test_auto_tile_size_is_about_the_weights() -> None:
+    # h 4096 / m 12288 bf16 (on the meta device: no memory): weights 288 MiB; a tile's
+    # intermediates are 5 x n x m x 2 bytes, so about 2457 tokens per tile.
+    with torch.device("meta"):
+        mlp = GatedMLP(4096, 12288).to(torch.bfloat16)
+    s = MLPStructure(
+        MLPKind.GATED, (mlp.gate_proj, mlp.up_proj), mlp.down_proj, mlp.act_fn, True, False, ()
+    )
+    model = MemoryModel(s, torch.bfloat16)
+    n = model.auto_tile_tokens()
+    assert n == (3 * 4096 * 12288 * 2) // (5 * 12288 * 2)
+    plan = resolve_plan("auto", None, 131072, 4096, model)
+    assert plan is not None and plan.max_tile <= n and plan.num_tiles == -(-131072 // n)
+
+
+def test_plan_depends_only_on_shapes() -> None:
+    # Peer bug: tile counts computed from free memory differ between ranks and deadlock ZeRO-3.
+    s = recognise(make_mlp("swiglu", 64, 192))
+    assert s is not None
+    plans = set()
+    for _ in range(3):
+        junk = torch.empty(2**22)  # whatever else is allocated must not matter
+        plans.add(resolve_plan("auto", None, 5000, 64, MemoryModel(s, torch.float32)))
+        del junk
+    assert len(plans) == 1
