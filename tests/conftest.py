@@ -93,7 +93,16 @@ def make_mlp(kind: str, hidden: int = 16, intermediate: int = 24, **kw) -> nn.Mo
     raise ValueError(kind)
 
 
-FAST_KINDS = ["swiglu", "swiglu_bias", "geglu", "fused", "fused_bias", "plain", "plain_nobias", "relu_inplace"]
+FAST_KINDS = [
+    "swiglu",
+    "swiglu_bias",
+    "geglu",
+    "fused",
+    "fused_bias",
+    "plain",
+    "plain_nobias",
+    "relu_inplace",
+]
 
 
 @pytest.fixture(autouse=True)

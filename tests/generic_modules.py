@@ -45,7 +45,9 @@ class TinyMoE(nn.Module):
         super().__init__()
         self.router = nn.Linear(hidden, experts, bias=False)
         self.experts = nn.ModuleList(
-            nn.Sequential(nn.Linear(hidden, intermediate), nn.SiLU(), nn.Linear(intermediate, hidden))
+            nn.Sequential(
+                nn.Linear(hidden, intermediate), nn.SiLU(), nn.Linear(intermediate, hidden)
+            )
             for _ in range(experts)
         )
 
@@ -110,7 +112,10 @@ def lora_wrapped(hidden: int, intermediate: int) -> nn.Module:
     torch.manual_seed(7)
     mlp = GatedMLP(hidden, intermediate)
     cfg = LoraConfig(
-        r=4, lora_alpha=8, target_modules=["gate_proj", "up_proj", "down_proj"], init_lora_weights=False
+        r=4,
+        lora_alpha=8,
+        target_modules=["gate_proj", "up_proj", "down_proj"],
+        init_lora_weights=False,
     )
     mlp = inject_adapter_in_model(cfg, mlp)
     for name, p in mlp.named_parameters():

@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from conftest import make_mlp
 from generic_modules import ClosesOverParam, TokenMixer
-
 from tiledmlp import TiledMLPConfig, tiled_mlp
 
 
 @pytest.mark.parametrize("bad", [0, -2, 1.5, True, "many", None, "AUTO"])
 def test_bad_num_tiles(bad: object) -> None:
-    with pytest.raises(ValueError, match=r"num_tiles must be a positive int, 'auto' or 'arctic', got"):
+    with pytest.raises(
+        ValueError, match=r"num_tiles must be a positive int, 'auto' or 'arctic', got"
+    ):
         tiled_mlp(make_mlp("swiglu"), torch.randn(4, 16), num_tiles=bad)  # type: ignore[arg-type]
 
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_mlp
 from torch.utils.flop_counter import FlopCounterMode
 
+from conftest import make_mlp
 from tiledmlp import tiled_mlp
 from tiledmlp.bench.flops import count_flops
 from tiledmlp.bench.variants import deepspeed_available, make_variant
@@ -37,8 +37,12 @@ def test_swiglu_tiled_over_untiled_at_most_1_23(tiles: int) -> None:
     assert tiled / untiled <= 1.23
 
 
-@pytest.mark.parametrize(("kind", "untiled_u", "tiled_u"), [("fused_bias", 9, 11), ("geglu", 9, 11), ("plain", 6, 7)])
-def test_other_fast_paths_recompute_only_first_projections(kind: str, untiled_u: int, tiled_u: int) -> None:
+@pytest.mark.parametrize(
+    ("kind", "untiled_u", "tiled_u"), [("fused_bias", 9, 11), ("geglu", 9, 11), ("plain", 6, 7)]
+)
+def test_other_fast_paths_recompute_only_first_projections(
+    kind: str, untiled_u: int, tiled_u: int
+) -> None:
     h, m, n = 64, 160, 512
     mlp = make_mlp(kind, h, m)
     u = 2 * n * h * m

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import assert_same_grads, grads_of
 
+from conftest import assert_same_grads, grads_of
 from tiledmlp import tiled_mlp
 from tiledmlp.ops import MLPKind, recognise
 

@@ -6,9 +6,9 @@ import subprocess
 import sys
 
 import torch
+
 from conftest import assert_same_grads, grads_of
 from generic_modules import WeirdGated
-
 from tiledmlp import tiled_mlp
 from tiledmlp.ops import recognise
 
@@ -28,7 +28,10 @@ def test_look_alike_takes_generic_path_and_stays_exact() -> None:
     assert recognise(mlp) is None
     x = torch.randn(2, 9, 16, requires_grad=True)
     dy = torch.randn(2, 9, 16)
-    assert_same_grads(grads_of(lambda t: tiled_mlp(mlp, t, num_tiles=3), mlp, x, [dy]), grads_of(mlp, mlp, x, [dy]))
+    assert_same_grads(
+        grads_of(lambda t: tiled_mlp(mlp, t, num_tiles=3), mlp, x, [dy]),
+        grads_of(mlp, mlp, x, [dy]),
+    )
 
 
 def test_swapped_children_are_re_recognised() -> None:

@@ -7,8 +7,8 @@ import copy
 
 import pytest
 import torch
-from conftest import make_mlp
 
+from conftest import make_mlp
 from tiledmlp import tiled_mlp
 
 # A floor far below any low-precision epsilon, only so that an exactly-zero untiled error
@@ -59,7 +59,9 @@ def check_rule(kind: str, dtype: torch.dtype, tokens: int, tiles: int, autocast:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("kind", ["swiglu", "swiglu_bias", "geglu", "fused_bias", "plain", "normed"])
+@pytest.mark.parametrize(
+    "kind", ["swiglu", "swiglu_bias", "geglu", "fused_bias", "plain", "normed"]
+)
 def test_low_precision_error_rule(kind: str, dtype: torch.dtype) -> None:
     check_rule(kind, dtype, tokens=512, tiles=8, autocast=False)
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_mlp
 
+from conftest import make_mlp
 from tiledmlp.bench.memory import peak_bytes, tensor_bytes
 from tiledmlp.bench.variants import deepspeed_available, make_variant
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import FAST_KINDS, assert_close_rel, assert_same_grads, grads_of, make_mlp
-from generic_modules import DropoutMLP, TinyMoE
 from torch.utils.checkpoint import checkpoint
 from torch.utils.flop_counter import FlopCounterMode
 
+from conftest import FAST_KINDS, assert_close_rel, assert_same_grads, grads_of, make_mlp
+from generic_modules import DropoutMLP, TinyMoE
 from tiledmlp import tiled_mlp
 from tiledmlp.ops.tiles import split_even
 

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import FAST_KINDS, assert_same_grads, grads_of, make_mlp
-from generic_modules import NormedMLP, lora_wrapped
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch.func import functional_call
 
+from conftest import FAST_KINDS, assert_same_grads, grads_of, make_mlp
+from generic_modules import NormedMLP, lora_wrapped
 from tiledmlp import tiled_mlp
 from tiledmlp.ops import MLPKind, recognise
 
@@ -51,7 +51,9 @@ def test_fast_kinds_are_recognised() -> None:
 def test_gradcheck_float64(kind: str) -> None:
     mlp = build(kind, 6, 10).double()
     names = [n for n, p in mlp.named_parameters() if p.requires_grad]
-    params = tuple(p.detach().clone().requires_grad_() for n, p in mlp.named_parameters() if n in names)
+    params = tuple(
+        p.detach().clone().requires_grad_() for n, p in mlp.named_parameters() if n in names
+    )
     x = torch.randn(2, 5, 6, dtype=torch.float64, requires_grad=True)
 
     def f(x: torch.Tensor, *ps: torch.Tensor) -> torch.Tensor:
@@ -60,7 +62,9 @@ def test_gradcheck_float64(kind: str) -> None:
     assert torch.autograd.gradcheck(f, (x, *params), eps=1e-6, atol=1e-7, rtol=1e-5)
 
 
-def _tiled_with(mlp: torch.nn.Module, names: list[str], ps: tuple[torch.Tensor, ...], x: torch.Tensor) -> torch.Tensor:
+def _tiled_with(
+    mlp: torch.nn.Module, names: list[str], ps: tuple[torch.Tensor, ...], x: torch.Tensor
+) -> torch.Tensor:
     return functional_call(
         _Tiled(mlp, 3), {f"mlp.{n}": p for n, p in zip(names, ps)}, (x,), strict=False
     )
@@ -110,7 +114,9 @@ def test_input_without_grad_still_trains_weights(kind: str) -> None:
     dy = torch.randn(2, 9, 16)
     ref = grads_of(mlp, mlp, x, [dy])
     got = grads_of(lambda t: tiled_mlp(mlp, t, num_tiles=4), mlp, x, [dy])
-    assert all(g is not None for g in got[2] if g is not None) and any(g is not None for g in got[2])
+    assert all(g is not None for g in got[2] if g is not None) and any(
+        g is not None for g in got[2]
+    )
     assert_same_grads(got, ref)
 
 

@@ -5,15 +5,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_mlp
 from torch.utils.flop_counter import FlopCounterMode
 
+from conftest import make_mlp
 from tiledmlp import tiled_mlp
 from tiledmlp.bench.memory import peak_bytes, tensor_bytes
 from tiledmlp.bench.models import GatedMLP
 from tiledmlp.ops import recognise
-from tiledmlp.ops.structure import MLPKind, MLPStructure
 from tiledmlp.ops.policy import MemoryModel, resolve_plan
+from tiledmlp.ops.structure import MLPKind, MLPStructure
 
 
 def _peak(fn, mlp: torch.nn.Module, x: torch.Tensor, dy: torch.Tensor) -> int:
@@ -31,7 +31,9 @@ def _peak(fn, mlp: torch.nn.Module, x: torch.Tensor, dy: torch.Tensor) -> int:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kind", ["swiglu", "plain"])
 @pytest.mark.parametrize("tokens", [64, 256, 512, 2048])
-def test_auto_never_uses_more_memory_than_untiled(kind: str, dtype: torch.dtype, tokens: int) -> None:
+def test_auto_never_uses_more_memory_than_untiled(
+    kind: str, dtype: torch.dtype, tokens: int
+) -> None:
     mlp = make_mlp(kind, 256, 768).to(dtype)
     x = torch.randn(1, tokens, 256, dtype=dtype, requires_grad=True)
     dy = torch.randn(1, tokens, 256, dtype=dtype)

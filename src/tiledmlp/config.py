@@ -34,5 +34,7 @@ class TiledMLPConfig:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:
-            raise ValueError(f"unknown TiledMLPConfig keys {unknown}; expected some of {sorted(known)}")
+            raise ValueError(
+                f"unknown TiledMLPConfig keys {unknown}; expected some of {sorted(known)}"
+            )
         return cls(**values)

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tiledmlp.ops.functional import tiled_mlp
+from tiledmlp.ops.functional import tile_plan, tiled_mlp
 
 __all__ = ["Variant", "deepspeed_available", "make_variant"]
 
@@ -25,6 +25,15 @@ class Variant:
     name: str
     num_tiles: int | str | None
     forward: Callable[[nn.Module, torch.Tensor], torch.Tensor]
+
+    def tiles(self, mlp: nn.Module, x: torch.Tensor) -> int:
+        """Tiles this variant actually runs for x (0 when untiled)."""
+        if self.name == "untiled" or self.num_tiles is None:
+            return 0
+        if self.name == "deepspeed":
+            return len(torch.chunk(x, int(self.num_tiles), dim=-2))  # what torch.chunk gives it
+        plan = tile_plan(mlp, x, num_tiles=self.num_tiles)
+        return 0 if plan is None else plan.num_tiles
 
 
 def deepspeed_available() -> bool:

@@ -28,7 +28,9 @@ from tiledmlp.ops.tiles import TilePlan
 __all__ = ["FastEngine"]
 
 
-def _mm_into(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+def _mm_into(
+    out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None
+) -> torch.Tensor:
     """out = x @ w.T (+ b), the same GEMM F.linear runs, written into `out`."""
     if b is None:
         return torch.mm(x, w.t(), out=out)
@@ -263,4 +265,7 @@ class FastEngine:
         self, slots: list[GradSlot | None], needs_params: Sequence[bool]
     ) -> list[torch.Tensor | None]:
         present = [sl for p, sl in zip(self._slots, slots) if p is not None]
-        return [sl.result() if (sl is not None and need) else None for sl, need in zip(present, needs_params)]
+        return [
+            sl.result() if (sl is not None and need) else None
+            for sl, need in zip(present, needs_params)
+        ]

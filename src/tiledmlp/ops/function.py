@@ -112,7 +112,9 @@ class TiledMLPFunction(torch.autograd.Function):
         needs_x = ctx.needs_input_grad[0]
         needs_params: Sequence[bool] = ctx.needs_input_grad[2:]
         flat_grads = [
-            g.reshape(flat.shape[0], *g.shape[len(run.lead_shape) :]) if g is not None and keep else g
+            g.reshape(flat.shape[0], *g.shape[len(run.lead_shape) :])
+            if g is not None and keep
+            else g
             for g, keep in zip(_with_none_slots(grads, run), run.layouts_keep_lead)
         ]
         if isinstance(run.engine, FastEngine):
@@ -125,7 +127,9 @@ class TiledMLPFunction(torch.autograd.Function):
         return (None if dx is None else dx.view(x.shape), None, *pgrads)
 
 
-def _with_none_slots(grads: Sequence[torch.Tensor | None], run: TiledRun) -> list[torch.Tensor | None]:
+def _with_none_slots(
+    grads: Sequence[torch.Tensor | None], run: TiledRun
+) -> list[torch.Tensor | None]:
     """Re-inserts None for outputs that were None (the Function only returned tensors)."""
     if isinstance(run.engine, FastEngine):
         return list(grads)

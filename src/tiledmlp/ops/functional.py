@@ -19,8 +19,9 @@ from tiledmlp.ops.generic import GenericEngine
 from tiledmlp.ops.policy import MemoryModel, resolve_plan, validate_policy
 from tiledmlp.ops.state import AutocastState
 from tiledmlp.ops.structure import recognise
+from tiledmlp.ops.tiles import TilePlan
 
-__all__ = ["tiled_mlp"]
+__all__ = ["tile_plan", "tiled_mlp"]
 
 logger = logging.getLogger(__name__)
 
@@ -61,38 +62,10 @@ def tiled_mlp(
             hidden size, or the module changes the number of tokens.
     """
     validate_policy(num_tiles, tile_tokens)
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"tiled_mlp: x must be a torch.Tensor, got {type(x).__name__}")
-    if not x.is_floating_point():
-        raise TypeError(
-            f"tiled_mlp: x must be a floating-point tensor (the MLP's hidden states), got dtype "
-            f"{x.dtype}; cast it, e.g. x.float()."
-        )
-    if x.dim() not in (2, 3):
-        raise ValueError(
-            f"tiled_mlp: x must be (batch, seq, hidden) or (tokens, hidden), got shape "
-            f"{tuple(x.shape)}; reshape it first."
-        )
-    structure = recognise(mlp)
-    hidden = x.shape[-1]
-    expected = structure.hidden_size if structure is not None else _declared_hidden(mlp)
-    if expected is not None and hidden != expected:
-        raise ValueError(
-            f"tiled_mlp: x's last dimension is {hidden} but the MLP's hidden size is {expected}; "
-            f"expected x of shape (..., {expected})."
-        )
-    num_tokens = x.numel() // hidden if hidden else 0
-    autocast = AutocastState.capture(x.device.type)
-    engine: FastEngine | GenericEngine
-    if structure is not None:
-        engine = FastEngine(structure, autocast)
-        model: MemoryModel | None = MemoryModel(structure, engine.compute_dtype(x))
-    else:
-        engine = GenericEngine(mlp, autocast, three_d=x.dim() == 3)
-        model = None
-    plan = resolve_plan(num_tiles, tile_tokens, num_tokens, hidden, model)
+    _check_x(x)
+    engine, plan = _prepare(mlp, x, num_tiles, tile_tokens)
     if plan is None or plan.num_tiles == 0:
-        logger.debug("tiled_mlp: running %s untiled (%d tokens)", type(mlp).__name__, num_tokens)
+        logger.debug("tiled_mlp: running %s untiled", type(mlp).__name__)
         return mlp(x)
 
     needs_grad = torch.is_grad_enabled() and (
@@ -109,6 +82,59 @@ def tiled_mlp(
     if isinstance(engine, GenericEngine) and engine.returns_tuple:
         return tuple(outs)
     return outs[0]
+
+
+def tile_plan(
+    mlp: nn.Module,
+    x: torch.Tensor,
+    *,
+    num_tiles: int | str = "auto",
+    tile_tokens: int | None = None,
+) -> TilePlan | None:
+    """The tile plan tiled_mlp(mlp, x, ...) would use; None when it would run untiled."""
+    validate_policy(num_tiles, tile_tokens)
+    _check_x(x)
+    plan = _prepare(mlp, x, num_tiles, tile_tokens)[1]
+    return plan if plan is not None and plan.num_tiles > 0 else None
+
+
+def _check_x(x: torch.Tensor) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"tiled_mlp: x must be a torch.Tensor, got {type(x).__name__}")
+    if not x.is_floating_point():
+        raise TypeError(
+            f"tiled_mlp: x must be a floating-point tensor (the MLP's hidden states), got dtype "
+            f"{x.dtype}; cast it, e.g. x.float()."
+        )
+    if x.dim() not in (2, 3):
+        raise ValueError(
+            f"tiled_mlp: x must be (batch, seq, hidden) or (tokens, hidden), got shape "
+            f"{tuple(x.shape)}; reshape it first."
+        )
+
+
+def _prepare(
+    mlp: nn.Module, x: torch.Tensor, num_tiles: int | str, tile_tokens: int | None
+) -> tuple[FastEngine | GenericEngine, TilePlan | None]:
+    """Recognises the module, checks x against it, builds the engine and resolves the plan."""
+    structure = recognise(mlp)
+    hidden = x.shape[-1]
+    expected = structure.hidden_size if structure is not None else _declared_hidden(mlp)
+    if expected is not None and hidden != expected:
+        raise ValueError(
+            f"tiled_mlp: x's last dimension is {hidden} but the MLP's hidden size is {expected}; "
+            f"expected x of shape (..., {expected})."
+        )
+    autocast = AutocastState.capture(x.device.type)
+    engine: FastEngine | GenericEngine
+    model: MemoryModel | None = None
+    if structure is not None:
+        engine = FastEngine(structure, autocast)
+        model = MemoryModel(structure, engine.compute_dtype(x))
+    else:
+        engine = GenericEngine(mlp, autocast, three_d=x.dim() == 3)
+    num_tokens = x.numel() // hidden if hidden else 0
+    return engine, resolve_plan(num_tiles, tile_tokens, num_tokens, hidden, model)
 
 
 def _output_slots(run: TiledRun) -> list[bool | None]:

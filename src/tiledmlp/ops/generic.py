@@ -138,7 +138,9 @@ class GenericEngine:
                     outputs = [
                         None
                         if lay is None
-                        else torch.empty((x.shape[0], *lay.per_token), dtype=lay.dtype, device=x.device)
+                        else torch.empty(
+                            (x.shape[0], *lay.per_token), dtype=lay.dtype, device=x.device
+                        )
                         for lay in self.layouts
                     ]
                 self._check_consistent(tiles)

@@ -43,9 +43,7 @@ def validate_policy(num_tiles: object, tile_tokens: object) -> None:
     if isinstance(num_tiles, str) and num_tiles in _NAMED:
         return
     if isinstance(num_tiles, bool) or not isinstance(num_tiles, int) or num_tiles < 1:
-        raise ValueError(
-            f"num_tiles must be a positive int, 'auto' or 'arctic', got {num_tiles!r}"
-        )
+        raise ValueError(f"num_tiles must be a positive int, 'auto' or 'arctic', got {num_tiles!r}")
 
 
 @dataclass(frozen=True)

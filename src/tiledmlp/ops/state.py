@@ -74,7 +74,9 @@ class RNGState:
         module = _device_module(self.device) if self.device is not None else None
         devices: list[int] = []
         if module is not None and self.device is not None:
-            devices = [self.device.index if self.device.index is not None else module.current_device()]
+            devices = [
+                self.device.index if self.device.index is not None else module.current_device()
+            ]
         device_type = self.device.type if self.device is not None else "cuda"
         with torch.random.fork_rng(devices=devices, device_type=device_type):
             torch.set_rng_state(self.cpu)
@@ -83,7 +85,7 @@ class RNGState:
             yield
 
 
-def _device_module(device: torch.device | None):  # noqa: ANN202 - torch device modules are untyped
+def _device_module(device: torch.device | None):
     if device is None or device.type in ("cpu", "meta"):
         return None
     module = getattr(torch, device.type, None)

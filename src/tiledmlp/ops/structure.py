@@ -33,7 +33,9 @@ _PROBE_TOKENS = 5
 class MLPKind(str, Enum):
     """The MLP shapes with a fast path."""
 
-    GATED = "gated"  # down(act(gate(x)) * up(x)), gate and up separate (Llama, Mistral, Qwen, Gemma)
+    GATED = (
+        "gated"  # down(act(gate(x)) * up(x)), gate and up separate (Llama, Mistral, Qwen, Gemma)
+    )
     FUSED_GATED = "fused_gated"  # gate and up as one projection, split in halves (Phi-3)
     PLAIN = "plain"  # fc2(act(fc1(x))) (GPT-NeoX, BERT-style)
 
@@ -117,7 +119,9 @@ def recognise(mlp: nn.Module) -> MLPStructure | None:
         return cached[1]
     structure = _recognise_uncached(mlp, signature[0])
     _cache[mlp] = (signature, structure)
-    logger.debug("%s: %s path", type(mlp).__name__, structure.kind.value if structure else "generic")
+    logger.debug(
+        "%s: %s path", type(mlp).__name__, structure.kind.value if structure else "generic"
+    )
     return structure
 
 
@@ -167,7 +171,9 @@ def _candidates(
 ) -> list[MLPStructure]:
     out: list[MLPStructure] = []
 
-    def make(kind: MLPKind, first: tuple[nn.Linear, ...], down: nn.Linear, gate_first: bool) -> None:
+    def make(
+        kind: MLPKind, first: tuple[nn.Linear, ...], down: nn.Linear, gate_first: bool
+    ) -> None:
         out.append(MLPStructure(kind, first, down, act, gate_first, in_place, child_ids))
 
     for down in linears:
@@ -202,9 +208,9 @@ def _probe(mlp: nn.Module, candidate: MLPStructure) -> bool:
     """Runs the module and the candidate on the same random tokens; True when they agree."""
     weight = candidate.first[0].weight
     gen = torch.Generator(device=weight.device).manual_seed(0)
-    x = torch.randn(
-        _PROBE_TOKENS, candidate.hidden_size, generator=gen, device=weight.device
-    ).to(weight.dtype)
+    x = torch.randn(_PROBE_TOKENS, candidate.hidden_size, generator=gen, device=weight.device).to(
+        weight.dtype
+    )
     with torch.no_grad(), torch.autocast(weight.device.type, enabled=False):
         try:
             expected = mlp(x)
