@@ -49,7 +49,7 @@ def test_non_floating_x(dtype: torch.dtype) -> None:
 
 
 def test_not_a_tensor() -> None:
-    with pytest.raises(TypeError, match="must be a torch.Tensor"):
+    with pytest.raises(TypeError, match=r"must be a torch\.Tensor"):
         tiled_mlp(make_mlp("swiglu"), [[0.0] * 16])  # type: ignore[arg-type]
 
 
@@ -60,7 +60,7 @@ def test_bad_rank(shape: tuple[int, ...]) -> None:
 
 
 def test_dtype_mismatch() -> None:
-    with pytest.raises(TypeError, match="x has dtype torch.float64 but the MLP's parameters"):
+    with pytest.raises(TypeError, match=r"x has dtype torch\.float64 but the MLP.s parameters"):
         tiled_mlp(make_mlp("swiglu"), torch.randn(2, 3, 16, dtype=torch.float64), num_tiles=2)
 
 

@@ -46,7 +46,7 @@ def measure(variant: str, tiles: int, setup) -> int:
 
 
 def floor_bytes(setup) -> int:
-    mlp, x, dy = setup
+    mlp, x, _ = setup
     weights = tensor_bytes(*mlp.parameters())
     return 2 * weights + 4 * tensor_bytes(x)  # weights + grads, x + output + dy + dx
 

@@ -110,7 +110,7 @@ def test_non_reentrant_checkpoint_does_not_rerun_the_mlp() -> None:
     assert ck_tiled == ck_plain
 
 
-@pytest.mark.parametrize("kind", FAST_KINDS + ["normed"])
+@pytest.mark.parametrize("kind", [*FAST_KINDS, "normed"])
 def test_each_parameter_gets_exactly_one_gradient(kind: str) -> None:
     # Peer bug: AccumulateGrad fires once per tile, which breaks DDP and ZeRO-1/2.
     mlp = make_mlp(kind)

@@ -147,7 +147,7 @@ def test_lora_base_gets_no_grad_adapters_exact() -> None:
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    kind=st.sampled_from(FAST_KINDS + ["normed"]),
+    kind=st.sampled_from([*FAST_KINDS, "normed"]),
     batch=st.integers(0, 3),
     seq=st.integers(0, 17),
     tiles=st.integers(1, 20),

@@ -11,6 +11,7 @@ Invariant: one JSON-serialisable record per (sequence length, variant), carrying
 
 from __future__ import annotations
 
+import functools
 import platform
 import statistics
 import subprocess
@@ -117,56 +118,63 @@ def run_sweep(
     torch.manual_seed(0)
     mlp = GatedMLP(cfg.hidden, cfg.intermediate).to(device=cfg.device, dtype=cfg.dtype)
     for seq in cfg.seq_lens:
-        x = torch.randn(1, seq, cfg.hidden, device=cfg.device, dtype=cfg.dtype, requires_grad=True)
-        dy = torch.randn(1, seq, cfg.hidden, device=cfg.device, dtype=cfg.dtype)
-        alive = tensor_bytes(*mlp.parameters(), x, dy)
-        chosen = list(variants(seq))
-
-        def step(v: Variant) -> torch.Tensor:
-            y = v.forward(mlp, x)
-            y.backward(dy)
-            return y
-
-        def reset() -> None:
-            x.grad = None
-            mlp.zero_grad(set_to_none=True)
-
-        stats: dict[str, dict[str, Any]] = {}
-        for v in chosen:
-            v.forward(mlp, x[:, :8])  # one-time structure probe outside the measurement
-            peak = peak_bytes(lambda v=v: step(v), alive, cfg.device)
-            reset()
-            flops = count_flops(lambda v=v: step(v))
-            reset()
-            stats[v.name] = {"peak": peak, "flops": flops, "times": [], "tiles": v.tiles(mlp, x)}
-            for _ in range(cfg.warmup):
-                step(v)
-                reset()
-        for _ in range(cfg.repeats):
-            for v in chosen:
-                _sync(cfg.device)
-                start = time.perf_counter()
-                step(v)
-                _sync(cfg.device)
-                stats[v.name]["times"].append(time.perf_counter() - start)
-                reset()
-        for v in chosen:
-            s = stats[v.name]
-            record = {
-                **env,
-                "seq_len": seq,
-                "variant": v.name,
-                "num_tiles": v.num_tiles,
-                "tiles": s["tiles"],
-                "time_ms": round(1000 * statistics.median(s["times"]), 3),
-                "times_ms": [round(1000 * t, 3) for t in s["times"]],
-                "peak_mib": round(s["peak"] / MiB, 2),
-                "flops": s["flops"],
-                "repeats": cfg.repeats,
-            }
+        for record in _measure_length(cfg, mlp, seq, list(variants(seq))):
+            record = {**env, **record}
             records.append(record)
             on_record(record)
     return records
+
+
+def _measure_length(
+    cfg: BenchConfig, mlp: torch.nn.Module, seq: int, chosen: list[Variant]
+) -> list[dict[str, Any]]:
+    """Records (without the environment) of every variant at one sequence length."""
+    x = torch.randn(1, seq, cfg.hidden, device=cfg.device, dtype=cfg.dtype, requires_grad=True)
+    dy = torch.randn(1, seq, cfg.hidden, device=cfg.device, dtype=cfg.dtype)
+    alive = tensor_bytes(*mlp.parameters(), x, dy)
+
+    def step(v: Variant) -> torch.Tensor:
+        y = v.forward(mlp, x)
+        y.backward(dy)
+        return y  # alive until the step's end, as in training
+
+    def reset() -> None:
+        x.grad = None
+        mlp.zero_grad(set_to_none=True)
+
+    stats: dict[str, dict[str, Any]] = {}
+    for v in chosen:
+        v.forward(mlp, x[:, :8])  # one-time structure probe outside the measurement
+        peak = peak_bytes(functools.partial(step, v), alive, cfg.device)
+        reset()
+        flops = count_flops(functools.partial(step, v))
+        reset()
+        stats[v.name] = {"peak": peak, "flops": flops, "times": [], "tiles": v.tiles(mlp, x)}
+        for _ in range(cfg.warmup):
+            step(v)
+            reset()
+    for _ in range(cfg.repeats):
+        for v in chosen:  # interleaved: machine drift hits every variant alike
+            _sync(cfg.device)
+            start = time.perf_counter()
+            step(v)
+            _sync(cfg.device)
+            stats[v.name]["times"].append(time.perf_counter() - start)
+            reset()
+    return [
+        {
+            "seq_len": seq,
+            "variant": v.name,
+            "num_tiles": v.num_tiles,
+            "tiles": stats[v.name]["tiles"],
+            "time_ms": round(1000 * statistics.median(stats[v.name]["times"]), 3),
+            "times_ms": [round(1000 * t, 3) for t in stats[v.name]["times"]],
+            "peak_mib": round(stats[v.name]["peak"] / MiB, 2),
+            "flops": stats[v.name]["flops"],
+            "repeats": cfg.repeats,
+        }
+        for v in chosen
+    ]
 
 
 def config_dict(cfg: BenchConfig) -> dict[str, Any]:

@@ -34,20 +34,20 @@ def markdown_table(records: Sequence[dict[str, Any]]) -> str:
         row = by_seq[seq]
         cells = [str(seq)]
         for n in names:
-            r = row.get(n)
+            cell = row.get(n)
             cells += [
-                "" if r is None else f"{r['time_ms']:.1f}",
-                "" if r is None else f"{r['peak_mib']:.1f}",
+                "" if cell is None else f"{cell['time_ms']:.1f}",
+                "" if cell is None else f"{cell['peak_mib']:.1f}",
             ]
         base = row.get("untiled")
         if base is not None:
             for n in others:
-                r = row.get(n)
-                if r is None:
+                other = row.get(n)
+                if other is None:
                     cells += ["", "", ""]
                     continue
-                cells.append(f"{100 * (r['time_ms'] / base['time_ms'] - 1):+.1f}")
-                cells.append(f"{100 * (1 - r['peak_mib'] / base['peak_mib']):.1f}")
-                cells.append(f"{r['flops'] / base['flops']:.3f}")
+                cells.append(f"{100 * (other['time_ms'] / base['time_ms'] - 1):+.1f}")
+                cells.append(f"{100 * (1 - other['peak_mib'] / base['peak_mib']):.1f}")
+                cells.append(f"{other['flops'] / base['flops']:.3f}")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"

@@ -140,7 +140,6 @@ class FastEngine:
         Returns:
             (dx of shape (tokens, hidden) in x's dtype or None, per-parameter gradients or None).
         """
-        s = self.structure
         cd = self.compute_dtype(x)
         w = self._cast(cd)
         need_iter = iter(needs_params)

@@ -96,7 +96,7 @@ class GenericEngine:
             else:
                 raise ValueError(
                     f"tiled_mlp: the module changed the number of tokens: a tile of {n} tokens "
-                    f"(input {tuple(lead) + ('hidden',)}) gave an output of shape "
+                    f"(input {(*lead, 'hidden')}) gave an output of shape "
                     f"{tuple(item.shape)}. Tiling is only exact for token-wise modules whose "
                     "outputs have one row per input token; call the module untiled instead."
                 )
@@ -243,4 +243,4 @@ class GenericEngine:
                     "be lost by the tiled recompute. Register it as a parameter of the module "
                     "(or of a submodule), or call the module untiled."
                 )
-            stack.extend(fn for fn, _ in node.next_functions)
+            stack.extend(fn for fn, _ in node.next_functions if fn is not None)

@@ -1,0 +1,67 @@
+"""The console command: `tiledmlp bench` and `tiledmlp env` as a user runs them."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+
+def run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "tiledmlp", *args], capture_output=True, text=True, timeout=600
+    )
+
+
+def test_bench_writes_records_and_table(tmp_path: Path) -> None:
+    out = tmp_path / "b"
+    res = run(
+        "bench", "--hidden", "32", "--intermediate", "64", "--seq-lens", "96,200",
+        "--num-tiles", "3", "--repeats", "2", "--out", str(out),
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    records = [json.loads(line) for line in (out / "bench.jsonl").read_text().splitlines()]
+    variants = {r["variant"] for r in records}
+    assert {"untiled", "tiled"} <= variants
+    by = {(r["seq_len"], r["variant"]): r for r in records}
+    for seq in (96, 200):
+        untiled, tiled = by[(seq, "untiled")], by[(seq, "tiled")]
+        assert untiled["flops"] == 9 * 2 * seq * 32 * 64
+        assert tiled["flops"] == 11 * 2 * seq * 32 * 64
+        assert tiled["tiles"] == 3 and untiled["tiles"] == 0
+        assert len(tiled["times_ms"]) == 2 and tiled["peak_mib"] > 0
+        for key in ("torch", "device", "dtype", "hidden", "intermediate", "git_sha"):
+            assert key in tiled
+        if "deepspeed" in variants:
+            assert by[(seq, "deepspeed")]["flops"] == 12 * 2 * seq * 32 * 64
+    table = (out / "bench.md").read_text()
+    assert "| Seq Length |" in table and "| 96 |" in table and "1.222" in table
+
+
+def test_env_lists_versions() -> None:
+    res = run("env")
+    assert res.returncode == 0, res.stderr
+    assert "torch 2." in res.stdout and "tiledmlp" in res.stdout
+
+
+def test_bad_flags_exit_nonzero_with_one_line() -> None:
+    for args in (
+        ("bench", "--num-tiles", "zero"),
+        ("bench", "--seq-lens", "12,-4"),
+        ("bench", "--device", "tpu"),
+        ("nope",),
+    ):
+        res = run(*args)
+        assert res.returncode == 2, (args, res.stdout, res.stderr)
+        assert "Traceback" not in res.stderr, res.stderr
+        assert "error:" in res.stderr
+
+
+def test_every_flag_has_help() -> None:
+    res = run("bench", "--help")
+    assert res.returncode == 0
+    for flag in ("--hidden", "--intermediate", "--seq-lens", "--dtype", "--num-tiles", "--deepspeed",
+                 "--repeats", "--warmup", "--device", "--out"):  # fmt: skip
+        assert flag in res.stdout
+    assert res.stdout.count("(default") >= 6
