@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tiledmlp import TiledMLPConfig, tiled_mlp
+
 from conftest import make_mlp
 from generic_modules import ClosesOverParam, TokenMixer
-from tiledmlp import TiledMLPConfig, tiled_mlp
 
 
 @pytest.mark.parametrize("bad", [0, -2, 1.5, True, "many", None, "AUTO"])

@@ -10,10 +10,11 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from conftest import make_mlp
 from tiledmlp import tiled_mlp
 from tiledmlp.bench.flops import count_flops
 from tiledmlp.bench.variants import deepspeed_available, make_variant
+
+from conftest import make_mlp
 
 
 def step_flops(fn, mlp: torch.nn.Module, tokens: int, hidden: int) -> int:

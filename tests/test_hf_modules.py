@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import assert_same_grads, grads_of
 from tiledmlp import tiled_mlp
 from tiledmlp.ops import MLPKind, recognise
+
+from conftest import assert_same_grads, grads_of
 
 transformers = pytest.importorskip("transformers")
 

@@ -7,10 +7,11 @@ import sys
 
 import torch
 
-from conftest import assert_same_grads, grads_of
-from generic_modules import WeirdGated
 from tiledmlp import tiled_mlp
 from tiledmlp.ops import recognise
+
+from conftest import assert_same_grads, grads_of
+from generic_modules import WeirdGated
 
 
 def test_importing_tiledmlp_loads_no_transformers_or_deepspeed() -> None:

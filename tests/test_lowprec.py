@@ -8,8 +8,9 @@ import copy
 import pytest
 import torch
 
-from conftest import make_mlp
 from tiledmlp import tiled_mlp
+
+from conftest import make_mlp
 
 # A floor far below any low-precision epsilon, only so that an exactly-zero untiled error
 # (possible for tiny tensors) does not demand an exactly-zero tiled error.

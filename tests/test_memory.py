@@ -11,9 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import make_mlp
 from tiledmlp.bench.memory import peak_bytes, tensor_bytes
 from tiledmlp.bench.variants import deepspeed_available, make_variant
+
+from conftest import make_mlp
 
 H, M, N = 1024, 3072, 16384
 MiB = 2**20

@@ -12,10 +12,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch.func import functional_call
 
-from conftest import FAST_KINDS, assert_same_grads, grads_of, make_mlp
-from generic_modules import NormedMLP, lora_wrapped
 from tiledmlp import tiled_mlp
 from tiledmlp.ops import MLPKind, recognise
+
+from conftest import FAST_KINDS, assert_same_grads, grads_of, make_mlp
+from generic_modules import NormedMLP, lora_wrapped
 
 GENERIC_KINDS = ["normed", "lora"]
 

@@ -7,13 +7,14 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from conftest import make_mlp
 from tiledmlp import tiled_mlp
 from tiledmlp.bench.memory import peak_bytes, tensor_bytes
 from tiledmlp.bench.models import GatedMLP
 from tiledmlp.ops import recognise
 from tiledmlp.ops.policy import MemoryModel, resolve_plan
 from tiledmlp.ops.structure import MLPKind, MLPStructure
+
+from conftest import make_mlp
 
 
 def _peak(fn, mlp: torch.nn.Module, x: torch.Tensor, dy: torch.Tensor) -> int:
