@@ -8,6 +8,7 @@ parameter of mlp, each delivered exactly once per backward.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -20,6 +21,7 @@ from tiledmlp.ops.policy import MemoryModel, resolve_plan, validate_policy
 from tiledmlp.ops.state import AutocastState
 from tiledmlp.ops.structure import recognise
 from tiledmlp.ops.tiles import TilePlan
+from tiledmlp.ops.untiled import UntiledCall, running_untiled
 
 __all__ = ["tile_plan", "tiled_mlp"]
 
@@ -32,6 +34,7 @@ def tiled_mlp(
     *,
     num_tiles: int | str = "auto",
     tile_tokens: int | None = None,
+    forward: Callable[[torch.Tensor], Any] | None = None,
 ) -> Any:
     """Runs the token-wise module `mlp` over `x` in tiles of tokens, keeping no intermediates.
 
@@ -52,6 +55,9 @@ def tiled_mlp(
             memory than the untiled module and runs it untiled when tiling would not save memory;
             "arctic": ceil(tokens / hidden) tiles as in Arctic Long Sequence Training.
         tile_tokens: tokens per tile (the last tile takes the remainder), instead of num_tiles.
+        forward: the module's untiled computation, used for the structure probe, the generic
+            path's tiles and untiled runs; default: the module itself. A module whose forward
+            was replaced by one calling tiled_mlp passes its original forward here.
 
     Returns:
         What mlp(x) returns: a Tensor of shape (..., out), or the module's tuple of outputs.
@@ -63,10 +69,13 @@ def tiled_mlp(
     """
     validate_policy(num_tiles, tile_tokens)
     _check_x(x)
-    engine, plan = _prepare(mlp, x, num_tiles, tile_tokens)
+    call = UntiledCall(mlp, forward)
+    if running_untiled(mlp):
+        return call(x)  # the tiled op is running this module's own forward: never tile twice
+    engine, plan = _prepare(mlp, x, num_tiles, tile_tokens, call)
     if plan is None or plan.num_tiles == 0:
         logger.debug("tiled_mlp: running %s untiled", type(mlp).__name__)
-        return mlp(x)
+        return call(x)
 
     needs_grad = torch.is_grad_enabled() and (
         x.requires_grad or any(p.requires_grad for p in engine.params)
@@ -90,11 +99,12 @@ def tile_plan(
     *,
     num_tiles: int | str = "auto",
     tile_tokens: int | None = None,
+    forward: Callable[[torch.Tensor], Any] | None = None,
 ) -> TilePlan | None:
     """The tile plan tiled_mlp(mlp, x, ...) would use; None when it would run untiled."""
     validate_policy(num_tiles, tile_tokens)
     _check_x(x)
-    plan = _prepare(mlp, x, num_tiles, tile_tokens)[1]
+    plan = _prepare(mlp, x, num_tiles, tile_tokens, UntiledCall(mlp, forward))[1]
     return plan if plan is not None and plan.num_tiles > 0 else None
 
 
@@ -114,10 +124,14 @@ def _check_x(x: torch.Tensor) -> None:
 
 
 def _prepare(
-    mlp: nn.Module, x: torch.Tensor, num_tiles: int | str, tile_tokens: int | None
+    mlp: nn.Module,
+    x: torch.Tensor,
+    num_tiles: int | str,
+    tile_tokens: int | None,
+    call: UntiledCall,
 ) -> tuple[FastEngine | GenericEngine, TilePlan | None]:
     """Recognises the module, checks x against it, builds the engine and resolves the plan."""
-    structure = recognise(mlp)
+    structure = recognise(mlp, call)
     hidden = x.shape[-1]
     expected = structure.hidden_size if structure is not None else _declared_hidden(mlp)
     if expected is not None and hidden != expected:
@@ -132,7 +146,7 @@ def _prepare(
         engine = FastEngine(structure, autocast)
         model = MemoryModel(structure, engine.compute_dtype(x))
     else:
-        engine = GenericEngine(mlp, autocast, three_d=x.dim() == 3)
+        engine = GenericEngine(mlp, call, autocast, three_d=x.dim() == 3)
     num_tokens = x.numel() // hidden if hidden else 0
     return engine, resolve_plan(num_tiles, tile_tokens, num_tokens, hidden, model)
 

@@ -23,6 +23,7 @@ from torch import nn
 from tiledmlp.ops.grads import GradSlot, Scratch
 from tiledmlp.ops.state import AutocastState, RNGState
 from tiledmlp.ops.tiles import TilePlan
+from tiledmlp.ops.untiled import UntiledCall
 
 __all__ = ["GenericEngine", "OutputLayout"]
 
@@ -48,12 +49,16 @@ class GenericEngine:
 
     Args:
         mlp: the module; called on (1, n, hidden) tiles when x is 3-D and (n, hidden) when 2-D.
+        call: how to run the module's untiled computation.
         autocast: autocast settings captured when the forward ran.
         three_d: whether x was (batch, seq, hidden).
     """
 
-    def __init__(self, mlp: nn.Module, autocast: AutocastState, three_d: bool) -> None:
+    def __init__(
+        self, mlp: nn.Module, call: UntiledCall, autocast: AutocastState, three_d: bool
+    ) -> None:
         self.mlp = mlp
+        self.call = call
         self.autocast = autocast
         self.three_d = three_d
         # Captured at forward time: the backward recomputes with these very tensors even if the
@@ -119,7 +124,7 @@ class GenericEngine:
         with torch.no_grad():
             for i, (start, stop) in enumerate(plan.bounds()):
                 self.rng.append(RNGState.capture(x.device))
-                raw = self.mlp(self._tile_input(x[start:stop]))
+                raw = self.call(self._tile_input(x[start:stop]))
                 tiles = self._split_outputs(raw, stop - start)
                 lead = (1, stop - start) if self.three_d else (stop - start,)
                 if i == 0:
@@ -223,8 +228,8 @@ class GenericEngine:
         if current.keys() == self.named.keys() and all(
             current[k] is v for k, v in self.named.items()
         ):
-            return self.mlp(xt)
-        return torch.func.functional_call(self.mlp, self.named, (xt,), strict=False)
+            return self.call(xt)
+        return self.call.with_params(self.named, xt)
 
     def _check_leaves(self, outs: list[torch.Tensor], xt: torch.Tensor) -> None:
         known = {id(p) for p in self.named.values()} | {id(xt)}

@@ -107,8 +107,14 @@ _cache: weakref.WeakKeyDictionary[nn.Module, tuple[tuple[object, ...], MLPStruct
 )
 
 
-def recognise(mlp: nn.Module) -> MLPStructure | None:
+def recognise(
+    mlp: nn.Module, call: Callable[[torch.Tensor], object] | None = None
+) -> MLPStructure | None:
     """Returns the fast-path structure of `mlp`, or None when it must take the generic path.
+
+    Args:
+        mlp: the module.
+        call: runs the module's untiled forward for the probe (default: the module itself).
 
     The result is cached per module instance and re-derived when its children, their hooks or
     the training mode change (e.g. a LoRA adapter was injected after the first call).
@@ -117,7 +123,7 @@ def recognise(mlp: nn.Module) -> MLPStructure | None:
     cached = _cache.get(mlp)
     if cached is not None and cached[0] == signature:
         return cached[1]
-    structure = _recognise_uncached(mlp, signature[0])
+    structure = _recognise_uncached(mlp, signature[0], call if call is not None else mlp)
     _cache[mlp] = (signature, structure)
     logger.debug(
         "%s: %s path", type(mlp).__name__, structure.kind.value if structure else "generic"
@@ -139,7 +145,9 @@ def _has_hooks(m: nn.Module) -> bool:
     return bool(m._forward_hooks or m._forward_pre_hooks)
 
 
-def _recognise_uncached(mlp: nn.Module, child_ids: tuple[int, ...]) -> MLPStructure | None:
+def _recognise_uncached(
+    mlp: nn.Module, child_ids: tuple[int, ...], call: Callable[[torch.Tensor], object]
+) -> MLPStructure | None:
     if any(True for _ in mlp.named_parameters(recurse=False)):
         return None
     linears: list[nn.Linear] = []
@@ -161,7 +169,7 @@ def _recognise_uncached(mlp: nn.Module, child_ids: tuple[int, ...]) -> MLPStruct
         return None  # nothing to probe: no values
     in_place = _act_aliases_input(act, linears[0].weight)
     for candidate in _candidates(linears, act, in_place, child_ids):
-        if _probe(mlp, candidate):
+        if _probe(call, candidate):
             return candidate
     return None
 
@@ -204,7 +212,7 @@ def _act_aliases_input(act: nn.Module, like: torch.Tensor) -> bool:
     return same_storage or not torch.equal(t, before)
 
 
-def _probe(mlp: nn.Module, candidate: MLPStructure) -> bool:
+def _probe(call: Callable[[torch.Tensor], object], candidate: MLPStructure) -> bool:
     """Runs the module and the candidate on the same random tokens; True when they agree."""
     weight = candidate.first[0].weight
     gen = torch.Generator(device=weight.device).manual_seed(0)
@@ -213,7 +221,7 @@ def _probe(mlp: nn.Module, candidate: MLPStructure) -> bool:
     )
     with torch.no_grad(), torch.autocast(weight.device.type, enabled=False):
         try:
-            expected = mlp(x)
+            expected = call(x)
         except Exception:  # a module that rejects 2-D input is not a token-wise fast-path MLP
             return False
         if not isinstance(expected, torch.Tensor) or expected.shape != (
