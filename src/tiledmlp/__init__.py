@@ -7,7 +7,19 @@ and recomputes only what it must, tile by tile, in the backward.
 from tiledmlp.config import TiledMLPConfig
 from tiledmlp.module import TiledMLP
 from tiledmlp.ops import TiledMLPFunction, TilePlan, tiled_mlp
+from tiledmlp.patching import PatchReport, patch_from_args, patch_model, unpatch_model
 
 __version__ = "0.1.0"
 
-__all__ = ["TilePlan", "TiledMLP", "TiledMLPConfig", "TiledMLPFunction", "__version__", "tiled_mlp"]
+__all__ = [
+    "PatchReport",
+    "TilePlan",
+    "TiledMLP",
+    "TiledMLPConfig",
+    "TiledMLPFunction",
+    "__version__",
+    "patch_from_args",
+    "patch_model",
+    "tiled_mlp",
+    "unpatch_model",
+]

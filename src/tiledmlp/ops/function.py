@@ -63,7 +63,14 @@ class TiledRun:
     plan: TilePlan
     x_node: Any
     lead_shape: tuple[int, ...]
+    extras: tuple[torch.Tensor, ...] = ()
+    extra_nodes: tuple[Any, ...] = ()
     layouts_keep_lead: tuple[bool, ...] = ()
+
+    def flat_extras(self, extras: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
+        """Per-token extra inputs flattened to (tokens, ...), detached."""
+        n = len(self.lead_shape)
+        return [e.detach().reshape(-1, *e.shape[n:]) for e in extras]
 
     def run_forward(self, x: torch.Tensor) -> list[torch.Tensor | None]:
         """Tiled forward on x of shape (..., hidden); outputs in their final shapes."""
@@ -74,7 +81,7 @@ class TiledRun:
             outs: list[torch.Tensor | None] = [self.engine.forward(flat, self.plan)]
             self.layouts_keep_lead = (True,)
         else:
-            outs = self.engine.forward(flat, self.plan)
+            outs = self.engine.forward(flat, self.plan, self.flat_extras(self.extras))
             self.layouts_keep_lead = tuple(
                 lay is None or lay.keeps_lead_dims for lay in self.engine.layouts
             )
@@ -87,12 +94,13 @@ class TiledRun:
 class TiledMLPFunction(torch.autograd.Function):
     """Tiled MLP with exactly-once parameter gradients.
 
-    Inputs: x (the anchored input, (..., hidden)), a TiledRun, then the engine's parameters.
+    Inputs: x (the anchored input, (..., hidden)), a TiledRun, the per-token extra inputs
+    (anchored when they require grad), then the engine's parameters.
     Outputs: the module's output tensor(s) (None outputs are dropped and re-inserted outside).
     """
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, run: TiledRun, *params: torch.Tensor) -> Any:
+    def forward(ctx: Any, x: torch.Tensor, run: TiledRun, *tensors: torch.Tensor) -> Any:
         outs = [o for o in run.run_forward(x) if o is not None]
         ctx.run = run
         ctx.set_materialize_grads(False)  # an unused output gives None, not a zero-filled tensor
@@ -110,7 +118,9 @@ class TiledMLPFunction(torch.autograd.Function):
         x = run.x_node.saved_tensors[0] if run.x_node is not None else ctx.saved_tensors[0]
         flat = x.reshape(-1, x.shape[-1])
         needs_x = ctx.needs_input_grad[0]
-        needs_params: Sequence[bool] = ctx.needs_input_grad[2:]
+        n_extra = len(run.extras)
+        needs_extras: Sequence[bool] = ctx.needs_input_grad[2 : 2 + n_extra]
+        needs_params: Sequence[bool] = ctx.needs_input_grad[2 + n_extra :]
         flat_grads = [
             g.reshape(flat.shape[0], *g.shape[len(run.lead_shape) :])
             if g is not None and keep
@@ -122,9 +132,16 @@ class TiledMLPFunction(torch.autograd.Function):
             if gy is None:
                 return (None, None, *([None] * len(needs_params)))
             dx, pgrads = run.engine.backward(flat, gy, run.plan, needs_x, needs_params)
-        else:
-            dx, pgrads = run.engine.backward(flat, flat_grads, run.plan, needs_x, needs_params)
-        return (None if dx is None else dx.view(x.shape), None, *pgrads)
+            return (None if dx is None else dx.view(x.shape), None, *pgrads)
+        extras = tuple(
+            node.saved_tensors[0] if node is not None else e
+            for node, e in zip(run.extra_nodes, run.extras)
+        )
+        dx, egrads, pgrads = run.engine.backward(
+            flat, run.flat_extras(extras), flat_grads, run.plan, needs_x, needs_extras, needs_params
+        )
+        egrads = [None if g is None else g.view(e.shape) for g, e in zip(egrads, extras)]
+        return (None if dx is None else dx.view(x.shape), None, *egrads, *pgrads)
 
 
 def _with_none_slots(

@@ -31,10 +31,10 @@ logger = logging.getLogger(__name__)
 def tiled_mlp(
     mlp: nn.Module,
     x: torch.Tensor,
-    *,
+    *args: torch.Tensor,
     num_tiles: int | str = "auto",
     tile_tokens: int | None = None,
-    forward: Callable[[torch.Tensor], Any] | None = None,
+    forward: Callable[..., Any] | None = None,
 ) -> Any:
     """Runs the token-wise module `mlp` over `x` in tiles of tokens, keeping no intermediates.
 
@@ -51,6 +51,9 @@ def tiled_mlp(
     Args:
         mlp: a token-wise module: each output row depends only on the same input row.
         x: (batch, seq, hidden) or (tokens, hidden), floating point.
+        *args: further per-token inputs of the module, split into tiles with x; each has x's
+            leading dims (e.g. MoE experts' routing indices and weights, (tokens, top_k)).
+            Modules called with such inputs take the generic path.
         num_tiles: a positive int; "auto" (default): a memory-budget rule that never uses more
             memory than the untiled module and runs it untiled when tiling would not save memory;
             "arctic": ceil(tokens / hidden) tiles as in Arctic Long Sequence Training.
@@ -69,23 +72,34 @@ def tiled_mlp(
     """
     validate_policy(num_tiles, tile_tokens)
     _check_x(x)
+    _check_args(x, args)
     call = UntiledCall(mlp, forward)
     if running_untiled(mlp):
-        return call(x)  # the tiled op is running this module's own forward: never tile twice
-    engine, plan = _prepare(mlp, x, num_tiles, tile_tokens, call)
+        return call(x, *args)  # the tiled op is running this module's own forward: never tile twice
+    engine, plan = _prepare(mlp, x, num_tiles, tile_tokens, call, generic=bool(args))
     if plan is None or plan.num_tiles == 0:
         logger.debug("tiled_mlp: running %s untiled", type(mlp).__name__)
-        return call(x)
+        return call(x, *args)
 
     needs_grad = torch.is_grad_enabled() and (
-        x.requires_grad or any(p.requires_grad for p in engine.params)
+        x.requires_grad
+        or any(a.requires_grad for a in args)
+        or any(p.requires_grad for p in engine.params)
     )
     x_in, x_node = anchor_input(x) if needs_grad else (x, None)
-    run = TiledRun(engine=engine, plan=plan, x_node=x_node, lead_shape=tuple(x.shape[:-1]))
+    anchored = [anchor_input(a) if needs_grad else (a, None) for a in args]
+    run = TiledRun(
+        engine=engine,
+        plan=plan,
+        x_node=x_node,
+        lead_shape=tuple(x.shape[:-1]),
+        extras=tuple(args),
+        extra_nodes=tuple(node for _, node in anchored),
+    )
     if not needs_grad:
         outs = run.run_forward(x)
     else:
-        res = TiledMLPFunction.apply(x_in, run, *engine.params)
+        res = TiledMLPFunction.apply(x_in, run, *(a for a, _ in anchored), *engine.params)
         tensors = iter(res if isinstance(res, tuple) else (res,))
         outs = [None if keep is None else next(tensors) for keep in _output_slots(run)]
     if isinstance(engine, GenericEngine) and engine.returns_tuple:
@@ -123,15 +137,27 @@ def _check_x(x: torch.Tensor) -> None:
         )
 
 
+def _check_args(x: torch.Tensor, args: tuple[torch.Tensor, ...]) -> None:
+    lead = tuple(x.shape[:-1])
+    for i, a in enumerate(args):
+        if not isinstance(a, torch.Tensor) or tuple(a.shape[: len(lead)]) != lead:
+            got = tuple(a.shape) if isinstance(a, torch.Tensor) else type(a).__name__
+            raise ValueError(
+                f"tiled_mlp: extra input {i} must be a tensor with x's leading dims {lead} "
+                f"(one row per token), got {got}; pass other arguments by closing over them."
+            )
+
+
 def _prepare(
     mlp: nn.Module,
     x: torch.Tensor,
     num_tiles: int | str,
     tile_tokens: int | None,
     call: UntiledCall,
+    generic: bool = False,
 ) -> tuple[FastEngine | GenericEngine, TilePlan | None]:
     """Recognises the module, checks x against it, builds the engine and resolves the plan."""
-    structure = recognise(mlp, call)
+    structure = None if generic else recognise(mlp, call)
     hidden = x.shape[-1]
     expected = structure.hidden_size if structure is not None else _declared_hidden(mlp)
     if expected is not None and hidden != expected:

@@ -109,12 +109,15 @@ class GenericEngine:
 
     # -- forward -----------------------------------------------------------------------------
 
-    def forward(self, x: torch.Tensor, plan: TilePlan) -> list[torch.Tensor | None]:
+    def forward(
+        self, x: torch.Tensor, plan: TilePlan, extras: Sequence[torch.Tensor] = ()
+    ) -> list[torch.Tensor | None]:
         """Runs the module tile by tile without keeping graphs.
 
         Args:
             x: (tokens, hidden).
             plan: the tile split (at least one tile).
+            extras: per-token extra inputs, each (tokens, ...), split with x.
 
         Returns:
             The module's outputs, each (tokens, ...) flattened over tokens, None kept.
@@ -124,7 +127,7 @@ class GenericEngine:
         with torch.no_grad():
             for i, (start, stop) in enumerate(plan.bounds()):
                 self.rng.append(RNGState.capture(x.device))
-                raw = self.call(self._tile_input(x[start:stop]))
+                raw = self.call(self._tile_input(x[start:stop]), *(e[start:stop] for e in extras))
                 tiles = self._split_outputs(raw, stop - start)
                 lead = (1, stop - start) if self.three_d else (stop - start,)
                 if i == 0:
@@ -169,23 +172,28 @@ class GenericEngine:
     def backward(
         self,
         x: torch.Tensor,
+        extras: Sequence[torch.Tensor],
         grad_outs: Sequence[torch.Tensor | None],
         plan: TilePlan,
         needs_x: bool,
+        needs_extras: Sequence[bool],
         needs_params: Sequence[bool],
-    ) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
+    ) -> tuple[torch.Tensor | None, list[torch.Tensor | None], list[torch.Tensor | None]]:
         """Re-runs each tile under autograd and sums its gradients.
 
         Args:
             x: (tokens, hidden), the forward input.
+            extras: per-token extra inputs, each (tokens, ...).
             grad_outs: per output (None where the output is None or got no gradient), each
                 (tokens, ...) flattened over tokens.
             plan: the same tile split the forward used.
             needs_x: whether to return a gradient for x.
+            needs_extras: per extra input, whether it needs a gradient.
             needs_params: per entry of `self.params`, whether it needs a gradient.
 
         Returns:
-            (dx of shape (tokens, hidden) or None, per-parameter gradients or None).
+            (dx of shape (tokens, hidden) or None, per-extra gradients or None, per-parameter
+            gradients or None).
 
         Raises:
             RuntimeError: the module's graph reaches a trainable tensor that is not one of its
@@ -195,12 +203,18 @@ class GenericEngine:
         scratch = Scratch()
         slots = [GradSlot(p, p.dtype, scratch) for p in wanted]
         dx = torch.zeros_like(x) if needs_x else None
+        dextras = [torch.zeros_like(e) if need else None for e, need in zip(extras, needs_extras)]
         for i, (start, stop) in enumerate(plan.bounds()):
             n = stop - start
             xt = self._tile_input(x[start:stop].detach()).requires_grad_(needs_x)
+            et = [
+                e[start:stop].detach().requires_grad_(need) for e, need in zip(extras, needs_extras)
+            ]
+            leaves = ([xt] if needs_x else []) + [t for t, need in zip(et, needs_extras) if need]
             with torch.enable_grad(), self.autocast.restore(), self.rng[i].replay():
-                # A non-leaf input, so module hooks (FlopCounterMode's) work inside autograd.grad.
-                tiles = self._split_outputs(self._call(xt.view_as(xt) if needs_x else xt), n)
+                # Non-leaf inputs, so module hooks (FlopCounterMode's) work inside autograd.grad.
+                args = [t.view_as(t) if t.requires_grad else t for t in (xt, *et)]
+                tiles = self._split_outputs(self._call(*args), n)
             outs, grads = [], []
             for t, g in zip(tiles, grad_outs):
                 if t is not None and g is not None and t.requires_grad:
@@ -209,30 +223,34 @@ class GenericEngine:
             if not outs:
                 continue
             if i == 0:
-                self._check_leaves(outs, xt)
-            inputs = ([xt] if needs_x else []) + wanted
-            got = torch.autograd.grad(outs, inputs, grads, allow_unused=True)
+                self._check_leaves(outs, leaves)
+            got = list(torch.autograd.grad(outs, leaves + wanted, grads, allow_unused=True))
             if needs_x:
-                if got[0] is not None and dx is not None:
-                    dx[start:stop].copy_(got[0].reshape(n, -1))
-                got = got[1:]
+                g = got.pop(0)
+                if g is not None and dx is not None:
+                    dx[start:stop].copy_(g.reshape(n, -1))
+            for buf in dextras:
+                if buf is not None:
+                    g = got.pop(0)
+                    if g is not None:
+                        buf[start:stop].copy_(g)
             for slot, g in zip(slots, got):
                 if g is not None:
                     slot.add(g)
         results = iter(slot.result() for slot in slots)
-        return dx, [next(results) if need else None for need in needs_params]
+        return dx, dextras, [next(results) if need else None for need in needs_params]
 
-    def _call(self, xt: torch.Tensor) -> object:
+    def _call(self, *args: torch.Tensor) -> object:
         """Runs the module with the parameters it had in the forward."""
         current = dict(self.mlp.named_parameters())
         if current.keys() == self.named.keys() and all(
             current[k] is v for k, v in self.named.items()
         ):
-            return self.call(xt)
-        return self.call.with_params(self.named, xt)
+            return self.call(*args)
+        return self.call.with_params(self.named, *args)
 
-    def _check_leaves(self, outs: list[torch.Tensor], xt: torch.Tensor) -> None:
-        known = {id(p) for p in self.named.values()} | {id(xt)}
+    def _check_leaves(self, outs: list[torch.Tensor], leaves: list[torch.Tensor]) -> None:
+        known = {id(p) for p in self.named.values()} | {id(t) for t in leaves}
         seen: set[int] = set()
         stack = [t.grad_fn for t in outs if t.grad_fn is not None]
         while stack:

@@ -62,11 +62,11 @@ class UntiledCall:
         self.mlp = mlp
         self.forward = forward if forward is not None else mlp
 
-    def __call__(self, x: torch.Tensor) -> Any:
+    def __call__(self, *args: torch.Tensor) -> Any:
         with _guard(self.mlp):
-            return self.forward(x)
+            return self.forward(*args)
 
-    def with_params(self, params: dict[str, torch.Tensor], x: torch.Tensor) -> Any:
+    def with_params(self, params: dict[str, torch.Tensor], *args: torch.Tensor) -> Any:
         """Runs the module with `params` in place of its own (functional_call semantics)."""
         with _guard(self.mlp):
-            return torch.func.functional_call(self.mlp, params, (x,), strict=False)
+            return torch.func.functional_call(self.mlp, params, args, strict=False)

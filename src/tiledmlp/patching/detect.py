@@ -1,0 +1,251 @@
+"""Finding the MLPs of a model by structure (never by class name).
+
+A module is a candidate when it owns at least two projection matrices touching the model's
+hidden size and behaves token-wise: on random tokens (eval mode, RNG untouched) its output for a
+sequence equals the outputs for the sequence's two halves. Decoder layers and attention mix
+tokens (or need more arguments) and fail that test; the walk then descends into their children.
+The walk never descends into a chosen module.
+
+Classification of a token-wise candidate:
+- fast: ops.recognise() confirms a gated / fused gated / plain MLP;
+- generic: an MLP whose projections are wrapped (PEFT LoRA) or are not nn.Linear (GPT-2's
+  Conv1D), or that has dropout; or an MoE experts module (tiled with its routing tensors);
+- not understood: token-wise, MLP-sized, but none of the above (reported; patched with the
+  generic path only when the caller asks for it).
+
+Invariant: detection runs each probed module on a few random tokens with gradients off and the
+caller's RNG state restored; it changes no parameter, buffer, mode or generator.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from tiledmlp.ops.structure import recognise
+from tiledmlp.ops.untiled import UntiledCall
+
+__all__ = ["Candidate", "Detection", "detect_mlps", "hidden_size_of"]
+
+logger = logging.getLogger(__name__)
+
+_PROBE_TOKENS = 6
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A module that can be tiled.
+
+    Attributes:
+        name: qualified name in the model ("" for the root).
+        module: the module.
+        path: "fast" or "generic".
+        kind: what it was recognised as, e.g. "gated", "plain", "lora-wrapped MLP", "moe-experts".
+        per_token_args: extra positional inputs that are split by tokens with x (MoE experts:
+            the routing indices and weights); 0 for ordinary MLPs.
+    """
+
+    name: str
+    module: nn.Module
+    path: str
+    kind: str
+    per_token_args: int = 0
+
+
+@dataclass(frozen=True)
+class Detection:
+    """Result of a walk: candidates, modules that look like MLPs but are not understood, and
+    candidates skipped with a reason."""
+
+    candidates: list[Candidate]
+    not_understood: list[tuple[str, str]]
+    skipped: list[tuple[str, str]]
+
+
+def hidden_size_of(model: nn.Module) -> int | None:
+    """The model's hidden size: config.hidden_size (or text_config's), else the first
+    embedding's dimension."""
+    config = getattr(model, "config", None)
+    for cfg in (config, getattr(config, "text_config", None)):
+        value = getattr(cfg, "hidden_size", None) if cfg is not None else None
+        if isinstance(value, int) and value > 0:
+            return value
+    for m in model.modules():
+        if isinstance(m, nn.Embedding):
+            return m.embedding_dim
+    return None
+
+
+def is_projection(m: nn.Module) -> bool:
+    """A layer applying one matrix: nn.Linear and look-alikes (a 2-D weight, no children, e.g.
+    GPT-2's Conv1D), or an adapter wrapper around one (PEFT's base_layer convention)."""
+    base = getattr(m, "base_layer", None)
+    if isinstance(base, nn.Module) and base is not m:
+        return is_projection(base)
+    weight = getattr(m, "weight", None)
+    return (
+        isinstance(weight, torch.Tensor)
+        and weight.dim() == 2
+        and not any(True for _ in m.children())
+    )
+
+
+def _matrices_touching(m: nn.Module, hidden: int) -> int:
+    return sum(1 for p in m.parameters() if p.dim() >= 2 and hidden in p.shape)
+
+
+@contextlib.contextmanager
+def _probing(m: nn.Module) -> Iterator[None]:
+    """Eval mode, no grad, RNG forked; modes restored afterwards."""
+    modes = [(sub, sub.training) for sub in m.modules()]
+    m.eval()
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            yield
+    finally:
+        for sub, mode in modes:
+            sub.training = mode
+
+
+def _first_tensor(out: Any) -> torch.Tensor | None:
+    if isinstance(out, torch.Tensor):
+        return out
+    if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
+        return out[0]
+    return None
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    tol = 1e-4 if a.dtype in (torch.float32, torch.float64) else 5e-2
+    scale = max(b.abs().max().item(), 1e-30) if b.numel() else 1.0
+    return bool(torch.allclose(a.float(), b.float(), rtol=tol, atol=tol * scale))
+
+
+def _token_wise(call: Any, inputs: list[torch.Tensor], hidden: int, split: int) -> bool:
+    """Whether call(*inputs) on all tokens equals the concatenation of calls on two parts."""
+    try:
+        full = _first_tensor(call(*inputs))
+        a = _first_tensor(call(*[t[..., :split, :] if t.dim() == 3 else t[:split] for t in inputs]))
+        b = _first_tensor(call(*[t[..., split:, :] if t.dim() == 3 else t[split:] for t in inputs]))
+    except Exception:  # modules that need more arguments (attention, decoder layers) are not MLPs
+        return False
+    if full is None or a is None or b is None or full.shape[-1] != hidden:
+        return False
+    dim = -2 if inputs[0].dim() == 3 else 0
+    if full.dim() != inputs[0].dim():
+        return False
+    return _close(torch.cat([a, b], dim=dim), full)
+
+
+def _param_like(m: nn.Module) -> torch.Tensor | None:
+    return next(iter(m.parameters()), None)
+
+
+def _probe_dense(m: nn.Module, hidden: int) -> bool:
+    p = _param_like(m)
+    if p is None or p.device.type == "meta":
+        return False
+    gen = torch.Generator(device=p.device).manual_seed(0)
+    x = torch.randn(1, _PROBE_TOKENS, hidden, generator=gen, device=p.device).to(p.dtype)
+    with _probing(m):
+        return _token_wise(UntiledCall(m, _original_forward(m)), [x], hidden, 2)
+
+
+def _probe_experts(m: nn.Module, hidden: int, num_experts: int) -> bool:
+    """MoE experts called as experts(hidden_states, top_k_index, top_k_weights)."""
+    p = _param_like(m)
+    if p is None or p.device.type == "meta":
+        return False
+    gen = torch.Generator(device=p.device).manual_seed(0)
+    x = torch.randn(_PROBE_TOKENS, hidden, generator=gen, device=p.device).to(p.dtype)
+    idx = torch.randint(0, num_experts, (_PROBE_TOKENS, 2), generator=gen, device=p.device)
+    w = torch.rand(_PROBE_TOKENS, 2, generator=gen, device=p.device).to(p.dtype)
+    with _probing(m):
+        return _token_wise(UntiledCall(m, _original_forward(m)), [x, idx, w], hidden, 2)
+
+
+def _original_forward(m: nn.Module) -> Any:
+    from tiledmlp.patching.patch import original_forward
+
+    return original_forward(m)
+
+
+def _experts_count(m: nn.Module) -> int | None:
+    """E when the module holds experts as >= 2 stacked 3-D parameters with leading dim E."""
+    stacked = [p for p in m.parameters(recurse=False) if p.dim() == 3]
+    if len(stacked) >= 2 and len({p.shape[0] for p in stacked}) == 1:
+        return stacked[0].shape[0]
+    return None
+
+
+def _classify_dense(m: nn.Module) -> str | None:
+    """For a token-wise module: its generic-path kind if it is an understood MLP shape."""
+    children = list(m.children())
+    projections = [c for c in children if is_projection(c)]
+    rest = [c for c in children if not is_projection(c)]
+    extra_params = any(True for _ in m.parameters(recurse=False))
+    acts = [c for c in rest if not isinstance(c, nn.Dropout)]
+    if extra_params or len(projections) not in (2, 3) or len(acts) > 1:
+        return None
+    if any(any(True for _ in c.parameters()) or any(True for _ in c.children()) for c in acts):
+        return None
+    if any(getattr(c, "base_layer", None) is not None for c in projections):
+        return "lora-wrapped MLP"
+    if any(isinstance(c, nn.Dropout) for c in rest):
+        return "MLP with dropout"
+    return "MLP with non-Linear projections"
+
+
+def detect_mlps(model: nn.Module, hidden: int) -> Detection:
+    """Walks `model` top-down and classifies its MLPs.
+
+    Args:
+        model: any nn.Module (a whole model, a decoder layer, or an MLP itself).
+        hidden: the hidden size the MLPs take and return.
+    """
+    candidates: list[Candidate] = []
+    not_understood: list[tuple[str, str]] = []
+    skipped: list[tuple[str, str]] = []
+    chosen: list[str] = []
+    for name, m in model.named_modules():
+        if any(c == "" or name == c or name.startswith(c + ".") for c in chosen):
+            continue  # never descend into a chosen module
+        if is_projection(m) or (_matrices_touching(m, hidden) < 2 and _experts_count(m) is None):
+            continue
+        experts = _experts_count(m)
+        if experts is not None:
+            if _probe_experts(m, hidden, experts):
+                candidates.append(Candidate(name, m, "generic", "moe-experts", per_token_args=2))
+                chosen.append(name)
+            else:
+                not_understood.append(
+                    (name, f"{type(m).__name__}: stacked experts with an unknown call")
+                )
+                chosen.append(name)
+            continue
+        if not _probe_dense(m, hidden):
+            continue
+        structure = recognise(m, UntiledCall(m, _original_forward(m)))
+        if structure is not None:
+            candidates.append(Candidate(name, m, "fast", structure.kind.value))
+            chosen.append(name)
+            continue
+        kind = _classify_dense(m)
+        if kind is not None:
+            candidates.append(Candidate(name, m, "generic", kind))
+        elif any(_experts_count(sub) is not None for sub in m.modules()):
+            # An MoE block: its experts are tiled below (router untiled, so router outputs
+            # recorded by hooks keep their gradients).
+            continue
+        else:
+            not_understood.append(
+                (name, f"{type(m).__name__}: token-wise and MLP-sized, structure not recognised")
+            )
+        chosen.append(name)
+    return Detection(candidates, not_understood, skipped)

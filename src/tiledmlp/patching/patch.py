@@ -1,0 +1,192 @@
+"""patch_model / unpatch_model: tiled MLP forwards on module instances.
+
+Patching sets an instance attribute `forward` on each detected MLP (the class is untouched) and
+records what it replaced; unpatching deletes or restores exactly that. Parameters, buffers and
+submodules are never touched, so state_dict keys and values, save_pretrained and from_pretrained
+are unaffected.
+
+Invariant: a patched module computes what its original forward computes, with the same
+gradients; calling patch_model again is idempotent (same arguments) or updates the tile policy.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from tiledmlp.config import TiledMLPConfig
+from tiledmlp.ops.functional import tiled_mlp
+from tiledmlp.patching.detect import Candidate, detect_mlps, hidden_size_of
+
+__all__ = ["PatchReport", "original_forward", "patch_model", "unpatch_model"]
+
+logger = logging.getLogger(__name__)
+
+_STATE = "_tiledmlp_patch"
+_MISSING = object()
+
+
+@dataclass
+class _PatchState:
+    saved: Any  # the instance-level forward that was replaced, or _MISSING
+    config: TiledMLPConfig
+    path: str
+    kind: str
+
+
+@dataclass(frozen=True)
+class PatchReport:
+    """What patch_model did.
+
+    Attributes:
+        patched: qualified names of the modules now tiled (including ones already patched).
+        paths: name -> "fast: <kind>" or "generic: <kind>".
+        skipped: (name, reason) for candidates left untiled.
+        config: the tile policy applied.
+    """
+
+    patched: list[str]
+    paths: dict[str, str]
+    skipped: list[tuple[str, str]] = field(default_factory=list)
+    config: TiledMLPConfig = field(default_factory=TiledMLPConfig)
+
+    def __str__(self) -> str:
+        lines = [f"tiled {len(self.patched)} MLP(s) with {self.config}"]
+        lines += [f"  {name}: {self.paths[name]}" for name in self.patched]
+        lines += [f"  skipped {name}: {why}" for name, why in self.skipped]
+        return "\n".join(lines)
+
+
+def original_forward(module: nn.Module) -> Callable[..., Any]:
+    """The module's forward as it was before patching (bound), or its current forward."""
+    state = module.__dict__.get(_STATE)
+    if state is None:
+        return module.forward
+    if state.saved is _MISSING:
+        return type(module).forward.__get__(module)
+    return state.saved  # type: ignore[no-any-return]
+
+
+def is_patched(module: nn.Module) -> bool:
+    return _STATE in module.__dict__
+
+
+def _make_forward(module: nn.Module, state: _PatchState, per_token_args: int) -> Callable[..., Any]:
+    def forward(x: Any, *args: Any, **kwargs: Any) -> Any:
+        orig = original_forward(module)
+        if kwargs or len(args) != per_token_args or not isinstance(x, torch.Tensor):
+            return orig(x, *args, **kwargs)  # an unexpected call shape: leave it untiled
+        cfg = state.config
+        return tiled_mlp(
+            module,
+            x,
+            *args,
+            num_tiles=cfg.num_tiles,
+            tile_tokens=cfg.tile_tokens,
+            forward=orig,
+        )
+
+    forward.__doc__ = f"Tiled forward installed by tiledmlp ({state.path}: {state.kind})."
+    return forward
+
+
+def _patch_one(module: nn.Module, cand: Candidate, config: TiledMLPConfig) -> None:
+    existing = module.__dict__.get(_STATE)
+    if existing is not None:
+        existing.config = config  # idempotent; a new policy replaces the old one
+        return
+    state = _PatchState(module.__dict__.get("forward", _MISSING), config, cand.path, cand.kind)
+    module.__dict__[_STATE] = state
+    module.forward = _make_forward(module, state, cand.per_token_args)  # type: ignore[method-assign]
+
+
+def patch_model(
+    model: nn.Module,
+    *,
+    num_tiles: int | str = "auto",
+    tile_tokens: int | None = None,
+    generic: bool = False,
+    hidden_size: int | None = None,
+) -> PatchReport:
+    """Makes every MLP of `model` tiled, in place.
+
+    MLPs are found by structure (see tiledmlp.patching.detect): gated, fused gated and plain
+    MLPs take the minimal-recompute fast path; LoRA-wrapped, Conv1D and dropout MLPs and MoE
+    experts take the generic path (MoE routers stay untiled, so router logits keep their
+    gradients).
+
+    Args:
+        model: a Hugging Face causal LM or any nn.Module containing MLPs.
+        num_tiles: a positive int, "auto" or "arctic" (see tiled_mlp).
+        tile_tokens: tokens per tile, instead of num_tiles.
+        generic: also tile token-wise MLP-like modules whose structure is not recognised, with
+            the generic path (otherwise they are an error).
+        hidden_size: the hidden size of the MLPs; default: model.config.hidden_size or the
+            embedding dimension.
+
+    Returns:
+        A PatchReport.
+
+    Raises:
+        ValueError: no MLP was found, a module looks like an MLP but is not understood (and
+            generic is False), the hidden size cannot be determined, or a bad tile policy.
+    """
+    config = TiledMLPConfig(num_tiles=num_tiles, tile_tokens=tile_tokens)
+    hidden = hidden_size if hidden_size is not None else hidden_size_of(model)
+    if hidden is None:
+        raise ValueError(
+            f"patch_model: cannot tell the hidden size of {type(model).__name__} (no "
+            "config.hidden_size and no nn.Embedding); pass hidden_size=..."
+        )
+    found = detect_mlps(model, hidden)
+    candidates = list(found.candidates)
+    skipped = list(found.skipped)
+    if found.not_understood:
+        if not generic:
+            names = ", ".join(f"{n or '<root>'} ({why})" for n, why in found.not_understood)
+            raise ValueError(
+                f"patch_model: these modules look like MLPs but their structure is not "
+                f"understood: {names}. Tiling them needs the generic path (per-tile recompute "
+                "of the whole module, exact for token-wise modules): pass generic=True."
+            )
+        modules = dict(model.named_modules())
+        candidates += [
+            Candidate(n, modules[n], "generic", "custom") for n, _ in found.not_understood
+        ]
+    if not candidates:
+        raise ValueError(
+            f"patch_model: found no MLP to tile in {type(model).__name__} (hidden size "
+            f"{hidden}): expected token-wise modules with gate/up/down, fused gate_up or "
+            "fc1/fc2 projections, or MoE experts. Is hidden_size right, and are the weights "
+            "materialised (not on the meta device)?"
+        )
+    for cand in candidates:
+        _patch_one(cand.module, cand, config)
+    paths = {c.name: f"{c.path}: {c.kind}" for c in candidates}
+    report = PatchReport(sorted(paths), paths, skipped, config)
+    logger.info("%s", report)
+    return report
+
+
+def unpatch_model(model: nn.Module) -> list[str]:
+    """Restores every patched module of `model` to its original forward.
+
+    Returns:
+        Qualified names of the modules restored.
+    """
+    restored = []
+    for name, module in model.named_modules():
+        state = module.__dict__.pop(_STATE, None)
+        if state is None:
+            continue
+        if state.saved is _MISSING:
+            module.__dict__.pop("forward", None)
+        else:
+            module.forward = state.saved  # type: ignore[method-assign]
+        restored.append(name)
+    return restored
