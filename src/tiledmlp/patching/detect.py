@@ -185,21 +185,31 @@ def _experts_count(m: nn.Module) -> int | None:
 
 
 def _classify_dense(m: nn.Module) -> str | None:
-    """For a token-wise module: its generic-path kind if it is an understood MLP shape."""
+    """For a token-wise module the fast path refused: its generic-path kind when it has an MLP's
+    shape (2-3 projections, at most one activation, dropouts) and a reason the fast path cannot
+    take it (wrapped or non-Linear projections, dropout, hooks); None when its projections are
+    plain Linear layers and yet its forward is not a known MLP formula."""
     children = list(m.children())
     projections = [c for c in children if is_projection(c)]
     rest = [c for c in children if not is_projection(c)]
-    extra_params = any(True for _ in m.parameters(recurse=False))
     acts = [c for c in rest if not isinstance(c, nn.Dropout)]
-    if extra_params or len(projections) not in (2, 3) or len(acts) > 1:
+    if (
+        any(True for _ in m.parameters(recurse=False))
+        or len(projections) not in (2, 3)
+        or len(acts) > 1
+    ):
         return None
     if any(any(True for _ in c.parameters()) or any(True for _ in c.children()) for c in acts):
         return None
     if any(getattr(c, "base_layer", None) is not None for c in projections):
         return "lora-wrapped MLP"
-    if any(isinstance(c, nn.Dropout) for c in rest):
+    if any(isinstance(c, nn.Dropout) and c.p > 0 for c in rest):
         return "MLP with dropout"
-    return "MLP with non-Linear projections"
+    if any(type(c).forward is not nn.Linear.forward for c in projections):
+        return "MLP with non-Linear projections"
+    if any(c._forward_hooks or c._forward_pre_hooks for c in children):
+        return "MLP with hooked projections"
+    return None
 
 
 def detect_mlps(model: nn.Module, hidden: int) -> Detection:

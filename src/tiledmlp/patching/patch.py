@@ -12,6 +12,7 @@ gradients; calling patch_model again is idempotent (same arguments) or updates t
 from __future__ import annotations
 
 import logging
+import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,15 +29,15 @@ __all__ = ["PatchReport", "original_forward", "patch_model", "unpatch_model"]
 logger = logging.getLogger(__name__)
 
 _STATE = "_tiledmlp_patch"
-_MISSING = object()
 
 
 @dataclass
 class _PatchState:
-    saved: Any  # the instance-level forward that was replaced, or _MISSING
+    saved: Any  # the instance-level forward that was replaced; None when the class's was in use
     config: TiledMLPConfig
     path: str
     kind: str
+    per_token_args: int
 
 
 @dataclass(frozen=True)
@@ -67,7 +68,7 @@ def original_forward(module: nn.Module) -> Callable[..., Any]:
     state = module.__dict__.get(_STATE)
     if state is None:
         return module.forward
-    if state.saved is _MISSING:
+    if state.saved is None:
         return type(module).forward.__get__(module)
     return state.saved  # type: ignore[no-any-return]
 
@@ -76,23 +77,17 @@ def is_patched(module: nn.Module) -> bool:
     return _STATE in module.__dict__
 
 
-def _make_forward(module: nn.Module, state: _PatchState, per_token_args: int) -> Callable[..., Any]:
-    def forward(x: Any, *args: Any, **kwargs: Any) -> Any:
-        orig = original_forward(module)
-        if kwargs or len(args) != per_token_args or not isinstance(x, torch.Tensor):
-            return orig(x, *args, **kwargs)  # an unexpected call shape: leave it untiled
-        cfg = state.config
-        return tiled_mlp(
-            module,
-            x,
-            *args,
-            num_tiles=cfg.num_tiles,
-            tile_tokens=cfg.tile_tokens,
-            forward=orig,
-        )
-
-    forward.__doc__ = f"Tiled forward installed by tiledmlp ({state.path}: {state.kind})."
-    return forward
+def forward(self: nn.Module, x: Any, *args: Any, **kwargs: Any) -> Any:
+    """The tiled forward installed on patched modules (bound to the instance, so a deepcopy of a
+    patched model runs its own weights)."""
+    state: _PatchState = self.__dict__[_STATE]
+    orig = original_forward(self)
+    if kwargs or len(args) != state.per_token_args or not isinstance(x, torch.Tensor):
+        return orig(x, *args, **kwargs)  # an unexpected call shape: leave it untiled
+    cfg = state.config
+    return tiled_mlp(
+        self, x, *args, num_tiles=cfg.num_tiles, tile_tokens=cfg.tile_tokens, forward=orig
+    )
 
 
 def _patch_one(module: nn.Module, cand: Candidate, config: TiledMLPConfig) -> None:
@@ -100,9 +95,11 @@ def _patch_one(module: nn.Module, cand: Candidate, config: TiledMLPConfig) -> No
     if existing is not None:
         existing.config = config  # idempotent; a new policy replaces the old one
         return
-    state = _PatchState(module.__dict__.get("forward", _MISSING), config, cand.path, cand.kind)
+    state = _PatchState(
+        module.__dict__.get("forward"), config, cand.path, cand.kind, cand.per_token_args
+    )
     module.__dict__[_STATE] = state
-    module.forward = _make_forward(module, state, cand.per_token_args)  # type: ignore[method-assign]
+    module.forward = types.MethodType(forward, module)  # type: ignore[method-assign]
 
 
 def patch_model(
@@ -184,7 +181,7 @@ def unpatch_model(model: nn.Module) -> list[str]:
         state = module.__dict__.pop(_STATE, None)
         if state is None:
             continue
-        if state.saved is _MISSING:
+        if state.saved is None:
             module.__dict__.pop("forward", None)
         else:
             module.forward = state.saved  # type: ignore[method-assign]
