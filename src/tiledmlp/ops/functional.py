@@ -28,6 +28,10 @@ __all__ = ["tile_plan", "tiled_mlp"]
 logger = logging.getLogger(__name__)
 
 
+# torch.compile: the tiled op runs eagerly (one graph break per MLP call). Dynamo cannot trace
+# its autograd Function (Python-side tile plans, anchors read through grad_fn); the rest of
+# the model compiles around it.
+@torch.compiler.disable
 def tiled_mlp(
     mlp: nn.Module,
     x: torch.Tensor,
