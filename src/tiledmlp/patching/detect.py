@@ -212,6 +212,13 @@ def _classify_dense(m: nn.Module) -> str | None:
     return None
 
 
+def _has_mlp_inside(m: nn.Module) -> bool:
+    return any(
+        sub is not m and (_experts_count(sub) is not None or recognise(sub) is not None)
+        for sub in m.modules()
+    )
+
+
 def detect_mlps(model: nn.Module, hidden: int) -> Detection:
     """Walks `model` top-down and classifies its MLPs.
 
@@ -249,9 +256,9 @@ def detect_mlps(model: nn.Module, hidden: int) -> Detection:
         kind = _classify_dense(m)
         if kind is not None:
             candidates.append(Candidate(name, m, "generic", kind))
-        elif any(_experts_count(sub) is not None for sub in m.modules()):
-            # An MoE block: its experts are tiled below (router untiled, so router outputs
-            # recorded by hooks keep their gradients).
+        elif _has_mlp_inside(m):
+            # An MoE block (stacked experts, or a list of expert MLPs): the experts are tiled
+            # below and the router stays untiled, so router logits keep their gradients.
             continue
         else:
             not_understood.append(
