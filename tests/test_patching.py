@@ -43,8 +43,12 @@ def test_family_loss_and_every_grad_match(family: str) -> None:
     ref = tiny_causal_lm(family)
     model = copy.deepcopy(ref)
     report = patch_model(model, num_tiles=3)  # 23 tokens x batch 2 = 46 -> 16, 15, 15
-    assert len(report.patched) == 2, report
-    assert set(report.paths.values()) == {EXPECTED_KIND[family]}
+    if family == "qwen3_moe" and set(report.paths.values()) == {"fast: gated"}:
+        # transformers 4.x: experts are a list of MLPs, each tiled on the tokens routed to it.
+        assert len(report.patched) == 2 * 4, report
+    else:
+        assert len(report.patched) == 2, report
+        assert set(report.paths.values()) == {EXPECTED_KIND[family]}
     ids = torch.randint(3, VOCAB, (2, 23))
     assert_same_training_step(model, ref, ids)
 
