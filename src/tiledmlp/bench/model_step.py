@@ -31,17 +31,18 @@ MiB = 2**20
 def _tiny_llama(hidden: int, intermediate: int, layers: int, vocab: int, heads: int) -> Any:
     import transformers as tr
 
-    cfg = tr.LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=intermediate,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=heads,
-        max_position_embeddings=1 << 20,
-        attn_implementation="sdpa",
-        use_cache=False,
-    )
+    settings: dict[str, Any] = {
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "intermediate_size": intermediate,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": heads,
+        "max_position_embeddings": 1 << 20,
+        "attn_implementation": "sdpa",
+        "use_cache": False,
+    }
+    cfg = tr.LlamaConfig(**settings)
     torch.manual_seed(0)
     return tr.LlamaForCausalLM(cfg).float().train()
 
