@@ -203,3 +203,36 @@ def test_deepcopy_of_a_patched_model_uses_its_own_weights() -> None:
     ids = torch.randint(3, VOCAB, (2, 13))
     assert clone.model.layers[0].mlp.forward.__self__ is clone.model.layers[0].mlp
     assert_same_training_step(clone, ref, ids)
+
+
+class _MixesTokens(nn.Module):
+    """MLP-shaped (two projections and an activation) but mixes tokens: must be skipped."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(hidden, 2 * hidden)
+        self.fc2 = nn.Linear(2 * hidden, hidden)
+        self.act = nn.GELU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x.cumsum(dim=-2))))
+
+
+def test_mlp_shaped_but_not_token_wise_is_skipped_with_a_reason() -> None:
+    from tiledmlp.bench.models import GatedMLP
+
+    model = nn.Sequential(nn.Embedding(10, 16), _MixesTokens(16), GatedMLP(16, 24), nn.Linear(16, 10))
+    report = patch_model(model, num_tiles=2)
+    assert report.patched == ["2"]
+    assert [name for name, _ in report.skipped] == ["1"]
+    assert "not token-wise" in report.skipped[0][1]
+    assert "skipped 1:" in str(report)
+
+
+def test_meta_device_weights_are_skipped_not_probed() -> None:
+    from tiledmlp.bench.models import GatedMLP
+
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Embedding(10, 16), GatedMLP(16, 24))
+    with pytest.raises(ValueError, match="found no MLP.*skipped 1: weights on the meta device"):
+        patch_model(model)

@@ -212,6 +212,22 @@ def _classify_dense(m: nn.Module) -> str | None:
     return None
 
 
+def _on_meta(m: nn.Module) -> bool:
+    return any(p.device.type == "meta" for p in m.parameters())
+
+
+def _mlp_shaped(m: nn.Module) -> bool:
+    """2-3 projection children, at most one parameter-free other child besides dropouts."""
+    children = list(m.children())
+    projections = [c for c in children if is_projection(c)]
+    others = [c for c in children if not is_projection(c) and not isinstance(c, nn.Dropout)]
+    return (
+        len(projections) in (2, 3)
+        and len(others) <= 1
+        and not any(True for c in others for _ in c.parameters())
+    )
+
+
 def _has_mlp_inside(m: nn.Module) -> bool:
     return any(
         sub is not m and (_experts_count(sub) is not None or recognise(sub) is not None)
@@ -241,12 +257,28 @@ def detect_mlps(model: nn.Module, hidden: int) -> Detection:
                 candidates.append(Candidate(name, m, "generic", "moe-experts", per_token_args=2))
                 chosen.append(name)
             else:
-                not_understood.append(
-                    (name, f"{type(m).__name__}: stacked experts with an unknown call")
+                skipped.append(
+                    (
+                        name,
+                        f"{type(m).__name__}: stacked experts not callable as "
+                        "experts(hidden_states, top_k_index, top_k_weights); left untiled",
+                    )
                 )
                 chosen.append(name)
             continue
+        if _on_meta(m):
+            skipped.append((name, "weights on the meta device: materialise them before patching"))
+            chosen.append(name)
+            continue
         if not _probe_dense(m, hidden):
+            if _mlp_shaped(m):
+                skipped.append(
+                    (
+                        name,
+                        f"{type(m).__name__}: shaped like an MLP but not token-wise on random "
+                        "hidden states (or needs more arguments); left untiled",
+                    )
+                )
             continue
         structure = recognise(m, UntiledCall(m, _original_forward(m)))
         if structure is not None:

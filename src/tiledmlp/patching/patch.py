@@ -156,11 +156,12 @@ def patch_model(
             Candidate(n, modules[n], "generic", "custom") for n, _ in found.not_understood
         ]
     if not candidates:
+        why = "".join(f"; skipped {n or '<root>'}: {r}" for n, r in skipped)
         raise ValueError(
             f"patch_model: found no MLP to tile in {type(model).__name__} (hidden size "
             f"{hidden}): expected token-wise modules with gate/up/down, fused gate_up or "
             "fc1/fc2 projections, or MoE experts. Is hidden_size right, and are the weights "
-            "materialised (not on the meta device)?"
+            f"materialised (not on the meta device)?{why}"
         )
     for cand in candidates:
         _patch_one(cand.module, cand, config)
