@@ -221,7 +221,9 @@ class _MixesTokens(nn.Module):
 def test_mlp_shaped_but_not_token_wise_is_skipped_with_a_reason() -> None:
     from tiledmlp.bench.models import GatedMLP
 
-    model = nn.Sequential(nn.Embedding(10, 16), _MixesTokens(16), GatedMLP(16, 24), nn.Linear(16, 10))
+    model = nn.Sequential(
+        nn.Embedding(10, 16), _MixesTokens(16), GatedMLP(16, 24), nn.Linear(16, 10)
+    )
     report = patch_model(model, num_tiles=2)
     assert report.patched == ["2"]
     assert [name for name, _ in report.skipped] == ["1"]
@@ -234,5 +236,5 @@ def test_meta_device_weights_are_skipped_not_probed() -> None:
 
     with torch.device("meta"):
         model = nn.Sequential(nn.Embedding(10, 16), GatedMLP(16, 24))
-    with pytest.raises(ValueError, match="found no MLP.*skipped 1: weights on the meta device"):
+    with pytest.raises(ValueError, match=r"found no MLP.*skipped 1: weights on the meta device"):
         patch_model(model)

@@ -266,9 +266,10 @@ def detect_mlps(model: nn.Module, hidden: int) -> Detection:
                 )
                 chosen.append(name)
             continue
-        if _on_meta(m):
-            skipped.append((name, "weights on the meta device: materialise them before patching"))
-            chosen.append(name)
+        if _on_meta(m):  # no values to probe
+            if _mlp_shaped(m):
+                skipped.append((name, "weights on the meta device: materialise them first"))
+                chosen.append(name)
             continue
         if not _probe_dense(m, hidden):
             if _mlp_shaped(m):
