@@ -7,6 +7,7 @@ and recomputes only what it must, tile by tile, in the backward.
 from tiledmlp.config import TiledMLPConfig
 from tiledmlp.module import TiledMLP
 from tiledmlp.ops import TiledMLPFunction, TilePlan, tiled_mlp
+from tiledmlp.ops.loss import tiled_cross_entropy
 from tiledmlp.patching import PatchReport, patch_from_args, patch_model, unpatch_model
 
 __version__ = "0.1.0"
@@ -20,6 +21,7 @@ __all__ = [
     "__version__",
     "patch_from_args",
     "patch_model",
+    "tiled_cross_entropy",
     "tiled_mlp",
     "unpatch_model",
 ]

@@ -23,6 +23,7 @@ from torch import nn
 from tiledmlp.config import TiledMLPConfig
 from tiledmlp.ops.functional import tiled_mlp
 from tiledmlp.patching.detect import Candidate, detect_mlps, hidden_size_of
+from tiledmlp.patching.loss import patch_loss, unpatch_loss
 
 __all__ = ["PatchReport", "original_forward", "patch_model", "unpatch_model"]
 
@@ -49,17 +50,22 @@ class PatchReport:
         paths: name -> "fast: <kind>" or "generic: <kind>".
         skipped: (name, reason) for candidates left untiled.
         config: the tile policy applied.
+        loss: with tiled_loss=True, "tiled" when the training loss now runs through
+            tiled_cross_entropy, else the reason it does not; None when not asked.
     """
 
     patched: list[str]
     paths: dict[str, str]
     skipped: list[tuple[str, str]] = field(default_factory=list)
     config: TiledMLPConfig = field(default_factory=TiledMLPConfig)
+    loss: str | None = None
 
     def __str__(self) -> str:
         lines = [f"tiled {len(self.patched)} MLP(s) with {self.config}"]
         lines += [f"  {name}: {self.paths[name]}" for name in self.patched]
         lines += [f"  skipped {name}: {why}" for name, why in self.skipped]
+        if self.loss is not None:
+            lines.append(f"  loss: {self.loss}")
         return "\n".join(lines)
 
 
@@ -109,6 +115,7 @@ def patch_model(
     tile_tokens: int | None = None,
     generic: bool = False,
     hidden_size: int | None = None,
+    tiled_loss: bool = False,
 ) -> PatchReport:
     """Makes every MLP of `model` tiled, in place.
 
@@ -125,6 +132,9 @@ def patch_model(
             the generic path (otherwise they are an error).
         hidden_size: the hidden size of the MLPs; default: model.config.hidden_size or the
             embedding dimension.
+        tiled_loss: also compute the training loss (when labels are given) with
+            tiled_cross_entropy, so the logits never exist at once (see patching/loss.py);
+            outputs without labels are unchanged.
 
     Returns:
         A PatchReport.
@@ -165,19 +175,25 @@ def patch_model(
         )
     for cand in candidates:
         _patch_one(cand.module, cand, config)
+    loss = None
+    if tiled_loss:
+        loss = patch_loss(model, num_tiles if tile_tokens is None else "auto") or "tiled"
     paths = {c.name: f"{c.path}: {c.kind}" for c in candidates}
-    report = PatchReport(sorted(paths), paths, skipped, config)
+    report = PatchReport(sorted(paths), paths, skipped, config, loss)
     logger.info("%s", report)
     return report
 
 
 def unpatch_model(model: nn.Module) -> list[str]:
-    """Restores every patched module of `model` to its original forward.
+    """Restores every patched module of `model` to its original forward (and the model's own
+    loss when it was loss-patched).
 
     Returns:
-        Qualified names of the modules restored.
+        Qualified names of the modules restored ("<loss>" for the loss).
     """
     restored = []
+    if unpatch_loss(model):
+        restored.append("<loss>")
     for name, module in model.named_modules():
         state = module.__dict__.pop(_STATE, None)
         if state is None:
