@@ -73,6 +73,7 @@ def test_torch_compile_trains_with_exact_grads() -> None:
 
 @pytest.mark.slow
 def test_hf_trainer_trains_a_patched_model_like_the_unpatched_one(tmp_path) -> None:
+    # Tiled MLPs and the tiled loss (the Trainer passes num_items_in_batch) vs neither.
     from transformers import Trainer, TrainingArguments
 
     torch.manual_seed(0)
@@ -81,6 +82,8 @@ def test_hf_trainer_trains_a_patched_model_like_the_unpatched_one(tmp_path) -> N
     def train(use_tiled_mlp: bool) -> list[float]:
         model = tiny_causal_lm("llama")
         patch_from_args(model, {"use_tiled_mlp": use_tiled_mlp, "tiled_mlp_num_shards": 3})
+        if use_tiled_mlp:
+            assert patch_model(model, num_tiles=3, tiled_loss=True).loss == "tiled"
         args = TrainingArguments(
             output_dir=str(tmp_path / str(use_tiled_mlp)),
             max_steps=4,

@@ -88,12 +88,10 @@ class TiledCrossEntropyFunction(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
         run: _LossRun = ctx.run
         # The gradients were formed in the forward for an upstream gradient of 1; the loss is
-        # linear in it, so scaling is exact. Each is handed over once, then dropped.
-        out = []
-        for g in (run.dh, run.dw, run.db):
-            out.append(None if g is None else g.mul_(grad.to(g.dtype)))
-        run.dh = run.dw = run.db = None
-        return out[0], None, None, out[1], out[2]
+        # linear in it, so scaling is exact. Out of place, so a retained graph can be
+        # differentiated again.
+        dh, dw, db = (None if g is None else g * grad.to(g.dtype) for g in (run.dh, run.dw, run.db))
+        return dh, None, None, dw, db
 
 
 def _loss_and_grads(
