@@ -134,8 +134,22 @@ def patch_loss(model: nn.Module, num_tiles: int | str = "auto") -> str | None:
     if why is not None:
         del model.__dict__[_STATE]
         return why
-    model.forward = types.MethodType(_loss_forward, model)  # type: ignore[method-assign]
+    model.forward = types.MethodType(_with_signature_of(model), model)  # type: ignore[method-assign]
     return None
+
+
+def _with_signature_of(model: nn.Module) -> Any:
+    """A copy of _loss_forward that advertises the model's own forward signature: callers such
+    as the Hugging Face Trainer inspect it to decide which inputs to pass."""
+    fn = types.FunctionType(
+        _loss_forward.__code__, _loss_forward.__globals__, "forward", None, None
+    )
+    fn.__doc__ = _loss_forward.__doc__
+    own = _original(model)
+    params = list(inspect.signature(own).parameters.values())
+    self_param = inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    fn.__signature__ = inspect.Signature([self_param, *params])  # type: ignore[attr-defined]
+    return fn
 
 
 def unpatch_loss(model: nn.Module) -> bool:
