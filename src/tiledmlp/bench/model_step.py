@@ -5,8 +5,8 @@ Usage (prints one JSON object per configuration):
 
 The model is a random-init Llama built from a config (nothing downloaded); a step is forward
 with labels, backward; memory is the torch.profiler memory timeline of the step plus what was
-alive before it (weights, input ids). Variants: untiled and tiled, each without and with the
-model's own (non-reentrant) gradient checkpointing.
+alive before it (weights, input ids). Variants: untiled, tiled MLPs, tiled MLPs + tiled loss,
+each without and with the model's own (non-reentrant) gradient checkpointing.
 
 Invariant: every variant starts from the same weights and input and measures the same step.
 """
@@ -57,19 +57,21 @@ def measure_model_step(
     heads: int,
     num_tiles: int | str,
 ) -> list[dict[str, Any]]:
-    """Peak MiB of a training step for untiled / tiled, without / with checkpointing."""
+    """Peak MiB of a training step: untiled, tiled MLPs, tiled MLPs + loss; without / with
+    checkpointing."""
     base = _tiny_llama(hidden, intermediate, layers, vocab, heads)
     ids = torch.randint(0, vocab, (1, seq_len))
     records = []
+    variants = [(False, False), (True, False), (True, True)]  # (tiled MLP, tiled loss)
     for checkpointing in (False, True):
-        for tiled in (False, True):
+        for tiled, tiled_loss in variants:
             model = copy.deepcopy(base)
             if checkpointing:
                 model.gradient_checkpointing_enable(
                     gradient_checkpointing_kwargs={"use_reentrant": False}
                 )
             if tiled:
-                patch_model(model, num_tiles=num_tiles)
+                patch_model(model, num_tiles=num_tiles, tiled_loss=tiled_loss)
                 model(input_ids=ids[:, :8])  # one-time structure probes outside the step
 
             def step(model: Any = model) -> Any:
@@ -89,6 +91,7 @@ def measure_model_step(
                     "vocab": vocab,
                     "dtype": "float32",
                     "tiled": tiled,
+                    "tiled_loss": tiled_loss,
                     "num_tiles": num_tiles if tiled else None,
                     "gradient_checkpointing": checkpointing,
                     "peak_mib": round(peak / MiB, 1),
