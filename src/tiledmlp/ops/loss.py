@@ -28,6 +28,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from tiledmlp.ops.grads import GradSlot, Scratch
+from tiledmlp.ops.policy import validate_policy
 from tiledmlp.ops.state import AutocastState
 from tiledmlp.ops.tiles import TilePlan, split_by_tile_tokens, split_even
 
@@ -200,22 +201,17 @@ def _tile(
     return loss_sum
 
 
-def _plan(
-    num_tokens: int, hidden: int, vocab: int, elem: int, num_tiles: Any, tile_tokens: Any
-) -> TilePlan:
+def _plan(num_tokens: int, hidden: int, elem: int, num_tiles: Any, tile_tokens: Any) -> TilePlan:
+    validate_policy(num_tiles, tile_tokens)
+    if num_tiles == "arctic":
+        raise ValueError("num_tiles='arctic' is the MLP's rule; give the loss an int or 'auto'")
     if tile_tokens is not None:
-        if isinstance(tile_tokens, bool) or not isinstance(tile_tokens, int) or tile_tokens < 1:
-            raise ValueError(f"tile_tokens must be a positive int or None, got {tile_tokens!r}")
-        if num_tiles != "auto":
-            raise ValueError("give either num_tiles or tile_tokens, not both")
         return split_by_tile_tokens(num_tokens, tile_tokens)
     if num_tiles == "auto":
-        # a tile's float32 logits about the size of the LM-head weight
-        per_tile = max(1, (vocab * hidden * elem) // (vocab * 4))
+        # a tile's float32 logits (n x V x 4 bytes) about the size of the LM-head weight
+        per_tile = max(1, hidden * elem // 4)
         return split_even(num_tokens, max(1, math.ceil(num_tokens / per_tile)))
-    if isinstance(num_tiles, bool) or not isinstance(num_tiles, int) or num_tiles < 1:
-        raise ValueError(f"num_tiles must be a positive int or 'auto', got {num_tiles!r}")
-    return split_even(num_tokens, num_tiles)
+    return split_even(num_tokens, int(num_tiles))
 
 
 def tiled_cross_entropy(
@@ -244,8 +240,8 @@ def tiled_cross_entropy(
         labels: (batch, seq) or (tokens,) integer class indices; ignore_index marks tokens
             without a target.
         bias: (vocab,) or None.
-        num_tiles: a positive int, or "auto" (tiles whose float32 logits are about the size of
-            the LM-head weight).
+        num_tiles: a positive int, or "auto" (tiles of hidden * elem / 4 tokens: their float32
+            logits are about the size of the LM-head weight).
         tile_tokens: tokens per tile, instead of num_tiles.
         ignore_index: label value that contributes nothing.
         reduction: "mean" over the non-ignored tokens of the whole input (nan when there are
@@ -300,7 +296,7 @@ def tiled_cross_entropy(
     autocast = AutocastState.capture(hidden.device.type)
     cd = autocast.compute_dtype(hidden.dtype, lm_head_weight.dtype) or hidden.dtype
     elem = torch.empty((), dtype=cd).element_size()
-    plan = _plan(hidden.shape[0], hidden.shape[1], vocab, elem, num_tiles, tile_tokens)
+    plan = _plan(hidden.shape[0], hidden.shape[1], elem, num_tiles, tile_tokens)
     run = _LossRun(plan, ignore_index, reduction, softcap, autocast)
     needs_grad = torch.is_grad_enabled() and (
         hidden.requires_grad

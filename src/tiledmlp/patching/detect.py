@@ -101,7 +101,7 @@ def _matrices_touching(m: nn.Module, hidden: int) -> int:
 
 
 @contextlib.contextmanager
-def _probing(m: nn.Module) -> Iterator[None]:
+def probing(m: nn.Module) -> Iterator[None]:
     """Eval mode, no grad, RNG forked; modes restored afterwards."""
     modes = [(sub, sub.training) for sub in m.modules()]
     m.eval()
@@ -153,7 +153,7 @@ def _probe_dense(m: nn.Module, hidden: int) -> bool:
         return False
     gen = torch.Generator(device=p.device).manual_seed(0)
     x = torch.randn(1, _PROBE_TOKENS, hidden, generator=gen, device=p.device).to(p.dtype)
-    with _probing(m):
+    with probing(m):
         return _token_wise(UntiledCall(m, _original_forward(m)), [x], hidden, 2)
 
 
@@ -166,7 +166,7 @@ def _probe_experts(m: nn.Module, hidden: int, num_experts: int) -> bool:
     x = torch.randn(_PROBE_TOKENS, hidden, generator=gen, device=p.device).to(p.dtype)
     idx = torch.randint(0, num_experts, (_PROBE_TOKENS, 2), generator=gen, device=p.device)
     w = torch.rand(_PROBE_TOKENS, 2, generator=gen, device=p.device).to(p.dtype)
-    with _probing(m):
+    with probing(m):
         return _token_wise(UntiledCall(m, _original_forward(m)), [x, idx, w], hidden, 2)
 
 

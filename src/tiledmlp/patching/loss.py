@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from tiledmlp.ops.loss import tiled_cross_entropy
+from tiledmlp.patching.detect import probing
 
 __all__ = ["patch_loss", "unpatch_loss"]
 
@@ -98,17 +99,12 @@ def _probe(model: nn.Module) -> str | None:
     vocab = head.weight.shape[0]
     gen = torch.Generator(device=head.weight.device).manual_seed(0)
     ids = torch.randint(0, vocab, (2, 7), generator=gen, device=head.weight.device)
-    modes = [(m, m.training) for m in model.modules()]
-    model.eval()
     try:
-        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        with probing(model):
             own = _original(model)(input_ids=ids, labels=ids).loss
             ours = _loss_forward(model, input_ids=ids, labels=ids).loss
     except Exception as e:  # a forward that the generic reimplementation cannot drive
         return f"the probe failed ({type(e).__name__}: {e})"
-    finally:
-        for m, mode in modes:
-            m.training = mode
     if own is None or not torch.allclose(ours.float(), own.float(), rtol=1e-4, atol=1e-5):
         return (
             f"the model's own loss ({float(own) if own is not None else None}) differs from "
