@@ -194,6 +194,7 @@ def test_memory_at_16k_tokens_vocab_32000_at_most_0_15x_untiled() -> None:
         ({"num_tiles": 0}, ValueError, "num_tiles must be"),
         ({"num_tiles": 2, "tile_tokens": 3}, ValueError, "either num_tiles or tile_tokens"),
         ({"softcap": -1.0}, ValueError, "softcap must be positive"),
+        ({"num_tiles": "arctic"}, ValueError, "the MLP's rule"),
     ],
 )
 def test_bad_arguments(kwargs: dict, exc: type, match: str) -> None:
