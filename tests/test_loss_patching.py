@@ -7,10 +7,11 @@ import copy
 
 import pytest
 import torch
-from conftest import assert_close_rel
-from hf_models import FAMILIES, VOCAB, tiny_causal_lm
 
+from hf_models import FAMILIES, VOCAB, tiny_causal_lm
 from tiledmlp import patch_model, unpatch_model
+
+from conftest import assert_close_rel
 
 pytest.importorskip("transformers")
 
