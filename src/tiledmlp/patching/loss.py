@@ -61,7 +61,7 @@ def _loss_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     num_items = params.pop("num_items_in_batch", None)
     params.pop("logits_to_keep", None)
     params.pop("return_dict", None)
-    outputs = self.base_model(**params)  # type: ignore[operator]
+    outputs = _decoder(self)(**params)
     hidden = outputs[0]
     head = self.get_output_embeddings()  # type: ignore[operator]
     config = getattr(self, "config", None)
@@ -88,12 +88,24 @@ def _loss_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     )
 
 
+def _decoder(model: nn.Module) -> Any:
+    """The module producing the last hidden states: base_model, or get_decoder() where
+    base_model_prefix does not name an attribute (base_model is then the model itself)."""
+    lm: Any = model
+    base = getattr(lm, "base_model", None)
+    if (base is None or base is model) and hasattr(lm, "get_decoder"):
+        base = lm.get_decoder()
+    if base is None or base is model:
+        raise TypeError(f"{type(model).__name__} has no base model or decoder to run")
+    return base
+
+
 def _probe(model: nn.Module) -> str | None:
     """None when the patched loss equals the model's own on random ids, else why not."""
     lm: Any = model  # a Hugging Face PreTrainedModel, duck-typed
     head = lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else None
-    if head is None or getattr(head, "weight", None) is None or not hasattr(model, "base_model"):
-        return "no LM head (get_output_embeddings) or base_model: not a causal LM"
+    if head is None or getattr(head, "weight", None) is None:
+        return "no LM head (get_output_embeddings): not a causal LM"
     if head.weight.device.type == "meta":
         return "weights on the meta device"
     vocab = head.weight.shape[0]
