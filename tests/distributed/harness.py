@@ -1,0 +1,84 @@
+"""Running a function in 2 real processes (gloo on CPU) with a deadline.
+
+Invariant: every worker either returns its result (pickled into a file) or the run fails with
+the worker's traceback; a run past its deadline is killed and reported as a timeout (a deadlock
+never hangs the test suite).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+WORLD = 2
+
+
+class DeadlineExceeded(AssertionError):
+    """The workers did not finish in time (a deadlock)."""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _worker(rank: int, fn: Callable[..., Any], port: int, out_dir: str, args: tuple) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(WORLD),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(WORLD),
+    )
+    torch.set_num_threads(1)
+    result: Any
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+        result = ("ok", fn(rank, *args))
+        dist.barrier()
+    except BaseException:
+        result = ("error", traceback.format_exc())
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    with open(os.path.join(out_dir, f"{rank}.pkl"), "wb") as f:
+        pickle.dump(result, f)
+
+
+def run_distributed(fn: Callable[..., Any], *args: Any, timeout: float = 240.0) -> list[Any]:
+    """Runs fn(rank, *args) on 2 ranks; returns the per-rank results.
+
+    Raises:
+        DeadlineExceeded: not done within `timeout` seconds.
+        AssertionError: a worker raised (its traceback is in the message).
+    """
+    out_dir = tempfile.mkdtemp(prefix="tiledmlp-dist-")
+    ctx = mp.start_processes(
+        _worker, args=(fn, _free_port(), out_dir, args), nprocs=WORLD, join=False, start_method="spawn"
+    )
+    deadline = time.monotonic() + timeout
+    while not ctx.join(timeout=1.0):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            raise DeadlineExceeded(f"distributed run did not finish within {timeout:.0f} s")
+    results = []
+    for rank in range(WORLD):
+        with open(os.path.join(out_dir, f"{rank}.pkl"), "rb") as f:
+            status, value = pickle.load(f)
+        if status != "ok":
+            raise AssertionError(f"rank {rank} failed:\n{value}")
+        results.append(value)
+    return results

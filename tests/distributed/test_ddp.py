@@ -1,0 +1,33 @@
+"""DDP with 2 real processes (gloo): patched models train exactly like a single-process
+untiled reference on the same global batch."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import assert_close_rel
+
+from distributed.harness import run_distributed
+from distributed.workers import ddp_worker, fsdp2_worker, reference
+
+pytestmark = pytest.mark.distributed
+
+
+def assert_matches_reference(results: list, ref: dict) -> None:
+    for rank, res in enumerate(results):
+        assert res["grads"].keys() == ref["grads"].keys()
+        for name, g in ref["grads"].items():
+            assert_close_rel(res["grads"][name], g, f"rank {rank} grad {name}")
+        for name, p in ref["params"].items():
+            assert_close_rel(res["params"][name], p, f"rank {rank} param {name}")
+
+
+@pytest.mark.parametrize("frozen", [None, "embeddings", "all_but_mlp"])
+def test_ddp_matches_single_process_untiled(frozen: str | None) -> None:
+    results = run_distributed(ddp_worker, "llama", frozen)
+    assert_matches_reference(results, reference("llama", frozen=frozen))
+
+
+@pytest.mark.parametrize(("frozen", "shard_mlp"), [(None, False), (None, True), ("all_but_mlp", False)])
+def test_fsdp2_matches_single_process_untiled(frozen: str | None, shard_mlp: bool) -> None:
+    results = run_distributed(fsdp2_worker, "llama", frozen, shard_mlp)
+    assert_matches_reference(results, reference("llama", frozen=frozen))

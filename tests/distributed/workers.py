@@ -1,0 +1,90 @@
+"""Worker functions for the 2-process tests (importable by spawned processes)."""
+
+from __future__ import annotations
+
+import copy
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from hf_models import VOCAB, tiny_causal_lm  # noqa: E402
+
+from tiledmlp import patch_model  # noqa: E402
+
+STEPS = 3
+LR = 0.05
+
+
+def global_batches(seq: int = 23, per_rank: int = 2, seed: int = 1) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, VOCAB, (per_rank * 2, seq), generator=g) for _ in range(STEPS)]
+
+
+def freeze(model: torch.nn.Module, how: str | None) -> torch.nn.Module:
+    """None: all trainable; "embeddings": frozen embeddings; "all_but_mlp": only the MLPs train,
+    so the first layer's MLP input does not require grad."""
+    if how == "embeddings":
+        model.get_input_embeddings().weight.requires_grad_(False)
+    elif how == "all_but_mlp":
+        for name, p in model.named_parameters():
+            p.requires_grad_(".mlp." in name)
+    return model
+
+
+def reference(family: str, seq: int = 23, frozen: str | None = None) -> dict[str, Any]:
+    """Single process, untiled, on the global batch: params and grads after STEPS SGD steps."""
+    model = freeze(tiny_causal_lm(family), frozen)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
+    for ids in global_batches(seq):
+        opt.zero_grad(set_to_none=True)
+        model(input_ids=ids, labels=ids).loss.backward()
+        last = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        opt.step()
+    return {"params": {n: p.detach().clone() for n, p in model.named_parameters()}, "grads": last}
+
+
+def ddp_worker(rank: int, family: str, frozen: str | None) -> dict[str, Any]:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = freeze(tiny_causal_lm(family), frozen)
+    patch_model(model, num_tiles=3)
+    ddp = DDP(model)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
+    for ids in global_batches():
+        local = ids.chunk(2)[rank]
+        opt.zero_grad(set_to_none=True)
+        ddp(input_ids=local, labels=local).loss.backward()
+        last = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        opt.step()
+    return {"params": {n: p.detach().clone() for n, p in model.named_parameters()}, "grads": last}
+
+
+def _full(t: Any) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def fsdp2_worker(rank: int, family: str, frozen: str | None, shard_mlp: bool) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = freeze(tiny_causal_lm(family), frozen)
+    patch_model(model, num_tiles=3)
+    mesh = init_device_mesh("cpu", (2,))
+    for layer in model.model.layers:
+        if shard_mlp:
+            fully_shard(layer.mlp, mesh=mesh)
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
+    for ids in global_batches():
+        local = ids.chunk(2)[rank]
+        opt.zero_grad(set_to_none=True)
+        model(input_ids=local, labels=local).loss.backward()
+        last = {n: _full(p.grad).clone() for n, p in model.named_parameters() if p.grad is not None}
+        opt.step()
+    return {"params": {n: _full(p.detach()).clone() for n, p in model.named_parameters()}, "grads": last}
