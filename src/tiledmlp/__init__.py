@@ -4,6 +4,7 @@ The MLP of a decoder layer runs over the tokens in tiles, keeps none of its big 
 and recomputes only what it must, tile by tile, in the backward.
 """
 
+from tiledmlp import integrations  # noqa: F401  (registers the engines' checks)
 from tiledmlp.config import TiledMLPConfig
 from tiledmlp.module import TiledMLP
 from tiledmlp.ops import TiledMLPFunction, TilePlan, tiled_mlp

@@ -66,7 +66,11 @@ def run_distributed(fn: Callable[..., Any], *args: Any, timeout: float = 240.0) 
     """
     out_dir = tempfile.mkdtemp(prefix="tiledmlp-dist-")
     ctx = mp.start_processes(
-        _worker, args=(fn, _free_port(), out_dir, args), nprocs=WORLD, join=False, start_method="spawn"
+        _worker,
+        args=(fn, _free_port(), out_dir, args),
+        nprocs=WORLD,
+        join=False,
+        start_method="spawn",
     )
     deadline = time.monotonic() + timeout
     while not ctx.join(timeout=1.0):

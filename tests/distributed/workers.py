@@ -2,19 +2,16 @@
 
 from __future__ import annotations
 
-import copy
 import sys
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from hf_models import VOCAB, tiny_causal_lm  # noqa: E402
-
-from tiledmlp import patch_model  # noqa: E402
+from hf_models import VOCAB, tiny_causal_lm
+from tiledmlp import patch_model
 
 STEPS = 3
 LR = 0.05
@@ -87,4 +84,28 @@ def fsdp2_worker(rank: int, family: str, frozen: str | None, shard_mlp: bool) ->
         model(input_ids=local, labels=local).loss.backward()
         last = {n: _full(p.grad).clone() for n, p in model.named_parameters() if p.grad is not None}
         opt.step()
-    return {"params": {n: _full(p.detach()).clone() for n, p in model.named_parameters()}, "grads": last}
+    return {
+        "params": {n: _full(p.detach()).clone() for n, p in model.named_parameters()},
+        "grads": last,
+    }
+
+
+def fsdp2_inner_worker(rank: int) -> str:
+    """The MLP's inner Linear layers sharded on their own: must be refused clearly."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = tiny_causal_lm("llama")
+    patch_model(model, num_tiles=3)
+    mesh = init_device_mesh("cpu", (2,))
+    for layer in model.model.layers:
+        for proj in (layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj):
+            fully_shard(proj, mesh=mesh)
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    ids = global_batches()[0].chunk(2)[rank]
+    try:
+        model(input_ids=ids, labels=ids).loss.backward()
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"

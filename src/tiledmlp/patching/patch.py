@@ -22,6 +22,7 @@ from torch import nn
 
 from tiledmlp.config import TiledMLPConfig
 from tiledmlp.ops.functional import tiled_mlp
+from tiledmlp.patching.checks import run_checks
 from tiledmlp.patching.detect import Candidate, detect_mlps, hidden_size_of
 from tiledmlp.patching.loss import patch_loss, unpatch_loss
 
@@ -90,6 +91,7 @@ def forward(self: nn.Module, x: Any, *args: Any, **kwargs: Any) -> Any:
     orig = original_forward(self)
     if kwargs or len(args) != state.per_token_args or not isinstance(x, torch.Tensor):
         return orig(x, *args, **kwargs)  # an unexpected call shape: leave it untiled
+    run_checks(self)
     cfg = state.config
     return tiled_mlp(
         self, x, *args, num_tiles=cfg.num_tiles, tile_tokens=cfg.tile_tokens, forward=orig
