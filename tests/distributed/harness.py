@@ -20,6 +20,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from conftest import assert_close_rel
+
 WORLD = 2
 
 
@@ -86,3 +88,12 @@ def run_distributed(fn: Callable[..., Any], *args: Any, timeout: float = 240.0) 
             raise AssertionError(f"rank {rank} failed:\n{value}")
         results.append(value)
     return results
+
+
+def assert_matches_reference(results: list, ref: dict) -> None:
+    for rank, res in enumerate(results):
+        assert res["grads"].keys() == ref["grads"].keys()
+        for name, g in ref["grads"].items():
+            assert_close_rel(res["grads"][name], g, f"rank {rank} grad {name}")
+        for name, p in ref["params"].items():
+            assert_close_rel(res["params"][name], p, f"rank {rank} param {name}")

@@ -5,21 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from distributed.harness import run_distributed
+from distributed.harness import assert_matches_reference, run_distributed
 from distributed.workers import ddp_worker, fsdp2_inner_worker, fsdp2_worker, reference
 
-from conftest import assert_close_rel
-
 pytestmark = pytest.mark.distributed
-
-
-def assert_matches_reference(results: list, ref: dict) -> None:
-    for rank, res in enumerate(results):
-        assert res["grads"].keys() == ref["grads"].keys()
-        for name, g in ref["grads"].items():
-            assert_close_rel(res["grads"][name], g, f"rank {rank} grad {name}")
-        for name, p in ref["params"].items():
-            assert_close_rel(res["params"][name], p, f"rank {rank} param {name}")
 
 
 @pytest.mark.parametrize("frozen", [None, "embeddings", "all_but_mlp"])

@@ -109,3 +109,39 @@ def fsdp2_inner_worker(rank: int) -> str:
     except Exception as e:
         return f"{type(e).__name__}: {e}"
     return "no error"
+
+
+def _ds_config(stage: int) -> dict[str, Any]:
+    return {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": {"stage": stage},
+        "steps_per_print": 1_000_000,
+        "wall_clock_breakdown": False,
+        "zero_allow_untested_optimizer": True,
+    }
+
+
+def deepspeed_worker(rank: int, family: str, stage: int, frozen: str | None) -> dict[str, Any]:
+    import deepspeed
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
+
+    # Built normally (same seed on both ranks); for stage 3 deepspeed.initialize partitions it.
+    model = freeze(tiny_causal_lm(family), frozen)
+    patch_model(model, num_tiles=3, hidden_size=32)
+    params = [p for p in model.parameters() if p.requires_grad]
+    engine, *_ = deepspeed.initialize(
+        model=model, optimizer=torch.optim.SGD(params, lr=LR), config=_ds_config(stage)
+    )
+    for ids in global_batches():
+        local = ids.chunk(2)[rank]
+        loss = engine(input_ids=local, labels=local).loss
+        engine.backward(loss)
+        last = {}
+        for n, p in model.named_parameters():
+            g = safe_get_full_grad(p)
+            if g is not None:
+                last[n] = g.detach().clone()
+        engine.step()
+    final = {n: safe_get_full_fp32_param(p).detach().clone() for n, p in model.named_parameters()}
+    return {"params": final, "grads": last}
