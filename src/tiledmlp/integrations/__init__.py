@@ -5,6 +5,6 @@ module imports its framework lazily, so nothing here loads torch.distributed.fsd
 until a distributed run needs it.
 """
 
-from tiledmlp.integrations import fsdp
+from tiledmlp.integrations import deepspeed, fsdp
 
-__all__ = ["fsdp"]
+__all__ = ["deepspeed", "fsdp"]

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from tiledmlp.ops.backend import LOCAL, ParamBackend
 from tiledmlp.ops.grads import GradSlot, Scratch
 from tiledmlp.ops.state import AutocastState
 from tiledmlp.ops.structure import MLPKind, MLPStructure
@@ -43,11 +44,15 @@ class FastEngine:
     Args:
         structure: the recognised MLP.
         autocast: autocast settings captured when the forward ran.
+        backend: makes partitioned parameters whole for the backward (ops/backend.py).
     """
 
-    def __init__(self, structure: MLPStructure, autocast: AutocastState) -> None:
+    def __init__(
+        self, structure: MLPStructure, autocast: AutocastState, backend: ParamBackend = LOCAL
+    ) -> None:
         self.structure = structure
         self.autocast = autocast
+        self.backend = backend
         self._slots = structure.params()  # weight, bias per linear; None where no bias
         self.params: list[torch.Tensor] = [p for p in self._slots if p is not None]
 
@@ -140,6 +145,17 @@ class FastEngine:
         Returns:
             (dx of shape (tokens, hidden) in x's dtype or None, per-parameter gradients or None).
         """
+        with self.backend.gathered_for_backward(self.params):
+            return self._backward(x, grad_out, plan, needs_x, needs_params)
+
+    def _backward(
+        self,
+        x: torch.Tensor,
+        grad_out: torch.Tensor,
+        plan: TilePlan,
+        needs_x: bool,
+        needs_params: Sequence[bool],
+    ) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
         cd = self.compute_dtype(x)
         w = self._cast(cd)
         need_iter = iter(needs_params)

@@ -14,12 +14,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from tiledmlp.ops.backend import LOCAL, ParamBackend
 from tiledmlp.ops.fast import FastEngine
 from tiledmlp.ops.function import TiledMLPFunction, TiledRun, anchor_input
 from tiledmlp.ops.generic import GenericEngine
 from tiledmlp.ops.policy import MemoryModel, resolve_plan, validate_policy
 from tiledmlp.ops.state import AutocastState
-from tiledmlp.ops.structure import recognise
+from tiledmlp.ops.structure import MLPStructure, recognise
 from tiledmlp.ops.tiles import TilePlan
 from tiledmlp.ops.untiled import UntiledCall, running_untiled
 
@@ -39,6 +40,7 @@ def tiled_mlp(
     num_tiles: int | str = "auto",
     tile_tokens: int | None = None,
     forward: Callable[..., Any] | None = None,
+    backend: ParamBackend | None = None,
 ) -> Any:
     """Runs the token-wise module `mlp` over `x` in tiles of tokens, keeping no intermediates.
 
@@ -65,6 +67,8 @@ def tiled_mlp(
         forward: the module's untiled computation, used for the structure probe, the generic
             path's tiles and untiled runs; default: the module itself. A module whose forward
             was replaced by one calling tiled_mlp passes its original forward here.
+        backend: how a training engine that partitions parameters (DeepSpeed ZeRO-3) makes
+            them whole (see ops/backend.py); default: parameters are local and whole.
 
     Returns:
         What mlp(x) returns: a Tensor of shape (..., out), or the module's tuple of outputs.
@@ -80,7 +84,29 @@ def tiled_mlp(
     call = UntiledCall(mlp, forward)
     if running_untiled(mlp):
         return call(x, *args)  # the tiled op is running this module's own forward: never tile twice
-    engine, plan = _prepare(mlp, x, num_tiles, tile_tokens, call, generic=bool(args))
+    backend = backend if backend is not None else LOCAL
+    structure = None if args else recognise(mlp, call, ignore_hooks=backend.engine_hooks)
+    if structure is None and backend.engine_hooks:
+        raise NotImplementedError(
+            f"tiled_mlp: {type(mlp).__name__} needs the generic path (not a recognised gated, "
+            "fused or plain MLP), which is not supported under a parameter-partitioning engine "
+            "(DeepSpeed ZeRO-3) yet; use ZeRO-1/2, DDP or FSDP2 for it, or leave it untiled."
+        )
+    with backend.gathered(list(mlp.parameters())):
+        return _run(mlp, x, args, structure, call, backend, num_tiles, tile_tokens)
+
+
+def _run(
+    mlp: nn.Module,
+    x: torch.Tensor,
+    args: tuple[torch.Tensor, ...],
+    structure: MLPStructure | None,
+    call: UntiledCall,
+    backend: ParamBackend,
+    num_tiles: int | str,
+    tile_tokens: int | None,
+) -> Any:
+    engine, plan = _prepare(mlp, x, num_tiles, tile_tokens, call, structure, backend, bool(args))
     if plan is None or plan.num_tiles == 0:
         logger.debug("tiled_mlp: running %s untiled", type(mlp).__name__)
         return call(x, *args)
@@ -122,7 +148,8 @@ def tile_plan(
     """The tile plan tiled_mlp(mlp, x, ...) would use; None when it would run untiled."""
     validate_policy(num_tiles, tile_tokens)
     _check_x(x)
-    plan = _prepare(mlp, x, num_tiles, tile_tokens, UntiledCall(mlp, forward))[1]
+    call = UntiledCall(mlp, forward)
+    plan = _prepare(mlp, x, num_tiles, tile_tokens, call, recognise(mlp, call))[1]
     return plan if plan is not None and plan.num_tiles > 0 else None
 
 
@@ -158,10 +185,13 @@ def _prepare(
     num_tiles: int | str,
     tile_tokens: int | None,
     call: UntiledCall,
+    structure: MLPStructure | None,
+    backend: ParamBackend = LOCAL,
     generic: bool = False,
 ) -> tuple[FastEngine | GenericEngine, TilePlan | None]:
-    """Recognises the module, checks x against it, builds the engine and resolves the plan."""
-    structure = None if generic else recognise(mlp, call)
+    """Checks x against the module, builds the engine and resolves the plan."""
+    if generic:
+        structure = None
     hidden = x.shape[-1]
     expected = structure.hidden_size if structure is not None else _declared_hidden(mlp)
     if expected is not None and hidden != expected:
@@ -173,7 +203,7 @@ def _prepare(
     engine: FastEngine | GenericEngine
     model: MemoryModel | None = None
     if structure is not None:
-        engine = FastEngine(structure, autocast)
+        engine = FastEngine(structure, autocast, backend)
         model = MemoryModel(structure, engine.compute_dtype(x))
     else:
         engine = GenericEngine(mlp, call, autocast, three_d=x.dim() == 3)

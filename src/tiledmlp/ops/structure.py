@@ -18,9 +18,9 @@ import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
+from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 __all__ = ["MLPKind", "MLPStructure", "recognise"]
@@ -99,31 +99,38 @@ class MLPStructure:
             h = self.act(g) * u
         else:
             h = self.act(self.first[0](x))
-        return F.linear(h, self.down.weight, self.down.bias)
+        return self.down(h)
 
 
-_cache: weakref.WeakKeyDictionary[nn.Module, tuple[tuple[object, ...], MLPStructure | None]] = (
+_cache: weakref.WeakKeyDictionary[nn.Module, tuple[tuple[Any, ...], MLPStructure | None]] = (
     weakref.WeakKeyDictionary()
 )
 
 
 def recognise(
-    mlp: nn.Module, call: Callable[[torch.Tensor], object] | None = None
+    mlp: nn.Module,
+    call: Callable[[torch.Tensor], object] | None = None,
+    ignore_hooks: bool = False,
 ) -> MLPStructure | None:
     """Returns the fast-path structure of `mlp`, or None when it must take the generic path.
 
     Args:
         mlp: the module.
         call: runs the module's untiled forward for the probe (default: the module itself).
+        ignore_hooks: the children's forward hooks are a training engine's parameter fetching
+            (see ops/backend.py), not model behaviour; they do not force the generic path.
 
     The result is cached per module instance and re-derived when its children, their hooks or
     the training mode change (e.g. a LoRA adapter was injected after the first call).
     """
-    signature = _signature(mlp)
+    children, training, hooked = _signature(mlp)
+    # With engine hooks ignored, a structure recognised before the engine wrapped the model
+    # stays valid: the probe never has to run through the engine's parameter fetching.
+    signature = (children, training, hooked and not ignore_hooks)
     cached = _cache.get(mlp)
     if cached is not None and cached[0] == signature:
         return cached[1]
-    structure = _recognise_uncached(mlp, signature[0], call if call is not None else mlp)
+    structure = _recognise_uncached(mlp, children, call if call is not None else mlp, ignore_hooks)
     _cache[mlp] = (signature, structure)
     logger.debug(
         "%s: %s path", type(mlp).__name__, structure.kind.value if structure else "generic"
@@ -136,9 +143,13 @@ def _signature(mlp: nn.Module) -> tuple[tuple[int, ...], bool, bool]:
     return (tuple(id(c) for c in children), mlp.training, any(_has_hooks(c) for c in children))
 
 
-def _is_plain_linear(m: nn.Module) -> bool:
+def _is_plain_linear(m: nn.Module, ignore_hooks: bool) -> bool:
     # Subclasses that override forward (quantised layers, LoRA wrappers) are not plain.
-    return isinstance(m, nn.Linear) and type(m).forward is nn.Linear.forward and not _has_hooks(m)
+    return (
+        isinstance(m, nn.Linear)
+        and type(m).forward is nn.Linear.forward
+        and (ignore_hooks or not _has_hooks(m))
+    )
 
 
 def _has_hooks(m: nn.Module) -> bool:
@@ -146,14 +157,17 @@ def _has_hooks(m: nn.Module) -> bool:
 
 
 def _recognise_uncached(
-    mlp: nn.Module, child_ids: tuple[int, ...], call: Callable[[torch.Tensor], object]
+    mlp: nn.Module,
+    child_ids: tuple[int, ...],
+    call: Callable[[torch.Tensor], object],
+    ignore_hooks: bool,
 ) -> MLPStructure | None:
     if any(True for _ in mlp.named_parameters(recurse=False)):
         return None
     linears: list[nn.Linear] = []
     others: list[nn.Module] = []
     for child in mlp.children():
-        if _is_plain_linear(child):
+        if _is_plain_linear(child, ignore_hooks):
             linears.append(child)  # type: ignore[arg-type]
         elif isinstance(child, nn.Dropout):
             if child.p != 0:
@@ -162,7 +176,9 @@ def _recognise_uncached(
             return None
         else:
             others.append(child)
-    if len(others) != 1 or _has_hooks(others[0]) or len(linears) not in (2, 3):
+    if len(others) != 1 or len(linears) not in (2, 3):
+        return None
+    if not ignore_hooks and _has_hooks(others[0]):
         return None
     act = others[0]
     if linears[0].weight.device.type == "meta" or _is_fake(linears[0].weight):

@@ -1,7 +1,8 @@
-"""Checks that engines (FSDP, DeepSpeed) register and patched forwards run under torch.distributed.
+"""What engines (FSDP, DeepSpeed) register with the patching layer: checks run on every tiled
+call under torch.distributed, and providers of a parameter backend (ops/backend.py).
 
-Invariant: with no process group initialised nothing runs; the patching layer never imports an
-engine itself.
+Invariant: with no process group initialised nothing runs and the default backend is used; the
+patching layer never imports an engine itself.
 """
 
 from __future__ import annotations
@@ -11,9 +12,12 @@ from collections.abc import Callable
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["register_check", "run_checks"]
+from tiledmlp.ops.backend import ParamBackend
+
+__all__ = ["backend_for", "register_backend", "register_check", "run_checks"]
 
 _CHECKS: list[Callable[[nn.Module], None]] = []
+_BACKENDS: list[Callable[[nn.Module], ParamBackend | None]] = []
 
 
 def register_check(check: Callable[[nn.Module], None]) -> None:
@@ -27,3 +31,20 @@ def run_checks(module: nn.Module) -> None:
         return
     for check in _CHECKS:
         check(module)
+
+
+def register_backend(provider: Callable[[nn.Module], ParamBackend | None]) -> None:
+    """Adds a provider asked, per tiled call, for the module's parameter backend."""
+    if provider not in _BACKENDS:
+        _BACKENDS.append(provider)
+
+
+def backend_for(module: nn.Module) -> ParamBackend | None:
+    """The first backend a registered engine provides for `module`, else None (local)."""
+    if not _BACKENDS or not dist.is_available() or not dist.is_initialized():
+        return None
+    for provider in _BACKENDS:
+        backend = provider(module)
+        if backend is not None:
+            return backend
+    return None

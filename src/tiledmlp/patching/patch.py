@@ -22,7 +22,7 @@ from torch import nn
 
 from tiledmlp.config import TiledMLPConfig
 from tiledmlp.ops.functional import tiled_mlp
-from tiledmlp.patching.checks import run_checks
+from tiledmlp.patching.checks import backend_for, run_checks
 from tiledmlp.patching.detect import Candidate, detect_mlps, hidden_size_of
 from tiledmlp.patching.loss import patch_loss, unpatch_loss
 
@@ -94,7 +94,13 @@ def forward(self: nn.Module, x: Any, *args: Any, **kwargs: Any) -> Any:
     run_checks(self)
     cfg = state.config
     return tiled_mlp(
-        self, x, *args, num_tiles=cfg.num_tiles, tile_tokens=cfg.tile_tokens, forward=orig
+        self,
+        x,
+        *args,
+        num_tiles=cfg.num_tiles,
+        tile_tokens=cfg.tile_tokens,
+        forward=orig,
+        backend=backend_for(self),
     )
 
 

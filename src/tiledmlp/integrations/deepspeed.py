@@ -1,0 +1,94 @@
+"""DeepSpeed ZeRO: what tiling needs from it.
+
+ZeRO-1 and ZeRO-2 need nothing: the tiled op hands each parameter's gradient to autograd exactly
+once, which is what their gradient hooks expect. ZeRO-3 partitions parameters (outside a gather a
+parameter's data is empty, its full shape in `ds_shape`), so tiled MLPs under ZeRO-3 get a
+backend (ops/backend.py) that gathers the MLP's parameters with deepspeed.zero.GatheredParameters
+once for the tiled forward and once for the tiled backward, and that marks the child modules'
+hooks as DeepSpeed's own parameter fetching. The gradients come out full-size, once per
+parameter, into DeepSpeed's reduce-scatter hooks, as from DeepSpeed's own ZeRO-3 linear layer.
+
+Invariant: every rank gathers the same MLP's parameters at the same point of the forward and of
+the backward (one gather per tiled call each way, whatever the tile count), so ranks never wait
+on different collectives.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from tiledmlp.ops.backend import ParamBackend
+from tiledmlp.patching.checks import register_backend
+
+__all__ = ["Zero3Backend", "backend_for"]
+
+
+def _is_zero3_param(p: torch.Tensor) -> bool:
+    # DeepSpeed's ZeRO-3 parameters carry a ds_id (deepspeed/runtime/zero/partition_parameters.py)
+    return hasattr(p, "ds_id")
+
+
+class Zero3Backend(ParamBackend):
+    """Gathers ZeRO-3 partitioned parameters around the tiled forward and backward."""
+
+    engine_hooks = True
+
+    def gathered(self, params: Sequence[torch.Tensor]) -> contextlib.AbstractContextManager[object]:
+        zero3 = [p for p in params if _is_zero3_param(p)]
+        if not zero3:
+            return contextlib.nullcontext()
+        import deepspeed
+
+        return deepspeed.zero.GatheredParameters(zero3, modifier_rank=None)
+
+    @contextlib.contextmanager
+    def gathered_for_backward(self, params: Sequence[torch.Tensor]) -> Iterator[None]:
+        """Gathers for the tiled backward. Autograd accumulates the returned gradients after the
+        backward, and checks them against the parameter's current size, so a parameter that
+        gets a gradient stays whole until that gradient has been accumulated (and reduced by
+        DeepSpeed's own hook, registered earlier); the others are partitioned at once."""
+        zero3 = [p for p in params if _is_zero3_param(p)]
+        if not zero3:
+            yield
+            return
+        first: Any = zero3[0]  # a DeepSpeed ZeRO-3 parameter
+        first.all_gather(param_list=zero3)
+        try:
+            yield
+        finally:
+            trainable = [p for p in zero3 if p.requires_grad]
+            frozen = [p for p in zero3 if not p.requires_grad]
+            if frozen:
+                head: Any = frozen[0]
+                head.partition(param_list=frozen, has_been_updated=False)
+            for p in trainable:
+                _partition_after_accumulation(p)
+
+
+def _partition_after_accumulation(param: torch.Tensor) -> None:
+    handle = None
+
+    def partition(p: Any) -> None:
+        assert handle is not None
+        handle.remove()
+        p.partition(param_list=[p], has_been_updated=False)
+
+    handle = param.register_post_accumulate_grad_hook(partition)
+
+
+_ZERO3 = Zero3Backend()
+
+
+def backend_for(module: nn.Module) -> ParamBackend | None:
+    """The ZeRO-3 backend when the module's parameters are ZeRO-3 partitioned."""
+    if any(_is_zero3_param(p) for p in module.parameters()):
+        return _ZERO3
+    return None
+
+
+register_backend(backend_for)
