@@ -15,11 +15,7 @@ from tiledmlp import patch_model
 
 STEPS = 3
 LR = 0.05
-
-
-def global_batches(seq: int = 23, per_rank: int = 2, seed: int = 1) -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, VOCAB, (per_rank * 2, seq), generator=g) for _ in range(STEPS)]
+PER_RANK = 2
 
 
 def freeze(model: torch.nn.Module, how: str | None) -> torch.nn.Module:
@@ -33,29 +29,25 @@ def freeze(model: torch.nn.Module, how: str | None) -> torch.nn.Module:
     return model
 
 
-def reference(family: str, seq: int = 23, frozen: str | None = None) -> dict[str, Any]:
-    """Single process, untiled, on the global batch: params and grads after STEPS SGD steps."""
+def rank_batches(seqs: tuple[int, int], seed: int = 1) -> list[list[torch.Tensor]]:
+    """Per step, the two ranks' batches (PER_RANK sequences of seqs[rank] tokens each)."""
+    g = torch.Generator().manual_seed(seed)
+    return [
+        [torch.randint(3, VOCAB, (PER_RANK, s), generator=g) for s in seqs] for _ in range(STEPS)
+    ]
+
+
+def reference(
+    family: str = "llama", frozen: str | None = None, seqs: tuple[int, int] = (23, 23)
+) -> dict[str, Any]:
+    """Single process, untiled: each step's loss is the mean of the two ranks' losses (what
+    data-parallel gradient averaging computes); params and grads after STEPS SGD steps."""
     model = freeze(tiny_causal_lm(family), frozen)
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
-    for ids in global_batches(seq):
+    for batches in rank_batches(seqs):
         opt.zero_grad(set_to_none=True)
-        model(input_ids=ids, labels=ids).loss.backward()
-        last = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-        opt.step()
-    return {"params": {n: p.detach().clone() for n, p in model.named_parameters()}, "grads": last}
-
-
-def ddp_worker(rank: int, family: str, frozen: str | None) -> dict[str, Any]:
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    model = freeze(tiny_causal_lm(family), frozen)
-    patch_model(model, num_tiles=3)
-    ddp = DDP(model)
-    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
-    for ids in global_batches():
-        local = ids.chunk(2)[rank]
-        opt.zero_grad(set_to_none=True)
-        ddp(input_ids=local, labels=local).loss.backward()
+        loss = sum(model(input_ids=ids, labels=ids).loss for ids in batches) / len(batches)
+        loss.backward()
         last = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
         opt.step()
     return {"params": {n: p.detach().clone() for n, p in model.named_parameters()}, "grads": last}
@@ -65,29 +57,113 @@ def _full(t: Any) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
-def fsdp2_worker(rank: int, family: str, frozen: str | None, shard_mlp: bool) -> dict[str, Any]:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    model = freeze(tiny_causal_lm(family), frozen)
-    patch_model(model, num_tiles=3)
-    mesh = init_device_mesh("cpu", (2,))
-    for layer in model.model.layers:
-        if shard_mlp:
-            fully_shard(layer.mlp, mesh=mesh)
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
-    for ids in global_batches():
-        local = ids.chunk(2)[rank]
-        opt.zero_grad(set_to_none=True)
-        model(input_ids=local, labels=local).loss.backward()
-        last = {n: _full(p.grad).clone() for n, p in model.named_parameters() if p.grad is not None}
-        opt.step()
+def _ds_config(stage: int) -> dict[str, Any]:
     return {
-        "params": {n: _full(p.detach()).clone() for n, p in model.named_parameters()},
-        "grads": last,
+        "train_micro_batch_size_per_gpu": PER_RANK,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": {"stage": stage},
+        "steps_per_print": 1_000_000,
+        "wall_clock_breakdown": False,
+        "zero_allow_untested_optimizer": True,
     }
+
+
+def engine_worker(
+    rank: int,
+    engine: str,
+    family: str = "llama",
+    frozen: str | None = None,
+    seqs: tuple[int, int] = (23, 23),
+    tile_tokens: int | None = None,
+    shard_mlp: bool = False,
+    tiled: bool = True,
+) -> dict[str, Any]:
+    """Trains a patched (or, with tiled=False, untouched) model for STEPS steps under `engine`
+    ("ddp", "fsdp2", "zero1".."zero3"); returns full params and last grads, and the token count
+    the ranks agreed on."""
+    model = freeze(tiny_causal_lm(family), frozen)
+    if not tiled:
+        pass
+    elif tile_tokens is None:
+        patch_model(model, num_tiles=3)
+    else:
+        patch_model(model, tile_tokens=tile_tokens)
+    params = [p for p in model.parameters() if p.requires_grad]
+    ds_engine = None
+    if engine == "ddp":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        runner: Any = DDP(model)
+    elif engine == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (2,))
+        for layer in model.model.layers:
+            if shard_mlp:
+                fully_shard(layer.mlp, mesh=mesh)
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        runner = model
+    elif engine.startswith("zero"):
+        import deepspeed
+
+        ds_engine, *_ = deepspeed.initialize(
+            model=model,
+            optimizer=torch.optim.SGD(params, lr=LR),
+            config=_ds_config(int(engine[-1])),
+        )
+        runner = ds_engine
+    else:
+        raise ValueError(engine)
+    # After wrapping: fully_shard replaces the parameters with sharded ones.
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    opt = None if ds_engine is not None else torch.optim.SGD(trainable, lr=LR)
+    agreed = []
+    for batches in rank_batches(seqs):
+        local = batches[rank]
+        loss = runner(input_ids=local, labels=local).loss
+        agreement = model.__dict__.get("_tiledmlp_agreement")
+        agreed.append(None if agreement is None else agreement[0].value)
+        if ds_engine is not None:
+            ds_engine.backward(loss)
+            last = _ds_grads(model)
+            ds_engine.step()
+        else:
+            assert opt is not None
+            loss.backward()
+            last = {
+                n: _full(p.grad).clone() for n, p in model.named_parameters() if p.grad is not None
+            }
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    if ds_engine is not None:
+        final = {n: _ds_param(p) for n, p in model.named_parameters()}
+    else:
+        final = {n: _full(p.detach()).clone() for n, p in model.named_parameters()}
+    return {"params": final, "grads": last, "agreed": agreed}
+
+
+def _ds_param(p: torch.nn.Parameter) -> torch.Tensor:
+    import deepspeed
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    full = safe_get_full_fp32_param(p)  # None for frozen parameters (not in the optimizer)
+    if full is not None:
+        return full.detach().clone()
+    with deepspeed.zero.GatheredParameters([p] if hasattr(p, "ds_id") else []):
+        return p.detach().clone()
+
+
+def _ds_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    from deepspeed.utils import safe_get_full_grad
+
+    out = {}
+    for n, p in model.named_parameters():
+        g = safe_get_full_grad(p)
+        if g is not None:
+            out[n] = g.detach().clone()
+    return out
 
 
 def fsdp2_inner_worker(rank: int) -> str:
@@ -103,45 +179,9 @@ def fsdp2_inner_worker(rank: int) -> str:
             fully_shard(proj, mesh=mesh)
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    ids = global_batches()[0].chunk(2)[rank]
+    ids = rank_batches((23, 23))[0][rank]
     try:
         model(input_ids=ids, labels=ids).loss.backward()
     except Exception as e:
         return f"{type(e).__name__}: {e}"
     return "no error"
-
-
-def _ds_config(stage: int) -> dict[str, Any]:
-    return {
-        "train_micro_batch_size_per_gpu": 2,
-        "gradient_accumulation_steps": 1,
-        "zero_optimization": {"stage": stage},
-        "steps_per_print": 1_000_000,
-        "wall_clock_breakdown": False,
-        "zero_allow_untested_optimizer": True,
-    }
-
-
-def deepspeed_worker(rank: int, family: str, stage: int, frozen: str | None) -> dict[str, Any]:
-    import deepspeed
-    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
-
-    # Built normally (same seed on both ranks); for stage 3 deepspeed.initialize partitions it.
-    model = freeze(tiny_causal_lm(family), frozen)
-    patch_model(model, num_tiles=3, hidden_size=32)
-    params = [p for p in model.parameters() if p.requires_grad]
-    engine, *_ = deepspeed.initialize(
-        model=model, optimizer=torch.optim.SGD(params, lr=LR), config=_ds_config(stage)
-    )
-    for ids in global_batches():
-        local = ids.chunk(2)[rank]
-        loss = engine(input_ids=local, labels=local).loss
-        engine.backward(loss)
-        last = {}
-        for n, p in model.named_parameters():
-            g = safe_get_full_grad(p)
-            if g is not None:
-                last[n] = g.detach().clone()
-        engine.step()
-    final = {n: safe_get_full_fp32_param(p).detach().clone() for n, p in model.named_parameters()}
-    return {"params": final, "grads": last}

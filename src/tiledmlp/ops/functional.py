@@ -21,7 +21,7 @@ from tiledmlp.ops.generic import GenericEngine
 from tiledmlp.ops.policy import MemoryModel, resolve_plan, validate_policy
 from tiledmlp.ops.state import AutocastState
 from tiledmlp.ops.structure import MLPStructure, recognise
-from tiledmlp.ops.tiles import TilePlan
+from tiledmlp.ops.tiles import TilePlan, split_even
 from tiledmlp.ops.untiled import UntiledCall, running_untiled
 
 __all__ = ["tile_plan", "tiled_mlp"]
@@ -41,6 +41,7 @@ def tiled_mlp(
     tile_tokens: int | None = None,
     forward: Callable[..., Any] | None = None,
     backend: ParamBackend | None = None,
+    plan_tokens: int | None = None,
 ) -> Any:
     """Runs the token-wise module `mlp` over `x` in tiles of tokens, keeping no intermediates.
 
@@ -69,6 +70,9 @@ def tiled_mlp(
             was replaced by one calling tiled_mlp passes its original forward here.
         backend: how a training engine that partitions parameters (DeepSpeed ZeRO-3) makes
             them whole (see ops/backend.py); default: parameters are local and whole.
+        plan_tokens: resolve the tile policy for this many tokens (when larger than x's) and
+            split x's tokens into that plan's number of tiles: ranks that agreed on their
+            largest token count run the same number of tiles.
 
     Returns:
         What mlp(x) returns: a Tensor of shape (..., out), or the module's tuple of outputs.
@@ -93,7 +97,7 @@ def tiled_mlp(
             "(DeepSpeed ZeRO-3) yet; use ZeRO-1/2, DDP or FSDP2 for it, or leave it untiled."
         )
     with backend.gathered(list(mlp.parameters())):
-        return _run(mlp, x, args, structure, call, backend, num_tiles, tile_tokens)
+        return _run(mlp, x, args, structure, call, backend, num_tiles, tile_tokens, plan_tokens)
 
 
 def _run(
@@ -105,8 +109,11 @@ def _run(
     backend: ParamBackend,
     num_tiles: int | str,
     tile_tokens: int | None,
+    plan_tokens: int | None,
 ) -> Any:
-    engine, plan = _prepare(mlp, x, num_tiles, tile_tokens, call, structure, backend, bool(args))
+    engine, plan = _prepare(
+        mlp, x, num_tiles, tile_tokens, call, structure, backend, bool(args), plan_tokens
+    )
     if plan is None or plan.num_tiles == 0:
         logger.debug("tiled_mlp: running %s untiled", type(mlp).__name__)
         return call(x, *args)
@@ -188,6 +195,7 @@ def _prepare(
     structure: MLPStructure | None,
     backend: ParamBackend = LOCAL,
     generic: bool = False,
+    plan_tokens: int | None = None,
 ) -> tuple[FastEngine | GenericEngine, TilePlan | None]:
     """Checks x against the module, builds the engine and resolves the plan."""
     if generic:
@@ -208,7 +216,14 @@ def _prepare(
     else:
         engine = GenericEngine(mlp, call, autocast, three_d=x.dim() == 3)
     num_tokens = x.numel() // hidden if hidden else 0
-    return engine, resolve_plan(num_tiles, tile_tokens, num_tokens, hidden, model)
+    if plan_tokens is None or plan_tokens <= num_tokens:
+        return engine, resolve_plan(num_tiles, tile_tokens, num_tokens, hidden, model)
+    # Ranks agreed on the largest token count: resolve the policy for it, so that every rank
+    # runs the same number of tiles, then split this rank's tokens into that many.
+    agreed = resolve_plan(num_tiles, tile_tokens, plan_tokens, hidden, model)
+    if agreed is None:
+        return engine, None
+    return engine, split_even(num_tokens, agreed.num_tiles)
 
 
 def _output_slots(run: TiledRun) -> list[bool | None]:

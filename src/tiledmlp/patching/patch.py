@@ -22,6 +22,7 @@ from torch import nn
 
 from tiledmlp.config import TiledMLPConfig
 from tiledmlp.ops.functional import tiled_mlp
+from tiledmlp.patching.agreement import StepTokens, install_agreement
 from tiledmlp.patching.checks import backend_for, run_checks
 from tiledmlp.patching.detect import Candidate, detect_mlps, hidden_size_of
 from tiledmlp.patching.loss import patch_loss, unpatch_loss
@@ -31,6 +32,7 @@ __all__ = ["PatchReport", "original_forward", "patch_model", "unpatch_model"]
 logger = logging.getLogger(__name__)
 
 _STATE = "_tiledmlp_patch"
+_AGREEMENT = "_tiledmlp_agreement"
 
 
 @dataclass
@@ -40,6 +42,7 @@ class _PatchState:
     path: str
     kind: str
     per_token_args: int
+    step: StepTokens
 
 
 @dataclass(frozen=True)
@@ -101,16 +104,20 @@ def forward(self: nn.Module, x: Any, *args: Any, **kwargs: Any) -> Any:
         tile_tokens=cfg.tile_tokens,
         forward=orig,
         backend=backend_for(self),
+        plan_tokens=state.step.value,
     )
 
 
-def _patch_one(module: nn.Module, cand: Candidate, config: TiledMLPConfig) -> None:
+def _patch_one(
+    module: nn.Module, cand: Candidate, config: TiledMLPConfig, step: StepTokens
+) -> None:
     existing = module.__dict__.get(_STATE)
     if existing is not None:
         existing.config = config  # idempotent; a new policy replaces the old one
+        existing.step = step
         return
     state = _PatchState(
-        module.__dict__.get("forward"), config, cand.path, cand.kind, cand.per_token_args
+        module.__dict__.get("forward"), config, cand.path, cand.kind, cand.per_token_args, step
     )
     module.__dict__[_STATE] = state
     module.forward = types.MethodType(forward, module)  # type: ignore[method-assign]
@@ -181,8 +188,9 @@ def patch_model(
             "fc1/fc2 projections, or MoE experts. Is hidden_size right, and are the weights "
             f"materialised (not on the meta device)?{why}"
         )
+    step = _step_agreement(model)
     for cand in candidates:
-        _patch_one(cand.module, cand, config)
+        _patch_one(cand.module, cand, config, step)
     loss = None
     if tiled_loss:
         loss = patch_loss(model, num_tiles if tile_tokens is None else "auto") or "tiled"
@@ -190,6 +198,16 @@ def patch_model(
     report = PatchReport(sorted(paths), paths, skipped, config, loss)
     logger.info("%s", report)
     return report
+
+
+def _step_agreement(model: nn.Module) -> StepTokens:
+    """The root's once-per-step token agreement (installed on the first patch_model call)."""
+    existing = model.__dict__.get(_AGREEMENT)
+    if existing is not None:
+        return existing[0]  # type: ignore[no-any-return]
+    step = StepTokens()
+    model.__dict__[_AGREEMENT] = (step, install_agreement(model, step))
+    return step
 
 
 def unpatch_model(model: nn.Module) -> list[str]:
@@ -200,6 +218,9 @@ def unpatch_model(model: nn.Module) -> list[str]:
         Qualified names of the modules restored ("<loss>" for the loss).
     """
     restored = []
+    agreement = model.__dict__.pop(_AGREEMENT, None)
+    if agreement is not None:
+        agreement[1].remove()
     if unpatch_loss(model):
         restored.append("<loss>")
     for name, module in model.named_modules():

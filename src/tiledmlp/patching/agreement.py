@@ -1,0 +1,55 @@
+"""Rank-consistent tile counts, agreed once per step.
+
+A forward pre-hook on the patched model's root all-reduces (MAX) the number of tokens each rank
+feeds in this step; every tiled MLP of the model then resolves its tile policy for that count and
+splits its own tokens into that many tiles. Ranks whose sequence lengths differ therefore run
+the same number of tiles in every layer, at the cost of one tiny all-reduce per step (not per
+layer). Without an initialised process group (or with one rank) nothing is exchanged.
+
+Invariant: every rank calls the all-reduce exactly once per root forward, whatever its inputs
+(a rank without a recognisable input contributes 0), so the collective itself cannot deadlock.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+__all__ = ["StepTokens", "install_agreement"]
+
+
+@dataclass
+class StepTokens:
+    """The largest token count over ranks in the current step, or None (single process)."""
+
+    value: int | None = None
+
+
+def _local_tokens(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[int, torch.device | None]:
+    for t in (kwargs.get("input_ids"), kwargs.get("inputs_embeds"), *args[:1]):
+        if isinstance(t, torch.Tensor):
+            n = t.numel() // t.shape[-1] if t.is_floating_point() and t.dim() > 0 else t.numel()
+            return n, t.device
+    return 0, None
+
+
+def install_agreement(model: nn.Module, step: StepTokens) -> RemovableHandle:
+    """Registers the once-per-step agreement on `model` (the root the user calls)."""
+
+    def agree(_module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
+            step.value = None
+            return
+        n, device = _local_tokens(args, kwargs)
+        if dist.get_backend() == "nccl":
+            device = torch.device("cuda", torch.cuda.current_device())
+        t = torch.tensor([n], dtype=torch.int64, device=device or torch.device("cpu"))
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        step.value = int(t.item())
+
+    return model.register_forward_pre_hook(agree, with_kwargs=True)
