@@ -4,9 +4,12 @@ single-process untiled reference on the same global batch."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from distributed.harness import assert_matches_reference, run_distributed
 from distributed.workers import engine_worker, fsdp2_inner_worker, reference
+
+from conftest import assert_close_rel
 
 pytestmark = pytest.mark.distributed
 
@@ -38,3 +41,19 @@ def test_fsdp2_with_inner_linears_sharded_is_refused_clearly() -> None:
     for message in run_distributed(fsdp2_inner_worker):
         assert message.startswith("ValueError: tiledmlp: inside the tiled LlamaMLP"), message
         assert "Apply fully_shard to the MLP module or to the decoder layer" in message
+
+
+@pytest.mark.parametrize("engine", ["ddp", "fsdp2"])
+def test_bf16_close_to_untiled_under_the_same_engine(engine: str) -> None:
+    # bf16 on CPU: tiled and untiled round differently (tile-wise weight-gradient sums, fp32
+    # accumulation); documented tolerance: within 3 bf16 ulps (rtol 2.4e-2) of the largest
+    # magnitude, parameters after 3 steps and last gradients.
+    args = (engine, "llama", None, (23, 23), None, False)
+    tiled = run_distributed(engine_worker, *args, True, torch.bfloat16)
+    untiled = run_distributed(engine_worker, *args, False, torch.bfloat16)
+    for got in tiled:
+        for kind in ("grads", "params"):
+            for name, ref in untiled[0][kind].items():
+                assert_close_rel(
+                    got[kind][name].float(), ref.float(), f"{kind} {name}", rtol=2.4e-2
+                )

@@ -77,11 +77,12 @@ def engine_worker(
     tile_tokens: int | None = None,
     shard_mlp: bool = False,
     tiled: bool = True,
+    dtype: torch.dtype = torch.float32,
 ) -> dict[str, Any]:
     """Trains a patched (or, with tiled=False, untouched) model for STEPS steps under `engine`
     ("ddp", "fsdp2", "zero1".."zero3"); returns full params and last grads, and the token count
     the ranks agreed on."""
-    model = freeze(tiny_causal_lm(family), frozen)
+    model = freeze(tiny_causal_lm(family).to(dtype), frozen)
     if not tiled:
         pass
     elif tile_tokens is None:
