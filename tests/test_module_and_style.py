@@ -51,8 +51,8 @@ def _tool(name: str) -> str:
 
 def test_ruff_lint_and_format() -> None:
     ruff = _tool("ruff")
-    subprocess.run([ruff, "check", "src", "tests"], cwd=ROOT, check=True)
-    subprocess.run([ruff, "format", "--check", "src", "tests"], cwd=ROOT, check=True)
+    subprocess.run([ruff, "check", "src", "tests", "examples"], cwd=ROOT, check=True)
+    subprocess.run([ruff, "format", "--check", "src", "tests", "examples"], cwd=ROOT, check=True)
 
 
 def test_mypy() -> None:

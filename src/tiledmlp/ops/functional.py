@@ -92,9 +92,11 @@ def tiled_mlp(
     structure = None if args else recognise(mlp, call, ignore_hooks=backend.engine_hooks)
     if structure is None and backend.engine_hooks:
         raise NotImplementedError(
-            f"tiled_mlp: {type(mlp).__name__} needs the generic path (not a recognised gated, "
-            "fused or plain MLP), which is not supported under a parameter-partitioning engine "
-            "(DeepSpeed ZeRO-3) yet; use ZeRO-1/2, DDP or FSDP2 for it, or leave it untiled."
+            f"tiled_mlp: {type(mlp).__name__} is not a gated, fused or plain MLP recognised "
+            "before the parameter-partitioning engine (DeepSpeed ZeRO-3) wrapped the model. Call "
+            "tiledmlp.patch_model before deepspeed.initialize; modules that need the generic "
+            "path (LoRA-wrapped, MoE experts, custom) are not supported under ZeRO-3 yet: use "
+            "ZeRO-1/2, DDP or FSDP2 for them, or leave them untiled."
         )
     with backend.gathered(list(mlp.parameters())):
         return _run(mlp, x, args, structure, call, backend, num_tiles, tile_tokens, plan_tokens)

@@ -118,16 +118,23 @@ def recognise(
         mlp: the module.
         call: runs the module's untiled forward for the probe (default: the module itself).
         ignore_hooks: the children's forward hooks are a training engine's parameter fetching
-            (see ops/backend.py), not model behaviour; they do not force the generic path.
+            (see ops/backend.py), not model behaviour: they do not force the generic path, and
+            the probe is never run through them (it would leave the engine's bookkeeping of
+            fetched parameters unbalanced). The structure must then have been recognised before
+            the engine wrapped the model (patch_model first); otherwise None is returned.
 
     The result is cached per module instance and re-derived when its children, their hooks or
     the training mode change (e.g. a LoRA adapter was injected after the first call).
     """
     children, training, hooked = _signature(mlp)
-    # With engine hooks ignored, a structure recognised before the engine wrapped the model
-    # stays valid: the probe never has to run through the engine's parameter fetching.
-    signature = (children, training, hooked and not ignore_hooks)
     cached = _cache.get(mlp)
+    if ignore_hooks:
+        # Reuse what was recognised before the engine wrapped the model, whatever the mode.
+        if cached is not None and cached[0][0] == children:
+            return cached[1]
+        logger.debug("%s: not recognised before the engine wrapped it", type(mlp).__name__)
+        return None
+    signature = (children, training, hooked)
     if cached is not None and cached[0] == signature:
         return cached[1]
     structure = _recognise_uncached(mlp, children, call if call is not None else mlp, ignore_hooks)
