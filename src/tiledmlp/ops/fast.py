@@ -156,6 +156,7 @@ class FastEngine:
         needs_x: bool,
         needs_params: Sequence[bool],
     ) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
+        """backward() with the parameters whole."""
         cd = self.compute_dtype(x)
         w = self._cast(cd)
         need_iter = iter(needs_params)
