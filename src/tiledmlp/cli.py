@@ -1,4 +1,4 @@
-"""Command-line interface: `tiledmlp bench` and `tiledmlp env`.
+"""Command-line interface: `tiledmlp train`, `tiledmlp bench` and `tiledmlp env`.
 
 Sits on top of everything; nothing imports it. Errors in user input end with a one-line message
 and exit status 2, never a traceback.
@@ -12,6 +12,7 @@ import logging
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 __all__ = ["main"]
 
@@ -133,12 +134,172 @@ def _build_parser() -> argparse.ArgumentParser:
         help="folder for bench.jsonl and bench.md (default: ./bench-out)",
     )
 
+    _add_train(sub)
     sub.add_parser(
         "env",
         help="versions and devices, for bug reports",
         description="Prints versions of Python, torch and optional packages, and devices.",
     )
     return parser
+
+
+def _bool(text: str) -> bool:
+    value = text.strip().lower()
+    if value in ("true", "1", "yes", "on"):
+        return True
+    if value in ("false", "0", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+def _add_train(sub: Any) -> None:
+    from tiledmlp.train.presets import PRESETS
+
+    t = sub.add_parser(
+        "train",
+        help="fine-tune a causal LM at long context with tiled MLPs (the main job)",
+        description=(
+            "Trains a causal LM on packed token sequences with tiled MLPs and the tiled loss. "
+            "Default: the 'tiny' preset (random init from a config) on the Python standard "
+            "library's own source code, byte-level tokens, nothing downloaded. Under torchrun it "
+            "runs DDP (default), FSDP2 or DeepSpeed."
+        ),
+    )
+    t.add_argument(
+        "--model",
+        default="tiny",
+        help=f"a preset ({', '.join(sorted(PRESETS))}) or a local model directory (default: tiny)",
+    )
+    t.add_argument(
+        "--data",
+        type=Path,
+        default=None,
+        help="a local .txt or .jsonl (field 'text') file (default: the Python stdlib source)",
+    )
+    t.add_argument(
+        "--seq-len", type=_positive_int, default=2048, help="tokens per sequence (default: 2048)"
+    )
+    t.add_argument(
+        "--batch-size",
+        type=_positive_int,
+        default=1,
+        help="sequences per step and rank (default: 1)",
+    )
+    t.add_argument("--steps", type=_positive_int, default=12, help="optimizer steps (default: 12)")
+    t.add_argument("--lr", type=float, default=2e-3, help="AdamW learning rate (default: 2e-3)")
+    t.add_argument(
+        "--use_tiled_mlp",
+        type=_bool,
+        default=True,
+        metavar="true|false",
+        help="tile the MLPs (and the loss) (default: true)",
+    )
+    t.add_argument(
+        "--tiled_mlp_num_shards",
+        type=_tiles,
+        default=None,
+        metavar="N",
+        help="tiles per MLP, the seeds' name for --num-tiles",
+    )
+    t.add_argument(
+        "--num-tiles",
+        type=_tiles,
+        default="auto",
+        help="tiles per MLP: an int, 'auto' or 'arctic' (default: auto)",
+    )
+    t.add_argument(
+        "--tiled-loss",
+        type=_bool,
+        default=True,
+        metavar="true|false",
+        help="compute the loss with tiled_cross_entropy when tiling (default: true)",
+    )
+    t.add_argument(
+        "--gradient-checkpointing",
+        action="store_true",
+        help="the model's own (non-reentrant) gradient checkpointing",
+    )
+    t.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="weights and activations (default: float32)",
+    )
+    t.add_argument(
+        "--engine",
+        choices=("auto", "single", "ddp", "fsdp2", "deepspeed"),
+        default="auto",
+        help="auto: single process, or DDP under torchrun (default: auto)",
+    )
+    t.add_argument(
+        "--deepspeed-config",
+        type=Path,
+        default=None,
+        help="DeepSpeed JSON config (--engine deepspeed)",
+    )
+    t.add_argument(
+        "--output-dir",
+        type=Path,
+        default=None,
+        help="save_pretrained the trained model and summary.json here",
+    )
+    t.add_argument("--seed", type=int, default=0, help="model init seed (default: 0)")
+    t.add_argument(
+        "--max-data-bytes",
+        type=_positive_int,
+        default=4_000_000,
+        help="read at most about this much text (default: 4000000)",
+    )
+    t.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    from tiledmlp.train.loop import TrainConfig, run
+
+    if args.tiled_mlp_num_shards is not None and args.num_tiles != "auto":
+        raise UsageError("give --tiled_mlp_num_shards or --num-tiles, not both")
+    if args.deepspeed_config is not None and not args.deepspeed_config.is_file():
+        raise UsageError(f"--deepspeed-config: {args.deepspeed_config} is not a file")
+    cfg = TrainConfig(
+        model=args.model,
+        data=args.data,
+        seq_len=args.seq_len,
+        batch_size=args.batch_size,
+        steps=args.steps,
+        lr=args.lr,
+        use_tiled_mlp=args.use_tiled_mlp,
+        num_tiles=args.tiled_mlp_num_shards
+        if args.tiled_mlp_num_shards is not None
+        else args.num_tiles,
+        tiled_loss=args.tiled_loss,
+        gradient_checkpointing=args.gradient_checkpointing,
+        dtype=args.dtype,
+        engine=args.engine,
+        deepspeed_config=args.deepspeed_config,
+        output_dir=args.output_dir,
+        seed=args.seed,
+        max_data_bytes=args.max_data_bytes,
+    )
+    summary = run(cfg)
+    if int(__import__("os").environ.get("RANK", "0")) != 0:
+        return 0
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        tiled = (
+            "tiled MLPs" + (" + tiled loss" if summary["tiled_loss"] else "")
+            if cfg.use_tiled_mlp
+            else "untiled"
+        )
+        print(
+            f"trained {summary['model']} ({tiled}, {summary['engine']}, {summary['dtype']}) for "
+            f"{summary['steps']} steps of {summary['seq_len']} tokens: loss {summary['first_loss']:.4f} -> "
+            f"{summary['last_loss']:.4f}, {summary['tokens_per_s']:,.0f} tokens/s, peak "
+            f"{summary['peak_mib']:,.0f} MiB ({summary['peak_kind']})"
+        )
+        if cfg.output_dir is not None:
+            print(f"saved to {cfg.output_dir}")
+    return 0
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
@@ -251,6 +412,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "bench":
             return _cmd_bench(args)
+        if args.command == "train":
+            return _cmd_train(args)
         return _cmd_env(args)
     except (UsageError, ValueError) as e:
         print(f"tiledmlp {args.command}: error: {e}", file=sys.stderr)

@@ -1,0 +1,2 @@
+"""Fine-tuning at long context with tiled MLPs: data, presets and the training loop behind
+`tiledmlp train`."""
