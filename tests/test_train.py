@@ -72,10 +72,16 @@ def test_bad_input_is_one_line(args: list[str], message: str) -> None:
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("engine", ["ddp", "fsdp2"])
+@pytest.mark.parametrize("engine", ["ddp", "fsdp2", "deepspeed"])
 def test_under_torchrun(engine: str) -> None:
+    if engine == "deepspeed":
+        pytest.importorskip("deepspeed")
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m"]
-    res = train("--engine", engine, "--seq-len", "256", "--steps", "2", "--json", launcher=launcher)
+    extra = ["--deepspeed-config", str(Path(__file__).parents[1] / "examples" / "ds_zero3.json")]
+    res = train(
+        "--engine", engine, "--seq-len", "256", "--steps", "2", "--json",
+        *(extra if engine == "deepspeed" else []), launcher=launcher,
+    )  # fmt: skip
     assert res.returncode == 0, res.stderr[-3000:]
     s = json.loads(res.stdout.strip().splitlines()[-1])
     assert s["world_size"] == 2 and s["engine"] == engine and len(s["losses"]) == 2
