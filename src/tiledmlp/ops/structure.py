@@ -189,7 +189,10 @@ def _recognise_uncached(
         return None
     act = others[0]
     if linears[0].weight.device.type == "meta" or _is_fake(linears[0].weight):
-        return None  # nothing to probe: no values
+        # No values to probe (memory planning on fake tensors): take the shape-consistent
+        # structure; which projection is the gate does not change FLOPs or memory.
+        shaped = _candidates(linears, act, False, child_ids)
+        return shaped[0] if shaped else None
     in_place = _act_aliases_input(act, linears[0].weight)
     for candidate in _candidates(linears, act, in_place, child_ids):
         if _probe(call, candidate):
