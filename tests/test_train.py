@@ -38,11 +38,12 @@ def test_default_run_learns_and_saves(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_tiling_keeps_the_losses_and_lowers_peak_memory() -> None:
-    tiled = summary("--seq-len", "4096", "--steps", "3")
-    untiled = summary("--seq-len", "4096", "--steps", "3", "--use_tiled_mlp", "false")
+    tiled = summary("--seq-len", "8192", "--steps", "2")
+    untiled = summary("--seq-len", "8192", "--steps", "2", "--use_tiled_mlp", "false")
     assert tiled["losses"] == pytest.approx(untiled["losses"], rel=1e-5)
-    # process peak RSS in fresh processes: 4 layers x ~5.5 x 4096 x 1024 fp32 intermediates
-    assert untiled["peak_mib"] > tiled["peak_mib"] + 150
+    # process peak (VmHWM) of fresh processes: the untiled run also holds 4 layers of SwiGLU
+    # intermediates (several 8192 x 1024 fp32 tensors each)
+    assert untiled["peak_mib"] > tiled["peak_mib"] + 250
 
 
 def test_seed_flags_and_local_jsonl(tmp_path: Path) -> None:

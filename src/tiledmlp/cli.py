@@ -135,6 +135,43 @@ def _build_parser() -> argparse.ArgumentParser:
     )
 
     _add_train(sub)
+    pl = sub.add_parser(
+        "plan",
+        help="estimate MLP peak memory untiled vs tiled, without a GPU (fake tensors)",
+        description=(
+            "Estimates the peak memory of a SwiGLU MLP's forward + backward (weights, grads, "
+            "input, output and their gradients included) on fake tensors: nothing is allocated. "
+            "With --budget-gb, recommends the fewest tiles (powers of two) that fit."
+        ),
+    )
+    pl.add_argument(
+        "--hidden", type=_positive_int, default=4096, help="hidden size (default: 4096)"
+    )
+    pl.add_argument(
+        "--intermediate",
+        type=_positive_int,
+        default=14336,
+        help="intermediate size (default: 14336, Llama-3-8B)",
+    )
+    pl.add_argument(
+        "--seq-len", type=_positive_int, default=131072, help="tokens (default: 131072)"
+    )
+    pl.add_argument(
+        "--dtype", choices=_DTYPES, default="bfloat16", help="dtype (default: bfloat16)"
+    )
+    pl.add_argument(
+        "--num-tiles",
+        type=_tiles,
+        default="auto",
+        help="tile policy to estimate: an int, 'auto' or 'arctic' (default: auto)",
+    )
+    pl.add_argument(
+        "--budget-gb",
+        type=float,
+        default=None,
+        help="memory budget in GiB: recommend the fewest tiles that fit",
+    )
+    pl.add_argument("--json", action="store_true", help="print one JSON object")
     sub.add_parser(
         "env",
         help="versions and devices, for bug reports",
@@ -302,6 +339,44 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_plan(args: argparse.Namespace) -> int:
+    import torch
+
+    from tiledmlp.bench.plan import plan_mlp
+
+    if args.budget_gb is not None and args.budget_gb <= 0:
+        raise UsageError(f"--budget-gb must be positive, got {args.budget_gb}")
+    result = plan_mlp(
+        hidden=args.hidden,
+        intermediate=args.intermediate,
+        seq_len=args.seq_len,
+        dtype=getattr(torch, args.dtype),
+        num_tiles=args.num_tiles,
+        budget_bytes=None if args.budget_gb is None else int(args.budget_gb * 2**30),
+    )
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    print(
+        f"SwiGLU MLP hidden {args.hidden}, intermediate {args.intermediate}, {args.seq_len} tokens, "
+        f"{args.dtype}: untiled {result['regular_mib']:,.1f} MiB, tiled ({args.num_tiles}: "
+        f"{result['tiles']} tiles) {result['tiled_mib']:,.1f} MiB ({100 * result['saving']:.1f}% less)"
+    )
+    if args.budget_gb is not None:
+        k = result["recommended_num_tiles"]
+        if k is None:
+            print(
+                f"no tile count fits {args.budget_gb} GiB (the weights, input and gradients alone may not)"
+            )
+        elif k == 0:
+            print(f"fits {args.budget_gb} GiB untiled")
+        else:
+            print(
+                f"fits {args.budget_gb} GiB with --num-tiles {k} ({result['recommended_mib']:,.1f} MiB)"
+            )
+    return 0
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
     import torch
 
@@ -414,6 +489,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _cmd_bench(args)
         if args.command == "train":
             return _cmd_train(args)
+        if args.command == "plan":
+            return _cmd_plan(args)
         return _cmd_env(args)
     except (UsageError, ValueError) as e:
         print(f"tiledmlp {args.command}: error: {e}", file=sys.stderr)

@@ -84,7 +84,15 @@ def _world() -> tuple[int, int]:
 def _peak_mib(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / MiB
-    # process high-water mark (ru_maxrss is in KiB on Linux)
+    # This process's high-water mark. VmHWM starts afresh at exec; ru_maxrss does not (a child
+    # of a big process reports its parent's peak), so it is only the fallback off Linux.
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
@@ -116,7 +124,8 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
             f"--engine {engine} needs a launcher: torchrun --nproc_per_node N -m tiledmlp train ..."
         )
     cuda = torch.cuda.is_available()
-    if launched and not dist.is_initialized():
+    owns_group = launched and not dist.is_initialized()
+    if owns_group:
         dist.init_process_group("nccl" if cuda else "gloo")
     rank, world = _world()
     device = (
@@ -198,6 +207,9 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
         sys.stderr.write("\n")
     if launched:
         dist.barrier()
+    if owns_group:
+        # Without this, gloo's threads are torn down at interpreter exit and the process aborts.
+        dist.destroy_process_group()
     return summary
 
 

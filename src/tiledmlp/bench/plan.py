@@ -1,0 +1,104 @@
+"""Memory planning without a GPU: peak memory of an MLP's forward + backward on fake tensors.
+
+Builds a SwiGLU MLP of the given shape under torch's FakeTensorMode (nothing is allocated), runs
+the untiled module and tiled_mlp on (1, seq_len, hidden) fake tokens, and tracks storages
+(fake_memory.py). Counts weights, their gradients, the input, the output, the upstream gradient
+and the input gradient, like the tensor-level measurements on real tensors
+(tests/test_plan.py compares both).
+
+Invariant: the estimate depends only on shapes, dtype and the tile policy.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from tiledmlp.bench.fake_memory import fake_peak_bytes
+from tiledmlp.bench.models import GatedMLP
+from tiledmlp.ops.functional import tile_plan, tiled_mlp
+
+__all__ = ["plan_mlp"]
+
+MiB = 2**20
+# The recommendation tries 1, 2, 4, ... tiles up to this many (each try runs the fake step).
+_MAX_SEARCH_TILES = 1024
+
+
+def _estimate(
+    hidden: int, intermediate: int, seq_len: int, dtype: torch.dtype, tiles: int | str | None
+) -> tuple[int, int]:
+    """(peak bytes, tiles used) of one forward + backward; tiles None means untiled."""
+    mode = FakeTensorMode()
+    default = torch.get_default_dtype()
+    with mode:
+        torch.set_default_dtype(dtype)  # build in dtype: .to() cannot swap fake parameters
+        try:
+            mlp = GatedMLP(hidden, intermediate)
+        finally:
+            torch.set_default_dtype(default)
+        x = torch.empty(1, seq_len, hidden, dtype=dtype, requires_grad=True)
+        dy = torch.empty(1, seq_len, hidden, dtype=dtype)
+        used = 0
+        if tiles is not None:
+            plan = tile_plan(mlp, x, num_tiles=tiles)
+            used = 0 if plan is None else plan.num_tiles
+
+        def step() -> None:
+            y = mlp(x) if tiles is None else tiled_mlp(mlp, x, num_tiles=tiles)
+            y.backward(dy)
+
+        peak = fake_peak_bytes(step, [*mlp.parameters(), x, dy])
+    return peak, used
+
+
+def plan_mlp(
+    *,
+    hidden: int,
+    intermediate: int,
+    seq_len: int,
+    dtype: torch.dtype,
+    num_tiles: int | str = "auto",
+    budget_bytes: int | None = None,
+) -> dict[str, Any]:
+    """Estimated peak MiB untiled and tiled; with a budget, the fewest tiles (a power of two up
+    to 1024) that fit it.
+
+    Returns:
+        {"regular_mib", "tiled_mib", "tiles", ...,} plus "recommended_num_tiles" (None when no
+        tile count fits) and "recommended_mib" when budget_bytes is given.
+    """
+    regular, _ = _estimate(hidden, intermediate, seq_len, dtype, None)
+    tiled, used = _estimate(hidden, intermediate, seq_len, dtype, num_tiles)
+    out: dict[str, Any] = {
+        "hidden": hidden,
+        "intermediate": intermediate,
+        "seq_len": seq_len,
+        "dtype": str(dtype).removeprefix("torch."),
+        "num_tiles": num_tiles,
+        "tiles": used,
+        "regular_mib": round(regular / MiB, 1),
+        "tiled_mib": round(tiled / MiB, 1),
+        "saving": round(1 - tiled / regular, 4) if regular else 0.0,
+    }
+    if budget_bytes is not None:
+        out["budget_mib"] = round(budget_bytes / MiB, 1)
+        out["recommended_num_tiles"] = None
+        if regular <= budget_bytes:
+            out["recommended_num_tiles"] = 0  # fits untiled: no recompute needed
+            out["recommended_mib"] = out["regular_mib"]
+        else:
+            elem = torch.empty((), dtype=dtype).element_size()
+            # weights + grads, x + output + upstream grad + x grad: no tiling goes below this
+            floor = (2 * 3 * hidden * intermediate + 4 * seq_len * hidden) * elem
+            k = 1 if floor <= budget_bytes else seq_len + 1
+            while k <= min(seq_len, _MAX_SEARCH_TILES):
+                peak, _ = _estimate(hidden, intermediate, seq_len, dtype, k)
+                if peak <= budget_bytes:
+                    out["recommended_num_tiles"] = k
+                    out["recommended_mib"] = round(peak / MiB, 1)
+                    break
+                k *= 2
+    return out

@@ -1,0 +1,46 @@
+"""Run as a script: process-level peak memory of one untiled SwiGLU forward + backward.
+
+Prints one JSON object: {"peak_mib": ...} = (VmHWM during the step - RSS before it) + the bytes of
+the tensors alive before the step (weights, input, upstream gradient), so it is comparable with
+tensor-level estimates. The high-water mark is reset through /proc/self/clear_refs first.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+
+from tiledmlp.bench.memory import tensor_bytes
+from tiledmlp.bench.models import GatedMLP
+
+
+def _status(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(field)
+
+
+def main() -> None:
+    hidden, intermediate, seq = (int(a) for a in sys.argv[1:4])
+    torch.manual_seed(0)
+    mlp = GatedMLP(hidden, intermediate)
+    x = torch.randn(1, seq, hidden, requires_grad=True)
+    dy = torch.randn(1, seq, hidden)
+    mlp(x[:, :8]).sum().backward()  # warm up kernels and allocator paths, then drop the grads
+    x.grad = None
+    mlp.zero_grad(set_to_none=True)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset VmHWM to the current RSS
+    before = _status("VmRSS")
+    y = mlp(x)
+    y.backward(dy)
+    peak = _status("VmHWM") - before + tensor_bytes(*mlp.parameters(), x, dy)
+    print(json.dumps({"peak_mib": peak / 2**20}))
+
+
+if __name__ == "__main__":
+    main()
