@@ -34,11 +34,11 @@ def _positive_int(text: str) -> int:
 
 
 def _tiles(text: str) -> int | str:
-    if text in ("auto", "arctic"):
-        return text
+    from tiledmlp.patching.args import parse_tiles
+
     try:
-        return _positive_int(text)
-    except argparse.ArgumentTypeError:
+        return parse_tiles(text)
+    except ValueError:
         raise argparse.ArgumentTypeError(
             f"expected a positive integer, 'auto' or 'arctic', got {text!r}"
         ) from None
@@ -181,12 +181,12 @@ def _build_parser() -> argparse.ArgumentParser:
 
 
 def _bool(text: str) -> bool:
-    value = text.strip().lower()
-    if value in ("true", "1", "yes", "on"):
-        return True
-    if value in ("false", "0", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+    from tiledmlp.patching.args import parse_bool
+
+    try:
+        return parse_bool(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}") from None
 
 
 def _add_train(sub: Any) -> None:

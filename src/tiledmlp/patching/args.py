@@ -15,7 +15,7 @@ from torch import nn
 
 from tiledmlp.patching.patch import PatchReport, patch_model
 
-__all__ = ["patch_from_args"]
+__all__ = ["parse_bool", "parse_tiles", "patch_from_args"]
 
 _TRUE = {"true", "1", "yes", "on"}
 _FALSE = {"false", "0", "no", "off", ""}
@@ -27,28 +27,29 @@ def _get(source: Any, key: str) -> Any:
     return getattr(source, key, None)
 
 
-def _as_bool(value: Any) -> bool:
+def parse_bool(value: Any, name: str = "use_tiled_mlp") -> bool:
+    """A flag value from a config or command line: a bool, None (false) or true/false text."""
     if isinstance(value, bool) or value is None:
         return bool(value)
     if isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
         return value.strip().lower() in _TRUE
-    raise ValueError(f"use_tiled_mlp must be true or false, got {value!r}")
+    raise ValueError(f"{name} must be true or false, got {value!r}")
 
 
-def _as_tiles(value: Any) -> int | str:
+def parse_tiles(value: Any, name: str = "tiled_mlp_num_shards") -> int | str:
+    """A tile count from a config or command line: a positive int, "auto", "arctic", or None
+    (auto)."""
     if value is None:
         return "auto"
     if isinstance(value, str):
         text = value.strip().lower()
         if text in ("auto", "arctic"):
             return text
-        if text.isdigit():
+        if text.isdigit() and int(text) > 0:
             return int(text)
-    if isinstance(value, int) and not isinstance(value, bool):
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
         return value
-    raise ValueError(
-        f"tiled_mlp_num_shards must be a positive int, 'auto' or 'arctic', got {value!r}"
-    )
+    raise ValueError(f"{name} must be a positive int, 'auto' or 'arctic', got {value!r}")
 
 
 def patch_from_args(model: nn.Module, args: Any) -> PatchReport | None:
@@ -58,6 +59,6 @@ def patch_from_args(model: nn.Module, args: Any) -> PatchReport | None:
     Returns:
         The PatchReport, or None when tiling is off.
     """
-    if not _as_bool(_get(args, "use_tiled_mlp")):
+    if not parse_bool(_get(args, "use_tiled_mlp")):
         return None
-    return patch_model(model, num_tiles=_as_tiles(_get(args, "tiled_mlp_num_shards")))
+    return patch_model(model, num_tiles=parse_tiles(_get(args, "tiled_mlp_num_shards")))
