@@ -52,11 +52,13 @@ def _worker(rank: int, fn: Callable[..., Any], port: int, out_dir: str, args: tu
         dist.barrier()
     except BaseException:
         result = ("error", traceback.format_exc())
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    # The result is on disk before any teardown: gloo's threads can abort the process while the
+    # process group or the interpreter shuts down, after the work itself has finished.
     with open(os.path.join(out_dir, f"{rank}.pkl"), "wb") as f:
         pickle.dump(result, f)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    os._exit(0)  # skip interpreter teardown (thread destructors), the result is written
 
 
 def run_distributed(fn: Callable[..., Any], *args: Any, timeout: float = 240.0) -> list[Any]:
@@ -75,14 +77,26 @@ def run_distributed(fn: Callable[..., Any], *args: Any, timeout: float = 240.0) 
         start_method="spawn",
     )
     deadline = time.monotonic() + timeout
-    while not ctx.join(timeout=1.0):
+    abnormal: str | None = None
+    while True:
+        try:
+            if ctx.join(timeout=1.0):
+                break
+        except mp.ProcessExitedException as e:  # judged below by what the workers wrote
+            abnormal = str(e)
+            for p in ctx.processes:
+                p.join(timeout=10)
+            break
         if time.monotonic() > deadline:
             for p in ctx.processes:
                 p.kill()
             raise DeadlineExceeded(f"distributed run did not finish within {timeout:.0f} s")
     results = []
     for rank in range(WORLD):
-        with open(os.path.join(out_dir, f"{rank}.pkl"), "rb") as f:
+        path = os.path.join(out_dir, f"{rank}.pkl")
+        if not os.path.exists(path):
+            raise AssertionError(f"rank {rank} wrote no result ({abnormal or 'no error reported'})")
+        with open(path, "rb") as f:
             status, value = pickle.load(f)
         if status != "ok":
             raise AssertionError(f"rank {rank} failed:\n{value}")
