@@ -113,9 +113,7 @@ def _run(
     tile_tokens: int | None,
     plan_tokens: int | None,
 ) -> Any:
-    engine, plan = _prepare(
-        mlp, x, num_tiles, tile_tokens, call, structure, backend, bool(args), plan_tokens
-    )
+    engine, plan = _prepare(mlp, x, num_tiles, tile_tokens, call, structure, backend, plan_tokens)
     if plan is None or plan.num_tiles == 0:
         logger.debug("tiled_mlp: running %s untiled", type(mlp).__name__)
         return call(x, *args)
@@ -196,12 +194,10 @@ def _prepare(
     call: UntiledCall,
     structure: MLPStructure | None,
     backend: ParamBackend = LOCAL,
-    generic: bool = False,
     plan_tokens: int | None = None,
 ) -> tuple[FastEngine | GenericEngine, TilePlan | None]:
-    """Checks x against the module, builds the engine and resolves the plan."""
-    if generic:
-        structure = None
+    """Checks x against the module, builds the engine (fast when `structure` is given) and
+    resolves the plan."""
     hidden = x.shape[-1]
     expected = structure.hidden_size if structure is not None else _declared_hidden(mlp)
     if expected is not None and hidden != expected:

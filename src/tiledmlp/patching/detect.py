@@ -189,17 +189,12 @@ def _classify_dense(m: nn.Module) -> str | None:
     shape (2-3 projections, at most one activation, dropouts) and a reason the fast path cannot
     take it (wrapped or non-Linear projections, dropout, hooks); None when its projections are
     plain Linear layers and yet its forward is not a known MLP formula."""
+    if not _mlp_shaped(m) or any(True for _ in m.parameters(recurse=False)):
+        return None
     children = list(m.children())
     projections = [c for c in children if is_projection(c)]
     rest = [c for c in children if not is_projection(c)]
-    acts = [c for c in rest if not isinstance(c, nn.Dropout)]
-    if (
-        any(True for _ in m.parameters(recurse=False))
-        or len(projections) not in (2, 3)
-        or len(acts) > 1
-    ):
-        return None
-    if any(any(True for _ in c.parameters()) or any(True for _ in c.children()) for c in acts):
+    if any(any(True for _ in c.children()) for c in rest if not isinstance(c, nn.Dropout)):
         return None
     if any(getattr(c, "base_layer", None) is not None for c in projections):
         return "lora-wrapped MLP"

@@ -83,10 +83,6 @@ def original_forward(module: nn.Module) -> Callable[..., Any]:
     return state.saved  # type: ignore[no-any-return]
 
 
-def is_patched(module: nn.Module) -> bool:
-    return _STATE in module.__dict__
-
-
 def forward(self: nn.Module, x: Any, *args: Any, **kwargs: Any) -> Any:
     """The tiled forward installed on patched modules (bound to the instance, so a deepcopy of a
     patched model runs its own weights)."""
