@@ -1,4 +1,4 @@
-"""DDP and FSDP2 with 2 real processes (gloo): patched models train exactly like a
+"""DDP, FSDP2 and FSDP1 with 2 real processes (gloo): patched models train exactly like a
 single-process untiled reference on the same global batch."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from distributed.harness import assert_matches_reference, run_distributed
-from distributed.workers import engine_worker, fsdp2_inner_worker, reference
+from distributed.workers import engine_worker, fsdp1_inner_worker, fsdp2_inner_worker, reference
 
 from conftest import assert_close_rel
 
@@ -28,7 +28,23 @@ def test_fsdp2_matches_single_process_untiled(frozen: str | None, shard_mlp: boo
     assert_matches_reference(results, reference("llama", frozen=frozen))
 
 
-@pytest.mark.parametrize("engine", ["ddp", "fsdp2"])
+@pytest.mark.parametrize(
+    ("engine", "shard_mlp", "frozen"),
+    [
+        ("fsdp1", False, None),  # flat parameters, one unit per decoder layer
+        ("fsdp1", True, "all_but_mlp"),  # flat parameters, the MLP a unit of its own
+        ("fsdp1_orig", False, None),  # use_orig_params=True
+        ("fsdp1_orig", True, None),
+    ],
+)
+def test_fsdp1_matches_single_process_untiled(
+    engine: str, shard_mlp: bool, frozen: str | None
+) -> None:
+    results = run_distributed(engine_worker, engine, "llama", frozen, (23, 23), None, shard_mlp)
+    assert_matches_reference(results, reference("llama", frozen=frozen))
+
+
+@pytest.mark.parametrize("engine", ["ddp", "fsdp2", "fsdp1"])
 def test_different_sequence_lengths_agree_on_tiles(engine: str) -> None:
     # 46 vs 22 tokens with 4-token tiles: 12 vs 6 tiles unless the ranks agree (they plan for 46).
     seqs = (23, 11)
@@ -40,10 +56,17 @@ def test_different_sequence_lengths_agree_on_tiles(engine: str) -> None:
 def test_fsdp2_with_inner_linears_sharded_is_refused_clearly() -> None:
     for message in run_distributed(fsdp2_inner_worker):
         assert message.startswith("ValueError: tiledmlp: inside the tiled LlamaMLP"), message
-        assert "Apply fully_shard to the MLP module or to the decoder layer" in message
+        assert "to the MLP module or to the decoder layer" in message
 
 
-@pytest.mark.parametrize("engine", ["ddp", "fsdp2"])
+@pytest.mark.parametrize("use_orig_params", [False, True])
+def test_fsdp1_with_inner_linears_wrapped_is_refused_clearly(use_orig_params: bool) -> None:
+    for message in run_distributed(fsdp1_inner_worker, use_orig_params):
+        assert message.startswith("ValueError: tiledmlp: inside the tiled LlamaMLP"), message
+        assert "auto-wrap policy) to the MLP module or to the decoder layer" in message
+
+
+@pytest.mark.parametrize("engine", ["ddp", "fsdp2", "fsdp1"])
 def test_bf16_close_to_untiled_under_the_same_engine(engine: str) -> None:
     # bf16 on CPU: tiled and untiled round differently (tile-wise weight-gradient sums, fp32
     # accumulation); documented tolerance: within 3 bf16 ulps (rtol 2.4e-2) of the largest

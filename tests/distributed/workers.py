@@ -80,7 +80,7 @@ def engine_worker(
     dtype: torch.dtype = torch.float32,
 ) -> dict[str, Any]:
     """Trains a patched (or, with tiled=False, untouched) model for STEPS steps under `engine`
-    ("ddp", "fsdp2", "zero1".."zero3"); returns full params and last grads, and the token count
+    ("ddp", "fsdp2", "fsdp1" (flat parameters), "fsdp1_orig", "zero1".."zero3"); returns full params and last grads, and the token count
     the ranks agreed on."""
     model = freeze(tiny_causal_lm(family).to(dtype), frozen)
     if not tiled:
@@ -106,6 +106,8 @@ def engine_worker(
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
         runner = model
+    elif engine.startswith("fsdp1"):
+        runner = _fsdp1(model, shard_mlp, use_orig_params=engine == "fsdp1_orig")
     elif engine.startswith("zero"):
         import deepspeed
 
@@ -117,8 +119,8 @@ def engine_worker(
         runner = ds_engine
     else:
         raise ValueError(engine)
-    # After wrapping: fully_shard replaces the parameters with sharded ones.
-    trainable = [p for p in model.parameters() if p.requires_grad]
+    # After wrapping: fully_shard replaces the parameters with sharded ones, FSDP1 with flat ones.
+    trainable = [p for p in runner.parameters() if p.requires_grad]
     opt = None if ds_engine is not None else torch.optim.SGD(trainable, lr=LR)
     agreed = []
     for batches in rank_batches(seqs):
@@ -126,7 +128,13 @@ def engine_worker(
         loss = runner(input_ids=local, labels=local).loss
         agreement = model.__dict__.get("_tiledmlp_agreement")
         agreed.append(None if agreement is None else agreement[0].value)
-        if ds_engine is not None:
+        if engine.startswith("fsdp1"):
+            assert opt is not None
+            loss.backward()
+            last = _fsdp1_grads(runner)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        elif ds_engine is not None:
             ds_engine.backward(loss)
             last = _ds_grads(model)
             ds_engine.step()
@@ -138,11 +146,93 @@ def engine_worker(
             }
             opt.step()
             opt.zero_grad(set_to_none=True)
-    if ds_engine is not None:
+    if engine.startswith("fsdp1"):
+        final = _fsdp1_params(runner)
+    elif ds_engine is not None:
         final = {n: _ds_param(p) for n, p in model.named_parameters()}
     else:
         final = {n: _full(p.detach()).clone() for n, p in model.named_parameters()}
     return {"params": final, "grads": last, "agreed": agreed}
+
+
+def _fsdp1(model: torch.nn.Module, shard_mlp: bool, use_orig_params: bool) -> Any:
+    """FullyShardedDataParallel per decoder layer (and per MLP with shard_mlp) on CPU."""
+
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    layer_cls = type(model.model.layers[0])
+    classes = {layer_cls, type(model.model.layers[0].mlp)} if shard_mlp else {layer_cls}
+    return FSDP(
+        model,
+        auto_wrap_policy=ModuleWrapPolicy(classes),
+        device_id=torch.device("cpu"),
+        use_orig_params=use_orig_params,
+    )
+
+
+def _fsdp1_params(fsdp: Any) -> dict[str, torch.Tensor]:
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp._common_utils import clean_tensor_name
+
+    with FSDP.summon_full_params(fsdp):
+        return {clean_tensor_name(n): p.detach().clone() for n, p in fsdp.named_parameters()}
+
+
+def _fsdp1_grads(fsdp: Any) -> dict[str, torch.Tensor]:
+    """Full gradients by original parameter name: each flat parameter's gradient shard is
+    all-gathered and split into the original parameters (FSDP1 keeps their names, numels and
+    shapes on the flat parameter)."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp._common_utils import clean_tensor_name
+
+    names = {m: n for n, m in fsdp.named_modules()}
+    out = {}
+    for unit in FSDP.fsdp_modules(fsdp):
+        if (
+            unit._handle is None or unit._handle.flat_param.grad is None
+        ):  # frozen: same on all ranks
+            continue
+        flat = unit._handle.flat_param
+        shard = flat.grad
+        parts = [torch.empty_like(shard) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, shard.detach().contiguous())
+        full = torch.cat(parts)
+        pieces = [
+            piece
+            for piece, pad in zip(
+                full[: sum(flat._numels_with_padding)].split(flat._numels_with_padding),
+                flat._is_padding_mask,
+            )
+            if not pad
+        ]
+        prefix = names[unit] + "." if names[unit] else ""
+        for fqn, piece, shape in zip(flat._fqns, pieces, flat._shapes):
+            out[clean_tensor_name(prefix + fqn)] = piece.view(shape).clone()
+    return out
+
+
+def fsdp1_inner_worker(rank: int, use_orig_params: bool) -> str:
+    """FSDP1 with the MLP's inner Linear layers wrapped on their own: must be refused clearly."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    model = tiny_causal_lm("llama")
+    patch_model(model, num_tiles=3)
+    policy = ModuleWrapPolicy({type(model.model.layers[0]), torch.nn.Linear})
+    fsdp = FSDP(
+        model,
+        auto_wrap_policy=policy,
+        device_id=torch.device("cpu"),
+        use_orig_params=use_orig_params,
+    )
+    ids = rank_batches((23, 23))[0][rank]
+    try:
+        fsdp(input_ids=ids, labels=ids).loss.backward()
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"
 
 
 def _ds_param(p: torch.nn.Parameter) -> torch.Tensor:
