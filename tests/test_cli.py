@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 
 def run(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
@@ -14,16 +16,17 @@ def run(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def test_bench_writes_records_and_table(tmp_path: Path) -> None:
+def test_bench_writes_records_table_and_plot(tmp_path: Path) -> None:
     out = tmp_path / "b"
     res = run(
         "bench", "--hidden", "32", "--intermediate", "64", "--seq-lens", "96,200",
-        "--num-tiles", "3", "--repeats", "2", "--out", str(out),
+        "--num-tiles", "3", "--repeats", "2", "--deepspeed", "off", "--out", str(out),
     )  # fmt: skip
     assert res.returncode == 0, res.stderr
     records = [json.loads(line) for line in (out / "bench.jsonl").read_text().splitlines()]
-    variants = {r["variant"] for r in records}
-    assert {"untiled", "tiled"} <= variants
+    assert [(r["seq_len"], r["variant"]) for r in records] == [
+        (96, "untiled"), (96, "tiled"), (200, "untiled"), (200, "tiled"),
+    ]  # fmt: skip
     by = {(r["seq_len"], r["variant"]): r for r in records}
     for seq in (96, 200):
         untiled, tiled = by[(seq, "untiled")], by[(seq, "tiled")]
@@ -31,12 +34,35 @@ def test_bench_writes_records_and_table(tmp_path: Path) -> None:
         assert tiled["flops"] == 11 * 2 * seq * 32 * 64
         assert tiled["tiles"] == 3 and untiled["tiles"] == 0
         assert len(tiled["times_ms"]) == 2 and tiled["peak_mib"] > 0
+        assert tiled["isolated"] is True  # the CPU default: a fresh process per measurement
+        assert tiled["process_peak_mib"] is not None
         for key in ("torch", "device", "dtype", "hidden", "intermediate", "git_sha"):
             assert key in tiled
-        if "deepspeed" in variants:
-            assert by[(seq, "deepspeed")]["flops"] == 12 * 2 * seq * 32 * 64
     table = (out / "bench.md").read_text()
-    assert "| Seq Length |" in table and "| 96 |" in table and "1.222" in table
+    header = (
+        "| Seq Length | Regular (ms) | Tiled (ms) | Speed (+%) | Regular (MB) | Tiled (MB) "
+        "| Memory (-%) |"
+    )
+    assert header in table and "| 96 |" in table and "1.222" in table
+    png = (out / "bench.png").read_bytes()
+    assert png.startswith(b"\x89PNG") and len(png) > 10_000
+
+
+def test_bench_in_process_with_deepspeed_column(tmp_path: Path) -> None:
+    pytest.importorskip("deepspeed")
+    out = tmp_path / "b"
+    res = run(
+        "bench", "--hidden", "32", "--intermediate", "64", "--seq-lens", "96",
+        "--num-tiles", "3", "--repeats", "1", "--isolate", "off", "--deepspeed", "on",
+        "--no-plot", "--out", str(out),
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    records = [json.loads(line) for line in (out / "bench.jsonl").read_text().splitlines()]
+    by = {r["variant"]: r for r in records}
+    assert by["deepspeed"]["flops"] == 12 * 2 * 96 * 32 * 64
+    assert by["tiled"]["isolated"] is False and by["tiled"]["process_peak_mib"] is not None
+    assert "DeepSpeed (ms) | DeepSpeed (MB)" in (out / "bench.md").read_text()
+    assert not (out / "bench.png").exists()
 
 
 def test_env_lists_versions() -> None:
@@ -50,6 +76,7 @@ def test_bad_flags_exit_nonzero_with_one_line() -> None:
         ("bench", "--num-tiles", "zero"),
         ("bench", "--seq-lens", "12,-4"),
         ("bench", "--device", "tpu"),
+        ("bench", "--isolate", "maybe"),
         ("nope",),
     ):
         res = run(*args)

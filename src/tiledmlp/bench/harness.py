@@ -1,9 +1,10 @@
 """Benchmark harness: one MLP shape, a sweep of sequence lengths, several variants side by side.
 
-For each sequence length every variant is measured the same way: peak memory and FLOPs from one
-instrumented step (memory.peak_bytes, flops.count_flops), then wall-clock time as the median of
-interleaved repeats after a warm-up (variant A, B, C, A, B, C, ...), so that drift of the machine
-hits all variants alike.
+Every (sequence length, variant) pair is one measurement (bench/measure.py): peak memory and
+FLOPs from instrumented steps, then the median time of repeated steps after a warm-up. With
+`isolate` (the default on the CPU) each measurement runs in a fresh process, so that allocator
+caches and thread pools of one never reach the next; the variants of one length run one after
+the other, so drift of the machine hits neighbours alike.
 
 Invariant: one JSON-serialisable record per (sequence length, variant), carrying the environment
 (torch version, device, dtype, shapes, git sha) so results can be compared and re-plotted.
@@ -11,20 +12,16 @@ Invariant: one JSON-serialisable record per (sequence length, variant), carrying
 
 from __future__ import annotations
 
-import functools
 import platform
-import statistics
 import subprocess
-import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from tiledmlp.bench.flops import count_flops
-from tiledmlp.bench.memory import peak_bytes, tensor_bytes
-from tiledmlp.bench.models import GatedMLP
+from tiledmlp.bench.device import device_name
+from tiledmlp.bench.measure import Job, measure, measure_in_subprocess
 from tiledmlp.bench.variants import Variant
 
 __all__ = ["BenchConfig", "run_sweep"]
@@ -44,6 +41,7 @@ class BenchConfig:
         device: where to run.
         repeats: timed repeats per variant (median reported).
         warmup: untimed runs per variant before timing.
+        isolate: run each measurement in a fresh process.
     """
 
     hidden: int
@@ -53,6 +51,7 @@ class BenchConfig:
     device: torch.device
     repeats: int = 3
     warmup: int = 1
+    isolate: bool = False
 
     def __post_init__(self) -> None:
         for name in ("hidden", "intermediate", "repeats"):
@@ -62,11 +61,6 @@ class BenchConfig:
             raise ValueError(f"warmup must be >= 0, got {self.warmup}")
         if not self.seq_lens or any(s < 1 for s in self.seq_lens):
             raise ValueError(f"seq_lens must be positive, got {self.seq_lens}")
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def git_sha() -> str | None:
@@ -81,19 +75,16 @@ def git_sha() -> str | None:
 
 def environment(cfg: BenchConfig) -> dict[str, Any]:
     """The environment fields every record carries."""
-    device_name = (
-        torch.cuda.get_device_name(cfg.device)
-        if cfg.device.type == "cuda"
-        else platform.processor() or "cpu"
-    )
     return {
         "torch": torch.__version__,
         "device": cfg.device.type,
-        "device_name": device_name,
+        "device_name": device_name(cfg.device),
+        "machine": platform.machine(),
         "threads": torch.get_num_threads(),
         "dtype": str(cfg.dtype).removeprefix("torch."),
         "hidden": cfg.hidden,
         "intermediate": cfg.intermediate,
+        "isolated": cfg.isolate,
         "git_sha": git_sha(),
     }
 
@@ -106,7 +97,7 @@ def run_sweep(
     """Measures every variant at every sequence length.
 
     Args:
-        cfg: shapes, dtype, device, repeats.
+        cfg: shapes, dtype, device, repeats, isolation.
         variants: sequence length -> the variants to compare at that length.
         on_record: called with each record as soon as it is ready (streaming output).
 
@@ -115,70 +106,20 @@ def run_sweep(
     """
     env = environment(cfg)
     records: list[dict[str, Any]] = []
-    torch.manual_seed(0)
-    mlp = GatedMLP(cfg.hidden, cfg.intermediate).to(device=cfg.device, dtype=cfg.dtype)
     for seq in cfg.seq_lens:
-        for record in _measure_length(cfg, mlp, seq, list(variants(seq))):
-            record = {**env, **record}
+        for v in variants(seq):
+            job = Job(
+                hidden=cfg.hidden,
+                intermediate=cfg.intermediate,
+                seq_len=seq,
+                dtype=str(cfg.dtype).removeprefix("torch."),
+                device=str(cfg.device),
+                variant=v.name,
+                num_tiles=v.num_tiles,
+                repeats=cfg.repeats,
+                warmup=cfg.warmup,
+            )
+            record = {**env, **(measure_in_subprocess(job) if cfg.isolate else measure(job))}
             records.append(record)
             on_record(record)
     return records
-
-
-def _measure_length(
-    cfg: BenchConfig, mlp: torch.nn.Module, seq: int, chosen: list[Variant]
-) -> list[dict[str, Any]]:
-    """Records (without the environment) of every variant at one sequence length."""
-    x = torch.randn(1, seq, cfg.hidden, device=cfg.device, dtype=cfg.dtype, requires_grad=True)
-    dy = torch.randn(1, seq, cfg.hidden, device=cfg.device, dtype=cfg.dtype)
-    alive = tensor_bytes(*mlp.parameters(), x, dy)
-
-    def step(v: Variant) -> torch.Tensor:
-        y = v.forward(mlp, x)
-        y.backward(dy)
-        return y  # alive until the step's end, as in training
-
-    def reset() -> None:
-        x.grad = None
-        mlp.zero_grad(set_to_none=True)
-
-    stats: dict[str, dict[str, Any]] = {}
-    for v in chosen:
-        v.forward(mlp, x[:, :8])  # one-time structure probe outside the measurement
-        peak = peak_bytes(functools.partial(step, v), alive, cfg.device)
-        reset()
-        flops = count_flops(functools.partial(step, v))
-        reset()
-        stats[v.name] = {"peak": peak, "flops": flops, "times": [], "tiles": v.tiles(mlp, x)}
-        for _ in range(cfg.warmup):
-            step(v)
-            reset()
-    for _ in range(cfg.repeats):
-        for v in chosen:  # interleaved: machine drift hits every variant alike
-            _sync(cfg.device)
-            start = time.perf_counter()
-            step(v)
-            _sync(cfg.device)
-            stats[v.name]["times"].append(time.perf_counter() - start)
-            reset()
-    return [
-        {
-            "seq_len": seq,
-            "variant": v.name,
-            "num_tiles": v.num_tiles,
-            "tiles": stats[v.name]["tiles"],
-            "time_ms": round(1000 * statistics.median(stats[v.name]["times"]), 3),
-            "times_ms": [round(1000 * t, 3) for t in stats[v.name]["times"]],
-            "peak_mib": round(stats[v.name]["peak"] / MiB, 2),
-            "flops": stats[v.name]["flops"],
-            "repeats": cfg.repeats,
-        }
-        for v in chosen
-    ]
-
-
-def config_dict(cfg: BenchConfig) -> dict[str, Any]:
-    d = asdict(cfg)
-    d["dtype"] = str(cfg.dtype)
-    d["device"] = str(cfg.device)
-    return d

@@ -3,7 +3,8 @@
 CPU: the torch.profiler memory timeline (profile_memory + record_shapes + with_stack, exported as
 JSON): the peak is the largest rise of the summed categories over the step plus the bytes that
 were alive before it. It counts every tensor the step creates, including modules called once
-per tile, and is exactly repeatable. CUDA: torch.cuda.max_memory_allocated after a reset.
+per tile, and is exactly repeatable. Accelerators (CUDA, NPU): torch.accelerator's
+max_memory_allocated after a reset.
 
 Invariant: `alive_before` is the caller's count of what exists before the step starts (weights,
 inputs, upstream gradient); the result is absolute bytes at the peak.
@@ -39,13 +40,14 @@ def peak_bytes(step: Callable[[], object], alive_before: int, device: torch.devi
         alive_before: bytes alive before the step that it may use (weights, inputs).
         device: where the step runs.
     """
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        base = torch.cuda.memory_allocated(device)
+    if device.type != "cpu":
+        acc = torch.accelerator
+        acc.synchronize(device)
+        acc.reset_peak_memory_stats(device)
+        base = acc.memory_allocated(device)
         step()
-        torch.cuda.synchronize(device)
-        return torch.cuda.max_memory_allocated(device) - base + alive_before
+        acc.synchronize(device)
+        return acc.max_memory_allocated(device) - base + alive_before
     from torch.profiler import ProfilerActivity, profile
 
     with profile(

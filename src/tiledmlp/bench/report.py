@@ -1,4 +1,11 @@
-"""Markdown tables from benchmark records: one row per sequence length, variants side by side.
+"""Markdown tables from benchmark records: the table of the tiled-MLP pull requests, one row per
+sequence length.
+
+Columns: Seq Length | Regular (ms) | Tiled (ms) | Speed (+%) | Regular (MB) | Tiled (MB) |
+Memory (-%), then, when present, DeepSpeed's TiledMLP (ms, MB) and the FLOP ratio of each tiled
+variant. "Regular" is the untiled MLP, "Tiled" is tiledmlp. Speed (+%) is the tiled time's
+change against regular (positive: slower), Memory (-%) the tiled peak's saving against regular
+(positive: less memory). MB are 2**20 bytes.
 
 Invariant: every number in the table is read from the records; ratios are against the untiled
 variant of the same sequence length.
@@ -9,45 +16,74 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["markdown_table"]
+__all__ = ["CONTRACT_COLUMNS", "markdown_table"]
+
+CONTRACT_COLUMNS = (
+    "Seq Length",
+    "Regular (ms)",
+    "Tiled (ms)",
+    "Speed (+%)",
+    "Regular (MB)",
+    "Tiled (MB)",
+    "Memory (-%)",
+)
+
+
+Row = dict[str, Any] | None
+
+
+def _ms(r: Row) -> str:
+    return "" if r is None else f"{r['time_ms']:.1f}"
+
+
+def _mb(r: Row) -> str:
+    return "" if r is None else f"{r['peak_mib']:.1f}"
+
+
+def _change(r: Row, base: Row, key: str, *, saving: bool) -> str:
+    """Percent change of r[key] against base[key]: a saving (1 - r/base) or an increase."""
+    if r is None or base is None or not base[key]:
+        return ""
+    if saving:
+        return f"{100 * (1 - r[key] / base[key]):.1f}"
+    return f"{100 * (r[key] / base[key] - 1):+.1f}"
+
+
+def _flops(r: Row, base: Row) -> str:
+    if r is None or base is None or not base["flops"]:
+        return ""
+    return f"{r['flops'] / base['flops']:.3f}"
 
 
 def markdown_table(records: Sequence[dict[str, Any]]) -> str:
-    """Rows: sequence length. Per variant: time (ms), peak (MiB), FLOPs / untiled; plus the
-    time and memory change of each tiled variant against untiled."""
-    names: list[str] = []
-    for r in records:
-        if r["variant"] not in names:
-            names.append(r["variant"])
+    """The table of `records` (any mix of "untiled", "tiled", "deepspeed" variants)."""
     by_seq: dict[int, dict[str, dict[str, Any]]] = {}
     for r in records:
         by_seq.setdefault(r["seq_len"], {})[r["variant"]] = r
-    header = ["Seq Length"]
-    for n in names:
-        header += [f"{n} (ms)", f"{n} (MiB)"]
-    others = [n for n in names if n != "untiled"]
-    if "untiled" in names:
-        for n in others:
-            header += [f"{n} time (+%)", f"{n} memory (-%)", f"{n} FLOPs (x)"]
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    has_ds = any(r["variant"] == "deepspeed" for r in records)
+    header = list(CONTRACT_COLUMNS)
+    if has_ds:
+        header += ["DeepSpeed (ms)", "DeepSpeed (MB)"]
+    header += ["Tiles", "Tiled FLOPs (x)"]
+    if has_ds:
+        header += ["DeepSpeed FLOPs (x)"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---:|" * len(header)]
     for seq in sorted(by_seq):
         row = by_seq[seq]
-        cells = [str(seq)]
-        for n in names:
-            cell = row.get(n)
-            cells += [
-                "" if cell is None else f"{cell['time_ms']:.1f}",
-                "" if cell is None else f"{cell['peak_mib']:.1f}",
-            ]
-        base = row.get("untiled")
-        if base is not None:
-            for n in others:
-                other = row.get(n)
-                if other is None:
-                    cells += ["", "", ""]
-                    continue
-                cells.append(f"{100 * (other['time_ms'] / base['time_ms'] - 1):+.1f}")
-                cells.append(f"{100 * (1 - other['peak_mib'] / base['peak_mib']):.1f}")
-                cells.append(f"{other['flops'] / base['flops']:.3f}")
+        base, tiled, ds = row.get("untiled"), row.get("tiled"), row.get("deepspeed")
+        cells = [
+            str(seq),
+            _ms(base),
+            _ms(tiled),
+            _change(tiled, base, "time_ms", saving=False),
+            _mb(base),
+            _mb(tiled),
+            _change(tiled, base, "peak_mib", saving=True),
+        ]
+        if has_ds:
+            cells += [_ms(ds), _mb(ds)]
+        cells += ["" if tiled is None else str(tiled["tiles"]), _flops(tiled, base)]
+        if has_ds:
+            cells += [_flops(ds, base)]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"

@@ -1,0 +1,68 @@
+"""Which device a benchmark runs on, and what it is called: CUDA, an NPU (Ascend, through the
+torch_npu plugin), any other torch accelerator, or the CPU.
+
+Invariant: a device is only reported available when torch can allocate on it; the memory
+functions of accelerators go through torch.accelerator, so CUDA and NPU are measured alike.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import platform
+
+import torch
+
+__all__ = ["available_devices", "default_device", "device_name", "resolve_device"]
+
+
+def _load_npu_plugin() -> None:
+    """Imports torch_npu when installed: it registers the "npu" device with torch."""
+    if importlib.util.find_spec("torch_npu") is not None:
+        with contextlib.suppress(Exception):
+            import torch_npu  # noqa: F401
+
+
+def available_devices() -> list[str]:
+    """Device types usable here, accelerators first, "cpu" last."""
+    _load_npu_plugin()
+    found = []
+    if torch.accelerator.is_available():
+        acc = torch.accelerator.current_accelerator()
+        if acc is not None and acc.type != "cpu":
+            found.append(acc.type)
+    return [*found, "cpu"]
+
+
+def default_device() -> str:
+    """The first accelerator (CUDA, NPU, ...), else "cpu"."""
+    return available_devices()[0]
+
+
+def resolve_device(name: str | None) -> torch.device:
+    """`name` ("cpu", "cuda", "npu", or None for the default) as a device.
+
+    Raises:
+        ValueError: the device type is not available here.
+    """
+    kind = name or default_device()
+    if kind not in available_devices():
+        raise ValueError(
+            f"--device {kind} was given but no {kind} device is available here (available: "
+            f"{', '.join(available_devices())}); pick one of those."
+        )
+    return torch.device(kind)
+
+
+def device_name(device: torch.device) -> str:
+    """A human-readable name of the device, for records."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    if device.type != "cpu":
+        module = getattr(torch, device.type, None)
+        get_name = getattr(module, "get_device_name", None)
+        if get_name is not None:
+            with contextlib.suppress(Exception):
+                return str(get_name())
+        return device.type
+    return platform.processor() or platform.machine() or "cpu"
