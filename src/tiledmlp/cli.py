@@ -54,6 +54,8 @@ def _seq_lens(text: str) -> tuple[int, ...]:
 
 
 _DTYPES = ("float32", "bfloat16", "float16")
+_CPU_SEQ_LENS = (1024, 2048, 4096, 8192)
+_GPU_SEQ_LENS = (2048, 4096, 8192, 16384, 32768, 65536, 131072)
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -66,37 +68,41 @@ def _build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser(
         "bench",
-        help="time, peak memory and FLOPs of untiled vs tiled MLP (and DeepSpeed's TiledMLP)",
+        help="the tiled-MLP table: time and peak memory of regular vs tiled MLP, and a plot",
         description=(
-            "Measures a SwiGLU MLP's forward + backward for a sweep of sequence lengths: median "
-            "time of interleaved repeats, tensor-level peak memory, FLOPs. Writes JSON lines and "
-            "a Markdown table."
+            "Measures a SwiGLU MLP's forward + backward for a sweep of sequence lengths, regular "
+            "(untiled) vs tiled (and DeepSpeed's TiledMLP when installed): median time of "
+            "repeated steps, tensor-level peak memory, FLOPs; on the CPU each measurement runs "
+            "in a fresh process. Writes bench.jsonl (one record per length and variant), "
+            "bench.md (Seq Length | Regular (ms) | Tiled (ms) | Speed (+%%) | Regular (MB) | "
+            "Tiled (MB) | Memory (-%%)) and bench.png (memory and time against length)."
         ),
     )
     bench.add_argument(
         "--hidden",
         type=_positive_int,
         default=None,
-        help="hidden size (default: 4096 on CUDA, 512 on CPU)",
+        help="hidden size (default: 4096 on an accelerator, 512 on CPU)",
     )
     bench.add_argument(
         "--intermediate",
         type=_positive_int,
         default=None,
-        help="intermediate size (default: 12288 on CUDA, 1536 on CPU)",
+        help="intermediate size (default: 12288 on an accelerator, 1536 on CPU)",
     )
     bench.add_argument(
         "--seq-lens",
         type=_seq_lens,
         default=None,
-        help="comma-separated tokens per sequence (default: 2048..131072 on CUDA, "
-        "1024,2048,4096,8192 on CPU)",
+        help="comma-separated tokens per sequence (default: 2048..131072 on an accelerator, "
+        f"{','.join(map(str, _CPU_SEQ_LENS))} on CPU)",
     )
     bench.add_argument(
         "--dtype",
         choices=_DTYPES,
         default=None,
-        help="dtype of weights and activations (default: bfloat16 on CUDA, float32 on CPU)",
+        help="dtype of weights and activations (default: bfloat16 on an accelerator, float32 on "
+        "CPU)",
     )
     bench.add_argument(
         "--num-tiles",
@@ -123,35 +129,56 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument(
         "--device",
-        choices=("cpu", "cuda"),
         default=None,
-        help="where to run (default: cuda if available, else cpu)",
+        help="cpu, cuda, npu, ... (default: the first accelerator found, else cpu)",
+    )
+    bench.add_argument(
+        "--isolate",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="run each measurement in a fresh process: auto (on for CPU), on, off",
+    )
+    bench.add_argument(
+        "--no-plot", action="store_true", help="do not write bench.png (needs matplotlib)"
     )
     bench.add_argument(
         "--out",
         type=Path,
         default=Path("bench-out"),
-        help="folder for bench.jsonl and bench.md (default: ./bench-out)",
+        help="folder for bench.jsonl, bench.md and bench.png (default: ./bench-out)",
     )
 
     _add_train(sub)
     pl = sub.add_parser(
         "plan",
-        help="estimate MLP peak memory untiled vs tiled, without a GPU (fake tensors)",
+        help="estimate MLP (and decoder layer) peak memory untiled vs tiled, without a GPU",
         description=(
             "Estimates the peak memory of a SwiGLU MLP's forward + backward (weights, grads, "
             "input, output and their gradients included) on fake tensors: nothing is allocated. "
-            "With --budget-gb, recommends the fewest tiles (powers of two) that fit."
+            "With --model, also of one decoder layer of that model (SDPA attention, O(seq) "
+            "memory like flash attention), with its MLP untiled and tiled. With --budget-gb, "
+            "recommends the fewest tiles (powers of two) that fit."
         ),
     )
     pl.add_argument(
-        "--hidden", type=_positive_int, default=4096, help="hidden size (default: 4096)"
+        "--model",
+        default=None,
+        metavar="NAME_OR_PATH",
+        help="a preset (llama3-8b, small, tiny) or a Hugging Face config.json (or a directory "
+        "holding one): take the MLP shape from it and also estimate one decoder layer; "
+        "nothing is downloaded",
+    )
+    pl.add_argument(
+        "--hidden",
+        type=_positive_int,
+        default=None,
+        help="hidden size (default: 4096; not with --model)",
     )
     pl.add_argument(
         "--intermediate",
         type=_positive_int,
-        default=14336,
-        help="intermediate size (default: 14336, Llama-3-8B)",
+        default=None,
+        help="intermediate size (default: 14336, Llama-3-8B; not with --model)",
     )
     pl.add_argument(
         "--seq-len", type=_positive_int, default=131072, help="tokens (default: 131072)"
@@ -169,7 +196,8 @@ def _build_parser() -> argparse.ArgumentParser:
         "--budget-gb",
         type=float,
         default=None,
-        help="memory budget in GiB: recommend the fewest tiles that fit",
+        help="memory budget in GiB: recommend the fewest tiles with which the MLP alone fits "
+        "(also with --model: the recommendation is for the MLP, not the layer)",
     )
     pl.add_argument("--json", action="store_true", help="print one JSON object")
     sub.add_parser(
@@ -346,22 +374,58 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
     if args.budget_gb is not None and args.budget_gb <= 0:
         raise UsageError(f"--budget-gb must be positive, got {args.budget_gb}")
+    dtype = getattr(torch, args.dtype)
+    config = None
+    if args.model is None:
+        hidden = 4096 if args.hidden is None else args.hidden
+        intermediate = 14336 if args.intermediate is None else args.intermediate
+    else:
+        from tiledmlp.bench.plan_layer import load_config, mlp_shape
+
+        given = [f for f, v in (("--hidden", args.hidden), ("--intermediate", args.intermediate))
+                 if v is not None]  # fmt: skip
+        if given:
+            raise UsageError(
+                f"give --model or {' and '.join(given)}, not both: with --model the MLP shape "
+                "comes from the model's config"
+            )
+        config = load_config(args.model)
+        hidden, intermediate = mlp_shape(config)
     result = plan_mlp(
-        hidden=args.hidden,
-        intermediate=args.intermediate,
+        hidden=hidden,
+        intermediate=intermediate,
         seq_len=args.seq_len,
-        dtype=getattr(torch, args.dtype),
+        dtype=dtype,
         num_tiles=args.num_tiles,
         budget_bytes=None if args.budget_gb is None else int(args.budget_gb * 2**30),
     )
+    if config is not None:
+        from tiledmlp.bench.plan_layer import plan_layer
+
+        layer = plan_layer(config, seq_len=args.seq_len, dtype=dtype, num_tiles=args.num_tiles)
+        result.update(
+            model=args.model,
+            model_type=layer["model_type"],
+            layer_tiles=layer["tiles"],
+            layer_regular_mib=layer["regular_mib"],
+            layer_tiled_mib=layer["tiled_mib"],
+            layer_saving=layer["saving"],
+        )
     if args.json:
         print(json.dumps(result))
         return 0
     print(
-        f"SwiGLU MLP hidden {args.hidden}, intermediate {args.intermediate}, {args.seq_len} tokens, "
+        f"SwiGLU MLP hidden {hidden}, intermediate {intermediate}, {args.seq_len} tokens, "
         f"{args.dtype}: untiled {result['regular_mib']:,.1f} MiB, tiled ({args.num_tiles}: "
         f"{result['tiles']} tiles) {result['tiled_mib']:,.1f} MiB ({100 * result['saving']:.1f}% less)"
     )
+    if config is not None:
+        print(
+            f"one decoder layer of {args.model} ({result['model_type']}, SDPA attention): "
+            f"untiled {result['layer_regular_mib']:,.1f} MiB, MLP tiled ({args.num_tiles}: "
+            f"{result['layer_tiles']} tiles) {result['layer_tiled_mib']:,.1f} MiB "
+            f"({100 * result['layer_saving']:.1f}% less)"
+        )
     if args.budget_gb is not None:
         k = result["recommended_num_tiles"]
         if k is None:
@@ -380,29 +444,27 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 def _cmd_bench(args: argparse.Namespace) -> int:
     import torch
 
+    from tiledmlp.bench.device import resolve_device
     from tiledmlp.bench.harness import BenchConfig, run_sweep
+    from tiledmlp.bench.plot import plot_records
     from tiledmlp.bench.report import markdown_table
     from tiledmlp.bench.variants import deepspeed_available, make_variant
     from tiledmlp.ops.tiles import arctic_num_tiles
 
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise UsageError(
-            "--device cuda was given but no CUDA device is available; use --device cpu"
-        )
-    gpu = device.type == "cuda"
+    device = resolve_device(args.device)
+    accel = device.type != "cpu"
+    if args.warmup < 0:
+        raise UsageError(f"--warmup must be >= 0, got {args.warmup}")
     cfg = BenchConfig(
-        hidden=args.hidden or (4096 if gpu else 512),
-        intermediate=args.intermediate or (12288 if gpu else 1536),
-        seq_lens=args.seq_lens
-        or ((2048, 4096, 8192, 16384, 32768, 65536, 131072) if gpu else (1024, 2048, 4096, 8192)),
-        dtype=getattr(torch, args.dtype or ("bfloat16" if gpu else "float32")),
+        hidden=args.hidden or (4096 if accel else 512),
+        intermediate=args.intermediate or (12288 if accel else 1536),
+        seq_lens=args.seq_lens or (_GPU_SEQ_LENS if accel else _CPU_SEQ_LENS),
+        dtype=getattr(torch, args.dtype or ("bfloat16" if accel else "float32")),
         device=device,
         repeats=args.repeats,
         warmup=args.warmup,
+        isolate=args.isolate == "on" or (args.isolate == "auto" and not accel),
     )
-    if args.warmup < 0:
-        raise UsageError(f"--warmup must be >= 0, got {args.warmup}")
     use_ds = args.deepspeed == "on" or (args.deepspeed == "auto" and deepspeed_available())
     if args.deepspeed == "on" and not deepspeed_available():
         raise UsageError(
@@ -427,23 +489,31 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         def emit(record: dict) -> None:
             f.write(json.dumps(record) + "\n")
             f.flush()
-            logger.info(
-                "seq %d %s: %.1f ms, %.1f MiB",
-                record["seq_len"],
-                record["variant"],
-                record["time_ms"],
-                record["peak_mib"],
+            print(
+                f"  {record['seq_len']:>7} tokens  {record['variant']:<9} "
+                f"{record['time_ms']:>10.1f} ms {record['peak_mib']:>10.1f} MB",
+                file=sys.stderr,
+                flush=True,
             )
 
         records = run_sweep(cfg, variants, emit)
+    dtype = str(cfg.dtype).removeprefix("torch.")
+    title = (
+        f"SwiGLU MLP hidden {cfg.hidden}, intermediate {cfg.intermediate}, {dtype}, "
+        f"{records[0]['device_name']}, tiles {args.num_tiles}"
+    )
     table = markdown_table(records)
     (args.out / "bench.md").write_text(
-        f"SwiGLU MLP hidden {cfg.hidden}, intermediate {cfg.intermediate}, "
-        f"{str(cfg.dtype).removeprefix('torch.')}, {records[0]['device_name']}, "
-        f"torch {torch.__version__}, tiles {args.num_tiles}\n\n{table}"
+        f"{title}, torch {torch.__version__}"
+        f"{', each measurement in a fresh process' if cfg.isolate else ''}\n\n{table}\n"
+        "Speed (+%): tiled time against regular (positive = slower). Memory (-%): tiled peak "
+        "against regular (positive = less). MB = 2**20 bytes, tensor-level peak.\n"
     )
+    written = [jsonl, args.out / "bench.md"]
+    if not args.no_plot:
+        written.append(plot_records(records, args.out / "bench.png", title))
     print(table, end="")
-    print(f"wrote {jsonl} and {args.out / 'bench.md'}")
+    print(f"wrote {', '.join(map(str, written))}")
     return 0
 
 

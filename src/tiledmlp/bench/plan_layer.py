@@ -1,0 +1,258 @@
+"""Memory planning for one decoder layer of a Hugging Face model, on fake tensors.
+
+Builds the model described by a `transformers` config with a single decoder layer under torch's
+FakeTensorMode (nothing is allocated), and runs that layer's forward + backward on
+(1, seq_len, hidden) fake hidden states, untiled and with its MLP run through tiled_mlp.
+Storages are tracked as in plan.py (fake_memory.py): the layer's weights, their gradients, the
+hidden states, the layer's other inputs (rotary cos/sin, position ids), the output, the
+upstream gradient and the input gradient are all counted.
+
+Attention runs through PyTorch's scaled_dot_product_attention ("sdpa") with `is_causal` and no
+mask tensor, as in an unpadded causal-LM training step. On the CPU (where the fake step runs)
+SDPA then takes its flash kernel, whose memory is O(seq_len) like flash attention on a GPU: the
+scores are never materialised. Sliding-window layers are estimated as full causal attention,
+which needs the same memory under a flash kernel. Families whose attention SDPA cannot run
+(e.g. Gemma-2's logit soft-capping) or whose MLP is not a dense gated, fused gated or plain MLP
+(mixture-of-experts blocks route tokens by value, which fake tensors cannot follow) are
+rejected with a ValueError.
+
+Invariant: the estimate depends only on the config's shapes, the sequence length, the dtype and
+the tile policy; no weights are read or downloaded.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._pytree import tree_flatten
+
+from tiledmlp.bench.fake_memory import fake_peak_bytes
+from tiledmlp.ops.functional import tile_plan, tiled_mlp
+from tiledmlp.ops.structure import recognise
+
+__all__ = ["load_config", "mlp_shape", "plan_layer"]
+
+MiB = 2**20
+
+
+def load_config(name_or_path: str) -> Any:
+    """A `transformers` config from a built-in preset name or a local config file.
+
+    Args:
+        name_or_path: a preset of tiledmlp.train.presets.PRESETS (a Llama shape), a Hugging Face
+            `config.json` file, or a directory containing one. Nothing is downloaded.
+
+    Returns:
+        A `transformers.PretrainedConfig` of the model's family.
+
+    Raises:
+        ValueError: not a preset and no such file; the file is not JSON or has no known
+            `model_type`.
+    """
+    import transformers
+
+    from tiledmlp.train.presets import PRESETS
+
+    if name_or_path in PRESETS:
+        return transformers.LlamaConfig(**PRESETS[name_or_path])
+    path = Path(name_or_path)
+    file = path / "config.json" if path.is_dir() else path
+    if not file.is_file():
+        raise ValueError(
+            f"--model {name_or_path!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor an "
+            f"existing config.json file or directory containing one"
+        )
+    try:
+        fields = json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"cannot read {file} as a JSON config: {e}") from None
+    if not isinstance(fields, dict) or not isinstance(fields.get("model_type"), str):
+        raise ValueError(
+            f"{file} has no 'model_type' field; expected a Hugging Face config.json "
+            '(e.g. {"model_type": "llama", "hidden_size": 4096, ...})'
+        )
+    model_type = fields.pop("model_type")
+    if model_type not in transformers.CONFIG_MAPPING:
+        raise ValueError(
+            f"{file}: model_type {model_type!r} is not known to transformers "
+            f"{transformers.__version__}; upgrade transformers or fix the config"
+        )
+    try:
+        return transformers.AutoConfig.for_model(model_type, **fields)
+    except (ValueError, TypeError, KeyError) as e:
+        raise ValueError(f"{file}: cannot build a {model_type!r} config: {e}") from None
+
+
+def mlp_shape(config: Any) -> tuple[int, int]:
+    """(hidden_size, intermediate_size) of the config's (text) decoder MLP.
+
+    Raises:
+        ValueError: the config lacks either field (e.g. a mixture-of-experts config).
+    """
+    text = config.get_text_config()
+    hidden = getattr(text, "hidden_size", None)
+    intermediate = getattr(text, "intermediate_size", None)
+    if not isinstance(hidden, int) or not isinstance(intermediate, int):
+        raise ValueError(
+            f"{type(text).__name__} has no integer hidden_size and intermediate_size "
+            f"(got {hidden!r}, {intermediate!r}); only dense decoder MLPs can be planned"
+        )
+    return hidden, intermediate
+
+
+class _Captured(Exception):
+    """Stops the model's forward once the first decoder layer's inputs are known."""
+
+
+def _one_layer_config(config: Any) -> Any:
+    """A copy of the (text) config with a single decoder layer and no KV cache."""
+    cfg = copy.deepcopy(config.get_text_config())
+    cfg.num_hidden_layers = 1
+    layer_types = getattr(cfg, "layer_types", None)
+    if isinstance(layer_types, list):
+        cfg.layer_types = layer_types[:1]  # must match num_hidden_layers
+    cfg.use_cache = False
+    return cfg
+
+
+def _first_layer(model: nn.Module) -> nn.Module:
+    """The decoder layer of a one-layer model: the element of its one-element nn.ModuleList."""
+    for module in model.modules():
+        if isinstance(module, nn.ModuleList) and len(module) == 1:
+            return module[0]
+    raise ValueError(
+        f"{type(model).__name__}: found no list of decoder layers (an nn.ModuleList) to plan"
+    )
+
+
+def _dense_mlp(layer: nn.Module, hidden: int) -> nn.Module:
+    """The layer's MLP (at `.mlp`), checked to be one tiled_mlp's fast path understands."""
+    mlp = getattr(layer, "mlp", None)
+    if not isinstance(mlp, nn.Module):
+        raise ValueError(f"{type(layer).__name__}: no MLP at .mlp to plan")
+    structure = recognise(mlp)
+    if structure is None:
+        raise ValueError(
+            f"{type(mlp).__name__}: not a dense gated, fused gated or plain MLP; "
+            "mixture-of-experts and custom MLPs cannot be planned on fake tensors"
+        )
+    if not structure.hidden_size == structure.output_size == hidden:
+        # Without values the structure is matched by shapes alone; a match that does not map
+        # hidden -> hidden has taken the wrong projection as the input one.
+        raise ValueError(
+            f"{type(mlp).__name__}: its projections could not be matched to hidden size "
+            f"{hidden} by shape on fake tensors; this MLP cannot be planned yet"
+        )
+    return mlp
+
+
+def _layer_inputs(
+    model: nn.Module, layer: nn.Module, embeds: torch.Tensor
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The arguments the model passes to `layer` (after the hidden states) for `embeds`."""
+    captured: dict[str, Any] = {}
+
+    def hook(_m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        captured["args"], captured["kwargs"] = args[1:], dict(kwargs)
+        raise _Captured
+
+    handle = layer.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            model(inputs_embeds=embeds)
+    except _Captured:
+        pass
+    finally:
+        handle.remove()
+    if "kwargs" not in captured:
+        raise ValueError(f"{type(model).__name__} never called its decoder layer")
+    kwargs = captured["kwargs"]
+    # Under fake tensors the model cannot see that the positions form one unpadded sequence and
+    # builds a (seq, seq) mask; a real step passes none and SDPA runs causal (see module doc).
+    if "attention_mask" in kwargs:
+        kwargs["attention_mask"] = None
+    return captured["args"], kwargs
+
+
+def _estimate(
+    config: Any, seq_len: int, dtype: torch.dtype, tiles: int | str | None
+) -> tuple[int, int]:
+    """(peak bytes, tiles used) of one layer's forward + backward; tiles None means untiled."""
+    import transformers
+
+    cfg = _one_layer_config(config)
+    with FakeTensorMode():
+        model = transformers.AutoModel.from_config(
+            cfg, attn_implementation="sdpa", dtype=dtype, trust_remote_code=False
+        )
+        layer = _first_layer(model)
+        layer.train()  # a training step (dropout, if any, as in training)
+        mlp = _dense_mlp(layer, cfg.hidden_size)
+        x = torch.empty(1, seq_len, cfg.hidden_size, dtype=dtype, requires_grad=True)
+        dy = torch.empty(1, seq_len, cfg.hidden_size, dtype=dtype)
+        args, kwargs = _layer_inputs(model, layer, x.detach())
+        used = 0
+        if tiles is not None:
+            plan = tile_plan(mlp, x, num_tiles=tiles)
+            used = 0 if plan is None else plan.num_tiles
+            original = type(mlp).forward.__get__(mlp)
+
+            def tiled(h: torch.Tensor) -> Any:
+                return tiled_mlp(mlp, h, num_tiles=tiles, forward=original)
+
+            mlp.forward = tiled  # this instance only; the model is discarded after
+
+        def step() -> None:
+            out = layer(x, *args, **kwargs)
+            y = out[0] if isinstance(out, tuple) else out
+            y.backward(dy)
+
+        inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        peak = fake_peak_bytes(step, [*layer.parameters(), x, dy, *inputs])
+    return peak, used
+
+
+def plan_layer(
+    config: Any, *, seq_len: int, dtype: torch.dtype, num_tiles: int | str = "auto"
+) -> dict[str, Any]:
+    """Estimated peak MiB of one decoder layer's forward + backward, untiled and with its MLP
+    tiled.
+
+    Args:
+        config: a `transformers` config (e.g. LlamaConfig, Qwen3Config, or a multimodal config
+            whose text config is a decoder); only its shapes are used.
+        seq_len: tokens of the single sequence, hidden states (1, seq_len, hidden).
+        dtype: dtype of weights and activations.
+        num_tiles: the MLP's tile policy: a positive int, "auto" or "arctic" (see tiled_mlp).
+
+    Returns:
+        {"model_type", "hidden", "intermediate", "seq_len", "dtype", "num_tiles",
+        "tiles" (tiles used; 0 when the policy runs the MLP untiled), "regular_mib",
+        "tiled_mib", "saving", "attention": "sdpa"}.
+
+    Raises:
+        ValueError: the config's layer cannot be planned (see the module docstring).
+    """
+    hidden, intermediate = mlp_shape(config)
+    regular, _ = _estimate(config, seq_len, dtype, None)
+    tiled, used = _estimate(config, seq_len, dtype, num_tiles)
+    cfg = config.get_text_config()
+    return {
+        "model_type": getattr(cfg, "model_type", ""),
+        "hidden": hidden,
+        "intermediate": intermediate,
+        "seq_len": seq_len,
+        "dtype": str(dtype).removeprefix("torch."),
+        "num_tiles": num_tiles,
+        "tiles": used,
+        "regular_mib": round(regular / MiB, 1),
+        "tiled_mib": round(tiled / MiB, 1),
+        "saving": round(1 - tiled / regular, 4) if regular else 0.0,
+        "attention": "sdpa",
+    }
