@@ -15,6 +15,10 @@ __all__ = ["LABELS", "plot_records"]
 LABELS = {"untiled": "Regular", "tiled": "Tiled (tiledmlp)", "deepspeed": "DeepSpeed TiledMLP"}
 
 
+def _tokens(n: int) -> str:
+    return f"{n // 1024}K" if n >= 1024 and n % 1024 == 0 else str(n)
+
+
 def plot_records(records: Sequence[dict[str, Any]], path: Path, title: str) -> Path:
     """Writes the two-panel plot of `records` to `path` (PNG).
 
@@ -32,6 +36,7 @@ def plot_records(records: Sequence[dict[str, Any]], path: Path, title: str) -> P
             "(or pass --no-plot)"
         ) from None
     variants = [v for v in LABELS if any(r["variant"] == v for r in records)]
+    lengths = sorted({r["seq_len"] for r in records})
     fig, (ax_mem, ax_time) = plt.subplots(1, 2, figsize=(11, 4.2))
     for v in variants:
         rows = sorted((r for r in records if r["variant"] == v), key=lambda r: r["seq_len"])
@@ -40,6 +45,8 @@ def plot_records(records: Sequence[dict[str, Any]], path: Path, title: str) -> P
         ax_time.plot(seqs, [r["time_ms"] for r in rows], marker="o", label=LABELS[v])
     for ax, ylabel in ((ax_mem, "peak memory (MB)"), (ax_time, "forward + backward (ms)")):
         ax.set_xscale("log", base=2)
+        ax.set_xticks(lengths, [_tokens(n) for n in lengths])
+        ax.minorticks_off()
         ax.set_xlabel("sequence length (tokens)")
         ax.set_ylabel(ylabel)
         ax.grid(True, which="both", alpha=0.3)
