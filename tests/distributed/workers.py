@@ -18,6 +18,29 @@ LR = 0.05
 PER_RANK = 2
 
 
+def build(family: str) -> torch.nn.Module:
+    """A tiny causal LM; "<family>+lora": with PEFT LoRA adapters (seeded) on the MLPs'
+    projections and only the adapters trainable."""
+    base, _, extra = family.partition("+")
+    model = tiny_causal_lm(base)
+    if extra == "lora":
+        from peft import LoraConfig, inject_adapter_in_model
+
+        torch.manual_seed(5)
+        cfg = LoraConfig(
+            r=4,
+            lora_alpha=8,
+            target_modules=["gate_proj", "up_proj", "down_proj"],
+            init_lora_weights=False,
+        )
+        model = inject_adapter_in_model(cfg, model)
+        for name, p in model.named_parameters():
+            p.requires_grad_("lora_" in name)
+    elif extra:
+        raise ValueError(family)
+    return model
+
+
 def freeze(model: torch.nn.Module, how: str | None) -> torch.nn.Module:
     """None: all trainable; "embeddings": frozen embeddings; "all_but_mlp": only the MLPs train,
     so the first layer's MLP input does not require grad."""
@@ -42,7 +65,7 @@ def reference(
 ) -> dict[str, Any]:
     """Single process, untiled: each step's loss is the mean of the two ranks' losses (what
     data-parallel gradient averaging computes); params and grads after STEPS SGD steps."""
-    model = freeze(tiny_causal_lm(family), frozen)
+    model = freeze(build(family), frozen)
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
     for batches in rank_batches(seqs):
         opt.zero_grad(set_to_none=True)
@@ -82,7 +105,7 @@ def engine_worker(
     """Trains a patched (or, with tiled=False, untouched) model for STEPS steps under `engine`
     ("ddp", "fsdp2", "fsdp1" (flat parameters), "fsdp1_orig", "zero1".."zero3"); returns full params and last grads, and the token count
     the ranks agreed on."""
-    model = freeze(tiny_causal_lm(family).to(dtype), frozen)
+    model = freeze(build(family).to(dtype), frozen)
     if not tiled:
         pass
     elif tile_tokens is None:

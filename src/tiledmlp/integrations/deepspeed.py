@@ -5,7 +5,11 @@ once, which is what their gradient hooks expect. ZeRO-3 partitions parameters (o
 parameter's data is empty, its full shape in `ds_shape`), so tiled MLPs under ZeRO-3 get a
 backend (ops/backend.py) that gathers the MLP's parameters with deepspeed.zero.GatheredParameters
 once for the tiled forward and once for the tiled backward, and that marks the child modules'
-hooks as DeepSpeed's own parameter fetching. The gradients come out full-size, once per
+hooks as DeepSpeed's own parameter fetching: the fast path never calls the children, and the
+generic path (LoRA-wrapped projections, MoE experts, custom MLPs) calls the module's own forward
+with its children's hooks switched off, inside that gather. Parameters that DeepSpeed already
+holds for a module in flight (the tiled module's direct parameters, fetched by its own hooks) are
+left to DeepSpeed. The gradients come out full-size, once per
 parameter, into DeepSpeed's reduce-scatter hooks, as from DeepSpeed's own ZeRO-3 linear layer.
 
 Invariant: every rank gathers the same MLP's parameters at the same point of the forward and of
@@ -33,13 +37,21 @@ def _is_zero3_param(p: torch.Tensor) -> bool:
     return hasattr(p, "ds_id")
 
 
+def _ours_to_gather(params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The ZeRO-3 parameters the tiled call must gather itself: not those DeepSpeed already
+    holds for a module in flight (the tiled module's own direct parameters, fetched by
+    DeepSpeed's hooks on that module for its forward and again for its backward, and released
+    by them)."""
+    return [p for p in params if _is_zero3_param(p) and not getattr(p, "ds_active_sub_modules", ())]
+
+
 class Zero3Backend(ParamBackend):
     """Gathers ZeRO-3 partitioned parameters around the tiled forward and backward."""
 
     engine_hooks = True
 
     def gathered(self, params: Sequence[torch.Tensor]) -> contextlib.AbstractContextManager[object]:
-        zero3 = [p for p in params if _is_zero3_param(p)]
+        zero3 = _ours_to_gather(params)
         if not zero3:
             return contextlib.nullcontext()
         import deepspeed
@@ -52,7 +64,7 @@ class Zero3Backend(ParamBackend):
         backward, and checks them against the parameter's current size, so a parameter that
         gets a gradient stays whole until that gradient has been accumulated (and reduced by
         DeepSpeed's own hook, registered earlier); the others are partitioned at once."""
-        zero3 = [p for p in params if _is_zero3_param(p)]
+        zero3 = _ours_to_gather(params)
         if not zero3:
             yield
             return

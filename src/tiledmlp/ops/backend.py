@@ -5,6 +5,10 @@ The op never inspects engines itself. An engine that partitions parameters acros
 for a block of work (the tiled forward, then the tiled backward), and which says that the
 child modules' hooks are the engine's own parameter fetching (so the fast path may bypass them).
 
+The generic path calls the module's own forward per tile; under an engine whose child hooks
+fetch and release parameters, those calls run with the children's forward hooks switched off
+(`children_hooks_off`), inside the backend's gather of all the module's parameters.
+
 Invariant: the default backend does nothing; with any backend, every rank gathers the same
 parameters in the same order (once per tiled call in the forward and once in the backward).
 """
@@ -12,11 +16,35 @@ parameters in the same order (once per tiled call in the forward and once in the
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
 
 import torch
+from torch import nn
 
-__all__ = ["LOCAL", "ParamBackend"]
+__all__ = ["LOCAL", "ParamBackend", "children_hooks_off"]
+
+_HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks")
+
+
+@contextlib.contextmanager
+def children_hooks_off(module: nn.Module) -> Iterator[None]:
+    """Runs with the forward (pre-)hooks of `module`'s descendants removed, then restores them
+    (the module's own hooks are untouched: they run around the tiled call, once)."""
+    saved = []
+    for child in module.modules():
+        if child is module:
+            continue
+        for name in _HOOK_DICTS:
+            hooks = child.__dict__.get(name)
+            if hooks:
+                saved.append((child, name, hooks))
+                child.__dict__[name] = OrderedDict()
+    try:
+        yield
+    finally:
+        for child, name, hooks in saved:
+            child.__dict__[name] = hooks
 
 
 class ParamBackend:
@@ -36,6 +64,12 @@ class ParamBackend:
         """Like gathered(), for the backward: the engine may keep a parameter whole until
         autograd has accumulated the gradient the backward returns for it."""
         return self.gathered(params)
+
+    def calling(self, module: nn.Module) -> contextlib.AbstractContextManager[object]:
+        """A context for calling `module`'s own forward from inside the tiled op (generic path):
+        with engine hooks, the children's hooks are switched off (the backend has gathered the
+        parameters already, and the engine must not fetch or release them per tile)."""
+        return children_hooks_off(module) if self.engine_hooks else contextlib.nullcontext()
 
 
 LOCAL = ParamBackend()

@@ -90,14 +90,6 @@ def tiled_mlp(
         return call(x, *args)  # the tiled op is running this module's own forward: never tile twice
     backend = backend if backend is not None else LOCAL
     structure = None if args else recognise(mlp, call, ignore_hooks=backend.engine_hooks)
-    if structure is None and backend.engine_hooks:
-        raise NotImplementedError(
-            f"tiled_mlp: {type(mlp).__name__} is not a gated, fused or plain MLP recognised "
-            "before the parameter-partitioning engine (DeepSpeed ZeRO-3) wrapped the model. Call "
-            "tiledmlp.patch_model before deepspeed.initialize; modules that need the generic "
-            "path (LoRA-wrapped, MoE experts, custom) are not supported under ZeRO-3 yet: use "
-            "ZeRO-1/2, DDP or FSDP2 for them, or leave them untiled."
-        )
     with backend.gathered(list(mlp.parameters())):
         return _run(mlp, x, args, structure, call, backend, num_tiles, tile_tokens, plan_tokens)
 
@@ -212,7 +204,7 @@ def _prepare(
         engine = FastEngine(structure, autocast, backend)
         model = MemoryModel(structure, engine.compute_dtype(x))
     else:
-        engine = GenericEngine(mlp, call, autocast, three_d=x.dim() == 3)
+        engine = GenericEngine(mlp, call, autocast, three_d=x.dim() == 3, backend=backend)
     num_tokens = x.numel() // hidden if hidden else 0
     if plan_tokens is None or plan_tokens <= num_tokens:
         return engine, resolve_plan(num_tiles, tile_tokens, num_tokens, hidden, model)

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from tiledmlp.ops.backend import LOCAL, ParamBackend
 from tiledmlp.ops.grads import GradSlot, Scratch
 from tiledmlp.ops.state import AutocastState, RNGState
 from tiledmlp.ops.tiles import TilePlan
@@ -52,12 +53,20 @@ class GenericEngine:
         call: how to run the module's untiled computation.
         autocast: autocast settings captured when the forward ran.
         three_d: whether x was (batch, seq, hidden).
+        backend: makes partitioned parameters whole for the backward and says how to call the
+            module inside the op (ops/backend.py).
     """
 
     def __init__(
-        self, mlp: nn.Module, call: UntiledCall, autocast: AutocastState, three_d: bool
+        self,
+        mlp: nn.Module,
+        call: UntiledCall,
+        autocast: AutocastState,
+        three_d: bool,
+        backend: ParamBackend = LOCAL,
     ) -> None:
         self.mlp = mlp
+        self.backend = backend
         self.call = call
         self.autocast = autocast
         self.three_d = three_d
@@ -124,7 +133,7 @@ class GenericEngine:
         """
         outputs: list[torch.Tensor | None] = []
         self.rng = []
-        with torch.no_grad():
+        with torch.no_grad(), self.backend.calling(self.mlp):
             for i, (start, stop) in enumerate(plan.bounds()):
                 self.rng.append(RNGState.capture(x.device))
                 raw = self.call(self._tile_input(x[start:stop]), *(e[start:stop] for e in extras))
@@ -199,6 +208,20 @@ class GenericEngine:
             RuntimeError: the module's graph reaches a trainable tensor that is not one of its
                 parameters (its gradient would be lost).
         """
+        every = list(self.named.values())
+        with self.backend.gathered_for_backward(every), self.backend.calling(self.mlp):
+            return self._backward(x, extras, grad_outs, plan, needs_x, needs_extras, needs_params)
+
+    def _backward(
+        self,
+        x: torch.Tensor,
+        extras: Sequence[torch.Tensor],
+        grad_outs: Sequence[torch.Tensor | None],
+        plan: TilePlan,
+        needs_x: bool,
+        needs_extras: Sequence[bool],
+        needs_params: Sequence[bool],
+    ) -> tuple[torch.Tensor | None, list[torch.Tensor | None], list[torch.Tensor | None]]:
         wanted = [p for p, need in zip(self.params, needs_params) if need]
         scratch = Scratch()
         slots = [GradSlot(p, p.dtype, scratch) for p in wanted]
