@@ -87,11 +87,17 @@ def _family_config(family: str) -> Any:
         return tr.Qwen3Config(**SMALL, head_dim=16)
     if family == "gemma":
         return tr.GemmaConfig(**SMALL, head_dim=16)
+    if family == "phi3":  # fused gate_up: matched by shape alone on fake tensors
+        return tr.Phi3Config(**SMALL)
+    if family == "gpt_neox":  # plain fc1 -> act -> fc2
+        return tr.GPTNeoXConfig(**SMALL)
     # a multimodal config: the decoder is its text config
     return tr.Gemma3Config(text_config={**SMALL, "head_dim": 16})
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma3"])
+@pytest.mark.parametrize(
+    "family", ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma3", "phi3", "gpt_neox"]
+)
 def test_families_plan_and_tiling_saves(family: str) -> None:
     est = plan_layer(_family_config(family), seq_len=4096, dtype=torch.bfloat16, num_tiles=8)
     assert est["hidden"] == 64 and est["intermediate"] == 256 and est["tiles"] == 8

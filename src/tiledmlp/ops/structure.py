@@ -189,9 +189,12 @@ def _recognise_uncached(
         return None
     act = others[0]
     if linears[0].weight.device.type == "meta" or _is_fake(linears[0].weight):
-        # No values to probe (memory planning on fake tensors): take the shape-consistent
-        # structure; which projection is the gate does not change FLOPs or memory.
+        # No values to probe (memory planning on fake tensors): take a shape-consistent
+        # structure, preferring the last-declared projection as the output one (the order of
+        # every MLP definition we know: fc1 before fc2, gate/up before down). Which projection
+        # is the gate does not change FLOPs or memory.
         shaped = _candidates(linears, act, False, child_ids)
+        shaped.sort(key=lambda c: c.down is not linears[-1])
         return shaped[0] if shaped else None
     in_place = _act_aliases_input(act, linears[0].weight)
     for candidate in _candidates(linears, act, in_place, child_ids):
