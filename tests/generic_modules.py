@@ -103,21 +103,26 @@ class ClosesOverParam(nn.Module):
         return torch.tanh(self.proj(x)) * self.outside[0]
 
 
-def lora_wrapped(hidden: int, intermediate: int) -> nn.Module:
-    """A SwiGLU MLP with real PEFT LoRA adapters on all three projections (base frozen)."""
+def with_mlp_lora(model: nn.Module) -> nn.Module:
+    """Real PEFT LoRA adapters (random, rank 4) on every gate/up/down projection of `model`;
+    only the adapters stay trainable. Seed the RNG first for reproducible adapters."""
     from peft import LoraConfig, inject_adapter_in_model
 
-    from tiledmlp.bench.models import GatedMLP
-
-    torch.manual_seed(7)
-    mlp = GatedMLP(hidden, intermediate)
     cfg = LoraConfig(
         r=4,
         lora_alpha=8,
         target_modules=["gate_proj", "up_proj", "down_proj"],
         init_lora_weights=False,
     )
-    mlp = inject_adapter_in_model(cfg, mlp)
-    for name, p in mlp.named_parameters():
+    model = inject_adapter_in_model(cfg, model)
+    for name, p in model.named_parameters():
         p.requires_grad_("lora_" in name)
-    return mlp
+    return model
+
+
+def lora_wrapped(hidden: int, intermediate: int) -> nn.Module:
+    """A SwiGLU MLP with real PEFT LoRA adapters on all three projections (base frozen)."""
+    from tiledmlp.bench.models import GatedMLP
+
+    torch.manual_seed(7)
+    return with_mlp_lora(GatedMLP(hidden, intermediate))

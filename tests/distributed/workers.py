@@ -13,6 +13,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from hf_models import VOCAB, tiny_causal_lm
 from tiledmlp import patch_model
 
+from generic_modules import with_mlp_lora
+
 STEPS = 3
 LR = 0.05
 PER_RANK = 2
@@ -24,18 +26,8 @@ def build(family: str) -> torch.nn.Module:
     base, _, extra = family.partition("+")
     model = tiny_causal_lm(base)
     if extra == "lora":
-        from peft import LoraConfig, inject_adapter_in_model
-
         torch.manual_seed(5)
-        cfg = LoraConfig(
-            r=4,
-            lora_alpha=8,
-            target_modules=["gate_proj", "up_proj", "down_proj"],
-            init_lora_weights=False,
-        )
-        model = inject_adapter_in_model(cfg, model)
-        for name, p in model.named_parameters():
-            p.requires_grad_("lora_" in name)
+        model = with_mlp_lora(model)
     elif extra:
         raise ValueError(family)
     return model

@@ -20,7 +20,7 @@ from tiledmlp.bench.fake_memory import fake_peak_bytes
 from tiledmlp.bench.models import GatedMLP
 from tiledmlp.ops.functional import tile_plan, tiled_mlp
 
-__all__ = ["plan_mlp"]
+__all__ = ["estimate_fields", "plan_mlp"]
 
 MiB = 2**20
 # The recommendation tries 1, 2, 4, ... tiles up to this many (each try runs the fake step).
@@ -54,6 +54,30 @@ def _estimate(
     return peak, used
 
 
+def estimate_fields(
+    hidden: int,
+    intermediate: int,
+    seq_len: int,
+    dtype: torch.dtype,
+    num_tiles: int | str,
+    regular: int,
+    tiled: int,
+    used: int,
+) -> dict[str, Any]:
+    """The fields every estimate reports: the shape, the policy and the two peaks in MiB."""
+    return {
+        "hidden": hidden,
+        "intermediate": intermediate,
+        "seq_len": seq_len,
+        "dtype": str(dtype).removeprefix("torch."),
+        "num_tiles": num_tiles,
+        "tiles": used,
+        "regular_mib": round(regular / MiB, 1),
+        "tiled_mib": round(tiled / MiB, 1),
+        "saving": round(1 - tiled / regular, 4) if regular else 0.0,
+    }
+
+
 def plan_mlp(
     *,
     hidden: int,
@@ -72,17 +96,7 @@ def plan_mlp(
     """
     regular, _ = _estimate(hidden, intermediate, seq_len, dtype, None)
     tiled, used = _estimate(hidden, intermediate, seq_len, dtype, num_tiles)
-    out: dict[str, Any] = {
-        "hidden": hidden,
-        "intermediate": intermediate,
-        "seq_len": seq_len,
-        "dtype": str(dtype).removeprefix("torch."),
-        "num_tiles": num_tiles,
-        "tiles": used,
-        "regular_mib": round(regular / MiB, 1),
-        "tiled_mib": round(tiled / MiB, 1),
-        "saving": round(1 - tiled / regular, 4) if regular else 0.0,
-    }
+    out = estimate_fields(hidden, intermediate, seq_len, dtype, num_tiles, regular, tiled, used)
     if budget_bytes is not None:
         out["budget_mib"] = round(budget_bytes / MiB, 1)
         out["recommended_num_tiles"] = None

@@ -33,12 +33,11 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_flatten
 
 from tiledmlp.bench.fake_memory import fake_peak_bytes
+from tiledmlp.bench.plan import estimate_fields
 from tiledmlp.ops.functional import tile_plan, tiled_mlp
 from tiledmlp.ops.structure import recognise
 
 __all__ = ["load_config", "mlp_shape", "plan_layer"]
-
-MiB = 2**20
 
 
 def load_config(name_or_path: str) -> Any:
@@ -245,14 +244,6 @@ def plan_layer(
     cfg = config.get_text_config()
     return {
         "model_type": getattr(cfg, "model_type", ""),
-        "hidden": hidden,
-        "intermediate": intermediate,
-        "seq_len": seq_len,
-        "dtype": str(dtype).removeprefix("torch."),
-        "num_tiles": num_tiles,
-        "tiles": used,
-        "regular_mib": round(regular / MiB, 1),
-        "tiled_mib": round(tiled / MiB, 1),
-        "saving": round(1 - tiled / regular, 4) if regular else 0.0,
+        **estimate_fields(hidden, intermediate, seq_len, dtype, num_tiles, regular, tiled, used),
         "attention": "sdpa",
     }

@@ -210,58 +210,51 @@ class GenericEngine:
         """
         every = list(self.named.values())
         with self.backend.gathered_for_backward(every), self.backend.calling(self.mlp):
-            return self._backward(x, extras, grad_outs, plan, needs_x, needs_extras, needs_params)
-
-    def _backward(
-        self,
-        x: torch.Tensor,
-        extras: Sequence[torch.Tensor],
-        grad_outs: Sequence[torch.Tensor | None],
-        plan: TilePlan,
-        needs_x: bool,
-        needs_extras: Sequence[bool],
-        needs_params: Sequence[bool],
-    ) -> tuple[torch.Tensor | None, list[torch.Tensor | None], list[torch.Tensor | None]]:
-        wanted = [p for p, need in zip(self.params, needs_params) if need]
-        scratch = Scratch()
-        slots = [GradSlot(p, p.dtype, scratch) for p in wanted]
-        dx = torch.zeros_like(x) if needs_x else None
-        dextras = [torch.zeros_like(e) if need else None for e, need in zip(extras, needs_extras)]
-        for i, (start, stop) in enumerate(plan.bounds()):
-            n = stop - start
-            xt = self._tile_input(x[start:stop].detach()).requires_grad_(needs_x)
-            et = [
-                e[start:stop].detach().requires_grad_(need) for e, need in zip(extras, needs_extras)
+            wanted = [p for p, need in zip(self.params, needs_params) if need]
+            scratch = Scratch()
+            slots = [GradSlot(p, p.dtype, scratch) for p in wanted]
+            dx = torch.zeros_like(x) if needs_x else None
+            dextras = [
+                torch.zeros_like(e) if need else None for e, need in zip(extras, needs_extras)
             ]
-            leaves = ([xt] if needs_x else []) + [t for t, need in zip(et, needs_extras) if need]
-            with torch.enable_grad(), self.autocast.restore(), self.rng[i].replay():
-                # Non-leaf inputs, so module hooks (FlopCounterMode's) work inside autograd.grad.
-                args = [t.view_as(t) if t.requires_grad else t for t in (xt, *et)]
-                tiles = self._split_outputs(self._call(*args), n)
-            outs, grads = [], []
-            for t, g in zip(tiles, grad_outs):
-                if t is not None and g is not None and t.requires_grad:
-                    outs.append(t)
-                    grads.append(g[start:stop])
-            if not outs:
-                continue
-            if i == 0:
-                self._check_leaves(outs, leaves)
-            got = list(torch.autograd.grad(outs, leaves + wanted, grads, allow_unused=True))
-            if needs_x:
-                g = got.pop(0)
-                if g is not None and dx is not None:
-                    dx[start:stop].copy_(g.reshape(n, -1))
-            for buf in dextras:
-                if buf is not None:
+            for i, (start, stop) in enumerate(plan.bounds()):
+                n = stop - start
+                xt = self._tile_input(x[start:stop].detach()).requires_grad_(needs_x)
+                et = [
+                    e[start:stop].detach().requires_grad_(need)
+                    for e, need in zip(extras, needs_extras)
+                ]
+                leaves = ([xt] if needs_x else []) + [
+                    t for t, need in zip(et, needs_extras) if need
+                ]
+                with torch.enable_grad(), self.autocast.restore(), self.rng[i].replay():
+                    # Non-leaf inputs, so module hooks (FlopCounterMode's) work inside autograd.grad.
+                    args = [t.view_as(t) if t.requires_grad else t for t in (xt, *et)]
+                    tiles = self._split_outputs(self._call(*args), n)
+                outs, grads = [], []
+                for t, g in zip(tiles, grad_outs):
+                    if t is not None and g is not None and t.requires_grad:
+                        outs.append(t)
+                        grads.append(g[start:stop])
+                if not outs:
+                    continue
+                if i == 0:
+                    self._check_leaves(outs, leaves)
+                got = list(torch.autograd.grad(outs, leaves + wanted, grads, allow_unused=True))
+                if needs_x:
                     g = got.pop(0)
+                    if g is not None and dx is not None:
+                        dx[start:stop].copy_(g.reshape(n, -1))
+                for buf in dextras:
+                    if buf is not None:
+                        g = got.pop(0)
+                        if g is not None:
+                            buf[start:stop].copy_(g)
+                for slot, g in zip(slots, got):
                     if g is not None:
-                        buf[start:stop].copy_(g)
-            for slot, g in zip(slots, got):
-                if g is not None:
-                    slot.add(g)
-        results = iter(slot.result() for slot in slots)
-        return dx, dextras, [next(results) if need else None for need in needs_params]
+                        slot.add(g)
+            results = iter(slot.result() for slot in slots)
+            return dx, dextras, [next(results) if need else None for need in needs_params]
 
     def _call(self, *args: torch.Tensor) -> object:
         """Runs the module with the parameters it had in the forward."""
