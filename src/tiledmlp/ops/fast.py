@@ -44,7 +44,8 @@ class FastEngine:
     Args:
         structure: the recognised MLP.
         autocast: autocast settings captured when the forward ran.
-        backend: makes partitioned parameters whole for the backward (ops/backend.py).
+        backend: how the module's parameters are made whole (ops/backend.py); the caller
+            gathers `weights` around the forward and the backward.
     """
 
     def __init__(
@@ -55,6 +56,7 @@ class FastEngine:
         self.backend = backend
         self._slots = structure.params()  # weight, bias per linear; None where no bias
         self.params: list[torch.Tensor] = [p for p in self._slots if p is not None]
+        self.weights = self.params  # every parameter the computation uses (all are inputs)
 
     # -- dtypes ------------------------------------------------------------------------------
 
@@ -145,18 +147,6 @@ class FastEngine:
         Returns:
             (dx of shape (tokens, hidden) in x's dtype or None, per-parameter gradients or None).
         """
-        with self.backend.gathered_for_backward(self.params):
-            return self._backward(x, grad_out, plan, needs_x, needs_params)
-
-    def _backward(
-        self,
-        x: torch.Tensor,
-        grad_out: torch.Tensor,
-        plan: TilePlan,
-        needs_x: bool,
-        needs_params: Sequence[bool],
-    ) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
-        """backward() with the parameters whole."""
         cd = self.compute_dtype(x)
         w = self._cast(cd)
         need_iter = iter(needs_params)

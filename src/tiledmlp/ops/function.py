@@ -115,33 +115,39 @@ class TiledMLPFunction(torch.autograd.Function):
     @once_differentiable
     def backward(ctx: Any, *grads: torch.Tensor | None) -> Any:
         run: TiledRun = ctx.run
-        x = run.x_node.saved_tensors[0] if run.x_node is not None else ctx.saved_tensors[0]
-        flat = x.reshape(-1, x.shape[-1])
-        needs_x = ctx.needs_input_grad[0]
-        n_extra = len(run.extras)
-        needs_extras: Sequence[bool] = ctx.needs_input_grad[2 : 2 + n_extra]
-        needs_params: Sequence[bool] = ctx.needs_input_grad[2 + n_extra :]
-        flat_grads = [
-            g.reshape(flat.shape[0], *g.shape[len(run.lead_shape) :])
-            if g is not None and keep
-            else g
-            for g, keep in zip(_with_none_slots(grads, run), run.layouts_keep_lead)
-        ]
-        if isinstance(run.engine, FastEngine):
-            gy = flat_grads[0]
-            if gy is None:
-                return (None, None, *([None] * len(needs_params)))
-            dx, pgrads = run.engine.backward(flat, gy, run.plan, needs_x, needs_params)
-            return (None if dx is None else dx.view(x.shape), None, *pgrads)
-        extras = tuple(
-            node.saved_tensors[0] if node is not None else e
-            for node, e in zip(run.extra_nodes, run.extras)
-        )
-        dx, egrads, pgrads = run.engine.backward(
-            flat, run.flat_extras(extras), flat_grads, run.plan, needs_x, needs_extras, needs_params
-        )
-        egrads = [None if g is None else g.view(e.shape) for g, e in zip(egrads, extras)]
-        return (None if dx is None else dx.view(x.shape), None, *egrads, *pgrads)
+        if isinstance(run.engine, FastEngine) and grads[0] is None:
+            return (None, None, *([None] * (len(ctx.needs_input_grad) - 2)))
+        # Partitioned parameters (ZeRO-3) are whole for the backward, as for the forward.
+        with run.engine.backend.gathered_for_backward(run.engine.weights):
+            return _backward(ctx, run, grads)
+
+
+def _backward(ctx: Any, run: TiledRun, grads: tuple[torch.Tensor | None, ...]) -> Any:
+    """TiledMLPFunction.backward with the module's parameters whole."""
+    x = run.x_node.saved_tensors[0] if run.x_node is not None else ctx.saved_tensors[0]
+    flat = x.reshape(-1, x.shape[-1])
+    needs_x = ctx.needs_input_grad[0]
+    n_extra = len(run.extras)
+    needs_extras: Sequence[bool] = ctx.needs_input_grad[2 : 2 + n_extra]
+    needs_params: Sequence[bool] = ctx.needs_input_grad[2 + n_extra :]
+    flat_grads = [
+        g.reshape(flat.shape[0], *g.shape[len(run.lead_shape) :]) if g is not None and keep else g
+        for g, keep in zip(_with_none_slots(grads, run), run.layouts_keep_lead)
+    ]
+    if isinstance(run.engine, FastEngine):
+        gy = flat_grads[0]
+        assert gy is not None  # checked before gathering
+        dx, pgrads = run.engine.backward(flat, gy, run.plan, needs_x, needs_params)
+        return (None if dx is None else dx.view(x.shape), None, *pgrads)
+    extras = tuple(
+        node.saved_tensors[0] if node is not None else e
+        for node, e in zip(run.extra_nodes, run.extras)
+    )
+    dx, egrads, pgrads = run.engine.backward(
+        flat, run.flat_extras(extras), flat_grads, run.plan, needs_x, needs_extras, needs_params
+    )
+    egrads = [None if g is None else g.view(e.shape) for g, e in zip(egrads, extras)]
+    return (None if dx is None else dx.view(x.shape), None, *egrads, *pgrads)
 
 
 def _with_none_slots(

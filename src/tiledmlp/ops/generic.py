@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -53,8 +54,9 @@ class GenericEngine:
         call: how to run the module's untiled computation.
         autocast: autocast settings captured when the forward ran.
         three_d: whether x was (batch, seq, hidden).
-        backend: makes partitioned parameters whole for the backward and says how to call the
-            module inside the op (ops/backend.py).
+        backend: how the module's parameters are made whole and how to call the module inside
+            the op (ops/backend.py); the caller gathers `weights` around the forward and the
+            backward.
     """
 
     def __init__(
@@ -74,6 +76,7 @@ class GenericEngine:
         # module's parameters were swapped meanwhile (torch.func.functional_call, reparametrize).
         self.named: dict[str, torch.Tensor] = dict(mlp.named_parameters())
         self.params: list[torch.Tensor] = [p for p in self.named.values() if p.requires_grad]
+        self.weights: list[torch.Tensor] = list(self.named.values())  # frozen ones included
         self.rng: list[RNGState] = []
         self.layouts: list[OutputLayout | None] = []  # None for outputs that are None
         self.returns_tuple = False
@@ -133,10 +136,10 @@ class GenericEngine:
         """
         outputs: list[torch.Tensor | None] = []
         self.rng = []
-        with torch.no_grad(), self.backend.calling(self.mlp):
+        with torch.no_grad():
             for i, (start, stop) in enumerate(plan.bounds()):
                 self.rng.append(RNGState.capture(x.device))
-                raw = self.call(self._tile_input(x[start:stop]), *(e[start:stop] for e in extras))
+                raw = self._call(self._tile_input(x[start:stop]), *(e[start:stop] for e in extras))
                 tiles = self._split_outputs(raw, stop - start)
                 lead = (1, stop - start) if self.three_d else (stop - start,)
                 if i == 0:
@@ -208,62 +211,57 @@ class GenericEngine:
             RuntimeError: the module's graph reaches a trainable tensor that is not one of its
                 parameters (its gradient would be lost).
         """
-        every = list(self.named.values())
-        with self.backend.gathered_for_backward(every), self.backend.calling(self.mlp):
-            wanted = [p for p, need in zip(self.params, needs_params) if need]
-            scratch = Scratch()
-            slots = [GradSlot(p, p.dtype, scratch) for p in wanted]
-            dx = torch.zeros_like(x) if needs_x else None
-            dextras = [
-                torch.zeros_like(e) if need else None for e, need in zip(extras, needs_extras)
+        wanted = [p for p, need in zip(self.params, needs_params) if need]
+        scratch = Scratch()
+        slots = [GradSlot(p, p.dtype, scratch) for p in wanted]
+        dx = torch.zeros_like(x) if needs_x else None
+        dextras = [torch.zeros_like(e) if need else None for e, need in zip(extras, needs_extras)]
+        for i, (start, stop) in enumerate(plan.bounds()):
+            n = stop - start
+            xt = self._tile_input(x[start:stop].detach()).requires_grad_(needs_x)
+            et = [
+                e[start:stop].detach().requires_grad_(need) for e, need in zip(extras, needs_extras)
             ]
-            for i, (start, stop) in enumerate(plan.bounds()):
-                n = stop - start
-                xt = self._tile_input(x[start:stop].detach()).requires_grad_(needs_x)
-                et = [
-                    e[start:stop].detach().requires_grad_(need)
-                    for e, need in zip(extras, needs_extras)
-                ]
-                leaves = ([xt] if needs_x else []) + [
-                    t for t, need in zip(et, needs_extras) if need
-                ]
-                with torch.enable_grad(), self.autocast.restore(), self.rng[i].replay():
-                    # Non-leaf inputs, so module hooks (FlopCounterMode's) work inside autograd.grad.
-                    args = [t.view_as(t) if t.requires_grad else t for t in (xt, *et)]
-                    tiles = self._split_outputs(self._call(*args), n)
-                outs, grads = [], []
-                for t, g in zip(tiles, grad_outs):
-                    if t is not None and g is not None and t.requires_grad:
-                        outs.append(t)
-                        grads.append(g[start:stop])
-                if not outs:
-                    continue
-                if i == 0:
-                    self._check_leaves(outs, leaves)
-                got = list(torch.autograd.grad(outs, leaves + wanted, grads, allow_unused=True))
-                if needs_x:
+            leaves = ([xt] if needs_x else []) + [t for t, need in zip(et, needs_extras) if need]
+            with torch.enable_grad(), self.autocast.restore(), self.rng[i].replay():
+                # Non-leaf inputs, so module hooks (FlopCounterMode's) work inside autograd.grad.
+                args = [t.view_as(t) if t.requires_grad else t for t in (xt, *et)]
+                tiles = self._split_outputs(self._call(*args), n)
+            outs, grads = [], []
+            for t, g in zip(tiles, grad_outs):
+                if t is not None and g is not None and t.requires_grad:
+                    outs.append(t)
+                    grads.append(g[start:stop])
+            if not outs:
+                continue
+            if i == 0:
+                self._check_leaves(outs, leaves)
+            got = list(torch.autograd.grad(outs, leaves + wanted, grads, allow_unused=True))
+            if needs_x:
+                g = got.pop(0)
+                if g is not None and dx is not None:
+                    dx[start:stop].copy_(g.reshape(n, -1))
+            for buf in dextras:
+                if buf is not None:
                     g = got.pop(0)
-                    if g is not None and dx is not None:
-                        dx[start:stop].copy_(g.reshape(n, -1))
-                for buf in dextras:
-                    if buf is not None:
-                        g = got.pop(0)
-                        if g is not None:
-                            buf[start:stop].copy_(g)
-                for slot, g in zip(slots, got):
                     if g is not None:
-                        slot.add(g)
-            results = iter(slot.result() for slot in slots)
-            return dx, dextras, [next(results) if need else None for need in needs_params]
+                        buf[start:stop].copy_(g)
+            for slot, g in zip(slots, got):
+                if g is not None:
+                    slot.add(g)
+        results = iter(slot.result() for slot in slots)
+        return dx, dextras, [next(results) if need else None for need in needs_params]
 
-    def _call(self, *args: torch.Tensor) -> object:
-        """Runs the module with the parameters it had in the forward."""
+    def _call(self, *args: torch.Tensor) -> Any:
+        """Runs the module with the parameters it had in the forward, as the backend says a
+        module is called inside the op."""
         current = dict(self.mlp.named_parameters())
-        if current.keys() == self.named.keys() and all(
-            current[k] is v for k, v in self.named.items()
-        ):
-            return self.call(*args)
-        return self.call.with_params(self.named, *args)
+        with self.backend.calling(self.mlp):
+            if current.keys() == self.named.keys() and all(
+                current[k] is v for k, v in self.named.items()
+            ):
+                return self.call(*args)
+            return self.call.with_params(self.named, *args)
 
     def _check_leaves(self, outs: list[torch.Tensor], leaves: list[torch.Tensor]) -> None:
         known = {id(p) for p in self.named.values()} | {id(t) for t in leaves}
