@@ -12,16 +12,8 @@ import sys
 
 import torch
 
-from tiledmlp.bench.memory import tensor_bytes
+from tiledmlp.bench.memory import process_peak_bytes, tensor_bytes
 from tiledmlp.bench.models import GatedMLP
-
-
-def _status(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(field)
 
 
 def main() -> None:
@@ -33,12 +25,9 @@ def main() -> None:
     mlp(x[:, :8]).sum().backward()  # warm up kernels and allocator paths, then drop the grads
     x.grad = None
     mlp.zero_grad(set_to_none=True)
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # reset VmHWM to the current RSS
-    before = _status("VmRSS")
-    y = mlp(x)
-    y.backward(dy)
-    peak = _status("VmHWM") - before + tensor_bytes(*mlp.parameters(), x, dy)
+    peak = process_peak_bytes(lambda: mlp(x).backward(dy), tensor_bytes(*mlp.parameters(), x, dy))
+    if peak is None:
+        raise RuntimeError("the process-level peak needs Linux's /proc/self/clear_refs")
     print(json.dumps({"peak_mib": peak / 2**20}))
 
 

@@ -465,8 +465,9 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         warmup=args.warmup,
         isolate=args.isolate == "on" or (args.isolate == "auto" and not accel),
     )
-    use_ds = args.deepspeed == "on" or (args.deepspeed == "auto" and deepspeed_available())
-    if args.deepspeed == "on" and not deepspeed_available():
+    ds_ok = args.deepspeed != "off" and deepspeed_available()
+    use_ds = args.deepspeed == "on" or (args.deepspeed == "auto" and ds_ok)
+    if args.deepspeed == "on" and not ds_ok:
         raise UsageError(
             "--deepspeed on, but deepspeed is not importable; pip install 'tiledmlp[deepspeed]'"
         )

@@ -13,7 +13,7 @@ import platform
 
 import torch
 
-__all__ = ["available_devices", "default_device", "device_name", "resolve_device"]
+__all__ = ["available_devices", "device_name", "resolve_device"]
 
 
 def _load_npu_plugin() -> None:
@@ -34,22 +34,18 @@ def available_devices() -> list[str]:
     return [*found, "cpu"]
 
 
-def default_device() -> str:
-    """The first accelerator (CUDA, NPU, ...), else "cpu"."""
-    return available_devices()[0]
-
-
 def resolve_device(name: str | None) -> torch.device:
     """`name` ("cpu", "cuda", "npu", or None for the default) as a device.
 
     Raises:
         ValueError: the device type is not available here.
     """
-    kind = name or default_device()
-    if kind not in available_devices():
+    available = available_devices()
+    kind = name or available[0]
+    if kind not in available:
         raise ValueError(
             f"--device {kind} was given but no {kind} device is available here (available: "
-            f"{', '.join(available_devices())}); pick one of those."
+            f"{', '.join(available)}); pick one of those."
         )
     return torch.device(kind)
 

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from tiledmlp.bench.flops import count_flops
-from tiledmlp.bench.memory import peak_bytes, tensor_bytes
+from tiledmlp.bench.memory import peak_bytes, process_peak_bytes, tensor_bytes
 from tiledmlp.bench.models import GatedMLP
 from tiledmlp.bench.variants import Variant, make_variant
 
@@ -69,32 +69,6 @@ def _sync(device: torch.device) -> None:
         torch.accelerator.synchronize(device)
 
 
-def _status_bytes(field: str) -> int | None:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
-def _process_peak(step: Any, alive: int) -> int | None:
-    """CPU only, Linux: (VmHWM during `step` - RSS before it) + the bytes alive before it."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # resets VmHWM to the current RSS
-    except OSError:
-        return None
-    before = _status_bytes("VmRSS")
-    step()
-    hwm = _status_bytes("VmHWM")
-    if before is None or hwm is None:
-        return None
-    return hwm - before + alive
-
-
 def measure(job: Job) -> dict[str, Any]:
     """Measures `job` in this process; returns its record (without the environment)."""
     device = torch.device(job.device)
@@ -118,7 +92,7 @@ def measure(job: Job) -> dict[str, Any]:
     v.forward(mlp, x[:, :8])  # one-time structure probe and kernel warm-up, on 8 tokens
     reset()
     # The process-level peak first, while no full-size step has grown the allocator's caches.
-    process = _process_peak(step, alive) if device.type == "cpu" else None
+    process = process_peak_bytes(step, alive) if device.type == "cpu" else None
     reset()
     peak = peak_bytes(step, alive, device)
     reset()

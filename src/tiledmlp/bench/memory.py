@@ -4,7 +4,8 @@ CPU: the torch.profiler memory timeline (profile_memory + record_shapes + with_s
 JSON): the peak is the largest rise of the summed categories over the step plus the bytes that
 were alive before it. It counts every tensor the step creates, including modules called once
 per tile, and is exactly repeatable. Accelerators (CUDA, NPU): torch.accelerator's
-max_memory_allocated after a reset.
+max_memory_allocated after a reset. Process level (CPU, Linux): the high-water mark of the
+process's resident memory (VmHWM), reset through /proc/self/clear_refs before the step.
 
 Invariant: `alive_before` is the caller's count of what exists before the step starts (weights,
 inputs, upstream gradient); the result is absolute bytes at the peak.
@@ -20,7 +21,7 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["peak_bytes", "tensor_bytes"]
+__all__ = ["peak_bytes", "proc_status_bytes", "process_peak_bytes", "tensor_bytes"]
 
 
 def tensor_bytes(*tensors: torch.Tensor) -> int:
@@ -71,3 +72,31 @@ def peak_bytes(step: Callable[[], object], alive_before: int, device: torch.devi
     if not totals:
         return alive_before
     return max(totals) - min(totals) + alive_before
+
+
+def proc_status_bytes(field: str) -> int | None:
+    """A memory field of /proc/self/status ("VmRSS", "VmHWM", ...) in bytes; None off Linux."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def process_peak_bytes(step: Callable[[], object], alive_before: int) -> int | None:
+    """(VmHWM during `step` - RSS before it) + `alive_before`: the process-level peak, comparable
+    with tensor-level figures; None where /proc is not available."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the current RSS
+    except OSError:
+        return None
+    before = proc_status_bytes("VmRSS")
+    step()
+    hwm = proc_status_bytes("VmHWM")
+    if before is None or hwm is None:
+        return None
+    return hwm - before + alive_before

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tiledmlp.bench.memory import proc_status_bytes
 from tiledmlp.patching import patch_model
 from tiledmlp.train.data import ByteTokenizer, default_corpus, pack, read_corpus
 from tiledmlp.train.presets import PRESETS, build_preset
@@ -86,13 +87,9 @@ def _peak_mib(device: torch.device) -> float:
         return torch.cuda.max_memory_allocated(device) / MiB
     # This process's high-water mark. VmHWM starts afresh at exec; ru_maxrss does not (a child
     # of a big process reports its parent's peak), so it is only the fallback off Linux.
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
+    hwm = proc_status_bytes("VmHWM")
+    if hwm is not None:
+        return hwm / MiB
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
