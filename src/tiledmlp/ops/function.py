@@ -17,10 +17,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from tiledmlp.ops.fast import FastEngine
 from tiledmlp.ops.generic import GenericEngine
+from tiledmlp.ops.guards import check_versions, refuse_double_backward
 from tiledmlp.ops.tiles import TilePlan
 
 __all__ = ["TiledMLPFunction", "TiledRun", "anchor_input"]
@@ -66,6 +66,12 @@ class TiledRun:
     extras: tuple[torch.Tensor, ...] = ()
     extra_nodes: tuple[Any, ...] = ()
     layouts_keep_lead: tuple[bool, ...] = ()
+    versions: tuple[tuple[str, torch.Tensor, int], ...] = ()
+
+    def record_versions(self, named: Sequence[tuple[str, torch.Tensor]]) -> None:
+        """Remembers the version counters of the tensors the backward recomputes from but does
+        not save (the weights, kept by reference; extra inputs that need no grad)."""
+        self.versions = tuple((name, t, t._version) for name, t in named)
 
     def flat_extras(self, extras: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
         """Per-token extra inputs flattened to (tokens, ...), detached."""
@@ -112,13 +118,14 @@ class TiledMLPFunction(torch.autograd.Function):
         return outs[0] if len(outs) == 1 else tuple(outs)
 
     @staticmethod
-    @once_differentiable
     def backward(ctx: Any, *grads: torch.Tensor | None) -> Any:
+        refuse_double_backward("tiled_mlp")
         run: TiledRun = ctx.run
+        check_versions("tiled_mlp", run.versions)
         if isinstance(run.engine, FastEngine) and grads[0] is None:
             return (None, None, *([None] * (len(ctx.needs_input_grad) - 2)))
         # Partitioned parameters (ZeRO-3) are whole for the backward, as for the forward.
-        with run.engine.backend.gathered_for_backward(run.engine.weights):
+        with torch.no_grad(), run.engine.backend.gathered_for_backward(run.engine.weights):
             return _backward(ctx, run, grads)
 
 

@@ -125,6 +125,11 @@ def _run(
         extras=tuple(args),
         extra_nodes=tuple(node for _, node in anchored),
     )
+    names = {id(p): f"parameter {n!r}" for n, p in mlp.named_parameters()}
+    run.record_versions(
+        [(names.get(id(w), "a weight of the MLP"), w) for w in engine.weights]
+        + [(f"extra input {i}", a) for i, (a, node) in enumerate(anchored) if node is None]
+    )
     if not needs_grad:
         outs = run.run_forward(x)
     else:
@@ -202,7 +207,7 @@ def _prepare(
     model: MemoryModel | None = None
     if structure is not None:
         engine = FastEngine(structure, autocast, backend)
-        model = MemoryModel(structure, engine.compute_dtype(x))
+        model = MemoryModel(structure, engine.compute_dtype(x), tuple(engine.params))
     else:
         engine = GenericEngine(mlp, call, autocast, three_d=x.dim() == 3, backend=backend)
     num_tokens = x.numel() // hidden if hidden else 0

@@ -46,6 +46,20 @@ class OutputLayout:
     dtype: torch.dtype
 
 
+def _check_buffers_unchanged(
+    mlp: nn.Module, before: list[tuple[str, torch.Tensor, int]]
+) -> None:
+    changed = [name for name, b, version in before if b._version != version]
+    if changed:
+        raise RuntimeError(
+            f"tiled_mlp: {type(mlp).__name__}'s forward updates its buffers {changed} (e.g. "
+            "running statistics, or a training-mode spectral_norm's power iteration); the "
+            "generic tiled path runs the forward once per tile and again in the backward, so "
+            "the module would not compute what it computes untiled. Expected a forward that "
+            "leaves its buffers alone: run the module in eval mode, or call it untiled."
+        )
+
+
 class GenericEngine:
     """Per-tile recompute of an arbitrary token-wise module.
 
@@ -136,10 +150,13 @@ class GenericEngine:
         """
         outputs: list[torch.Tensor | None] = []
         self.rng = []
+        buffers = [(name, b, b._version) for name, b in self.mlp.named_buffers()]
         with torch.no_grad():
             for i, (start, stop) in enumerate(plan.bounds()):
                 self.rng.append(RNGState.capture(x.device))
                 raw = self._call(self._tile_input(x[start:stop]), *(e[start:stop] for e in extras))
+                if i == 0:
+                    _check_buffers_unchanged(self.mlp, buffers)
                 tiles = self._split_outputs(raw, stop - start)
                 lead = (1, stop - start) if self.three_d else (stop - start,)
                 if i == 0:

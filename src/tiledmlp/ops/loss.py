@@ -25,9 +25,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from tiledmlp.ops.grads import GradSlot, Scratch
+from tiledmlp.ops.guards import refuse_double_backward
 from tiledmlp.ops.policy import validate_policy
 from tiledmlp.ops.state import AutocastState
 from tiledmlp.ops.tiles import TilePlan, split_by_tile_tokens, split_even
@@ -85,8 +85,8 @@ class TiledCrossEntropyFunction(torch.autograd.Function):
         return loss
 
     @staticmethod
-    @once_differentiable
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        refuse_double_backward("tiled_cross_entropy")
         run: _LossRun = ctx.run
         # The gradients were formed in the forward for an upstream gradient of 1; the loss is
         # linear in it, so scaling is exact. Out of place, so a retained graph can be

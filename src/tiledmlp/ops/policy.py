@@ -56,6 +56,14 @@ class MemoryModel:
 
     structure: MLPStructure
     compute_dtype: torch.dtype
+    # The structure's parameters as the op uses them (weight, bias per linear, None where no
+    # bias); default: read from the structure. The op passes the tensors it already holds, so a
+    # parametrized weight (spectral_norm) is evaluated once per call, as in the untiled module.
+    params: tuple[torch.Tensor | None, ...] | None = None
+
+    def _params(self) -> list[torch.Tensor]:
+        params = self.params if self.params is not None else self.structure.params()
+        return [p for p in params if p is not None]
 
     # (tokens, intermediate) tensors above weights/grads/x/y/dy/dx at the peak of a step,
     # measured at long sequences (fp32, h256/m768): untiled SwiGLU 5.5, untiled plain 2.6;
@@ -85,7 +93,7 @@ class MemoryModel:
         gradient, and one shared scratch in the compute dtype, for every parameter whose
         gradient is not summed in place (see grads.py)."""
         wide = (torch.float32, torch.float64)
-        params = [p for p in self.structure.params() if p is not None]
+        params = self._params()
         indirect = [p for p in params if not (p.dtype == self.compute_dtype and p.dtype in wide)]
         if not indirect:
             return 0.0
@@ -93,7 +101,7 @@ class MemoryModel:
         return acc + max(p.numel() for p in indirect) * self._elem
 
     def weight_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.structure.params() if p is not None)
+        return sum(p.numel() * p.element_size() for p in self._params())
 
     def auto_tile_tokens(self) -> int:
         c = self.TILED_PLAIN if self.structure.kind is MLPKind.PLAIN else self.TILED_GATED

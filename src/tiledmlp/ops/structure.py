@@ -4,8 +4,10 @@ A module is recognised by structure, never by class name: its children are two o
 `nn.Linear` layers and one parameter-free activation module (dropout with p=0 is allowed and
 ignored), with matching feature sizes. Which projection is the gate and which is the up
 projection (or which half of a fused gate_up output is which) is decided by a probe: the module's
-own forward and the fast-path forward are run on a few random tokens and must agree. A module the
-probe does not confirm takes the generic path.
+own forward and each candidate fast-path forward run on a few random tokens, with independent
+random weights standing in for the module's own (ops/probe.py), so the answer does not depend on
+the current weight values and probing changes no state. A module that no candidate, or more than
+one, reproduces takes the generic path.
 
 Invariant: a returned `MLPStructure` computes exactly what the module's forward computes (up to
 rounding), with the module's own activation object.
@@ -22,6 +24,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from tiledmlp.ops.probe import StandIns
 
 __all__ = ["MLPKind", "MLPStructure", "recognise"]
 
@@ -188,7 +192,8 @@ def _recognise_uncached(
     if not ignore_hooks and _has_hooks(others[0]):
         return None
     act = others[0]
-    if linears[0].weight.device.type == "meta" or _is_fake(linears[0].weight):
+    like = next(mlp.parameters())  # device and dtype, without evaluating a parametrization
+    if like.device.type == "meta" or _is_fake(like):
         # No values to probe (memory planning on fake tensors): take a shape-consistent
         # structure, preferring the last-declared projection as the output one (the order of
         # every MLP definition we know: fc1 before fc2, gate/up before down). Which projection
@@ -196,11 +201,20 @@ def _recognise_uncached(
         shaped = _candidates(linears, act, False, child_ids)
         shaped.sort(key=lambda c: c.down is not linears[-1])
         return shaped[0] if shaped else None
-    in_place = _act_aliases_input(act, linears[0].weight)
-    for candidate in _candidates(linears, act, in_place, child_ids):
-        if _probe(call, candidate):
-            return candidate
-    return None
+    in_place = _act_aliases_input(act, like)
+    candidates = _candidates(linears, act, in_place, child_ids)
+    # Probe on independent random weights (and cloned buffers): the answer must not depend on
+    # the module's current values (a zero-initialised down_proj makes every candidate give 0;
+    # equal gate and up weights make them interchangeable), and probing must not change state.
+    matches = _probe(call, candidates, like, StandIns(mlp))
+    if len(matches) > 1:
+        logger.debug(
+            "%s: %d fast-path formulas agree with its forward; taking the generic path",
+            type(mlp).__name__,
+            len(matches),
+        )
+        return None
+    return matches[0] if matches else None
 
 
 def _candidates(
@@ -241,27 +255,43 @@ def _act_aliases_input(act: nn.Module, like: torch.Tensor) -> bool:
     return same_storage or not torch.equal(t, before)
 
 
-def _probe(call: Callable[[torch.Tensor], object], candidate: MLPStructure) -> bool:
-    """Runs the module and the candidate on the same random tokens; True when they agree."""
-    weight = candidate.first[0].weight
-    gen = torch.Generator(device=weight.device).manual_seed(0)
-    x = torch.randn(_PROBE_TOKENS, candidate.hidden_size, generator=gen, device=weight.device).to(
-        weight.dtype
-    )
-    with torch.no_grad(), torch.autocast(weight.device.type, enabled=False):
-        try:
-            expected = call(x)
-        except Exception:  # a module that rejects 2-D input is not a token-wise fast-path MLP
-            return False
-        if not isinstance(expected, torch.Tensor) or expected.shape != (
-            _PROBE_TOKENS,
-            candidate.output_size,
-        ):
-            return False
-        got = candidate.forward(x)
-    tol = 1e-5 if weight.dtype in (torch.float32, torch.float64) else 2e-2
-    scale = expected.abs().max().item() if expected.numel() else 0.0
-    return bool(torch.allclose(got, expected, rtol=tol, atol=tol * max(scale, 1e-30)))
+def _probe(
+    call: Callable[[torch.Tensor], object],
+    candidates: list[MLPStructure],
+    like: torch.Tensor,
+    weights: StandIns,
+) -> list[MLPStructure]:
+    """Runs the module and each candidate on the same random tokens and the same stand-in
+    weights, each run from the module's own buffer values (a training-mode spectral_norm
+    iterates on every weight read); returns the candidates that agree with the module."""
+    tol = 1e-5 if like.dtype in (torch.float32, torch.float64) else 2e-2
+    expected: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
+    matches = []
+    with torch.no_grad(), torch.autocast(like.device.type, enabled=False):
+        for candidate in candidates:
+            hidden = candidate.hidden_size
+            if hidden not in expected:
+                gen = torch.Generator(device=like.device).manual_seed(0)
+                x = torch.randn(_PROBE_TOKENS, hidden, generator=gen, device=like.device)
+                x = x.to(like.dtype)
+                try:
+                    with weights.applied():
+                        out = call(x)
+                except Exception:  # rejects this input size (or 2-D input): not this candidate
+                    out = None
+                expected[hidden] = (x, out if isinstance(out, torch.Tensor) else None)
+            x, want = expected[hidden]
+            if want is None or want.shape != (_PROBE_TOKENS, candidate.output_size):
+                continue
+            try:
+                with weights.applied():
+                    got = candidate.forward(x)
+            except RuntimeError:  # shapes that do not chain: not this candidate
+                continue
+            scale = want.abs().max().item() if want.numel() else 0.0
+            if torch.allclose(got, want, rtol=tol, atol=tol * max(scale, 1e-30)):
+                matches.append(candidate)
+    return matches
 
 
 def _is_fake(t: torch.Tensor) -> bool:

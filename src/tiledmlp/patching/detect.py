@@ -13,8 +13,11 @@ Classification of a token-wise candidate:
 - not understood: token-wise, MLP-sized, but none of the above (reported; patched with the
   generic path only when the caller asks for it).
 
-Invariant: detection runs each probed module on a few random tokens with gradients off and the
-caller's RNG state restored; it changes no parameter, buffer, mode or generator.
+Invariant: detection runs each probed module on a few random tokens with gradients off, the
+caller's RNG state restored, and independent random weights and cloned buffers standing in for
+the module's own (ops/probe.py): its answer does not depend on the current weight values (a
+zero-initialised output projection makes any module look token-wise) and it changes no parameter,
+buffer, mode or generator.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from tiledmlp.ops.probe import stand_ins
 from tiledmlp.ops.structure import recognise
 from tiledmlp.ops.untiled import UntiledCall
 
@@ -68,14 +72,34 @@ class Detection:
     skipped: list[tuple[str, str]]
 
 
+def text_config(config: Any) -> Any:
+    """The decoder's config: config.get_text_config() (multimodal models keep their language
+    model's sizes and options there; a plain config returns itself), else config."""
+    getter = getattr(config, "get_text_config", None)
+    if callable(getter):
+        try:
+            return getter(decoder=True)
+        except TypeError:  # older signature without decoder=
+            return getter()
+    return config
+
+
 def hidden_size_of(model: nn.Module) -> int | None:
-    """The model's hidden size: config.hidden_size (or text_config's), else the first
+    """The model's hidden size: the text config's hidden_size (a multimodal model's top-level
+    hidden_size may belong to another tower), else config.hidden_size, else the input
     embedding's dimension."""
     config = getattr(model, "config", None)
-    for cfg in (config, getattr(config, "text_config", None)):
+    for cfg in (text_config(config) if config is not None else None, config):
         value = getattr(cfg, "hidden_size", None) if cfg is not None else None
         if isinstance(value, int) and value > 0:
             return value
+    getter = getattr(model, "get_input_embeddings", None)
+    try:
+        emb = getter() if callable(getter) else None
+    except (NotImplementedError, AttributeError):
+        emb = None
+    if isinstance(emb, nn.Embedding):
+        return emb.embedding_dim
     for m in model.modules():
         if isinstance(m, nn.Embedding):
             return m.embedding_dim
@@ -88,12 +112,33 @@ def is_projection(m: nn.Module) -> bool:
     base = getattr(m, "base_layer", None)
     if isinstance(base, nn.Module) and base is not m:
         return is_projection(base)
-    weight = getattr(m, "weight", None)
+    weight = _weight_of(m)
     return (
         isinstance(weight, torch.Tensor)
         and weight.dim() == 2
-        and not any(True for _ in m.children())
+        and all(_is_parametrizations(m, c) for c in m.children())
     )
+
+
+def _is_parametrizations(owner: nn.Module, child: nn.Module) -> bool:
+    return child is getattr(owner, "parametrizations", None)
+
+
+def _weight_of(m: nn.Module) -> Any:
+    """m's weight without evaluating a parametrization (reading a spectral_norm-ed weight in
+    training mode runs a power iteration and changes the module): the registered tensor, or for
+    a parametrized weight the original it is computed from (same shape)."""
+    own = m.__dict__.get("_parameters", {}).get("weight")
+    if own is None:
+        own = m.__dict__.get("_buffers", {}).get("weight")
+    if own is not None:
+        return own
+    plist = getattr(m, "parametrizations", None)
+    if isinstance(plist, nn.ModuleDict) and "weight" in plist:
+        originals = [p for p in plist["weight"].parameters(recurse=False)]
+        return max(originals, key=lambda p: p.dim(), default=None)
+    weight = m.__dict__.get("weight")  # a plain attribute (some quantised layers)
+    return weight if isinstance(weight, torch.Tensor) else None
 
 
 def _matrices_touching(m: nn.Module, hidden: int) -> int:
@@ -153,7 +198,7 @@ def _probe_dense(m: nn.Module, hidden: int) -> bool:
         return False
     gen = torch.Generator(device=p.device).manual_seed(0)
     x = torch.randn(1, _PROBE_TOKENS, hidden, generator=gen, device=p.device).to(p.dtype)
-    with probing(m):
+    with probing(m), stand_ins(m):
         return _token_wise(UntiledCall(m, _original_forward(m)), [x], hidden, 2)
 
 
@@ -166,7 +211,7 @@ def _probe_experts(m: nn.Module, hidden: int, num_experts: int) -> bool:
     x = torch.randn(_PROBE_TOKENS, hidden, generator=gen, device=p.device).to(p.dtype)
     idx = torch.randint(0, num_experts, (_PROBE_TOKENS, 2), generator=gen, device=p.device)
     w = torch.rand(_PROBE_TOKENS, 2, generator=gen, device=p.device).to(p.dtype)
-    with probing(m):
+    with probing(m), stand_ins(m):
         return _token_wise(UntiledCall(m, _original_forward(m)), [x, idx, w], hidden, 2)
 
 

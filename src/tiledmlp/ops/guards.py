@@ -1,0 +1,54 @@
+"""Guards that keep a tiled backward from silently returning something other than the gradient.
+
+The tiled backward recomputes from tensors it keeps by reference and computes its gradients
+outside autograd. Two uses would make it return gradients of a computation that never ran, or
+drop terms, without an error: a kept tensor changed in place between the forward and the
+backward, and a backward asked to build a graph of itself (create_graph=True). Both raise here,
+as autograd raises for the untiled module (or, for double backward, where the untiled module
+would have given second-order terms).
+
+Invariant: a tiled backward either returns the exact first-order gradient of the forward that
+ran, or raises.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+__all__ = ["check_versions", "refuse_double_backward"]
+
+
+def refuse_double_backward(op: str) -> None:
+    """Raises when the backward runs with create_graph=True (autograd enables grad mode for the
+    backward only then): the tiled backward computes its gradients outside autograd, so they
+    would carry no graph and second-order terms (gradient penalties, Hessian-vector products)
+    would silently be zero."""
+    if torch.is_grad_enabled():
+        raise RuntimeError(
+            f"{op}: a graph of the backward was requested (create_graph=True, e.g. a gradient "
+            "penalty or a Hessian-vector product), but the tiled backward is first-order only: "
+            "its gradients would carry no graph and the second-order terms would be lost. "
+            "Expected create_graph=False; for higher-order gradients run this part untiled "
+            "(tiledmlp.unpatch_model, or call the module / F.cross_entropy directly)."
+        )
+
+
+def check_versions(op: str, versions: Sequence[tuple[str, torch.Tensor, int]]) -> None:
+    """Raises like autograd does for a saved tensor modified in place.
+
+    Args:
+        op: the op's name, for the message.
+        versions: (description, tensor, its version counter when the forward ran).
+    """
+    for name, t, version in versions:
+        if t._version != version:
+            raise RuntimeError(
+                f"{op}: one of the variables needed for gradient computation has been "
+                f"modified by an inplace operation: {name} of shape {tuple(t.shape)} is at "
+                f"version {t._version}; expected version {version} instead (its version when "
+                "the tiled forward ran; the untiled computation fails the same way). The tiled "
+                "backward recomputes from it: change it in place only after the backward (e.g. "
+                "optimizer.step() after loss.backward())."
+            )
