@@ -53,6 +53,18 @@ def test_different_sequence_lengths_agree_on_tiles(engine: str) -> None:
     assert_matches_reference(results, reference("llama", seqs=seqs))
 
 
+@pytest.mark.parametrize("copy_mode", ["deepcopy", "pickle"])
+def test_a_copy_of_a_patched_model_agrees_on_its_own_tiles(copy_mode: str) -> None:
+    # The copy's once-per-step agreement must write into the copy's own step counter (the one
+    # its MLPs read), not the original's: else the ranks run 12 vs 6 tiles (a ZeRO-3/FSDP hang).
+    seqs = (23, 11)
+    results = run_distributed(
+        engine_worker, "ddp", "llama", None, seqs, 4, False, True, torch.float32, copy_mode
+    )
+    assert [r["agreed"] for r in results] == [[46] * 3, [46] * 3]
+    assert_matches_reference(results, reference("llama", seqs=seqs))
+
+
 def test_fsdp2_with_inner_linears_sharded_is_refused_clearly() -> None:
     for message in run_distributed(fsdp2_inner_worker):
         assert message.startswith("ValueError: tiledmlp: inside the tiled LlamaMLP"), message

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import pickle
 import sys
 from pathlib import Path
 from typing import Any
@@ -93,10 +95,12 @@ def engine_worker(
     shard_mlp: bool = False,
     tiled: bool = True,
     dtype: torch.dtype = torch.float32,
+    copy_mode: str | None = None,
 ) -> dict[str, Any]:
     """Trains a patched (or, with tiled=False, untouched) model for STEPS steps under `engine`
     ("ddp", "fsdp2", "fsdp1" (flat parameters), "fsdp1_orig", "zero1".."zero3"); returns full params and last grads, and the token count
-    the ranks agreed on."""
+    the ranks agreed on. copy_mode "deepcopy" or "pickle": train a copy of the patched model
+    (made by copy.deepcopy or a pickle round trip) while the original stays alive."""
     model = freeze(build(family).to(dtype), frozen)
     if not tiled:
         pass
@@ -104,6 +108,13 @@ def engine_worker(
         patch_model(model, num_tiles=3)
     else:
         patch_model(model, tile_tokens=tile_tokens)
+    original = model
+    if copy_mode == "deepcopy":
+        model = copy.deepcopy(original)
+    elif copy_mode == "pickle":
+        model = pickle.loads(pickle.dumps(original))
+    elif copy_mode is not None:
+        raise ValueError(copy_mode)
     params = [p for p in model.parameters() if p.requires_grad]
     ds_engine = None
     if engine == "ddp":
@@ -167,6 +178,7 @@ def engine_worker(
         final = {n: _ds_param(p) for n, p in model.named_parameters()}
     else:
         final = {n: _full(p.detach()).clone() for n, p in model.named_parameters()}
+    del original
     return {"params": final, "grads": last, "agreed": agreed}
 
 

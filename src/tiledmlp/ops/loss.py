@@ -237,8 +237,8 @@ def tiled_cross_entropy(
     Args:
         hidden_states: (batch, seq, hidden) or (tokens, hidden), floating point.
         lm_head_weight: (vocab, hidden).
-        labels: (batch, seq) or (tokens,) integer class indices; ignore_index marks tokens
-            without a target.
+        labels: (batch, seq) or (tokens,) class indices of any integer dtype; ignore_index
+            marks tokens without a target.
         bias: (vocab,) or None.
         num_tiles: a positive int, or "auto" (tiles of hidden * elem / 4 tokens: their float32
             logits are about the size of the LM-head weight).
@@ -248,7 +248,8 @@ def tiled_cross_entropy(
             none, as in torch), or "sum".
         shift: causal-LM shifting: position t is scored against labels[..., t + 1] and the last
             position of each sequence is ignored (what Hugging Face causal LMs do).
-        softcap: final-logit soft-capping, logits = tanh(logits / softcap) * softcap (Gemma 2).
+        softcap: final-logit soft-capping, logits = tanh(logits / softcap) * softcap (Gemma 2);
+            None or 0 for none.
 
     Returns:
         The loss, a float32 scalar.
@@ -270,7 +271,7 @@ def tiled_cross_entropy(
             f"tiled_cross_entropy: lm_head_weight must be (vocab, {hidden_states.shape[-1]}), got "
             f"{tuple(lm_head_weight.shape)}"
         )
-    if labels.dtype.is_floating_point or labels.dtype == torch.bool:
+    if labels.dtype.is_floating_point or labels.dtype.is_complex or labels.dtype == torch.bool:
         raise TypeError(
             f"tiled_cross_entropy: labels must be integer class indices, got {labels.dtype}"
         )
@@ -283,8 +284,16 @@ def tiled_cross_entropy(
         raise ValueError(
             f"tiled_cross_entropy: bias must be ({lm_head_weight.shape[0]},), got {tuple(bias.shape)}"
         )
-    if softcap is not None and not softcap > 0:
-        raise ValueError(f"tiled_cross_entropy: softcap must be positive or None, got {softcap!r}")
+    if softcap is not None and not softcap >= 0:
+        raise ValueError(
+            f"tiled_cross_entropy: softcap must be positive, or None / 0 for no capping, got "
+            f"{softcap!r}"
+        )
+    if not softcap:
+        softcap = None  # 0 means off, as in Hugging Face configs and other fused losses
+    # Class indices of any integer dtype (F.cross_entropy takes int64 and uint8): compared and
+    # gathered as int64, so ignore_index=-100 never wraps around in a narrow dtype.
+    labels = labels.long()
     targets = shift_labels(labels, ignore_index) if shift else labels
     hidden = hidden_states.reshape(-1, hidden_states.shape[-1])
     targets = targets.reshape(-1)

@@ -12,6 +12,7 @@ Invariant: every rank calls the all-reduce exactly once per root forward, whatev
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-__all__ = ["StepTokens", "install_agreement"]
+__all__ = ["StepTokens", "agree", "install_agreement"]
 
 
 @dataclass
@@ -38,18 +39,25 @@ def _local_tokens(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[int, t
     return 0, None
 
 
+def agree(step: StepTokens, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """The forward pre-hook: stores the largest token count over ranks in `step`."""
+    del module
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
+        step.value = None
+        return
+    n, device = _local_tokens(args, kwargs)
+    if dist.get_backend() == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+    t = torch.tensor([n], dtype=torch.int64, device=device or torch.device("cpu"))
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    step.value = int(t.item())
+
+
 def install_agreement(model: nn.Module, step: StepTokens) -> RemovableHandle:
-    """Registers the once-per-step agreement on `model` (the root the user calls)."""
+    """Registers the once-per-step agreement on `model` (the root the user calls).
 
-    def agree(_module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
-            step.value = None
-            return
-        n, device = _local_tokens(args, kwargs)
-        if dist.get_backend() == "nccl":
-            device = torch.device("cuda", torch.cuda.current_device())
-        t = torch.tensor([n], dtype=torch.int64, device=device or torch.device("cpu"))
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        step.value = int(t.item())
-
-    return model.register_forward_pre_hook(agree, with_kwargs=True)
+    The hook is a partial of a module-level function over `step`: a deepcopy of the model gets
+    a hook writing into the copy's own StepTokens (the one its patched MLPs read), and the model
+    pickles.
+    """
+    return model.register_forward_pre_hook(functools.partial(agree, step), with_kwargs=True)

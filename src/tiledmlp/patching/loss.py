@@ -13,8 +13,9 @@ auxiliary loss, logit scaling) fails the probe and is left alone, with the reaso
 
 from __future__ import annotations
 
+import contextlib
 import inspect
-import types
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,9 +23,10 @@ import torch
 from torch import nn
 
 from tiledmlp.ops.loss import tiled_cross_entropy
-from tiledmlp.patching.detect import probing
+from tiledmlp.patching.bound import bind
+from tiledmlp.patching.detect import probing, text_config
 
-__all__ = ["patch_loss", "unpatch_loss"]
+__all__ = ["patch_loss", "softcap_of", "unpatch_loss"]
 
 _STATE = "_tiledmlp_loss_patch"
 
@@ -54,13 +56,15 @@ def _loss_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         if p.kind is inspect.Parameter.VAR_KEYWORD and name in params:
             params.update(params.pop(name))
     labels = params.pop("labels", None)
-    if labels is None:
+    if labels is None or params.get("logits_to_keep") not in (None, 0):
+        # No loss to tile, or a loss over the last logits_to_keep positions only (the model's
+        # own forward scores just those): the model's own forward.
         return orig(*args, **kwargs)
     state: _LossState = self.__dict__[_STATE]
     shifted = params.pop("shift_labels", None)
     num_items = params.pop("num_items_in_batch", None)
     params.pop("logits_to_keep", None)
-    params.pop("return_dict", None)
+    return_dict = params.pop("return_dict", None)
     outputs = _decoder(self)(**params)
     hidden = outputs[0]
     head = self.get_output_embeddings()  # type: ignore[operator]
@@ -72,11 +76,16 @@ def _loss_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         bias=getattr(head, "bias", None),
         num_tiles=state.num_tiles,
         shift=shifted is None,
-        softcap=getattr(config, "final_logit_softcapping", None),
+        softcap=softcap_of(config),
         reduction="mean" if num_items is None else "sum",
     )
     if num_items is not None:
         loss = loss / num_items
+    if not _wants_dict(config, return_dict):
+        # The model's tuple layout, (loss, logits, *the base model's outputs), with None where
+        # the logits would be: they are never materialised, and positions must not shift.
+        rest = outputs.to_tuple()[1:] if hasattr(outputs, "to_tuple") else tuple(outputs[1:])
+        return (loss, None, *rest)
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
     return CausalLMOutputWithPast(
@@ -86,6 +95,25 @@ def _loss_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         hidden_states=getattr(outputs, "hidden_states", None),
         attentions=getattr(outputs, "attentions", None),
     )
+
+
+def softcap_of(config: Any) -> float | None:
+    """The final-logit soft-capping the model applies: its config's, else its text config's
+    (multimodal models such as PaliGemma with a Gemma 2 decoder, or Gemma3n, read it there)."""
+    for cfg in (config, text_config(config) if config is not None else None):
+        value = getattr(cfg, "final_logit_softcapping", None) if cfg is not None else None
+        if value:
+            return float(value)
+    return None
+
+
+def _wants_dict(config: Any, return_dict: bool | None) -> bool:
+    """Whether the model would return a ModelOutput: return_dict if given, else its config's."""
+    if return_dict is not None:
+        return bool(return_dict)
+    if config is None:
+        return True
+    return bool(getattr(config, "return_dict", True)) and not getattr(config, "torchscript", False)
 
 
 def _decoder(model: nn.Module) -> Any:
@@ -101,29 +129,88 @@ def _decoder(model: nn.Module) -> Any:
 
 
 def _probe(model: nn.Module) -> str | None:
-    """None when the patched loss equals the model's own on random ids, else why not."""
+    """None when the patched loss equals the model's own loss on every probe input, else why
+    not.
+
+    The probe inputs exercise what a model's loss may read beyond the LM head's cross-entropy:
+    ignored labels (-100), an attention mask with zeros (some models drop masked positions from
+    their loss), num_items_in_batch (when the forward takes it), and logits large enough that
+    final-logit soft-capping matters (the LM head's weight scaled up for the probe: at random
+    init the logits are too small for a cap to show).
+    """
     lm: Any = model  # a Hugging Face PreTrainedModel, duck-typed
     head = lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else None
     if head is None or getattr(head, "weight", None) is None:
         return "no LM head (get_output_embeddings): not a causal LM"
     if head.weight.device.type == "meta":
         return "weights on the meta device"
+    device = head.weight.device
     vocab = head.weight.shape[0]
-    gen = torch.Generator(device=head.weight.device).manual_seed(0)
-    ids = torch.randint(0, vocab, (2, 7), generator=gen, device=head.weight.device)
+    gen = torch.Generator(device=device).manual_seed(0)
+    ids = torch.randint(0, vocab, (2, 7), generator=gen, device=device)
+    labels = ids.clone()
+    labels[0, :2] = -100
+    mask = torch.ones_like(ids)
+    mask[1, 4:] = 0
+    cases: list[tuple[str, dict[str, Any]]] = [
+        ("labels with ignored positions", {"input_ids": ids, "labels": labels}),
+        (
+            "an attention mask with zeros",
+            {"input_ids": ids, "labels": labels, "attention_mask": mask},
+        ),
+    ]
+    if _accepts(_original(model), "num_items_in_batch"):
+        cases.append(
+            ("num_items_in_batch", {"input_ids": ids, "labels": labels, "num_items_in_batch": 7})
+        )
+    # The patched loss runs the same GEMMs on the same rows; low precision leaves room for a
+    # different kernel choice, far below what a dropped position or a missing cap changes.
+    rtol = 1e-4 if head.weight.dtype in (torch.float32, torch.float64) else 1e-2
     try:
         with probing(model):
-            own = _original(model)(input_ids=ids, labels=ids).loss
-            ours = _loss_forward(model, input_ids=ids, labels=ids).loss
+            for large in (False, True):
+                with _large_logits(model, head, ids) if large else contextlib.nullcontext():
+                    for what, inputs in cases:
+                        own = _original(model)(**inputs).loss
+                        ours = _loss_forward(model, **inputs).loss
+                        if own is None or not torch.allclose(
+                            ours.float(), own.float(), rtol=rtol, atol=rtol * 0.1
+                        ):
+                            where = what + (" and large logits" if large else "")
+                            return (
+                                f"with {where} the model's own loss "
+                                f"({float(own) if own is not None else None}) differs from the "
+                                f"LM-head cross-entropy ({float(ours)}): its loss reads or "
+                                "adds something the tiled loss does not reproduce (e.g. an MoE "
+                                "auxiliary loss, logit scaling, positions dropped by the "
+                                "attention mask, a soft-cap it reads elsewhere)"
+                            )
     except Exception as e:  # a forward that the generic reimplementation cannot drive
         return f"the probe failed ({type(e).__name__}: {e})"
-    if own is None or not torch.allclose(ours.float(), own.float(), rtol=1e-4, atol=1e-5):
-        return (
-            f"the model's own loss ({float(own) if own is not None else None}) differs from "
-            f"the LM-head cross-entropy ({float(ours)}): its forward adds something (e.g. an "
-            "MoE auxiliary loss or logit scaling)"
-        )
     return None
+
+
+def _accepts(fn: Any, name: str) -> bool:
+    params = inspect.signature(fn).parameters
+    return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+
+@contextlib.contextmanager
+def _large_logits(model: nn.Module, head: nn.Module, ids: torch.Tensor) -> Iterator[None]:
+    """The LM head's weight scaled (for the block only, the head alone: a tied embedding keeps
+    its own) so that the model's largest probe logit is about 100."""
+    logits = _original(model)(input_ids=ids).logits
+    peak = float(logits.float().abs().max()) if logits is not None else 0.0
+    scale = 100.0 / peak if peak > 0 else 1.0
+    weight = head._parameters.get("weight")
+    if weight is None:  # not a registered parameter (parametrized, quantised): probe as is
+        yield
+        return
+    head._parameters["weight"] = nn.Parameter(weight.detach() * scale, weight.requires_grad)
+    try:
+        yield
+    finally:
+        head._parameters["weight"] = weight
 
 
 def patch_loss(model: nn.Module, num_tiles: int | str = "auto") -> str | None:
@@ -142,22 +229,10 @@ def patch_loss(model: nn.Module, num_tiles: int | str = "auto") -> str | None:
     if why is not None:
         del model.__dict__[_STATE]
         return why
-    model.forward = types.MethodType(_with_signature_of(model), model)  # type: ignore[method-assign]
+    # Bound with its module (picklable, deep-copied with it), advertising the model's own
+    # forward signature: the Hugging Face Trainer inspects it to decide which inputs to pass.
+    model.forward = bind(_loss_forward, model, _original)  # type: ignore[method-assign]
     return None
-
-
-def _with_signature_of(model: nn.Module) -> Any:
-    """A copy of _loss_forward that advertises the model's own forward signature: callers such
-    as the Hugging Face Trainer inspect it to decide which inputs to pass."""
-    fn = types.FunctionType(
-        _loss_forward.__code__, _loss_forward.__globals__, "forward", None, None
-    )
-    fn.__doc__ = _loss_forward.__doc__
-    own = _original(model)
-    params = list(inspect.signature(own).parameters.values())
-    self_param = inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    fn.__signature__ = inspect.Signature([self_param, *params])  # type: ignore[attr-defined]
-    return fn
 
 
 def unpatch_loss(model: nn.Module) -> bool:

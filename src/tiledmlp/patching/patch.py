@@ -12,7 +12,6 @@ gradients; calling patch_model again is idempotent (same arguments) or updates t
 from __future__ import annotations
 
 import logging
-import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,6 +22,7 @@ from torch import nn
 from tiledmlp.config import TiledMLPConfig
 from tiledmlp.ops.functional import tiled_mlp
 from tiledmlp.patching.agreement import StepTokens, install_agreement
+from tiledmlp.patching.bound import bind
 from tiledmlp.patching.checks import backend_for, run_checks
 from tiledmlp.patching.detect import Candidate, detect_mlps, hidden_size_of
 from tiledmlp.patching.loss import patch_loss, unpatch_loss
@@ -84,8 +84,9 @@ def original_forward(module: nn.Module) -> Callable[..., Any]:
 
 
 def forward(self: nn.Module, x: Any, *args: Any, **kwargs: Any) -> Any:
-    """The tiled forward installed on patched modules (bound to the instance, so a deepcopy of a
-    patched model runs its own weights)."""
+    """The tiled forward installed on patched modules (bound to the instance with
+    patching.bound.bind, so a deepcopy or an unpickled copy of a patched model runs its own
+    weights)."""
     state: _PatchState = self.__dict__[_STATE]
     orig = original_forward(self)
     if kwargs or len(args) != state.per_token_args or not isinstance(x, torch.Tensor):
@@ -116,7 +117,7 @@ def _patch_one(
         module.__dict__.get("forward"), config, cand.path, cand.kind, cand.per_token_args, step
     )
     module.__dict__[_STATE] = state
-    module.forward = types.MethodType(forward, module)  # type: ignore[method-assign]
+    module.forward = bind(forward, module, original_forward)  # type: ignore[method-assign]
 
 
 def patch_model(

@@ -1,0 +1,103 @@
+"""The tiled backward never returns a silently wrong gradient: a graph of the backward
+(create_graph=True) and tensors changed in place between forward and backward raise, as autograd
+raises for the untiled module (which would otherwise have given other gradients)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from tiledmlp import tiled_cross_entropy, tiled_mlp
+
+from conftest import make_mlp
+
+
+def _mlp(kind: str) -> nn.Module:
+    return make_mlp(kind, 6, 10).double()
+
+
+@pytest.mark.parametrize("kind", ["swiglu", "plain", "normed"])
+def test_create_graph_through_tiled_mlp_raises(kind: str) -> None:
+    mlp = _mlp(kind)
+    x = torch.randn(2, 5, 6, dtype=torch.float64, requires_grad=True)
+    # A gradient penalty: the untiled module's second-order terms are not zero here.
+    params = list(mlp.parameters())
+    ref = torch.autograd.grad(mlp(x).pow(2).sum(), params, create_graph=True)
+    assert torch.autograd.grad(sum(g.pow(2).sum() for g in ref), params[0])[0].abs().max() > 0
+    y = tiled_mlp(mlp, x, num_tiles=3)
+    with pytest.raises(RuntimeError, match="create_graph=True"):
+        torch.autograd.grad(y.pow(2).sum(), params, create_graph=True)
+    # Without create_graph the same call is fine.
+    y = tiled_mlp(mlp, x, num_tiles=3)
+    torch.autograd.grad(y.pow(2).sum(), params)
+
+
+def test_create_graph_through_tiled_cross_entropy_raises() -> None:
+    h = torch.randn(9, 6, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(11, 6, dtype=torch.float64, requires_grad=True)
+    labels = torch.randint(0, 11, (9,))
+    loss = tiled_cross_entropy(h, w, labels, num_tiles=3)
+    with pytest.raises(RuntimeError, match="create_graph=True"):
+        torch.autograd.grad(loss, [h, w], create_graph=True)
+
+
+def _last_linear(mlp: nn.Module) -> nn.Linear:
+    return [m for m in mlp.modules() if isinstance(m, nn.Linear)][-1]
+
+
+def test_untiled_module_raises_for_a_weight_changed_before_backward() -> None:
+    # What the tiled op must mirror.
+    mlp = _mlp("swiglu")
+    y = mlp(torch.randn(3, 6, dtype=torch.float64, requires_grad=True))
+    with torch.no_grad():
+        _last_linear(mlp).weight.mul_(2.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+
+
+@pytest.mark.parametrize("kind", ["swiglu", "fused", "plain", "normed"])
+@pytest.mark.parametrize("x_grad", [True, False])
+def test_weight_changed_in_place_before_backward_raises(kind: str, x_grad: bool) -> None:
+    mlp = _mlp(kind)
+    x = torch.randn(2, 5, 6, dtype=torch.float64, requires_grad=x_grad)
+    y = tiled_mlp(mlp, x, num_tiles=3)
+    with torch.no_grad():
+        _last_linear(mlp).weight.mul_(2.0)
+    with pytest.raises(RuntimeError, match=r"modified by an inplace operation: parameter '"):
+        y.sum().backward()
+
+
+def test_input_changed_in_place_before_backward_raises() -> None:
+    mlp = _mlp("swiglu")
+    x = torch.randn(2, 5, 6, dtype=torch.float64, requires_grad=True)
+    h = x * 1.0
+    y = tiled_mlp(mlp, h, num_tiles=3)
+    with torch.no_grad():
+        h.add_(1.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+
+
+class Scaled(nn.Module):
+    """A token-wise module with a per-token extra input: fc2(tanh(fc1(x)) * scale)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(6, 10)
+        self.fc2 = nn.Linear(10, 6)
+
+    def forward(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.tanh(self.fc1(x)) * scale)
+
+
+def test_per_token_input_without_grad_changed_in_place_raises() -> None:
+    torch.manual_seed(0)
+    mlp = Scaled().double()
+    x = torch.randn(7, 6, dtype=torch.float64, requires_grad=True)
+    scale = torch.rand(7, 1, dtype=torch.float64)
+    y = tiled_mlp(mlp, x, scale, num_tiles=3)
+    with torch.no_grad():
+        scale.mul_(3.0)
+    with pytest.raises(RuntimeError, match="extra input 0"):
+        y.sum().backward()
