@@ -257,7 +257,7 @@ def test_generic_path_refuses_a_forward_that_updates_buffers() -> None:
     assert_close_rel(tiled_mlp(mlp, x, num_tiles=3), mlp(x), "eval output")
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     kind=st.sampled_from(["gated", "plain"]),
     order=st.permutations(["gate_proj", "up_proj", "down_proj"]),
