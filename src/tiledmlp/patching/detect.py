@@ -146,12 +146,16 @@ def _matrices_touching(m: nn.Module, hidden: int) -> int:
 
 
 @contextlib.contextmanager
-def probing(m: nn.Module) -> Iterator[None]:
-    """Eval mode, no grad, RNG forked; modes restored afterwards."""
+def probing(m: nn.Module, training: bool = False) -> Iterator[None]:
+    """Eval mode (or training mode), no grad, the RNG of the CPU and of the module's device
+    forked; modes restored afterwards."""
     modes = [(sub, sub.training) for sub in m.modules()]
-    m.eval()
+    m.train(training)
+    p = next(m.parameters(), None)
+    devices = [p.device] if p is not None and p.device.type not in ("cpu", "meta") else []
+    device_type = devices[0].type if devices else "cuda"
     try:
-        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        with torch.no_grad(), torch.random.fork_rng(devices=devices, device_type=device_type):
             yield
     finally:
         for sub, mode in modes:
@@ -189,7 +193,9 @@ def _token_wise(call: Any, inputs: list[torch.Tensor], hidden: int, split: int) 
 
 
 def _param_like(m: nn.Module) -> torch.Tensor | None:
-    return next(iter(m.parameters()), None)
+    """A floating-point parameter: the device and dtype of the module's inputs (quantised
+    layers keep packed integer weights beside floating-point adapters and biases)."""
+    return next((p for p in m.parameters() if p.is_floating_point()), None)
 
 
 def _probe_dense(m: nn.Module, hidden: int) -> bool:
@@ -198,8 +204,8 @@ def _probe_dense(m: nn.Module, hidden: int) -> bool:
         return False
     gen = torch.Generator(device=p.device).manual_seed(0)
     x = torch.randn(1, _PROBE_TOKENS, hidden, generator=gen, device=p.device).to(p.dtype)
-    with probing(m), stand_ins(m):
-        return _token_wise(UntiledCall(m, _original_forward(m)), [x], hidden, 2)
+    with probing(m), stand_ins(m), _as_training_records():
+        return _token_wise(UntiledCall(m, _original_forward(m)), [_recorded(x)], hidden, 2)
 
 
 def _probe_experts(m: nn.Module, hidden: int, num_experts: int) -> bool:
@@ -211,8 +217,20 @@ def _probe_experts(m: nn.Module, hidden: int, num_experts: int) -> bool:
     x = torch.randn(_PROBE_TOKENS, hidden, generator=gen, device=p.device).to(p.dtype)
     idx = torch.randint(0, num_experts, (_PROBE_TOKENS, 2), generator=gen, device=p.device)
     w = torch.rand(_PROBE_TOKENS, 2, generator=gen, device=p.device).to(p.dtype)
-    with probing(m), stand_ins(m):
-        return _token_wise(UntiledCall(m, _original_forward(m)), [x, idx, w], hidden, 2)
+    with probing(m), stand_ins(m), _as_training_records():
+        call = UntiledCall(m, _original_forward(m))
+        return _token_wise(call, [_recorded(x), idx, _recorded(w)], hidden, 2)
+
+
+def _as_training_records() -> contextlib.AbstractContextManager[object]:
+    """The dense probes record autograd as training does (on an input that requires grad): some
+    layers take an inference-only kernel when nothing is recorded, and bitsandbytes' 4-bit
+    layers on the CPU then repack their weights in place (and fail on the next call)."""
+    return torch.enable_grad()
+
+
+def _recorded(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().requires_grad_(t.is_floating_point())
 
 
 def _original_forward(m: nn.Module) -> Any:

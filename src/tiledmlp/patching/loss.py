@@ -167,11 +167,17 @@ def _probe(model: nn.Module) -> str | None:
     # different kernel choice, far below what a dropped position or a missing cap changes.
     rtol = 1e-4 if head.weight.dtype in (torch.float32, torch.float64) else 1e-2
     try:
-        with probing(model):
+        # In training mode, as the tiled loss is used (an MoE auxiliary loss shows; layers with
+        # an inference-only path, such as bitsandbytes' 4-bit layers on the CPU, which repack
+        # their weights in place, stay on their training path), each forward from the same
+        # random state so that dropout draws the same masks.
+        with probing(model, training=True):
             for large in (False, True):
                 with _large_logits(model, head, ids) if large else contextlib.nullcontext():
                     for what, inputs in cases:
+                        torch.manual_seed(0)
                         own = _original(model)(**inputs).loss
+                        torch.manual_seed(0)
                         ours = _loss_forward(model, **inputs).loss
                         if own is None or not torch.allclose(
                             ours.float(), own.float(), rtol=rtol, atol=rtol * 0.1
@@ -199,6 +205,7 @@ def _accepts(fn: Any, name: str) -> bool:
 def _large_logits(model: nn.Module, head: nn.Module, ids: torch.Tensor) -> Iterator[None]:
     """The LM head's weight scaled (for the block only, the head alone: a tied embedding keeps
     its own) so that the model's largest probe logit is about 100."""
+    torch.manual_seed(0)
     logits = _original(model)(input_ids=ids).logits
     peak = float(logits.float().abs().max()) if logits is not None else 0.0
     scale = 100.0 / peak if peak > 0 else 1.0
@@ -216,10 +223,14 @@ def _large_logits(model: nn.Module, head: nn.Module, ids: torch.Tensor) -> Itera
 def patch_loss(model: nn.Module, num_tiles: int | str = "auto") -> str | None:
     """Routes the training loss of `model` through tiled_cross_entropy.
 
+    A PEFT model (PeftModel and kin, which call their base model's forward with the labels) has
+    the causal LM it wraps patched.
+
     Returns:
         None when patched (or already patched; the tile policy is updated), else the reason it
         was left alone.
     """
+    model = _causal_lm(model)
     state = model.__dict__.get(_STATE)
     if state is not None:
         state.num_tiles = num_tiles
@@ -235,8 +246,17 @@ def patch_loss(model: nn.Module, num_tiles: int | str = "auto") -> str | None:
     return None
 
 
+def _causal_lm(model: nn.Module) -> nn.Module:
+    """The causal LM whose forward computes the loss: a PEFT wrapper's base model (PEFT's
+    get_base_model()), else the model itself."""
+    getter = getattr(model, "get_base_model", None)
+    base = getter() if callable(getter) else None
+    return base if isinstance(base, nn.Module) and base is not model else model
+
+
 def unpatch_loss(model: nn.Module) -> bool:
     """Restores the model's own forward; True if it was loss-patched."""
+    model = _causal_lm(model)
     state = model.__dict__.pop(_STATE, None)
     if state is None:
         return False
