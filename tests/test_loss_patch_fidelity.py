@@ -30,7 +30,12 @@ TEXT = {
 def _paligemma_gemma2(cap: float = 5.0) -> nn.Module:
     torch.manual_seed(0)
     cfg = transformers.PaliGemmaConfig(
-        text_config={"model_type": "gemma2", **TEXT, "head_dim": 16, "final_logit_softcapping": cap},
+        text_config={
+            "model_type": "gemma2",
+            **TEXT,
+            "head_dim": 16,
+            "final_logit_softcapping": cap,
+        },
         vision_config={
             "hidden_size": 16,
             "intermediate_size": 24,

@@ -46,9 +46,7 @@ class OutputLayout:
     dtype: torch.dtype
 
 
-def _check_buffers_unchanged(
-    mlp: nn.Module, before: list[tuple[str, torch.Tensor, int]]
-) -> None:
+def _check_buffers_unchanged(mlp: nn.Module, before: list[tuple[str, torch.Tensor, int]]) -> None:
     changed = [name for name, b, version in before if b._version != version]
     if changed:
         raise RuntimeError(

@@ -69,18 +69,20 @@ class StandIns:
         clones: dict[int, torch.Tensor] = {}
         try:
             for sub in self.module.modules():
-                for name, t in list(sub._parameters.items()):
-                    if t is not None and id(t) in self._params:
-                        swapped.append((sub._parameters, name, t))
-                        sub._parameters[name] = self._params[id(t)]
-                for name, t in list(sub._buffers.items()):
-                    if t is None or _absent(t):
+                params: dict[str, Any] = sub._parameters
+                for name, p in list(params.items()):
+                    if p is not None and id(p) in self._params:
+                        swapped.append((params, name, p))
+                        params[name] = self._params[id(p)]
+                buffers: dict[str, Any] = sub._buffers
+                for name, b in list(buffers.items()):
+                    if b is None or _absent(b):
                         continue
-                    clone = clones.get(id(t))
+                    clone = clones.get(id(b))
                     if clone is None:
-                        clone = clones[id(t)] = t.detach().clone()
-                    swapped.append((sub._buffers, name, t))
-                    sub._buffers[name] = clone
+                        clone = clones[id(b)] = b.detach().clone()
+                    swapped.append((buffers, name, b))
+                    buffers[name] = clone
             yield
         finally:
             for table, name, t in reversed(swapped):

@@ -39,7 +39,9 @@ def _local_tokens(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[int, t
     return 0, None
 
 
-def agree(step: StepTokens, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+def agree(
+    step: StepTokens, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> None:
     """The forward pre-hook: stores the largest token count over ranks in `step`."""
     del module
     if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:

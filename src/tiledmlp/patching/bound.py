@@ -40,6 +40,11 @@ class BoundForward(functools.partial):  # type: ignore[type-arg]
         return self.args[0]  # type: ignore[no-any-return]
 
     @property
+    def __self__(self) -> nn.Module:
+        """The module, as a bound method's __self__ would be."""
+        return self.module
+
+    @property
     def __signature__(self) -> inspect.Signature:  # type: ignore[override]
         return inspect.signature(self.replaced(self.module))
 

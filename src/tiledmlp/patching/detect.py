@@ -13,7 +13,7 @@ Classification of a token-wise candidate:
 - not understood: token-wise, MLP-sized, but none of the above (reported; patched with the
   generic path only when the caller asks for it).
 
-Invariant: detection runs each probed module on a few random tokens with gradients off, the
+Invariant: detection runs each probed module on a few random tokens (no gradient is taken), the
 caller's RNG state restored, and independent random weights and cloned buffers standing in for
 the module's own (ops/probe.py): its answer does not depend on the current weight values (a
 zero-initialised output projection makes any module look token-wise) and it changes no parameter,
