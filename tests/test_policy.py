@@ -36,11 +36,25 @@ def test_auto_never_uses_more_memory_than_untiled(
     kind: str, dtype: torch.dtype, tokens: int
 ) -> None:
     mlp = make_mlp(kind, 256, 768).to(dtype)
+    # A training step, after the module's one-time structure probe (patch time, or the first
+    # call of tiled_mlp; its cost is bounded in test_structure_probe_costs_one_weight_copy).
+    assert recognise(mlp) is not None
     x = torch.randn(1, tokens, 256, dtype=dtype, requires_grad=True)
     dy = torch.randn(1, tokens, 256, dtype=dtype)
     untiled = _peak(mlp, mlp, x, dy)
     auto = _peak(lambda t: tiled_mlp(mlp, t), mlp, x, dy)
     assert auto <= untiled, f"auto {auto / 2**20:.2f} MiB > untiled {untiled / 2**20:.2f} MiB"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_structure_probe_costs_one_weight_copy(dtype: torch.dtype) -> None:
+    # The probe runs on random stand-ins for the weights (value-independent recognition): one
+    # transient copy of the MLP's parameters, plus a few probe tokens' activations.
+    mlp = make_mlp("swiglu", 256, 768).to(dtype)
+    weights = tensor_bytes(*mlp.parameters())
+    peak = peak_bytes(lambda: recognise(mlp), weights, torch.device("cpu"))
+    probe_tokens = 64 * 768 * 4 * 8  # generous: a handful of (tokens, intermediate) fp32 tensors
+    assert peak <= 2 * weights + probe_tokens, f"{peak / 2**20:.2f} MiB for {weights / 2**20:.2f}"
 
 
 def test_auto_saves_memory_at_long_sequences() -> None:

@@ -299,3 +299,23 @@ def test_property_any_structure_matches_untiled_after_an_optimizer_step(
         if out.bias is not None:
             nn.init.zeros_(out.bias)
     _sgd_step_parity(mlp, steps=2, tiles=tiles)
+
+
+def test_random_stand_ins_are_drawn_for_mlps_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Random stand-ins cost a copy of a module's parameters: never for the whole model or a
+    # decoder layer (they fail the cheap token-wise run at their own weights first).
+    pytest.importorskip("transformers")
+    from hf_models import tiny_causal_lm
+    from tiledmlp.ops import probe
+
+    drawn: list[str] = []
+    real_init = probe.StandIns.__init__
+
+    def logging_init(self, module, seed=0, random_params=True):  # type: ignore[no-untyped-def]
+        if random_params:
+            drawn.append(type(module).__name__)
+        real_init(self, module, seed, random_params)
+
+    monkeypatch.setattr(probe.StandIns, "__init__", logging_init)
+    patch_model(tiny_causal_lm("llama"))
+    assert drawn and set(drawn) == {"LlamaMLP"}, drawn

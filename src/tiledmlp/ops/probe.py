@@ -46,13 +46,15 @@ class StandIns:
     Args:
         module: the module to probe (its whole subtree).
         seed: the stand-ins' seed (a fixed seed makes a probe repeatable).
+        random_params: False to keep the module's own parameters and only clone its buffers
+            (a cheap first probe; random stand-ins cost one copy of the parameters).
     """
 
-    def __init__(self, module: nn.Module, seed: int = 0) -> None:
+    def __init__(self, module: nn.Module, seed: int = 0, random_params: bool = True) -> None:
         self.module = module
         self._params: dict[int, torch.Tensor] = {}
         gens: dict[torch.device, torch.Generator] = {}
-        for p in module.parameters():
+        for p in module.parameters() if random_params else ():
             if not p.is_floating_point() or _absent(p) or id(p) in self._params:
                 continue
             gen = gens.get(p.device)
@@ -90,10 +92,10 @@ class StandIns:
 
 
 @contextlib.contextmanager
-def stand_ins(module: nn.Module, seed: int = 0) -> Iterator[None]:
+def stand_ins(module: nn.Module, seed: int = 0, random_params: bool = True) -> Iterator[None]:
     """Within the block, `module`'s floating-point parameters are independent random tensors
-    and its buffers are clones (see StandIns)."""
-    with StandIns(module, seed).applied():
+    (unless random_params is False) and its buffers are clones (see StandIns)."""
+    with StandIns(module, seed, random_params).applied():
         yield
 
 

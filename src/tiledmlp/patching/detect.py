@@ -204,8 +204,7 @@ def _probe_dense(m: nn.Module, hidden: int) -> bool:
         return False
     gen = torch.Generator(device=p.device).manual_seed(0)
     x = torch.randn(1, _PROBE_TOKENS, hidden, generator=gen, device=p.device).to(p.dtype)
-    with probing(m), stand_ins(m), _as_training_records():
-        return _token_wise(UntiledCall(m, _original_forward(m)), [_recorded(x)], hidden, 2)
+    return _token_wise_everywhere(m, [x], hidden)
 
 
 def _probe_experts(m: nn.Module, hidden: int, num_experts: int) -> bool:
@@ -217,9 +216,21 @@ def _probe_experts(m: nn.Module, hidden: int, num_experts: int) -> bool:
     x = torch.randn(_PROBE_TOKENS, hidden, generator=gen, device=p.device).to(p.dtype)
     idx = torch.randint(0, num_experts, (_PROBE_TOKENS, 2), generator=gen, device=p.device)
     w = torch.rand(_PROBE_TOKENS, 2, generator=gen, device=p.device).to(p.dtype)
-    with probing(m), stand_ins(m), _as_training_records():
-        call = UntiledCall(m, _original_forward(m))
-        return _token_wise(call, [_recorded(x), idx, _recorded(w)], hidden, 2)
+    return _token_wise_everywhere(m, [x, idx, w], hidden)
+
+
+def _token_wise_everywhere(m: nn.Module, inputs: list[torch.Tensor], hidden: int) -> bool:
+    """Token-wise at the module's own weights (cheap: most modules of a model fail here, e.g.
+    a whole model or a decoder layer, which need other inputs) and then at independent random
+    weights (at its own, a zero-initialised output projection makes any module look
+    token-wise). Buffers are clones in both runs."""
+    call = UntiledCall(m, _original_forward(m))
+    recorded = [_recorded(t) for t in inputs]
+    for random_params in (False, True):
+        with probing(m), stand_ins(m, random_params=random_params), _as_training_records():
+            if not _token_wise(call, recorded, hidden, 2):
+                return False
+    return True
 
 
 def _as_training_records() -> contextlib.AbstractContextManager[object]:

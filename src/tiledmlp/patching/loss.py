@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from tiledmlp.ops.loss import tiled_cross_entropy
+from tiledmlp.ops.probe import stand_ins
 from tiledmlp.patching.bound import bind
 from tiledmlp.patching.detect import probing, text_config
 
@@ -170,8 +171,9 @@ def _probe(model: nn.Module) -> str | None:
         # In training mode, as the tiled loss is used (an MoE auxiliary loss shows; layers with
         # an inference-only path, such as bitsandbytes' 4-bit layers on the CPU, which repack
         # their weights in place, stay on their training path), each forward from the same
-        # random state so that dropout draws the same masks.
-        with probing(model, training=True):
+        # random state so that dropout draws the same masks; buffers are clones, so a
+        # training-mode forward that updates them changes nothing.
+        with probing(model, training=True), stand_ins(model, random_params=False):
             for large in (False, True):
                 with _large_logits(model, head, ids) if large else contextlib.nullcontext():
                     for what, inputs in cases:
