@@ -60,7 +60,12 @@ def test_text_config_softcap_and_hidden_size_are_read() -> None:
     assert ref.config.hidden_size != ref.config.get_text_config().hidden_size
     model = copy.deepcopy(ref)
     report = patch_model(model, num_tiles=3, tiled_loss=True)
-    assert report.loss == "tiled"
+    if int(transformers.__version__.split(".")[0]) >= 5:
+        assert report.loss == "tiled", report.loss
+    else:
+        # transformers 4.x's PaliGemma builds its attention mask from the labels too: the probe
+        # sees a different loss and leaves the model's own loss in charge (still exact below).
+        assert report.loss is not None and "differs" in report.loss, report.loss
     assert len(report.patched) == 2 and all("language_model" in n for n in report.patched)
     ids = torch.randint(3, 90, (2, 11), generator=torch.Generator().manual_seed(1))
     for m in (model, ref):
