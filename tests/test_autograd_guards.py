@@ -1,36 +1,56 @@
 """The tiled backward never returns a silently wrong gradient: a graph of the backward
-(create_graph=True) and tensors changed in place between forward and backward raise, as autograd
-raises for the untiled module (which would otherwise have given other gradients)."""
+(create_graph=True) is exact through the tiled MLP and refused by the tiled loss (which forms its
+gradients in the forward); tensors changed in place between forward and backward raise, as
+autograd raises for the untiled module."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from torch import nn
+from torch.func import functional_call
 
-from tiledmlp import tiled_cross_entropy, tiled_mlp
+from tiledmlp import TiledMLP, TiledMLPConfig, tiled_cross_entropy, tiled_mlp
 
-from conftest import make_mlp
+from conftest import assert_close_rel, make_mlp
 
 
 def _mlp(kind: str) -> nn.Module:
     return make_mlp(kind, 6, 10).double()
 
 
-@pytest.mark.parametrize("kind", ["swiglu", "plain", "normed"])
-def test_create_graph_through_tiled_mlp_raises(kind: str) -> None:
-    mlp = _mlp(kind)
+@pytest.mark.parametrize("kind", ["swiglu", "fused_bias", "plain", "relu_inplace", "normed"])
+def test_double_backward_is_exact(kind: str) -> None:
+    # create_graph=True through the tiled MLP: second-order gradients by finite differences.
+    tiled = TiledMLP(_mlp(kind), TiledMLPConfig(num_tiles=3))
+    names = [n for n, _ in tiled.named_parameters()]
+    params = tuple(p.detach().clone().requires_grad_() for p in tiled.parameters())
     x = torch.randn(2, 5, 6, dtype=torch.float64, requires_grad=True)
-    # A gradient penalty: the untiled module's second-order terms are not zero here.
-    params = list(mlp.parameters())
-    ref = torch.autograd.grad(mlp(x).pow(2).sum(), params, create_graph=True)
-    assert torch.autograd.grad(sum(g.pow(2).sum() for g in ref), params[0])[0].abs().max() > 0
-    y = tiled_mlp(mlp, x, num_tiles=3)
-    with pytest.raises(RuntimeError, match="create_graph=True"):
-        torch.autograd.grad(y.pow(2).sum(), params, create_graph=True)
-    # Without create_graph the same call is fine.
-    y = tiled_mlp(mlp, x, num_tiles=3)
-    torch.autograd.grad(y.pow(2).sum(), params)
+
+    def f(x: torch.Tensor, *ps: torch.Tensor) -> torch.Tensor:
+        return functional_call(tiled, dict(zip(names, ps)), (x,))
+
+    assert torch.autograd.gradgradcheck(f, (x, *params), eps=1e-6, atol=1e-6, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["swiglu", "normed"])
+def test_gradient_penalty_matches_untiled(kind: str) -> None:
+    # A WGAN-GP-style penalty on the input gradient plus one on the weight gradients, float32.
+    mlp = make_mlp(kind, 16, 24)
+    x = torch.randn(2, 7, 16)
+
+    def penalty_grads(fn):
+        mlp.zero_grad(set_to_none=True)
+        xi = x.clone().requires_grad_()
+        y = fn(xi)
+        gx, *gp = torch.autograd.grad(y.pow(2).sum(), [xi, *mlp.parameters()], create_graph=True)
+        (gx.pow(2).sum() + sum(g.pow(2).sum() for g in gp)).backward()
+        return [xi.grad, *(p.grad for p in mlp.parameters())]
+
+    got = penalty_grads(lambda t: tiled_mlp(mlp, t, num_tiles=3))
+    ref = penalty_grads(mlp)
+    for i, (g, r) in enumerate(zip(got, ref)):
+        assert_close_rel(g, r, f"grad {i}", rtol=1e-4)
 
 
 def test_create_graph_through_tiled_cross_entropy_raises() -> None:
@@ -101,3 +121,15 @@ def test_per_token_input_without_grad_changed_in_place_raises() -> None:
         scale.mul_(3.0)
     with pytest.raises(RuntimeError, match="extra input 0"):
         y.sum().backward()
+
+
+def test_double_backward_with_a_per_token_input_is_exact() -> None:
+    torch.manual_seed(0)
+    mlp = Scaled().double()
+    x = torch.randn(7, 6, dtype=torch.float64, requires_grad=True)
+    scale = torch.rand(7, 1, dtype=torch.float64, requires_grad=True)
+
+    def f(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return tiled_mlp(mlp, x, scale, num_tiles=3)
+
+    assert torch.autograd.gradgradcheck(f, (x, scale), eps=1e-6, atol=1e-6, rtol=1e-4)

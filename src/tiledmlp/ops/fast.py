@@ -121,6 +121,30 @@ class FastEngine:
             h = self._act(F.linear(xt, w[0], w[1]))  # type: ignore[arg-type]
         _mm_into(out, h.to(xt.dtype), w[-2], w[-1])  # type: ignore[arg-type]
 
+    def recompute_tile(self, xt: torch.Tensor) -> torch.Tensor:
+        """One tile's output under autograd, for a graph of the backward (create_graph=True):
+        the forward's GEMMs and activation, differentiable in xt and the parameters.
+
+        Args:
+            xt: (n, hidden), part of the autograd graph.
+
+        Returns:
+            (n, output_size) in the compute dtype, with its graph.
+        """
+        s = self.structure
+        cd = self.compute_dtype(xt)
+        w = self._cast(cd)
+        with torch.enable_grad(), torch.autocast(xt.device.type, enabled=False):
+            x = xt.to(cd)
+            if s.kind is MLPKind.GATED:
+                h = self._act(F.linear(x, w[0], w[1])) * F.linear(x, w[2], w[3])  # type: ignore[arg-type]
+            elif s.kind is MLPKind.FUSED_GATED:
+                g, u = self._halves(F.linear(x, w[0], w[1]))  # type: ignore[arg-type]
+                h = self._act(g) * u
+            else:
+                h = self._act(F.linear(x, w[0], w[1]))  # type: ignore[arg-type]
+            return F.linear(h.to(cd), w[-2], w[-1])  # type: ignore[arg-type]
+
     # -- backward ----------------------------------------------------------------------------
 
     def backward(

@@ -119,11 +119,14 @@ class TiledMLPFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> Any:
-        refuse_double_backward("tiled_mlp")
         run: TiledRun = ctx.run
         check_versions("tiled_mlp", run.versions)
         if isinstance(run.engine, FastEngine) and grads[0] is None:
             return (None, None, *([None] * (len(ctx.needs_input_grad) - 2)))
+        if torch.is_grad_enabled():  # create_graph=True: autograd enables grad mode only then
+            if run.engine.backend.engine_hooks:
+                refuse_double_backward("tiled_mlp under a parameter-partitioning engine")
+            return _graph_backward(ctx, run, grads)
         # Partitioned parameters (ZeRO-3) are whole for the backward, as for the forward.
         with torch.no_grad(), run.engine.backend.gathered_for_backward(run.engine.weights):
             return _backward(ctx, run, grads)
@@ -155,6 +158,76 @@ def _backward(ctx: Any, run: TiledRun, grads: tuple[torch.Tensor | None, ...]) -
     )
     egrads = [None if g is None else g.view(e.shape) for g, e in zip(egrads, extras)]
     return (None if dx is None else dx.view(x.shape), None, *egrads, *pgrads)
+
+
+def _graph_backward(ctx: Any, run: TiledRun, grads: tuple[torch.Tensor | None, ...]) -> Any:
+    """TiledMLPFunction.backward under create_graph=True (gradient penalties, Hessian-vector
+    products): each tile is recomputed under autograd and differentiated with create_graph, so
+    the returned gradients carry the graph that second-order terms need. Exact like the
+    first-order path; the graphs of all tiles stay alive until the second backward, i.e. the
+    memory of the untiled module's autograd graph, the price of a graph of the backward."""
+    x = run.x_node.saved_tensors[0] if run.x_node is not None else ctx.saved_tensors[0]
+    flat = x.reshape(-1, x.shape[-1])
+    n_lead = len(run.lead_shape)
+    needs_x = ctx.needs_input_grad[0]
+    n_extra = len(run.extras)
+    needs_extras: Sequence[bool] = ctx.needs_input_grad[2 : 2 + n_extra]
+    needs_params: Sequence[bool] = ctx.needs_input_grad[2 + n_extra :]
+    engine = run.engine
+    wanted = [p for p, need in zip(engine.params, needs_params) if need]
+    extras = [
+        node.saved_tensors[0] if node is not None else e
+        for node, e in zip(run.extra_nodes, run.extras)
+    ]
+    flat_extras = [e.reshape(-1, *e.shape[n_lead:]) for e in extras]
+    flat_grads = [
+        g.reshape(flat.shape[0], *g.shape[n_lead:]) if g is not None and keep else g
+        for g, keep in zip(_with_none_slots(grads, run), run.layouts_keep_lead)
+    ]
+    dx_tiles: list[torch.Tensor] = []
+    extra_tiles: list[list[torch.Tensor]] = [[] for _ in extras]
+    pgrads: list[torch.Tensor | None] = [None] * len(wanted)
+    for i, (start, stop) in enumerate(run.plan.bounds()):
+        xt = flat[start:stop]
+        et = [e[start:stop] for e in flat_extras]
+        outs: list[torch.Tensor | None] = (
+            [engine.recompute_tile(xt)]
+            if isinstance(engine, FastEngine)
+            else engine.recompute_tile(xt, et, i)
+        )
+        pairs = [
+            (o, g[start:stop])
+            for o, g in zip(outs, flat_grads)
+            if o is not None and g is not None and o.requires_grad
+        ]
+        inputs = [xt] if needs_x else []
+        inputs += [t for t, need in zip(et, needs_extras) if need]
+        got: list[torch.Tensor | None] = [None] * (len(inputs) + len(wanted))
+        if pairs:
+            got = list(
+                torch.autograd.grad(
+                    [o for o, _ in pairs],
+                    inputs + wanted,
+                    [g for _, g in pairs],
+                    create_graph=True,
+                    allow_unused=True,
+                )
+            )
+        sinks = [dx_tiles] if needs_x else []
+        sinks += [tiles for tiles, need in zip(extra_tiles, needs_extras) if need]
+        for sink, t, g in zip(sinks, inputs, got):
+            sink.append(torch.zeros_like(t) if g is None else g)
+        for k, g in enumerate(got[len(inputs) :]):
+            prev = pgrads[k]
+            if g is not None:
+                pgrads[k] = g if prev is None else prev + g
+    dx = torch.cat(dx_tiles).view(x.shape) if needs_x else None
+    egrads = [
+        torch.cat(tiles).view(e.shape) if need else None
+        for tiles, e, need in zip(extra_tiles, extras, needs_extras)
+    ]
+    it = iter(pgrads)
+    return (dx, None, *egrads, *(next(it) if need else None for need in needs_params))
 
 
 def _with_none_slots(

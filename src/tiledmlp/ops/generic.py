@@ -267,6 +267,28 @@ class GenericEngine:
         results = iter(slot.result() for slot in slots)
         return dx, dextras, [next(results) if need else None for need in needs_params]
 
+    def recompute_tile(
+        self, x_tile: torch.Tensor, extra_tiles: Sequence[torch.Tensor], i: int
+    ) -> list[torch.Tensor | None]:
+        """Tile i's outputs under autograd, for a graph of the backward (create_graph=True),
+        with the forward's RNG and autocast state; inputs stay part of the caller's graph.
+
+        Args:
+            x_tile: (n, hidden), part of the autograd graph.
+            extra_tiles: the per-token extra inputs' rows of this tile.
+            i: the tile's index in the plan.
+
+        Returns:
+            The module's outputs, each (n, ...), None kept.
+        """
+        n = x_tile.shape[0]
+        with torch.enable_grad(), self.autocast.restore(), self.rng[i].replay():
+            outs = self._split_outputs(self._call(self._tile_input(x_tile), *extra_tiles), n)
+        if i == 0:
+            graphed = [o for o in outs if o is not None and o.requires_grad]
+            self._check_leaves(graphed, [x_tile, *extra_tiles])
+        return outs
+
     def _call(self, *args: torch.Tensor) -> Any:
         """Runs the module with the parameters it had in the forward, as the backend says a
         module is called inside the op."""
@@ -279,8 +301,12 @@ class GenericEngine:
             return self.call.with_params(self.named, *args)
 
     def _check_leaves(self, outs: list[torch.Tensor], leaves: list[torch.Tensor]) -> None:
+        """Raises when the outputs' graph reaches a trainable tensor that is neither one of the
+        module's parameters nor one of `leaves` (the tile's inputs; where those are part of the
+        caller's graph, the walk stops at them)."""
         known = {id(p) for p in self.named.values()} | {id(t) for t in leaves}
-        seen: set[int] = set()
+        # The walk never goes past the tile's inputs into the caller's graph.
+        seen: set[int] = {id(t.grad_fn) for t in leaves if t.grad_fn is not None}
         stack = [t.grad_fn for t in outs if t.grad_fn is not None]
         while stack:
             node = stack.pop()

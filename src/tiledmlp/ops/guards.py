@@ -1,11 +1,14 @@
 """Guards that keep a tiled backward from silently returning something other than the gradient.
 
-The tiled backward recomputes from tensors it keeps by reference and computes its gradients
-outside autograd. Two uses would make it return gradients of a computation that never ran, or
-drop terms, without an error: a kept tensor changed in place between the forward and the
-backward, and a backward asked to build a graph of itself (create_graph=True). Both raise here,
-as autograd raises for the untiled module (or, for double backward, where the untiled module
-would have given second-order terms).
+A tiled backward recomputes from tensors it keeps by reference, and the first-order path
+computes its gradients outside autograd. Two uses would make it return gradients of a
+computation that never ran, or drop terms, without an error: a kept tensor changed in place
+between the forward and the backward (raises here, as autograd raises for the untiled module),
+and a backward asked to build a graph of itself (create_graph=True) where no differentiable
+backward exists (tiled_cross_entropy, which forms its gradients in the forward; the tiled MLP
+under an engine that partitions parameters): raises here instead of returning gradients without
+a graph, whose second-order terms would silently be zero. The tiled MLP otherwise supports it
+(function.py).
 
 Invariant: a tiled backward either returns the exact first-order gradient of the forward that
 ran, or raises.
