@@ -108,3 +108,25 @@ FAST_KINDS = [
 @pytest.fixture(autouse=True)
 def _deterministic() -> None:
     torch.manual_seed(0)
+
+
+def assert_same_sgd_steps(
+    model: nn.Module, ref: nn.Module, ids: torch.Tensor, steps: int = 2, lr: float = 0.5
+) -> None:
+    """A causal LM and its reference give the same loss and trainable-parameter grads over
+    `steps` SGD steps on the same batch (labels = ids)."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    ref_params = [p for p in ref.parameters() if p.requires_grad]
+    opts = [torch.optim.SGD(ps, lr=lr) for ps in ([p for _, p in named], ref_params)]
+    for step in range(steps):
+        losses = []
+        for m, opt in zip((model, ref), opts):
+            opt.zero_grad()
+            out = m(input_ids=ids, labels=ids)
+            out.loss.backward()
+            losses.append(out.loss.detach())
+        assert_close_rel(losses[0], losses[1], f"step {step} loss")
+        for (name, p), q in zip(named, ref_params):
+            assert_close_rel(p.grad, q.grad, f"step {step} {name}.grad")
+        for opt in opts:
+            opt.step()

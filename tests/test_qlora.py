@@ -10,9 +10,10 @@ import tempfile
 import pytest
 import torch
 
+from hf_models import BASE
 from tiledmlp import patch_model, unpatch_model
 
-from conftest import assert_close_rel
+from conftest import assert_same_sgd_steps
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("peft")
@@ -22,14 +23,7 @@ pytest.importorskip("bitsandbytes", reason="bitsandbytes (dev extra) not install
 @pytest.fixture(scope="module")
 def checkpoint() -> str:
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
-        vocab_size=97,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-    )
+    cfg = transformers.LlamaConfig(**{**BASE, "hidden_size": 64, "intermediate_size": 96})
     path = tempfile.mkdtemp(prefix="tiledmlp-qlora-")
     transformers.LlamaForCausalLM(cfg).save_pretrained(path)
     return path
@@ -68,21 +62,7 @@ def test_qlora_llama_patches_and_trains_exactly(checkpoint: str) -> None:
     assert set(report.paths.values()) == {"generic: lora-wrapped MLP"}, report
     assert report.loss == "tiled", report.loss
     ids = torch.randint(3, 97, (2, 13), generator=torch.Generator().manual_seed(1))
-    trainable = [[p for p in m.parameters() if p.requires_grad] for m in (model, ref)]
-    opts = [torch.optim.SGD(ps, lr=0.5) for ps in trainable]
     for m in (model, ref):
         m.train()
-    for step in range(2):
-        losses = []
-        for m, opt in zip((model, ref), opts):
-            opt.zero_grad()
-            out = m(input_ids=ids, labels=ids)
-            out.loss.backward()
-            losses.append(out.loss.detach())
-        assert_close_rel(losses[0], losses[1], f"step {step} loss")
-        names = [n for n, p in model.named_parameters() if p.requires_grad]
-        for name, p, q in zip(names, *trainable):
-            assert_close_rel(p.grad, q.grad, f"step {step} {name}.grad")
-        for opt in opts:
-            opt.step()
+    assert_same_sgd_steps(model, ref, ids)
     assert "<loss>" in unpatch_model(model)

@@ -16,7 +16,7 @@ from torch.nn.utils.parametrizations import spectral_norm
 from tiledmlp import patch_model, tiled_mlp
 from tiledmlp.ops import MLPKind, recognise
 
-from conftest import assert_close_rel
+from conftest import assert_close_rel, assert_same_sgd_steps
 
 ACTS = {"silu": nn.SiLU, "gelu_tanh": lambda: nn.GELU(approximate="tanh"), "relu": nn.ReLU}
 
@@ -142,13 +142,10 @@ def test_candidates_that_cannot_be_told_apart_take_the_generic_path() -> None:
 def test_patched_llama_with_square_mlp_and_zero_down_proj_trains_exactly() -> None:
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
+    from hf_models import BASE
+
     cfg = transformers.LlamaConfig(
-        vocab_size=61,
-        hidden_size=16,
-        intermediate_size=16,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
+        **{**BASE, "vocab_size": 61, "hidden_size": 16, "intermediate_size": 16}
     )
     ref = transformers.LlamaForCausalLM(cfg).float().train()
     for layer in ref.model.layers:
@@ -156,20 +153,8 @@ def test_patched_llama_with_square_mlp_and_zero_down_proj_trains_exactly() -> No
     model = copy.deepcopy(ref)
     report = patch_model(model, num_tiles=3)
     assert set(report.paths.values()) == {"fast: gated"}
-    opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (model, ref)]
     ids = torch.randint(0, 61, (2, 13), generator=torch.Generator().manual_seed(1))
-    for step in range(2):
-        losses = []
-        for m, opt in zip((model, ref), opts):
-            opt.zero_grad()
-            out = m(input_ids=ids, labels=ids)
-            out.loss.backward()
-            losses.append(out.loss.detach())
-        assert_close_rel(losses[0], losses[1], f"step {step} loss")
-        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-            assert_close_rel(p.grad, q.grad, f"step {step} {name}.grad")
-        for opt in opts:
-            opt.step()
+    assert_same_sgd_steps(model, ref, ids)
 
 
 class CumsumMixer(nn.Module):
