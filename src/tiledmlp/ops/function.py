@@ -132,32 +132,62 @@ class TiledMLPFunction(torch.autograd.Function):
             return _backward(ctx, run, grads)
 
 
-def _backward(ctx: Any, run: TiledRun, grads: tuple[torch.Tensor | None, ...]) -> Any:
-    """TiledMLPFunction.backward with the module's parameters whole."""
+@dataclass
+class _Saved:
+    """What a backward reads back: x, the per-token extras, the upstream gradients flattened
+    over tokens, and which inputs need a gradient."""
+
+    x: torch.Tensor
+    flat: torch.Tensor  # x as (tokens, hidden)
+    extras: tuple[torch.Tensor, ...]
+    flat_grads: list[torch.Tensor | None]
+    needs_x: bool
+    needs_extras: Sequence[bool]
+    needs_params: Sequence[bool]
+
+
+def _saved(ctx: Any, run: TiledRun, grads: tuple[torch.Tensor | None, ...]) -> _Saved:
     x = run.x_node.saved_tensors[0] if run.x_node is not None else ctx.saved_tensors[0]
     flat = x.reshape(-1, x.shape[-1])
-    needs_x = ctx.needs_input_grad[0]
     n_extra = len(run.extras)
-    needs_extras: Sequence[bool] = ctx.needs_input_grad[2 : 2 + n_extra]
-    needs_params: Sequence[bool] = ctx.needs_input_grad[2 + n_extra :]
-    flat_grads = [
-        g.reshape(flat.shape[0], *g.shape[len(run.lead_shape) :]) if g is not None and keep else g
-        for g, keep in zip(_with_none_slots(grads, run), run.layouts_keep_lead)
-    ]
-    if isinstance(run.engine, FastEngine):
-        gy = flat_grads[0]
-        assert gy is not None  # checked before gathering
-        dx, pgrads = run.engine.backward(flat, gy, run.plan, needs_x, needs_params)
-        return (None if dx is None else dx.view(x.shape), None, *pgrads)
     extras = tuple(
         node.saved_tensors[0] if node is not None else e
         for node, e in zip(run.extra_nodes, run.extras)
     )
-    dx, egrads, pgrads = run.engine.backward(
-        flat, run.flat_extras(extras), flat_grads, run.plan, needs_x, needs_extras, needs_params
+    flat_grads = [
+        g.reshape(flat.shape[0], *g.shape[len(run.lead_shape) :]) if g is not None and keep else g
+        for g, keep in zip(_with_none_slots(grads, run), run.layouts_keep_lead)
+    ]
+    return _Saved(
+        x=x,
+        flat=flat,
+        extras=extras,
+        flat_grads=flat_grads,
+        needs_x=ctx.needs_input_grad[0],
+        needs_extras=ctx.needs_input_grad[2 : 2 + n_extra],
+        needs_params=ctx.needs_input_grad[2 + n_extra :],
     )
-    egrads = [None if g is None else g.view(e.shape) for g, e in zip(egrads, extras)]
-    return (None if dx is None else dx.view(x.shape), None, *egrads, *pgrads)
+
+
+def _backward(ctx: Any, run: TiledRun, grads: tuple[torch.Tensor | None, ...]) -> Any:
+    """TiledMLPFunction.backward with the module's parameters whole."""
+    sv = _saved(ctx, run, grads)
+    if isinstance(run.engine, FastEngine):
+        gy = sv.flat_grads[0]
+        assert gy is not None  # checked before gathering
+        dx, pgrads = run.engine.backward(sv.flat, gy, run.plan, sv.needs_x, sv.needs_params)
+        return (None if dx is None else dx.view(sv.x.shape), None, *pgrads)
+    dx, egrads, pgrads = run.engine.backward(
+        sv.flat,
+        run.flat_extras(sv.extras),
+        sv.flat_grads,
+        run.plan,
+        sv.needs_x,
+        sv.needs_extras,
+        sv.needs_params,
+    )
+    egrads = [None if g is None else g.view(e.shape) for g, e in zip(egrads, sv.extras)]
+    return (None if dx is None else dx.view(sv.x.shape), None, *egrads, *pgrads)
 
 
 def _graph_backward(ctx: Any, run: TiledRun, grads: tuple[torch.Tensor | None, ...]) -> Any:
@@ -166,29 +196,16 @@ def _graph_backward(ctx: Any, run: TiledRun, grads: tuple[torch.Tensor | None, .
     the returned gradients carry the graph that second-order terms need. Exact like the
     first-order path; the graphs of all tiles stay alive until the second backward, i.e. the
     memory of the untiled module's autograd graph, the price of a graph of the backward."""
-    x = run.x_node.saved_tensors[0] if run.x_node is not None else ctx.saved_tensors[0]
-    flat = x.reshape(-1, x.shape[-1])
-    n_lead = len(run.lead_shape)
-    needs_x = ctx.needs_input_grad[0]
-    n_extra = len(run.extras)
-    needs_extras: Sequence[bool] = ctx.needs_input_grad[2 : 2 + n_extra]
-    needs_params: Sequence[bool] = ctx.needs_input_grad[2 + n_extra :]
+    sv = _saved(ctx, run, grads)
     engine = run.engine
-    wanted = [p for p, need in zip(engine.params, needs_params) if need]
-    extras = [
-        node.saved_tensors[0] if node is not None else e
-        for node, e in zip(run.extra_nodes, run.extras)
-    ]
-    flat_extras = [e.reshape(-1, *e.shape[n_lead:]) for e in extras]
-    flat_grads = [
-        g.reshape(flat.shape[0], *g.shape[n_lead:]) if g is not None and keep else g
-        for g, keep in zip(_with_none_slots(grads, run), run.layouts_keep_lead)
-    ]
+    wanted = [p for p, need in zip(engine.params, sv.needs_params) if need]
+    # Not detached (unlike run.flat_extras): the extras stay part of the caller's graph.
+    flat_extras = [e.reshape(-1, *e.shape[len(run.lead_shape) :]) for e in sv.extras]
     dx_tiles: list[torch.Tensor] = []
-    extra_tiles: list[list[torch.Tensor]] = [[] for _ in extras]
+    extra_tiles: list[list[torch.Tensor]] = [[] for _ in sv.extras]
     pgrads: list[torch.Tensor | None] = [None] * len(wanted)
     for i, (start, stop) in enumerate(run.plan.bounds()):
-        xt = flat[start:stop]
+        xt = sv.flat[start:stop]
         et = [e[start:stop] for e in flat_extras]
         outs: list[torch.Tensor | None] = (
             [engine.recompute_tile(xt)]
@@ -197,11 +214,11 @@ def _graph_backward(ctx: Any, run: TiledRun, grads: tuple[torch.Tensor | None, .
         )
         pairs = [
             (o, g[start:stop])
-            for o, g in zip(outs, flat_grads)
+            for o, g in zip(outs, sv.flat_grads)
             if o is not None and g is not None and o.requires_grad
         ]
-        inputs = [xt] if needs_x else []
-        inputs += [t for t, need in zip(et, needs_extras) if need]
+        inputs = [xt] if sv.needs_x else []
+        inputs += [t for t, need in zip(et, sv.needs_extras) if need]
         got: list[torch.Tensor | None] = [None] * (len(inputs) + len(wanted))
         if pairs:
             got = list(
@@ -213,21 +230,21 @@ def _graph_backward(ctx: Any, run: TiledRun, grads: tuple[torch.Tensor | None, .
                     allow_unused=True,
                 )
             )
-        sinks = [dx_tiles] if needs_x else []
-        sinks += [tiles for tiles, need in zip(extra_tiles, needs_extras) if need]
+        sinks = [dx_tiles] if sv.needs_x else []
+        sinks += [tiles for tiles, need in zip(extra_tiles, sv.needs_extras) if need]
         for sink, t, g in zip(sinks, inputs, got):
             sink.append(torch.zeros_like(t) if g is None else g)
         for k, g in enumerate(got[len(inputs) :]):
             prev = pgrads[k]
             if g is not None:
                 pgrads[k] = g if prev is None else prev + g
-    dx = torch.cat(dx_tiles).view(x.shape) if needs_x else None
+    dx = torch.cat(dx_tiles).view(sv.x.shape) if sv.needs_x else None
     egrads = [
         torch.cat(tiles).view(e.shape) if need else None
-        for tiles, e, need in zip(extra_tiles, extras, needs_extras)
+        for tiles, e, need in zip(extra_tiles, sv.extras, sv.needs_extras)
     ]
     it = iter(pgrads)
-    return (dx, None, *egrads, *(next(it) if need else None for need in needs_params))
+    return (dx, None, *egrads, *(next(it) if need else None for need in sv.needs_params))
 
 
 def _with_none_slots(

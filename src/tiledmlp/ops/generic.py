@@ -153,11 +153,10 @@ class GenericEngine:
             for i, (start, stop) in enumerate(plan.bounds()):
                 self.rng.append(RNGState.capture(x.device))
                 raw = self._call(self._tile_input(x[start:stop]), *(e[start:stop] for e in extras))
-                if i == 0:
-                    _check_buffers_unchanged(self.mlp, buffers)
                 tiles = self._split_outputs(raw, stop - start)
                 lead = (1, stop - start) if self.three_d else (stop - start,)
                 if i == 0:
+                    _check_buffers_unchanged(self.mlp, buffers)
                     self.returns_tuple = not isinstance(raw, torch.Tensor)
                     items = (raw,) if isinstance(raw, torch.Tensor) else raw
                     self.layouts = [

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["StandIns", "stand_ins"]
+__all__ = ["StandIns", "absent", "stand_ins"]
 
 
 def _random_like(t: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
@@ -55,7 +55,7 @@ class StandIns:
         self._params: dict[int, torch.Tensor] = {}
         gens: dict[torch.device, torch.Generator] = {}
         for p in module.parameters() if random_params else ():
-            if not p.is_floating_point() or _absent(p) or id(p) in self._params:
+            if not p.is_floating_point() or absent(p) or id(p) in self._params:
                 continue
             gen = gens.get(p.device)
             if gen is None:
@@ -78,7 +78,7 @@ class StandIns:
                         params[name] = self._params[id(p)]
                 buffers: dict[str, Any] = sub._buffers
                 for name, b in list(buffers.items()):
-                    if b is None or _absent(b):
+                    if b is None or absent(b):
                         continue
                     clone = clones.get(id(b))
                     if clone is None:
@@ -99,7 +99,8 @@ def stand_ins(module: nn.Module, seed: int = 0, random_params: bool = True) -> I
         yield
 
 
-def _absent(t: torch.Tensor) -> bool:
+def absent(t: torch.Tensor) -> bool:
+    """True for meta and fake tensors: shapes without values."""
     return t.device.type == "meta" or _is_fake(t)
 
 

@@ -207,14 +207,14 @@ def _accepts(fn: Any, name: str) -> bool:
 def _large_logits(model: nn.Module, head: nn.Module, ids: torch.Tensor) -> Iterator[None]:
     """The LM head's weight scaled (for the block only, the head alone: a tied embedding keeps
     its own) so that the model's largest probe logit is about 100."""
-    torch.manual_seed(0)
-    logits = _original(model)(input_ids=ids).logits
-    peak = float(logits.float().abs().max()) if logits is not None else 0.0
-    scale = 100.0 / peak if peak > 0 else 1.0
     weight = head._parameters.get("weight")
     if weight is None:  # not a registered parameter (parametrized, quantised): probe as is
         yield
         return
+    torch.manual_seed(0)
+    logits = _original(model)(input_ids=ids).logits
+    peak = float(logits.float().abs().max()) if logits is not None else 0.0
+    scale = 100.0 / peak if peak > 0 else 1.0
     head._parameters["weight"] = nn.Parameter(weight.detach() * scale, weight.requires_grad)
     try:
         yield
