@@ -26,6 +26,7 @@ from tiledmlp.patching.bound import bind
 from tiledmlp.patching.checks import backend_for, run_checks
 from tiledmlp.patching.detect import Candidate, detect_mlps, hidden_size_of
 from tiledmlp.patching.loss import patch_loss, unpatch_loss
+from tiledmlp.patching.offloading import install_offloading, remove_offloading
 
 __all__ = ["PatchReport", "original_forward", "patch_model", "unpatch_model"]
 
@@ -56,6 +57,7 @@ class PatchReport:
         config: the tile policy applied.
         loss: with tiled_loss=True, "tiled" when the training loss now runs through
             tiled_cross_entropy, else the reason it does not; None when not asked.
+        offloading: with activation_offloading=True, what is offloaded; None when not asked.
     """
 
     patched: list[str]
@@ -63,6 +65,7 @@ class PatchReport:
     skipped: list[tuple[str, str]] = field(default_factory=list)
     config: TiledMLPConfig = field(default_factory=TiledMLPConfig)
     loss: str | None = None
+    offloading: str | None = None
 
     def __str__(self) -> str:
         lines = [f"tiled {len(self.patched)} MLP(s) with {self.config}"]
@@ -70,6 +73,8 @@ class PatchReport:
         lines += [f"  skipped {name}: {why}" for name, why in self.skipped]
         if self.loss is not None:
             lines.append(f"  loss: {self.loss}")
+        if self.offloading is not None:
+            lines.append(f"  activation offloading: {self.offloading}")
         return "\n".join(lines)
 
 
@@ -128,6 +133,7 @@ def patch_model(
     generic: bool = False,
     hidden_size: int | None = None,
     tiled_loss: bool = False,
+    activation_offloading: bool = False,
 ) -> PatchReport:
     """Makes every MLP of `model` tiled, in place.
 
@@ -147,6 +153,10 @@ def patch_model(
         tiled_loss: also compute the training loss (when labels are given) with
             tiled_cross_entropy, so the logits never exist at once (see patching/loss.py);
             outputs without labels are unchanged.
+        activation_offloading: also keep the inputs of the model's checkpointed layers in host
+            memory between the forward and their recompute (see patching/offloading.py);
+            needs the model's own non-reentrant gradient checkpointing, checked at each
+            training forward (it may be enabled after this call).
 
     Returns:
         A PatchReport.
@@ -185,6 +195,10 @@ def patch_model(
             "fc1/fc2 projections, or MoE experts. Is hidden_size right, and are the weights "
             f"materialised (not on the meta device)?{why}"
         )
+    offloading = None
+    if activation_offloading:
+        install_offloading(model)
+        offloading = "checkpointed layer inputs to host memory (all but the last layer's)"
     step = _step_agreement(model)
     for cand in candidates:
         _patch_one(cand.module, cand, config, step)
@@ -192,7 +206,7 @@ def patch_model(
     if tiled_loss:
         loss = patch_loss(model, num_tiles if tile_tokens is None else "auto") or "tiled"
     paths = {c.name: f"{c.path}: {c.kind}" for c in candidates}
-    report = PatchReport(sorted(paths), paths, skipped, config, loss)
+    report = PatchReport(sorted(paths), paths, skipped, config, loss, offloading)
     logger.info("%s", report)
     return report
 
@@ -212,7 +226,8 @@ def unpatch_model(model: nn.Module) -> list[str]:
     loss when it was loss-patched).
 
     Returns:
-        Qualified names of the modules restored ("<loss>" for the loss).
+        Qualified names of the modules restored ("<loss>" for the loss, "<activation
+        offloading>" for offloading).
     """
     restored = []
     agreement = model.__dict__.pop(_AGREEMENT, None)
@@ -220,6 +235,8 @@ def unpatch_model(model: nn.Module) -> list[str]:
         agreement[1].remove()
     if unpatch_loss(model):
         restored.append("<loss>")
+    if remove_offloading(model):
+        restored.append("<activation offloading>")
     for name, module in model.named_modules():
         state = module.__dict__.pop(_STATE, None)
         if state is None:
