@@ -4,6 +4,7 @@ exactly like a single-process untiled reference on the same global batch."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from distributed.harness import assert_matches_reference, run_distributed
 from distributed.workers import engine_worker, reference
@@ -51,3 +52,11 @@ def test_zero3_generic_path_moe_matches_untiled_under_zero3() -> None:
         engine_worker, "zero3", "qwen3_moe", None, (23, 23), None, False, False
     )
     assert_matches_reference(tiled, untiled[0])
+
+
+def test_zero3_activation_offloading_matches_single_process_untiled() -> None:
+    # Non-reentrant checkpointing + tiled MLP + tiled loss + offloading of the layer inputs.
+    args = ("zero3", "llama", None, (23, 23), None, False, True, torch.float32, None, True)
+    results = run_distributed(engine_worker, *args)
+    assert [r["offloaded"] for r in results] == [3, 3]  # 1 of 2 layers' inputs, 3 steps
+    assert_matches_reference(results, reference("llama"))

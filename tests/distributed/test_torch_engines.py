@@ -92,3 +92,12 @@ def test_bf16_close_to_untiled_under_the_same_engine(engine: str) -> None:
                 assert_close_rel(
                     got[kind][name].float(), ref.float(), f"{kind} {name}", rtol=2.4e-2
                 )
+
+
+@pytest.mark.parametrize("engine", ["ddp", "fsdp2"])
+def test_activation_offloading_matches_single_process_untiled(engine: str) -> None:
+    # Non-reentrant checkpointing + tiled MLP + tiled loss + offloading of the layer inputs.
+    args = (engine, "llama", None, (23, 23), None, False, True, torch.float32, None, True)
+    results = run_distributed(engine_worker, *args)
+    assert [r["offloaded"] for r in results] == [3, 3]  # 1 of 2 layers' inputs, 3 steps
+    assert_matches_reference(results, reference("llama"))

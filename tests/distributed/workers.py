@@ -96,13 +96,19 @@ def engine_worker(
     tiled: bool = True,
     dtype: torch.dtype = torch.float32,
     copy_mode: str | None = None,
+    offload: bool = False,
 ) -> dict[str, Any]:
     """Trains a patched (or, with tiled=False, untouched) model for STEPS steps under `engine`
     ("ddp", "fsdp2", "fsdp1" (flat parameters), "fsdp1_orig", "zero1".."zero3"); returns full params and last grads, and the token count
     the ranks agreed on. copy_mode "deepcopy" or "pickle": train a copy of the patched model
-    (made by copy.deepcopy or a pickle round trip) while the original stays alive."""
+    (made by copy.deepcopy or a pickle round trip) while the original stays alive.
+    offload: the model's own non-reentrant checkpointing, the tiled loss and activation
+    offloading on top of the tiling (the result's "offloaded" counts the inputs moved)."""
     model = freeze(build(family).to(dtype), frozen)
-    if not tiled:
+    if offload:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        patch_model(model, num_tiles=3, tiled_loss=True, activation_offloading=True)
+    elif not tiled:
         pass
     elif tile_tokens is None:
         patch_model(model, num_tiles=3)
@@ -179,7 +185,11 @@ def engine_worker(
     else:
         final = {n: _full(p.detach()).clone() for n, p in model.named_parameters()}
     del original
-    return {"params": final, "grads": last, "agreed": agreed}
+    from tiledmlp.patching.offloading import offloader_of
+
+    offloader = offloader_of(model)
+    offloaded = None if offloader is None else offloader.stats.offloaded
+    return {"params": final, "grads": last, "agreed": agreed, "offloaded": offloaded}
 
 
 def _fsdp1(model: torch.nn.Module, shard_mlp: bool, use_orig_params: bool) -> Any:

@@ -41,8 +41,19 @@ def _ours_to_gather(params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """The ZeRO-3 parameters the tiled call must gather itself: not those DeepSpeed already
     holds for a module in flight (the tiled module's own direct parameters, fetched by
     DeepSpeed's hooks on that module for its forward and again for its backward, and released
-    by them)."""
-    return [p for p in params if _is_zero3_param(p) and not getattr(p, "ds_active_sub_modules", ())]
+    by them), and not those already whole (fetched ahead by DeepSpeed's prefetch, or still held
+    by an earlier tiled backward until their gradient is accumulated, e.g. when a checkpointed
+    layer is recomputed in the backward): whoever gathered those releases them; releasing them
+    here would leave their holder with an empty parameter."""
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    return [
+        p
+        for p in params
+        if _is_zero3_param(p)
+        and not getattr(p, "ds_active_sub_modules", ())
+        and getattr(p, "ds_status", None) is not ZeroParamStatus.AVAILABLE
+    ]
 
 
 class Zero3Backend(ParamBackend):
