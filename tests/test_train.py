@@ -67,9 +67,20 @@ def test_seed_flags_and_local_jsonl(tmp_path: Path) -> None:
     assert s["num_tiles"] == 3
 
 
+def test_activation_offloading_keeps_the_losses_exactly() -> None:
+    args = ("--seq-len", "256", "--steps", "3", "--gradient-checkpointing")
+    plain = summary(*args)
+    offloaded = summary(*args, "--activation-offloading")
+    assert offloaded["losses"] == plain["losses"]  # bit-identical
+    assert offloaded["activation_offloading"] and plain["offloaded_mib"] is None
+    # tiny preset: 4 layers, hidden 256, fp32: 3 layer inputs of 256 x 256 x 4 B per step
+    assert offloaded["offloaded_mib"] == pytest.approx(3 * 3 * 256 * 256 * 4 / 2**20, abs=0.05)
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
+        (["--activation-offloading"], "add --gradient-checkpointing"),
         (["--data", "/nonexistent.txt"], "is not a file"),
         (["--model", "no-such-model"], "neither a preset"),
         (["--engine", "deepspeed"], "needs --deepspeed-config"),

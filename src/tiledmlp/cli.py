@@ -285,6 +285,12 @@ def _add_train(sub: Any) -> None:
         help="the model's own (non-reentrant) gradient checkpointing",
     )
     t.add_argument(
+        "--activation-offloading",
+        action="store_true",
+        help="keep the checkpointed layers' inputs in host memory between forward and "
+        "recompute (needs --gradient-checkpointing)",
+    )
+    t.add_argument(
         "--dtype",
         choices=("float32", "bfloat16"),
         default="float32",
@@ -338,6 +344,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
         else args.num_tiles,
         tiled_loss=args.tiled_loss,
         gradient_checkpointing=args.gradient_checkpointing,
+        activation_offloading=args.activation_offloading,
         dtype=args.dtype,
         engine=args.engine,
         deepspeed_config=args.deepspeed_config,
@@ -355,7 +362,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
             "tiled MLPs" + (" + tiled loss" if summary["tiled_loss"] else "")
             if cfg.use_tiled_mlp
             else "untiled"
-        )
+        ) + (" + activation offloading" if cfg.activation_offloading else "")
         print(
             f"trained {summary['model']} ({tiled}, {summary['engine']}, {summary['dtype']}) for "
             f"{summary['steps']} steps of {summary['seq_len']} tokens: loss {summary['first_loss']:.4f} -> "

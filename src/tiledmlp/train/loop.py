@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from tiledmlp.bench.memory import proc_status_bytes
 from tiledmlp.patching import patch_model
+from tiledmlp.patching.offloading import install_offloading, offloader_of
 from tiledmlp.train.data import ByteTokenizer, default_corpus, pack, read_corpus
 from tiledmlp.train.presets import PRESETS, build_preset
 
@@ -45,6 +46,7 @@ class TrainConfig:
     num_tiles: int | str = "auto"
     tiled_loss: bool = True
     gradient_checkpointing: bool = False
+    activation_offloading: bool = False
     dtype: str = "float32"
     engine: str = "auto"
     deepspeed_config: Path | None = None
@@ -66,6 +68,11 @@ class TrainConfig:
         if self.engine not in ("auto", "single", "ddp", "fsdp2", "deepspeed"):
             raise ValueError(
                 f"--engine must be auto, single, ddp, fsdp2 or deepspeed, got {self.engine!r}"
+            )
+        if self.activation_offloading and not self.gradient_checkpointing:
+            raise ValueError(
+                "--activation-offloading moves the inputs of checkpointed layers: add "
+                "--gradient-checkpointing"
             )
         if self.engine == "deepspeed" and self.deepspeed_config is None:
             raise ValueError("--engine deepspeed needs --deepspeed-config (a DeepSpeed JSON file)")
@@ -141,10 +148,17 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
     needed = cfg.steps * cfg.batch_size * world
     sequences = pack(texts, encode, cfg.seq_len, needed)
     if cfg.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        _enable_checkpointing(model)
     report = None
     if cfg.use_tiled_mlp:
-        report = patch_model(model, num_tiles=cfg.num_tiles, tiled_loss=cfg.tiled_loss)
+        report = patch_model(
+            model,
+            num_tiles=cfg.num_tiles,
+            tiled_loss=cfg.tiled_loss,
+            activation_offloading=cfg.activation_offloading,
+        )
+    elif cfg.activation_offloading:
+        install_offloading(model)
 
     runner, optimizer, ds_engine = _wrap(model, engine, cfg, device)
     losses: list[float] = []
@@ -187,6 +201,8 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
         "tiled_loss": cfg.use_tiled_mlp and cfg.tiled_loss,
         "num_tiles": cfg.num_tiles if cfg.use_tiled_mlp else None,
         "gradient_checkpointing": cfg.gradient_checkpointing,
+        "activation_offloading": cfg.activation_offloading,
+        "offloaded_mib": _offloaded_mib(model),
         "tiled_modules": report.patched if report else [],
         "losses": losses,
         "first_loss": losses[0],
@@ -208,6 +224,21 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
         # Without this, gloo's threads are torn down at interpreter exit and the process aborts.
         dist.destroy_process_group()
     return summary
+
+
+def _enable_checkpointing(model: Any) -> None:
+    """The model's own non-reentrant checkpointing (the current transformers name first)."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def _offloaded_mib(model: Any) -> float | None:
+    """MiB of layer inputs moved to the host over the run, or None when offloading is off."""
+    offloader = offloader_of(model)
+    return None if offloader is None else round(offloader.stats.offloaded_bytes / MiB, 1)
 
 
 def _progress(step: int, steps: int, loss: float, tok_s: float, peak: float) -> None:
