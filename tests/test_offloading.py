@@ -11,10 +11,9 @@ import pytest
 import torch
 from torch import nn
 
+from hf_models import BASE, VOCAB
 from tiledmlp import patch_model, unpatch_model
 from tiledmlp.patching.offloading import install_offloading, offloader_of
-
-from hf_models import BASE, VOCAB
 
 NON_REENTRANT = {"use_reentrant": False}
 LAYERS = 4
@@ -145,7 +144,9 @@ def test_host_buffers_are_reused_across_steps() -> None:
         created.append(offloader.pool.created)
     assert created == [LAYERS - 1] * 6  # allocated in the first step, never again
     assert offloader.pool.free_buffers == LAYERS - 1  # all returned after each backward
-    assert offloader.stats.offloaded_bytes == 6 * (LAYERS - 1) * ids.numel() * BASE["hidden_size"] * 4
+    assert (
+        offloader.stats.offloaded_bytes == 6 * (LAYERS - 1) * ids.numel() * BASE["hidden_size"] * 4
+    )
     # A longer sequence needs new buffers of its own shape (kept, not leaked).
     longer = _ids(seq=23)
     model(input_ids=longer, labels=longer).loss.backward()
@@ -179,7 +180,7 @@ def test_checkpointing_off_is_a_clear_error_in_training_only() -> None:
     model = _llama()
     patch_model(model, num_tiles=2, activation_offloading=True)
     ids = _ids()
-    with pytest.raises(ValueError, match="not checkpointing.*use_reentrant': False"):
+    with pytest.raises(ValueError, match=r"not checkpointing.*use_reentrant': False"):
         model(input_ids=ids, labels=ids)
     with torch.no_grad():
         model(input_ids=ids, labels=ids)  # evaluation: nothing to offload, no error
@@ -192,7 +193,7 @@ def test_reentrant_checkpointing_is_a_clear_error() -> None:
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
     patch_model(model, num_tiles=2, activation_offloading=True)
     ids = _ids()
-    with pytest.raises(ValueError, match="reentrant checkpointing.*offloading would do nothing"):
+    with pytest.raises(ValueError, match=r"reentrant checkpointing.*offloading would do nothing"):
         model(input_ids=ids, labels=ids)
 
 

@@ -15,7 +15,7 @@ import torch
 
 from tiledmlp import patch_model
 from tiledmlp.bench.memory import peak_bytes, tensor_bytes
-from tiledmlp.bench.plan_layer import load_config, plan_layer
+from tiledmlp.plan.layer import load_config, plan_layer
 from tiledmlp.train.presets import PRESETS
 
 MiB = 2**20
@@ -149,7 +149,8 @@ def test_cli_model_json() -> None:
     res = plan("--model", "tiny", "--seq-len", "4096", "--json")
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout)
-    assert out["model"] == "tiny" and out["model_type"] == "llama"
+    assert out["model_name"] == "tiny" and out["model_type"] == "llama"
+    assert set(out["model"]) == {"untiled", "tiled_mlp", "tiled_mlp_loss", "tiled_mlp_loss_offload"}
     assert (out["hidden"], out["intermediate"]) == (256, 1024)  # the MLP keys, from the config
     assert out["layer_tiles"] >= 1 and out["layer_saving"] > 0
     assert 0 < out["layer_tiled_mib"] < out["layer_regular_mib"]

@@ -199,6 +199,26 @@ def _build_parser() -> argparse.ArgumentParser:
         help="memory budget in GiB: recommend the fewest tiles with which the MLP alone fits "
         "(also with --model: the recommendation is for the MLP, not the layer)",
     )
+    pl.add_argument(
+        "--gradient-checkpointing",
+        action="store_true",
+        help="with --model: the whole-model step uses the model's own non-reentrant "
+        "checkpointing (the offloading stack always does)",
+    )
+    pl.add_argument(
+        "--optimizer",
+        choices=("none", "adamw", "cpu-offload"),
+        default="none",
+        help="with --model: optimizer state on the device: none, adamw (two states per "
+        "parameter, in its dtype), cpu-offload (states on the host) (default: none)",
+    )
+    pl.add_argument(
+        "--memory-gb",
+        type=float,
+        default=None,
+        help="with --model: device memory in GiB; report each stack's longest sequence that "
+        "fits (max_seq_len, a multiple of 1024)",
+    )
     pl.add_argument("--json", action="store_true", help="print one JSON object")
     sub.add_parser(
         "env",
@@ -377,17 +397,30 @@ def _cmd_train(args: argparse.Namespace) -> int:
 def _cmd_plan(args: argparse.Namespace) -> int:
     import torch
 
-    from tiledmlp.bench.plan import plan_mlp
+    from tiledmlp.plan.mlp import plan_mlp
 
     if args.budget_gb is not None and args.budget_gb <= 0:
         raise UsageError(f"--budget-gb must be positive, got {args.budget_gb}")
+    if args.memory_gb is not None and args.memory_gb <= 0:
+        raise UsageError(f"--memory-gb must be positive, got {args.memory_gb}")
+    whole = (
+        ("--gradient-checkpointing", args.gradient_checkpointing),
+        (
+            "--optimizer",
+            args.optimizer != "none",
+        ),
+        ("--memory-gb", args.memory_gb is not None),
+    )
+    if args.model is None and any(on for _, on in whole):
+        names = " and ".join(n for n, on in whole if on)
+        raise UsageError(f"{names} plan a whole model: add --model NAME_OR_PATH")
     dtype = getattr(torch, args.dtype)
     config = None
     if args.model is None:
         hidden = 4096 if args.hidden is None else args.hidden
         intermediate = 14336 if args.intermediate is None else args.intermediate
     else:
-        from tiledmlp.bench.plan_layer import load_config, mlp_shape
+        from tiledmlp.plan.layer import load_config, mlp_shape
 
         given = [f for f, v in (("--hidden", args.hidden), ("--intermediate", args.intermediate))
                  if v is not None]  # fmt: skip
@@ -407,11 +440,26 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         budget_bytes=None if args.budget_gb is None else int(args.budget_gb * 2**30),
     )
     if config is not None:
-        from tiledmlp.bench.plan_layer import plan_layer
+        from tiledmlp.plan.layer import plan_layer
 
         layer = plan_layer(config, seq_len=args.seq_len, dtype=dtype, num_tiles=args.num_tiles)
+        from tiledmlp.plan.model import plan_model
+
+        stacks = plan_model(
+            config,
+            seq_len=args.seq_len,
+            dtype=dtype,
+            checkpointing=args.gradient_checkpointing,
+            optimizer=args.optimizer,
+            num_tiles=args.num_tiles,
+            budget_bytes=None if args.memory_gb is None else int(args.memory_gb * 2**30),
+        )
         result.update(
-            model=args.model,
+            model_name=args.model,
+            model=stacks,
+            optimizer=args.optimizer,
+            gradient_checkpointing=args.gradient_checkpointing,
+            memory_gb=args.memory_gb,
             model_type=layer["model_type"],
             layer_tiles=layer["tiles"],
             layer_regular_mib=layer["regular_mib"],
@@ -433,6 +481,19 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             f"{result['layer_tiles']} tiles) {result['layer_tiled_mib']:,.1f} MiB "
             f"({100 * result['layer_saving']:.1f}% less)"
         )
+        print(
+            f"one training step of the whole model ({args.optimizer} optimizer"
+            + (", checkpointing" if args.gradient_checkpointing else "")
+            + "), peak device MiB:"
+        )
+        for stack, entry in result["model"].items():
+            parts = ", ".join(f"{k} {v:,.0f}" for k, v in entry["breakdown_mib"].items() if v)
+            fits = (
+                f"; fits {args.memory_gb} GiB up to {entry['max_seq_len']:,} tokens"
+                if "max_seq_len" in entry
+                else ""
+            )
+            print(f"  {stack:24s} {entry['peak_mib']:>12,.0f}  ({parts}){fits}")
     if args.budget_gb is not None:
         k = result["recommended_num_tiles"]
         if k is None:

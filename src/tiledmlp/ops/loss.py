@@ -29,6 +29,7 @@ import torch
 from tiledmlp.ops.grads import GradSlot, Scratch
 from tiledmlp.ops.guards import refuse_double_backward
 from tiledmlp.ops.policy import validate_policy
+from tiledmlp.ops.probe import absent
 from tiledmlp.ops.state import AutocastState
 from tiledmlp.ops.tiles import TilePlan, split_by_tile_tokens, split_even
 
@@ -116,7 +117,8 @@ def _loss_and_grads(
     w = weight.to(cd)
     b = None if bias is None else bias.to(cd)
     valid = targets != run.ignore_index
-    count = int(valid.sum().item())
+    # Planning on fake tensors has no values: every token counts (the scale changes no memory).
+    count = valid.numel() if absent(valid) else int(valid.sum().item())
     # mean over the valid tokens of the whole input; with none valid, torch's mean is 0/0 = nan
     scale = 1.0 / count if run.reduction == "mean" and count else 1.0
     total = torch.zeros((), dtype=torch.promote_types(cd, torch.float32), device=hidden.device)
@@ -298,7 +300,8 @@ def tiled_cross_entropy(
     hidden = hidden_states.reshape(-1, hidden_states.shape[-1])
     targets = targets.reshape(-1)
     vocab = lm_head_weight.shape[0]
-    if bool(((targets != ignore_index) & ((targets < 0) | (targets >= vocab))).any()):
+    out_of_range = (targets != ignore_index) & ((targets < 0) | (targets >= vocab))
+    if not absent(targets) and bool(out_of_range.any()):  # fake tensors (planning): no values
         raise ValueError(
             f"tiled_cross_entropy: labels must be in [0, {vocab}) or equal ignore_index={ignore_index}"
         )

@@ -39,11 +39,13 @@ class HostPool:
     """Host buffers reused across steps, keyed by (shape, dtype); pinned when `pin` is true.
 
     Attributes:
+        device: where the buffers live ("cpu"; the planner uses "meta", which holds no data).
         created: buffers allocated since construction (a steady training loop stops growing it).
         free_buffers: buffers waiting for reuse.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
         self._free: dict[tuple[tuple[int, ...], torch.dtype], list[torch.Tensor]] = {}
         self.created = 0
         self.created_bytes = 0
@@ -53,7 +55,8 @@ class HostPool:
         free = self._free.get((tuple(shape), dtype))
         if free:
             return free.pop()
-        buf = torch.empty(shape, dtype=dtype, device="cpu", pin_memory=pin)
+        pin = pin and self.device.type == "cpu"
+        buf = torch.empty(shape, dtype=dtype, device=self.device, pin_memory=pin)
         self.created += 1
         self.created_bytes += buf.nbytes
         return buf

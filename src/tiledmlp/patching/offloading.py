@@ -29,9 +29,7 @@ from tiledmlp.ops.offload import ActivationOffloader
 __all__ = ["OffloadingCheckpoint", "install_offloading", "offloader_of", "remove_offloading"]
 
 _STATE = "_tiledmlp_offload"
-_HOW = (
-    "model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False})"
-)
+_HOW = "model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False})"
 
 
 class OffloadingCheckpoint:
@@ -56,7 +54,9 @@ class OffloadingCheckpoint:
 
 def _checkpointed(model: nn.Module) -> list[nn.Module]:
     """Modules that Hugging Face's checkpointing toggles (they carry `gradient_checkpointing`)."""
-    return [m for m in model.modules() if isinstance(getattr(m, "gradient_checkpointing", None), bool)]
+    return [
+        m for m in model.modules() if isinstance(getattr(m, "gradient_checkpointing", None), bool)
+    ]
 
 
 def _check_inner(func: Any, layer: nn.Module) -> None:
@@ -102,7 +102,8 @@ def before_forward(
         if isinstance(func, OffloadingCheckpoint) and func.offloader is offloader:
             continue
         _check_inner(func, layer)
-        layer._gradient_checkpointing_func = OffloadingCheckpoint(func, offloader)
+        assert func is not None  # checked above
+        layer.__dict__["_gradient_checkpointing_func"] = OffloadingCheckpoint(func, offloader)
     offloader.begin_step()
 
 
@@ -148,6 +149,6 @@ def remove_offloading(model: nn.Module) -> bool:
     for layer in model.modules():
         func = layer.__dict__.get("_gradient_checkpointing_func")
         if isinstance(func, OffloadingCheckpoint) and func.offloader is offloader:
-            layer._gradient_checkpointing_func = func.inner
+            layer.__dict__["_gradient_checkpointing_func"] = func.inner
     offloader.pool.clear()
     return True

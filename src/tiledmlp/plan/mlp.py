@@ -16,9 +16,9 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from tiledmlp.bench.fake_memory import fake_peak_bytes
 from tiledmlp.bench.models import GatedMLP
 from tiledmlp.ops.functional import tile_plan, tiled_mlp
+from tiledmlp.plan.fake_memory import fake_peak_bytes
 
 __all__ = ["estimate_fields", "plan_mlp"]
 

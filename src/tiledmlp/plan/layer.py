@@ -3,7 +3,7 @@
 Builds the model described by a `transformers` config with a single decoder layer under torch's
 FakeTensorMode (nothing is allocated), and runs that layer's forward + backward on
 (1, seq_len, hidden) fake hidden states, untiled and with its MLP run through tiled_mlp.
-Storages are tracked as in plan.py (fake_memory.py): the layer's weights, their gradients, the
+Storages are tracked as in mlp.py (fake_memory.py): the layer's weights, their gradients, the
 hidden states, the layer's other inputs (rotary cos/sin, position ids), the output, the
 upstream gradient and the input gradient are all counted.
 
@@ -32,10 +32,10 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_flatten
 
-from tiledmlp.bench.fake_memory import fake_peak_bytes
-from tiledmlp.bench.plan import estimate_fields
 from tiledmlp.ops.functional import tile_plan, tiled_mlp
 from tiledmlp.ops.structure import recognise
+from tiledmlp.plan.fake_memory import fake_peak_bytes
+from tiledmlp.plan.mlp import estimate_fields
 
 __all__ = ["load_config", "mlp_shape", "plan_layer"]
 

@@ -1,0 +1,449 @@
+"""Peak device memory of one full training step of a whole model, per stack, on fake tensors.
+
+The model described by a `transformers` config is built under torch's FakeTensorMode with all
+its layers (nothing is allocated; an 8B model at 128K tokens is planned on a laptop CPU) and runs
+one training step on (1, seq_len) tokens: the decoder forward, the loss, the backward and, with
+an optimizer, its step; storages are tracked as in fake_memory.py. Stacks:
+
+- "untiled": the model as it is (logits upcast to float32 for the loss, like Hugging Face);
+- "tiled_mlp": every decoder MLP through tiled_mlp;
+- "tiled_mlp_loss": also the loss through tiled_cross_entropy (logits never exist at once);
+- "tiled_mlp_loss_offload": also activation offloading (always with checkpointing, which it
+  needs): the checkpointed layers' inputs live in host memory, which is not counted.
+
+Checkpointing is the model's own non-reentrant gradient checkpointing (`--gradient-checkpointing`).
+Optimizers: "none"; "adamw" (torch.optim.AdamW, foreach, states in the parameters' dtype,
+created before the step as in any step after the first); "cpu-offload" (states and the update
+on the host, e.g. DeepSpeed ZeRO-Offload; gradients are still counted on the device, an upper
+bound). The breakdown sorts what is alive at the peak by what it is: "weights", "grads",
+"optimizer" (states and update temporaries), "checkpoints" (the layers' saved inputs),
+"activations" (other tensors kept from the forward), "loss" (created while computing the loss),
+"recompute" (created in the backward: the recomputed layer, activation gradients, prefetched
+inputs). Attention runs through SDPA as in layer.py (flash-like O(seq) memory).
+
+Invariant: the estimate depends only on the config's shapes, the sequence length, the dtype,
+the stack and its options; no weights are read or downloaded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from tiledmlp.ops.functional import tiled_mlp
+from tiledmlp.ops.loss import tiled_cross_entropy
+from tiledmlp.ops.offload import ActivationOffloader
+from tiledmlp.patching.offloading import OffloadingCheckpoint
+from tiledmlp.plan.fake_memory import StorageTracker
+from tiledmlp.plan.layer import _dense_mlp
+
+__all__ = ["OPTIMIZERS", "STACKS", "StepEstimate", "estimate_step", "max_seq_len", "plan_model"]
+
+MiB = 2**20
+STACKS = ("untiled", "tiled_mlp", "tiled_mlp_loss", "tiled_mlp_loss_offload")
+OPTIMIZERS = ("none", "adamw", "cpu-offload")
+_SHORT = 4  # the extrapolation simulates 4 and 5 layers
+CATEGORIES = ("weights", "grads", "optimizer", "checkpoints", "activations", "loss", "recompute")
+
+
+@dataclass(frozen=True)
+class StepEstimate:
+    """One stack's peak device bytes and what was alive at the peak, by category."""
+
+    peak: int
+    breakdown: dict[str, int]
+    checkpointing: bool
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "peak_mib": round(self.peak / MiB, 1),
+            "breakdown_mib": {k: round(v / MiB, 1) for k, v in self.breakdown.items()},
+            "gradient_checkpointing": self.checkpointing,
+        }
+
+
+class _PhaseTracker(StorageTracker):
+    """A StorageTracker that gives each storage a serial number and the phase of the step that
+    created it, and, per segment of the step (closed by `mark`), the peak of new storage and
+    (serial, bytes) of what was alive then. Storage keys are reused once a storage dies, serials
+    never are. Host buffers (on the meta device) are not device memory and are not counted."""
+
+    def __init__(self, known: list[torch.Tensor]) -> None:
+        super().__init__(known)
+        self.phase = "forward"
+        self._serial: dict[int, int] = {}  # live storage key -> serial
+        self.phase_of: list[str] = []  # serial -> phase
+        self.segments: list[tuple[int, dict[int, int]]] = []
+        self._peak = 0
+        self._at_peak: dict[int, int] = {}
+
+    def serial(self, t: torch.Tensor) -> int | None:
+        """The serial of a live tracked tensor's storage (None when not created in the step)."""
+        return self._serial.get(self._key(t))
+
+    def _alive(self) -> dict[int, int]:
+        return {self._serial[k]: e[0] for k, e in self._refs.items() if e[0]}
+
+    def mark(self) -> None:
+        """Closes the current segment; the next starts from what is alive now."""
+        self.segments.append((self._peak, self._at_peak))
+        self._peak, self._at_peak = self.live, self._alive()
+
+    def _track(self, t: torch.Tensor) -> None:
+        if t.device.type == "meta":
+            return
+        key = self._key(t)
+        if key not in self._refs:
+            self._serial[key] = len(self.phase_of)
+            self.phase_of.append(self.phase)
+        super()._track(t)
+        if self.live > self._peak:
+            self._peak, self._at_peak = self.live, self._alive()
+
+    def _release(self, key: int) -> None:
+        super()._release(key)
+        if key not in self._refs:
+            self._serial.pop(key, None)
+
+
+def _build(config: Any, dtype: torch.dtype, layers: int) -> Any:
+    import transformers
+
+    from tiledmlp.plan.layer import _one_layer_config
+
+    cfg = _one_layer_config(config)  # a copy of the text config without a KV cache
+    cfg.num_hidden_layers = layers
+    layer_types = getattr(config.get_text_config(), "layer_types", None)
+    if isinstance(layer_types, list):
+        cfg.layer_types = list(layer_types)[:layers]
+    return transformers.AutoModelForCausalLM.from_config(
+        cfg, attn_implementation="sdpa", dtype=dtype, trust_remote_code=False
+    ).train()
+
+
+def _tile_mlps(model: nn.Module, hidden: int, num_tiles: int | str) -> None:
+    for layer in _layers(model):
+        mlp = _dense_mlp(layer, hidden)
+        original = type(mlp).forward.__get__(mlp)
+        mlp.forward = functools.partial(tiled_mlp, mlp, num_tiles=num_tiles, forward=original)
+
+
+def _layers(model: Any) -> nn.ModuleList:
+    decoder = getattr(model, model.base_model_prefix)
+    layers = getattr(decoder, "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise ValueError(
+            f"{type(model).__name__}: no decoder layers at .{model.base_model_prefix}.layers; "
+            "this model cannot be planned as a whole yet"
+        )
+    return layers
+
+
+def _checkpoint(model: Any, offloader: ActivationOffloader | None) -> None:
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    if offloader is not None:
+        for layer in _layers(model):
+            inner = layer.__dict__["_gradient_checkpointing_func"]
+            layer.__dict__["_gradient_checkpointing_func"] = OffloadingCheckpoint(inner, offloader)
+
+
+@contextlib.contextmanager
+def _phase(tracker: _PhaseTracker, name: str) -> Iterator[None]:
+    tracker.phase = name
+    yield
+
+
+def estimate_step(
+    config: Any,
+    *,
+    seq_len: int,
+    stack: str,
+    dtype: torch.dtype = torch.bfloat16,
+    checkpointing: bool = False,
+    optimizer: str = "none",
+    num_tiles: int | str = "auto",
+    exact: bool = False,
+) -> StepEstimate:
+    """Peak device memory of one training step of `stack` (see the module docstring).
+
+    A model's decoder layers are alike, so what is alive at any moment of the step grows
+    affinely with their number, and in the backward it changes by the same amount from one
+    middle layer to the next: the peak is the larger of the peak up to the end of the
+    second-to-last layer's backward and the peak from the start of the second layer's backward
+    on (the middle layers lie on a line between the two). Both are measured with 4 and 5
+    layers and extrapolated to the model's depth; `exact=True` runs every layer instead (what
+    the tests compare the extrapolation with).
+
+    Raises:
+        ValueError: an unknown stack or optimizer; a model that cannot be planned (see
+            layer.py: SDPA attention and dense MLPs only).
+    """
+    if stack not in STACKS:
+        raise ValueError(f"stack must be one of {', '.join(STACKS)}, got {stack!r}")
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {optimizer!r}")
+    checkpointing = checkpointing or stack == "tiled_mlp_loss_offload"
+    run = functools.partial(
+        _simulate,
+        config,
+        seq_len=seq_len,
+        stack=stack,
+        dtype=dtype,
+        checkpointing=checkpointing,
+        optimizer=optimizer,
+        num_tiles=num_tiles,
+    )
+    depth = config.get_text_config().num_hidden_layers
+    if exact or depth <= _SHORT + 1:
+        return _larger(run(depth))
+    short, longer = run(_SHORT), run(_SHORT + 1)
+    if longer.middle.peak > max(longer.head.peak, longer.tail.peak):
+        return _larger(run(depth))  # layers unlike each other: no shortcut
+    return max(
+        _extrapolate(short.head, longer.head, depth),
+        _extrapolate(short.tail, longer.tail, depth),
+        key=lambda e: e.peak,
+    )
+
+
+@dataclass(frozen=True)
+class _Segments:
+    """Peaks of one simulated step of L layers: up to the end of layer L-2's backward ("head"),
+    from there to the end of layer 2's backward ("middle"), and the rest ("tail"). The head
+    and the tail each hold the end layers (which differ: the last layer's input stays on the
+    device, the first layer's backward prefetches nothing) and one layer like the middle ones."""
+
+    head: StepEstimate
+    middle: StepEstimate
+    tail: StepEstimate
+
+
+def _larger(s: _Segments) -> StepEstimate:
+    return max((s.head, s.middle, s.tail), key=lambda e: e.peak)
+
+
+def _extrapolate(two: StepEstimate, three: StepEstimate, depth: int) -> StepEstimate:
+    def line(a: int, b: int) -> int:
+        return a + (depth - _SHORT) * (b - a)
+
+    breakdown = {k: line(two.breakdown[k], three.breakdown[k]) for k in CATEGORIES}
+    return StepEstimate(line(two.peak, three.peak), breakdown, two.checkpointing)
+
+
+def _simulate(
+    config: Any,
+    layers: int,
+    *,
+    seq_len: int,
+    stack: str,
+    dtype: torch.dtype,
+    checkpointing: bool,
+    optimizer: str,
+    num_tiles: int | str,
+) -> _Segments:
+    """One step of the model cut to `layers` decoder layers, on fake tensors."""
+    text = config.get_text_config()
+    with FakeTensorMode():
+        model = _build(config, dtype, layers)
+        if stack != "untiled":
+            _tile_mlps(model, text.hidden_size, num_tiles)
+        offloader = None
+        if stack == "tiled_mlp_loss_offload":
+            offloader = ActivationOffloader()
+            offloader.pool.device = torch.device("meta")  # host memory: not counted
+        if checkpointing:
+            _checkpoint(model, offloader)
+        params = [p for p in model.parameters() if p.requires_grad]
+        opt = None
+        if optimizer == "adamw":
+            opt = torch.optim.AdamW(params, lr=1e-5, foreach=True)
+            for p in params:
+                p.grad = torch.zeros_like(p)
+            opt.step()  # creates the states, as after a first step
+            opt.zero_grad(set_to_none=True)
+        states = [t for s in (opt.state.values() if opt else ()) for t in s.values()]
+        ids = torch.zeros(1, seq_len, dtype=torch.long)
+        # A prepared 4-D mask (one stored byte) stops the model from building a (seq, seq) one
+        # it cannot prove unnecessary on fake tensors; the layers then get none (_without_mask).
+        causal = torch.ones((), dtype=torch.bool).expand(1, 1, seq_len, seq_len)
+        alive = [*model.parameters(), *model.buffers(), *states, ids]
+        tracker = _PhaseTracker(alive)
+        checkpoint_inputs: set[int | None] = set()
+        decoder_layers = _layers(model)
+        # The gradient of layer i's input is formed when layer i's backward ends.
+        # With 4 layers both marks close at once; fewer layers are simulated whole (no marks).
+        marks = [len(decoder_layers) - 2, 2] if len(decoder_layers) >= _SHORT else []
+
+        def remember(m: nn.Module, args: tuple[Any, ...]) -> None:
+            x = args[0] if args else None
+            if not isinstance(x, torch.Tensor) or tracker.phase != "forward":
+                return
+            checkpoint_inputs.add(tracker.serial(x))
+            index = next(i for i, layer in enumerate(decoder_layers) if layer is m)
+            for _ in range(marks.count(index) if x.requires_grad else 0):
+                x.register_hook(lambda _g: tracker.mark())
+
+        hooks = [layer.register_forward_pre_hook(remember) for layer in decoder_layers]
+        hooks += [
+            layer.register_forward_pre_hook(_without_mask, with_kwargs=True)
+            for layer in decoder_layers
+        ]
+        decoder = getattr(model, model.base_model_prefix)
+        head = model.get_output_embeddings()
+        with tracker:
+            if offloader is not None:
+                offloader.begin_step()
+            hidden = decoder(input_ids=ids, attention_mask=causal).last_hidden_state
+            with _phase(tracker, "loss"):
+                if stack in ("untiled", "tiled_mlp"):
+                    logits = head(hidden)
+                    loss = model.loss_function(logits, ids, vocab_size=text.vocab_size)
+                    del logits
+                else:
+                    # the same tile policy as the MLPs, as patch_model(tiled_loss=True) applies
+                    loss = tiled_cross_entropy(
+                        hidden, head.weight, ids, bias=head.bias, num_tiles=num_tiles, shift=True
+                    )
+            del hidden
+            with _phase(tracker, "backward"):
+                loss.backward()
+            del loss
+            if opt is not None:
+                with _phase(tracker, "optimizer"):
+                    opt.step()
+            tracker.mark()
+        for h in hooks:
+            h.remove()
+        if marks and len(tracker.segments) != 3:
+            raise ValueError(
+                f"{type(model).__name__}: could not follow its decoder layers' backward "
+                f"(saw {len(tracker.segments) - 1} of 2 marks); this model cannot be planned yet"
+            )
+        grads = {tracker.serial(p.grad) for p in params if p.grad is not None}
+        weights = sum(_nbytes(t) for t in (*model.parameters(), *model.buffers(), ids))
+        state_bytes = sum(_nbytes(t) for t in states)
+
+        def estimate(peak: int, at_peak: dict[int, int]) -> StepEstimate:
+            breakdown = dict.fromkeys(CATEGORIES, 0)
+            breakdown["weights"] = weights
+            breakdown["optimizer"] = state_bytes
+            for serial, nbytes in at_peak.items():
+                phase = tracker.phase_of[serial]
+                if serial in grads:
+                    what = "grads"
+                elif serial in checkpoint_inputs:
+                    what = "checkpoints"
+                elif phase == "forward":
+                    what = "activations"
+                else:
+                    what = {"loss": "loss", "backward": "recompute", "optimizer": "optimizer"}[
+                        phase
+                    ]
+                breakdown[what] += nbytes
+            return StepEstimate(weights + state_bytes + peak, breakdown, checkpointing)
+
+        parts = [estimate(peak, at) for peak, at in tracker.segments]
+        return _Segments(*parts) if len(parts) == 3 else _Segments(parts[0], parts[0], parts[0])
+
+
+def _without_mask(
+    _m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Under fake tensors the model cannot see that the positions form one unpadded sequence
+    and builds a (seq, seq) mask; a real step passes none and SDPA runs causal (see layer.py)."""
+    if "attention_mask" in kwargs:
+        kwargs["attention_mask"] = None
+    return args, kwargs
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return int(t.untyped_storage().nbytes())
+
+
+def max_seq_len(
+    config: Any,
+    budget_bytes: int,
+    *,
+    stack: str,
+    granularity: int = 1024,
+    upper: int = 1 << 24,
+    **options: Any,
+) -> int:
+    """The longest sequence (a multiple of `granularity`, at most `upper`) whose step fits
+    `budget_bytes` with `stack`; 0 when not even `granularity` tokens fit.
+
+    The peak grows with the sequence (affinely between tile-count changes), so the search
+    brackets it by doubling, then narrows it by interpolation, verifying each candidate.
+    """
+
+    def peak(n: int) -> int:
+        return estimate_step(config, seq_len=n * granularity, stack=stack, **options).peak
+
+    lo, hi = 0, 1  # in units of granularity: fits(lo) (or lo == 0), not yet known for hi
+    p_lo, p_hi = 0, peak(1)
+    if p_hi > budget_bytes:
+        return 0
+    limit = max(1, upper // granularity)
+    while p_hi <= budget_bytes:
+        if hi >= limit:
+            return limit * granularity
+        lo, p_lo = hi, p_hi
+        hi = min(hi * 2, limit)
+        p_hi = peak(hi)
+    while hi - lo > 1:  # fits(lo), not fits(hi)
+        guess = lo + int((budget_bytes - p_lo) * (hi - lo) / max(1, p_hi - p_lo))
+        mid = min(max(guess, lo + 1), hi - 1)
+        p_mid = peak(mid)
+        if p_mid <= budget_bytes:
+            lo, p_lo = mid, p_mid
+            if mid + 1 < hi and peak(mid + 1) > budget_bytes:
+                return mid * granularity
+        else:
+            hi, p_hi = mid, p_mid
+    return lo * granularity
+
+
+def plan_model(
+    config: Any,
+    *,
+    seq_len: int,
+    dtype: torch.dtype = torch.bfloat16,
+    checkpointing: bool = False,
+    optimizer: str = "none",
+    num_tiles: int | str = "auto",
+    budget_bytes: int | None = None,
+    stacks: tuple[str, ...] = STACKS,
+    granularity: int = 1024,
+) -> dict[str, Any]:
+    """Every stack's peak MiB and breakdown at `seq_len`; with a budget, each stack's longest
+    sequence that fits ("max_seq_len", a multiple of `granularity`).
+
+    Returns:
+        {stack: {"peak_mib", "breakdown_mib", "gradient_checkpointing"[, "max_seq_len"]}}.
+    """
+    options: dict[str, Any] = {
+        "dtype": dtype,
+        "checkpointing": checkpointing,
+        "optimizer": optimizer,
+        "num_tiles": num_tiles,
+    }
+    out: dict[str, Any] = {}
+    for stack in stacks:
+        entry = estimate_step(config, seq_len=seq_len, stack=stack, **options).as_json()
+        if budget_bytes is not None:
+            entry["max_seq_len"] = max_seq_len(
+                config, budget_bytes, stack=stack, granularity=granularity, **options
+            )
+        out[stack] = entry
+    return out
