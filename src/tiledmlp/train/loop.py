@@ -121,14 +121,17 @@ def _load(cfg: TrainConfig, device: torch.device) -> tuple[Any, Any]:
 
 def run(cfg: TrainConfig) -> dict[str, Any]:
     """Trains and returns the summary (also written to output_dir/summary.json)."""
-    launched = int(os.environ.get("WORLD_SIZE", "1")) > 1
-    engine = cfg.engine if cfg.engine != "auto" else ("ddp" if launched else "single")
+    # torchrun and the deepspeed launcher set RANK and WORLD_SIZE, also for one process (an
+    # engine such as DeepSpeed ZeRO-3 with optimizer offload is useful on a single GPU).
+    launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    several = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    engine = cfg.engine if cfg.engine != "auto" else ("ddp" if several else "single")
     if engine != "single" and not launched:
         raise ValueError(
             f"--engine {engine} needs a launcher: torchrun --nproc_per_node N -m tiledmlp train ..."
         )
     cuda = torch.cuda.is_available()
-    owns_group = launched and not dist.is_initialized()
+    owns_group = launched and engine != "single" and not dist.is_initialized()
     if owns_group:
         dist.init_process_group("nccl" if cuda else "gloo")
     rank, world = _world()
@@ -218,7 +221,7 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
         _save(model, ds_engine, cfg.output_dir, rank, summary)
     if rank == 0:
         sys.stderr.write("\n")
-    if launched:
+    if dist.is_initialized():
         dist.barrier()
     if owns_group:
         # Without this, gloo's threads are torn down at interpreter exit and the process aborts.
