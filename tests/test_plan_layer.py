@@ -150,7 +150,10 @@ def test_cli_model_json() -> None:
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout)
     assert out["model_name"] == "tiny" and out["model_type"] == "llama"
-    assert set(out["model"]) == {"untiled", "tiled_mlp", "tiled_mlp_loss", "tiled_mlp_loss_offload"}
+    assert list(out["model"]) == [
+        "untiled", "tiled_mlp", "tiled_mlp_loss", "tiled_mlp_loss_offload",
+        "tiled_mlp_loss_offload_norms",
+    ]  # fmt: skip
     assert (out["hidden"], out["intermediate"]) == (256, 1024)  # the MLP keys, from the config
     assert out["layer_tiles"] >= 1 and out["layer_saving"] > 0
     assert 0 < out["layer_tiled_mib"] < out["layer_regular_mib"]

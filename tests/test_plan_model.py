@@ -53,12 +53,16 @@ def _real_peak(stack: str, seq: int, checkpointing: bool, optimizer: str) -> int
     model = tr.LlamaForCausalLM._from_config(
         _config(), attn_implementation="sdpa", dtype=torch.float32
     ).train()
-    offload = stack == "tiled_mlp_loss_offload"
+    offload = "offload" in stack
     if checkpointing or offload:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if stack != "untiled":
         patch_model(
-            model, num_tiles=TILES, tiled_loss=stack != "tiled_mlp", activation_offloading=offload
+            model,
+            num_tiles=TILES,
+            tiled_loss=stack != "tiled_mlp",
+            activation_offloading=offload,
+            tiled_norms=stack.endswith("_norms"),
         )
     ids = torch.randint(3, SMALL["vocab_size"], (1, seq))
     params = list(model.parameters())
@@ -118,6 +122,7 @@ def test_the_stacks_order_and_what_offloading_removes() -> None:
     }
     assert peaks["untiled"].peak >= peaks["tiled_mlp"].peak > peaks["tiled_mlp_loss"].peak
     assert peaks["tiled_mlp_loss"].peak > peaks["tiled_mlp_loss_offload"].peak
+    assert peaks["tiled_mlp_loss_offload"].peak > peaks["tiled_mlp_loss_offload_norms"].peak
     # 6 layer inputs of 8192 x 128 fp32 (4 MiB each) checkpointed; with offloading at most the
     # last layer's is on the device at the peak (the others are on the host)
     assert peaks["tiled_mlp_loss"].breakdown["checkpoints"] >= 5 * 4 * MiB

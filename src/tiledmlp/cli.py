@@ -311,6 +311,12 @@ def _add_train(sub: Any) -> None:
         "recompute (needs --gradient-checkpointing)",
     )
     t.add_argument(
+        "--tiled-norms",
+        action="store_true",
+        help="also tile the LayerNorm/RMSNorm layers (their float32 intermediates one tile at "
+        "a time; with --use_tiled_mlp)",
+    )
+    t.add_argument(
         "--dtype",
         choices=("float32", "bfloat16"),
         default="float32",
@@ -365,6 +371,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
         tiled_loss=args.tiled_loss,
         gradient_checkpointing=args.gradient_checkpointing,
         activation_offloading=args.activation_offloading,
+        tiled_norms=args.tiled_norms,
         dtype=args.dtype,
         engine=args.engine,
         deepspeed_config=args.deepspeed_config,

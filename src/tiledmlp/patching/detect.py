@@ -35,7 +35,7 @@ from tiledmlp.ops.probe import stand_ins
 from tiledmlp.ops.structure import recognise
 from tiledmlp.ops.untiled import UntiledCall
 
-__all__ = ["Candidate", "Detection", "detect_mlps", "hidden_size_of"]
+__all__ = ["Candidate", "Detection", "detect_mlps", "hidden_size_of", "norms_of"]
 
 logger = logging.getLogger(__name__)
 
@@ -368,3 +368,22 @@ def detect_mlps(model: nn.Module, hidden: int) -> Detection:
             )
         chosen.append(name)
     return Detection(candidates, not_understood, skipped)
+
+
+_NORM_NAMES = ("LayerNorm", "RMSNorm")
+
+
+def norms_of(model: nn.Module, hidden: int) -> list[Candidate]:
+    """The normalisation layers over the hidden size (token-wise: each token is normalised on
+    its own), as generic-path candidates: nn.LayerNorm, nn.RMSNorm and modules whose class
+    name ends in LayerNorm or RMSNorm, with one weight of `hidden` elements. Per-head norms
+    (e.g. Qwen3's q_norm over the head dimension) are left alone."""
+    found = []
+    for name, module in model.named_modules():
+        named = type(module).__name__.endswith(_NORM_NAMES)
+        if not (named or isinstance(module, (nn.LayerNorm, nn.RMSNorm))):
+            continue
+        weight = getattr(module, "weight", None)
+        if isinstance(weight, torch.Tensor) and tuple(weight.shape) == (hidden,):
+            found.append(Candidate(name, module, "generic", "norm"))
+    return found

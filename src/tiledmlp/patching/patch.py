@@ -24,7 +24,7 @@ from tiledmlp.ops.functional import tiled_mlp
 from tiledmlp.patching.agreement import StepTokens, install_agreement
 from tiledmlp.patching.bound import bind
 from tiledmlp.patching.checks import backend_for, run_checks
-from tiledmlp.patching.detect import Candidate, detect_mlps, hidden_size_of
+from tiledmlp.patching.detect import Candidate, detect_mlps, hidden_size_of, norms_of
 from tiledmlp.patching.loss import patch_loss, unpatch_loss
 from tiledmlp.patching.offloading import install_offloading, remove_offloading
 
@@ -134,6 +134,7 @@ def patch_model(
     hidden_size: int | None = None,
     tiled_loss: bool = False,
     activation_offloading: bool = False,
+    tiled_norms: bool = False,
 ) -> PatchReport:
     """Makes every MLP of `model` tiled, in place.
 
@@ -157,6 +158,11 @@ def patch_model(
             memory between the forward and their recompute (see patching/offloading.py);
             needs the model's own non-reentrant gradient checkpointing, checked at each
             training forward (it may be enabled after this call).
+        tiled_norms: also tile the model's normalisation layers (LayerNorm / RMSNorm over the
+            hidden size, the final norm included) with the generic path: their float32
+            intermediates (several tokens x hidden x 4 bytes each, the largest part of a
+            checkpointed layer's recompute once the MLP is tiled) then exist one tile at a
+            time.
 
     Returns:
         A PatchReport.
@@ -199,6 +205,9 @@ def patch_model(
     if activation_offloading:
         install_offloading(model)
         offloading = "checkpointed layer inputs to host memory (all but the last layer's)"
+    if tiled_norms:
+        taken = {id(c.module) for c in candidates}
+        candidates += [c for c in norms_of(model, hidden) if id(c.module) not in taken]
     step = _step_agreement(model)
     for cand in candidates:
         _patch_one(cand.module, cand, config, step)

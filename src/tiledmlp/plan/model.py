@@ -9,7 +9,9 @@ an optimizer, its step; storages are tracked as in fake_memory.py. Stacks:
 - "tiled_mlp": every decoder MLP through tiled_mlp;
 - "tiled_mlp_loss": also the loss through tiled_cross_entropy (logits never exist at once);
 - "tiled_mlp_loss_offload": also activation offloading (always with checkpointing, which it
-  needs): the checkpointed layers' inputs live in host memory, which is not counted.
+  needs): the checkpointed layers' inputs live in host memory, which is not counted;
+- "tiled_mlp_loss_offload_norms": also the normalisation layers tiled (patch_model's
+  tiled_norms): their float32 intermediates exist one tile at a time.
 
 Checkpointing is the model's own non-reentrant gradient checkpointing (`--gradient-checkpointing`).
 Optimizers: "none"; "adamw" (torch.optim.AdamW, foreach, states in the parameters' dtype,
@@ -40,6 +42,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from tiledmlp.ops.functional import tiled_mlp
 from tiledmlp.ops.loss import tiled_cross_entropy
 from tiledmlp.ops.offload import ActivationOffloader
+from tiledmlp.patching.detect import norms_of
 from tiledmlp.patching.offloading import OffloadingCheckpoint
 from tiledmlp.plan.fake_memory import StorageTracker
 from tiledmlp.plan.layer import _dense_mlp
@@ -47,7 +50,13 @@ from tiledmlp.plan.layer import _dense_mlp
 __all__ = ["OPTIMIZERS", "STACKS", "StepEstimate", "estimate_step", "max_seq_len", "plan_model"]
 
 MiB = 2**20
-STACKS = ("untiled", "tiled_mlp", "tiled_mlp_loss", "tiled_mlp_loss_offload")
+STACKS = (
+    "untiled",
+    "tiled_mlp",
+    "tiled_mlp_loss",
+    "tiled_mlp_loss_offload",
+    "tiled_mlp_loss_offload_norms",
+)
 OPTIMIZERS = ("none", "adamw", "cpu-offload")
 _SHORT = 4  # the extrapolation simulates 4 and 5 layers
 CATEGORIES = ("weights", "grads", "optimizer", "checkpoints", "activations", "loss", "recompute")
@@ -128,11 +137,15 @@ def _build(config: Any, dtype: torch.dtype, layers: int) -> Any:
     ).train()
 
 
-def _tile_mlps(model: nn.Module, hidden: int, num_tiles: int | str) -> None:
-    for layer in _layers(model):
-        mlp = _dense_mlp(layer, hidden)
-        original = type(mlp).forward.__get__(mlp)
-        mlp.forward = functools.partial(tiled_mlp, mlp, num_tiles=num_tiles, forward=original)
+def _tile(model: nn.Module, hidden: int, num_tiles: int | str, norms: bool) -> None:
+    """Every decoder MLP (and with `norms` every norm over the hidden size) through tiled_mlp,
+    as patch_model does; patch_model's detection probes values, which fake tensors lack."""
+    modules = [_dense_mlp(layer, hidden) for layer in _layers(model)]
+    if norms:
+        modules += [c.module for c in norms_of(model, hidden)]
+    for module in modules:
+        original = type(module).forward.__get__(module)
+        module.forward = functools.partial(tiled_mlp, module, num_tiles=num_tiles, forward=original)
 
 
 def _layers(model: Any) -> nn.ModuleList:
@@ -193,7 +206,7 @@ def estimate_step(
         raise ValueError(f"stack must be one of {', '.join(STACKS)}, got {stack!r}")
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {optimizer!r}")
-    checkpointing = checkpointing or stack == "tiled_mlp_loss_offload"
+    checkpointing = checkpointing or "offload" in stack
     run = functools.partial(
         _simulate,
         config,
@@ -257,9 +270,9 @@ def _simulate(
     with FakeTensorMode():
         model = _build(config, dtype, layers)
         if stack != "untiled":
-            _tile_mlps(model, text.hidden_size, num_tiles)
+            _tile(model, text.hidden_size, num_tiles, norms=stack.endswith("_norms"))
         offloader = None
-        if stack == "tiled_mlp_loss_offload":
+        if "offload" in stack:
             offloader = ActivationOffloader()
             offloader.pool.device = torch.device("meta")  # host memory: not counted
         if checkpointing:

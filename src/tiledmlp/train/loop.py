@@ -47,6 +47,7 @@ class TrainConfig:
     tiled_loss: bool = True
     gradient_checkpointing: bool = False
     activation_offloading: bool = False
+    tiled_norms: bool = False
     dtype: str = "float32"
     engine: str = "auto"
     deepspeed_config: Path | None = None
@@ -73,6 +74,10 @@ class TrainConfig:
             raise ValueError(
                 "--activation-offloading moves the inputs of checkpointed layers: add "
                 "--gradient-checkpointing"
+            )
+        if self.tiled_norms and not self.use_tiled_mlp:
+            raise ValueError(
+                "--tiled-norms tiles on top of the tiled MLPs: drop --use_tiled_mlp false"
             )
         if self.engine == "deepspeed" and self.deepspeed_config is None:
             raise ValueError("--engine deepspeed needs --deepspeed-config (a DeepSpeed JSON file)")
@@ -159,6 +164,7 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
             num_tiles=cfg.num_tiles,
             tiled_loss=cfg.tiled_loss,
             activation_offloading=cfg.activation_offloading,
+            tiled_norms=cfg.tiled_norms,
         )
     elif cfg.activation_offloading:
         install_offloading(model)
@@ -205,6 +211,7 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
         "num_tiles": cfg.num_tiles if cfg.use_tiled_mlp else None,
         "gradient_checkpointing": cfg.gradient_checkpointing,
         "activation_offloading": cfg.activation_offloading,
+        "tiled_norms": cfg.tiled_norms,
         "offloaded_mib": _offloaded_mib(model),
         "tiled_modules": report.patched if report else [],
         "losses": losses,
