@@ -257,3 +257,32 @@ def test_a_copy_offloads_with_its_own_offloader(how: str) -> None:
     mine, theirs = offloader_of(model), offloader_of(twin)
     assert mine is not None and theirs is not None and mine is not theirs
     assert theirs.stats.offloaded == 2 * (LAYERS - 1) and mine.stats.offloaded == LAYERS - 1
+
+
+def test_offload_benchmark_runs_and_its_pool_does_not_grow() -> None:
+    from tiledmlp.bench.offload_step import measure_offload
+
+    base, off = measure_offload(
+        layers=4, seq_len=64, steps=12, hidden=32, intermediate=64, heads=2, kv_heads=1
+    )
+    assert (base["variant"], off["variant"]) == ("checkpointing", "offload")
+    assert off["host_pool_buffers"] == 3  # all but the last layer's input, allocated once
+    assert len(off["host_rss_mib"]) == 3
+    assert off["offloaded_mib_per_step"] == pytest.approx(3 * 64 * 32 * 4 / 2**20, abs=0.05)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_offloading_is_bit_identical_and_prefetched() -> None:
+    # Pinned host buffers, a side stream for the copies, events before use.
+    ids = _ids().cuda()
+    runs = []
+    for offload in (False, True):
+        model = _checkpointed(_llama()).cuda()
+        patch_model(model, num_tiles=3, tiled_loss=True, activation_offloading=offload)
+        runs.append(_sgd_run(model, ids))
+        if offload:
+            offloader = offloader_of(model)
+            assert offloader is not None and offloader.stats.fetched == 0
+            assert offloader.stats.prefetched == 3 * (LAYERS - 1)
+    _assert_bit_identical(runs[1], runs[0])
