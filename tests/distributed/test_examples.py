@@ -55,12 +55,13 @@ def test_long_context_recipe_runs_cpu_sized(tmp_path: Path) -> None:
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     summary = json.loads(res.stdout.strip().splitlines()[-1])
     assert summary["engine"] == "deepspeed" and summary["activation_offloading"]
-    assert summary["tiled_loss"] and summary["offloaded_mib"] > 0
+    assert summary["tiled_loss"] and summary["tiled_norms"] and summary["offloaded_mib"] > 0
     # The same run without offloading gives bit-identical losses.
     plain = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "-m",
          "tiledmlp", "train", "--model", "tiny", "--seq-len", "512", "--dtype", "float32",
-         "--steps", "2", "--lr", "1e-3", "--gradient-checkpointing", "--engine", "deepspeed",
+         "--steps", "2", "--lr", "1e-3", "--gradient-checkpointing", "--tiled-norms",
+         "--engine", "deepspeed",
          "--deepspeed-config", str(tmp_path / "ds.json"), "--json"],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
     )  # fmt: skip

@@ -391,39 +391,44 @@ def max_seq_len(
     stack: str,
     granularity: int = 1024,
     upper: int = 1 << 24,
+    hint: int | None = None,
     **options: Any,
 ) -> int:
     """The longest sequence (a multiple of `granularity`, at most `upper`) whose step fits
     `budget_bytes` with `stack`; 0 when not even `granularity` tokens fit.
 
-    The peak grows with the sequence (affinely between tile-count changes), so the search
-    brackets it by doubling, then narrows it by interpolation, verifying each candidate.
+    The peak grows with the sequence, nearly affinely (exactly between tile-count changes), so
+    the search extrapolates along the line through its last two estimates until it has a length
+    that does not fit, then interpolates inside that bracket; every answer is verified (it fits,
+    one more granule does not). `hint` (tokens) is a first guess, e.g. a length already planned.
     """
+    cache: dict[int, int] = {}
 
     def peak(n: int) -> int:
-        return estimate_step(config, seq_len=n * granularity, stack=stack, **options).peak
+        if n not in cache:
+            cache[n] = estimate_step(config, seq_len=n * granularity, stack=stack, **options).peak
+        return cache[n]
 
-    lo, hi = 0, 1  # in units of granularity: fits(lo) (or lo == 0), not yet known for hi
-    p_lo, p_hi = 0, peak(1)
-    if p_hi > budget_bytes:
-        return 0
     limit = max(1, upper // granularity)
-    while p_hi <= budget_bytes:
+    lo = 1
+    if peak(lo) > budget_bytes:
+        return 0
+    hi = min(limit, max(2, (hint or 0) // granularity))
+    while peak(hi) <= budget_bytes:  # extend along the line until past the budget
         if hi >= limit:
             return limit * granularity
-        lo, p_lo = hi, p_hi
-        hi = min(hi * 2, limit)
-        p_hi = peak(hi)
+        slope = max(1.0, (peak(hi) - peak(lo)) / (hi - lo))
+        step = int((budget_bytes - peak(hi)) / slope * 1.05) + 1
+        lo, hi = hi, min(limit, hi + max(1, step))
     while hi - lo > 1:  # fits(lo), not fits(hi)
-        guess = lo + int((budget_bytes - p_lo) * (hi - lo) / max(1, p_hi - p_lo))
+        guess = lo + int((budget_bytes - peak(lo)) * (hi - lo) / max(1, peak(hi) - peak(lo)))
         mid = min(max(guess, lo + 1), hi - 1)
-        p_mid = peak(mid)
-        if p_mid <= budget_bytes:
-            lo, p_lo = mid, p_mid
+        if peak(mid) <= budget_bytes:
+            lo = mid
             if mid + 1 < hi and peak(mid + 1) > budget_bytes:
                 return mid * granularity
         else:
-            hi, p_hi = mid, p_mid
+            hi = mid
     return lo * granularity
 
 
@@ -456,7 +461,7 @@ def plan_model(
         entry = estimate_step(config, seq_len=seq_len, stack=stack, **options).as_json()
         if budget_bytes is not None:
             entry["max_seq_len"] = max_seq_len(
-                config, budget_bytes, stack=stack, granularity=granularity, **options
+                config, budget_bytes, stack=stack, granularity=granularity, hint=seq_len, **options
             )
         out[stack] = entry
     return out
