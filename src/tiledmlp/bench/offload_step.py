@@ -28,7 +28,7 @@ import torch
 
 from tiledmlp.bench.memory import proc_status_bytes
 from tiledmlp.patching import patch_model
-from tiledmlp.patching.offloading import offloader_of
+from tiledmlp.patching.offloading import enable_checkpointing, offloader_of
 
 __all__ = ["measure_offload"]
 
@@ -70,7 +70,7 @@ def measure_offload(
     models = {}
     for variant in ("checkpointing", "offload"):
         model = _model(layers, hidden, intermediate, heads, kv_heads, dtype).to(device).train()
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_checkpointing(model)
         patch_model(model, tiled_loss=True, activation_offloading=variant == "offload")
         models[variant] = model
     ids = torch.randint(0, 32000, (1, seq_len), device=device)

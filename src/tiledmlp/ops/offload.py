@@ -48,7 +48,6 @@ class HostPool:
         self.device = torch.device(device)
         self._free: dict[tuple[tuple[int, ...], torch.dtype], list[torch.Tensor]] = {}
         self.created = 0
-        self.created_bytes = 0
 
     def take(self, shape: torch.Size, dtype: torch.dtype, pin: bool) -> torch.Tensor:
         """A host buffer of `shape` and `dtype` (a reused one when available)."""
@@ -58,7 +57,6 @@ class HostPool:
         pin = pin and self.device.type == "cpu"
         buf = torch.empty(shape, dtype=dtype, device=self.device, pin_memory=pin)
         self.created += 1
-        self.created_bytes += buf.nbytes
         return buf
 
     def give(self, buf: torch.Tensor) -> None:
@@ -89,8 +87,6 @@ class OffloadStats:
     fetched: int = 0
     kept: int = 0  # inputs unpacked straight from the device (the last layer's)
     trace: list[tuple[str, int, int]] | None = None
-    max_resident: int = 0  # most saved inputs on the device at once (offloaded ones excluded)
-    _resident: int = field(default=0, repr=False)
 
     def event(self, what: str, step: int, index: int) -> None:
         if self.trace is not None:
@@ -127,8 +123,6 @@ class _Saved:
         host, self.host = self.host, None
         if host is not None:
             self.offloader.pool.give(host)
-        elif self.tensor is not None:
-            self.offloader.stats._resident -= 1
 
 
 @dataclass
@@ -191,10 +185,7 @@ class ActivationOffloader:
         entry = _Saved(t, self, session, len(session.entries))
         session.entries.append(weakref.ref(entry))
         session.device = t.device
-        stats = self.stats
-        stats._resident += 1
-        stats.max_resident = max(stats.max_resident, stats._resident)
-        stats.event("save", session.step, entry.index)
+        self.stats.event("save", session.step, entry.index)
         return entry
 
     def _unpack(self, saved: Any) -> torch.Tensor:
@@ -235,7 +226,6 @@ class ActivationOffloader:
             t.record_stream(stream)  # its memory is not reused before the copy has read it
         entry.host, entry.tensor = host, None
         stats = self.stats
-        stats._resident -= 1
         stats.offloaded += 1
         stats.offloaded_bytes += host.nbytes
         stats.event("offload", entry.session.step, entry.index)

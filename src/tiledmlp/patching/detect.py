@@ -383,7 +383,7 @@ def norms_of(model: nn.Module, hidden: int) -> list[Candidate]:
         named = type(module).__name__.endswith(_NORM_NAMES)
         if not (named or isinstance(module, (nn.LayerNorm, nn.RMSNorm))):
             continue
-        weight = getattr(module, "weight", None)
+        weight = _weight_of(module)
         if isinstance(weight, torch.Tensor) and tuple(weight.shape) == (hidden,):
             found.append(Candidate(name, module, "generic", "norm"))
     return found

@@ -26,7 +26,14 @@ from torch import nn
 
 from tiledmlp.ops.offload import ActivationOffloader
 
-__all__ = ["OffloadingCheckpoint", "install_offloading", "offloader_of", "remove_offloading"]
+__all__ = [
+    "OffloadingCheckpoint",
+    "before_forward",
+    "enable_checkpointing",
+    "install_offloading",
+    "offloader_of",
+    "remove_offloading",
+]
 
 _STATE = "_tiledmlp_offload"
 _HOW = "model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False})"
@@ -50,6 +57,16 @@ class OffloadingCheckpoint:
             return self.inner(function, *args, **kwargs)
         with self.offloader.saving(args[0]):
             return self.inner(function, *args, **kwargs)
+
+
+def enable_checkpointing(model: Any) -> None:
+    """Turns on a Hugging Face model's own non-reentrant checkpointing (the current
+    transformers name first, the deprecated one on older versions)."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
 def _checkpointed(model: nn.Module) -> list[nn.Module]:

@@ -109,13 +109,13 @@ class _Captured(Exception):
     """Stops the model's forward once the first decoder layer's inputs are known."""
 
 
-def _one_layer_config(config: Any) -> Any:
-    """A copy of the (text) config with a single decoder layer and no KV cache."""
+def cut_config(config: Any, layers: int = 1) -> Any:
+    """A copy of the (text) config with `layers` decoder layers and no KV cache."""
     cfg = copy.deepcopy(config.get_text_config())
-    cfg.num_hidden_layers = 1
+    cfg.num_hidden_layers = layers
     layer_types = getattr(cfg, "layer_types", None)
     if isinstance(layer_types, list):
-        cfg.layer_types = layer_types[:1]  # must match num_hidden_layers
+        cfg.layer_types = layer_types[:layers]  # must match num_hidden_layers
     cfg.use_cache = False
     return cfg
 
@@ -185,7 +185,7 @@ def _estimate(
     """(peak bytes, tiles used) of one layer's forward + backward; tiles None means untiled."""
     import transformers
 
-    cfg = _one_layer_config(config)
+    cfg = cut_config(config)
     with FakeTensorMode():
         model = transformers.AutoModel.from_config(
             cfg, attn_implementation="sdpa", dtype=dtype, trust_remote_code=False

@@ -29,9 +29,7 @@ the stack and its options; no weights are read or downloaded.
 
 from __future__ import annotations
 
-import contextlib
 import functools
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,9 +41,9 @@ from tiledmlp.ops.functional import tiled_mlp
 from tiledmlp.ops.loss import tiled_cross_entropy
 from tiledmlp.ops.offload import ActivationOffloader
 from tiledmlp.patching.detect import norms_of
-from tiledmlp.patching.offloading import OffloadingCheckpoint
+from tiledmlp.patching.offloading import before_forward, enable_checkpointing
 from tiledmlp.plan.fake_memory import StorageTracker
-from tiledmlp.plan.layer import _dense_mlp
+from tiledmlp.plan.layer import _dense_mlp, cut_config
 
 __all__ = ["OPTIMIZERS", "STACKS", "StepEstimate", "estimate_step", "max_seq_len", "plan_model"]
 
@@ -125,15 +123,8 @@ class _PhaseTracker(StorageTracker):
 def _build(config: Any, dtype: torch.dtype, layers: int) -> Any:
     import transformers
 
-    from tiledmlp.plan.layer import _one_layer_config
-
-    cfg = _one_layer_config(config)  # a copy of the text config without a KV cache
-    cfg.num_hidden_layers = layers
-    layer_types = getattr(config.get_text_config(), "layer_types", None)
-    if isinstance(layer_types, list):
-        cfg.layer_types = list(layer_types)[:layers]
     return transformers.AutoModelForCausalLM.from_config(
-        cfg, attn_implementation="sdpa", dtype=dtype, trust_remote_code=False
+        cut_config(config, layers), attn_implementation="sdpa", dtype=dtype, trust_remote_code=False
     ).train()
 
 
@@ -157,24 +148,6 @@ def _layers(model: Any) -> nn.ModuleList:
             "this model cannot be planned as a whole yet"
         )
     return layers
-
-
-def _checkpoint(model: Any, offloader: ActivationOffloader | None) -> None:
-    kwargs = {"use_reentrant": False}
-    if hasattr(model, "activation_checkpointing_enable"):
-        model.activation_checkpointing_enable(kwargs)
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-    if offloader is not None:
-        for layer in _layers(model):
-            inner = layer.__dict__["_gradient_checkpointing_func"]
-            layer.__dict__["_gradient_checkpointing_func"] = OffloadingCheckpoint(inner, offloader)
-
-
-@contextlib.contextmanager
-def _phase(tracker: _PhaseTracker, name: str) -> Iterator[None]:
-    tracker.phase = name
-    yield
 
 
 def estimate_step(
@@ -246,12 +219,14 @@ def _larger(s: _Segments) -> StepEstimate:
     return max((s.head, s.middle, s.tail), key=lambda e: e.peak)
 
 
-def _extrapolate(two: StepEstimate, three: StepEstimate, depth: int) -> StepEstimate:
+def _extrapolate(short: StepEstimate, longer: StepEstimate, depth: int) -> StepEstimate:
+    """From _SHORT and _SHORT + 1 layers to `depth`, along the line through the two."""
+
     def line(a: int, b: int) -> int:
         return a + (depth - _SHORT) * (b - a)
 
-    breakdown = {k: line(two.breakdown[k], three.breakdown[k]) for k in CATEGORIES}
-    return StepEstimate(line(two.peak, three.peak), breakdown, two.checkpointing)
+    breakdown = {k: line(short.breakdown[k], longer.breakdown[k]) for k in CATEGORIES}
+    return StepEstimate(line(short.peak, longer.peak), breakdown, short.checkpointing)
 
 
 def _simulate(
@@ -271,12 +246,8 @@ def _simulate(
         model = _build(config, dtype, layers)
         if stack != "untiled":
             _tile(model, text.hidden_size, num_tiles, norms=stack.endswith("_norms"))
-        offloader = None
-        if "offload" in stack:
-            offloader = ActivationOffloader()
-            offloader.pool.device = torch.device("meta")  # host memory: not counted
         if checkpointing:
-            _checkpoint(model, offloader)
+            enable_checkpointing(model)
         params = [p for p in model.parameters() if p.requires_grad]
         opt = None
         if optimizer == "adamw":
@@ -314,27 +285,31 @@ def _simulate(
         ]
         decoder = getattr(model, model.base_model_prefix)
         head = model.get_output_embeddings()
+        if "offload" in stack:
+            # The real mechanism (what the root's pre-hook does before each training forward),
+            # with host buffers on the meta device: host memory is not counted.
+            offloader = ActivationOffloader()
+            offloader.pool.device = torch.device("meta")
+            before_forward(offloader, list(decoder_layers), model, ())
         with tracker:
-            if offloader is not None:
-                offloader.begin_step()
             hidden = decoder(input_ids=ids, attention_mask=causal).last_hidden_state
-            with _phase(tracker, "loss"):
-                if stack in ("untiled", "tiled_mlp"):
-                    logits = head(hidden)
-                    loss = model.loss_function(logits, ids, vocab_size=text.vocab_size)
-                    del logits
-                else:
-                    # the same tile policy as the MLPs, as patch_model(tiled_loss=True) applies
-                    loss = tiled_cross_entropy(
-                        hidden, head.weight, ids, bias=head.bias, num_tiles=num_tiles, shift=True
-                    )
+            tracker.phase = "loss"
+            if stack in ("untiled", "tiled_mlp"):
+                logits = head(hidden)
+                loss = model.loss_function(logits, ids, vocab_size=text.vocab_size)
+                del logits
+            else:
+                # the same tile policy as the MLPs, as patch_model(tiled_loss=True) applies
+                loss = tiled_cross_entropy(
+                    hidden, head.weight, ids, bias=head.bias, num_tiles=num_tiles, shift=True
+                )
             del hidden
-            with _phase(tracker, "backward"):
-                loss.backward()
+            tracker.phase = "backward"
+            loss.backward()
             del loss
             if opt is not None:
-                with _phase(tracker, "optimizer"):
-                    opt.step()
+                tracker.phase = "optimizer"
+                opt.step()
             tracker.mark()
         for h in hooks:
             h.remove()

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from tiledmlp.bench.memory import proc_status_bytes
 from tiledmlp.patching import patch_model
-from tiledmlp.patching.offloading import install_offloading, offloader_of
+from tiledmlp.patching.offloading import enable_checkpointing, install_offloading, offloader_of
 from tiledmlp.train.data import ByteTokenizer, default_corpus, pack, read_corpus
 from tiledmlp.train.presets import PRESETS, build_preset
 
@@ -156,7 +156,7 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
     needed = cfg.steps * cfg.batch_size * world
     sequences = pack(texts, encode, cfg.seq_len, needed)
     if cfg.gradient_checkpointing:
-        _enable_checkpointing(model)
+        enable_checkpointing(model)
     report = None
     if cfg.use_tiled_mlp:
         report = patch_model(
@@ -234,15 +234,6 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
         # Without this, gloo's threads are torn down at interpreter exit and the process aborts.
         dist.destroy_process_group()
     return summary
-
-
-def _enable_checkpointing(model: Any) -> None:
-    """The model's own non-reentrant checkpointing (the current transformers name first)."""
-    kwargs = {"use_reentrant": False}
-    if hasattr(model, "activation_checkpointing_enable"):
-        model.activation_checkpointing_enable(kwargs)
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
 def _offloaded_mib(model: Any) -> float | None:
