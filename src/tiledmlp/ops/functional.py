@@ -21,7 +21,7 @@ from tiledmlp.ops.generic import GenericEngine
 from tiledmlp.ops.policy import MemoryModel, resolve_plan, validate_policy
 from tiledmlp.ops.state import AutocastState
 from tiledmlp.ops.structure import MLPStructure, recognise
-from tiledmlp.ops.tiles import TilePlan, split_even
+from tiledmlp.ops.tiles import TileCount, TilePlan, split_even
 from tiledmlp.ops.untiled import UntiledCall, running_untiled
 
 __all__ = ["tile_plan", "tiled_mlp"]
@@ -42,6 +42,7 @@ def tiled_mlp(
     forward: Callable[..., Any] | None = None,
     backend: ParamBackend | None = None,
     plan_tokens: int | None = None,
+    count: TileCount | None = None,
 ) -> Any:
     """Runs the token-wise module `mlp` over `x` in tiles of tokens, keeping no intermediates.
 
@@ -63,7 +64,8 @@ def tiled_mlp(
             Modules called with such inputs take the generic path.
         num_tiles: a positive int; "auto" (default): a memory-budget rule that never uses more
             memory than the untiled module and runs it untiled when tiling would not save memory;
-            "arctic": ceil(tokens / hidden) tiles as in Arctic Long Sequence Training.
+            "arctic": ceil(tokens / hidden) tiles as in Arctic Long Sequence Training;
+            "target:<GB>": the fewest tiles whose working memory fits <GB> GiB (ops/policy.py).
         tile_tokens: tokens per tile (the last tile takes the remainder), instead of num_tiles.
         forward: the module's untiled computation, used for the structure probe, the generic
             path's tiles and untiled runs; default: the module itself. A module whose forward
@@ -73,6 +75,7 @@ def tiled_mlp(
         plan_tokens: resolve the tile policy for this many tokens (when larger than x's) and
             split x's tokens into that plan's number of tiles: ranks that agreed on their
             largest token count run the same number of tiles.
+        count: a TileCount to add this call's tiles to (1 when it ran untiled).
 
     Returns:
         What mlp(x) returns: a Tensor of shape (..., out), or the module's tuple of outputs.
@@ -91,7 +94,12 @@ def tiled_mlp(
     backend = backend if backend is not None else LOCAL
     structure = None if args else recognise(mlp, call, ignore_hooks=backend.engine_hooks)
     with backend.gathered(list(mlp.parameters())):
-        return _run(mlp, x, args, structure, call, backend, num_tiles, tile_tokens, plan_tokens)
+        out, plan = _run(
+            mlp, x, args, structure, call, backend, num_tiles, tile_tokens, plan_tokens
+        )
+    if count is not None:
+        count.add(1 if plan is None else max(1, plan.num_tiles))
+    return out
 
 
 def _run(
@@ -104,11 +112,12 @@ def _run(
     num_tiles: int | str,
     tile_tokens: int | None,
     plan_tokens: int | None,
-) -> Any:
+) -> tuple[Any, TilePlan | None]:
+    """The module's result and the plan that ran (None: untiled)."""
     engine, plan = _prepare(mlp, x, num_tiles, tile_tokens, call, structure, backend, plan_tokens)
     if plan is None or plan.num_tiles == 0:
         logger.debug("tiled_mlp: running %s untiled", type(mlp).__name__)
-        return call(x, *args)
+        return call(x, *args), None
 
     needs_grad = torch.is_grad_enabled() and (
         x.requires_grad
@@ -137,8 +146,8 @@ def _run(
         tensors = iter(res if isinstance(res, tuple) else (res,))
         outs = [None if keep is None else next(tensors) for keep in _output_slots(run)]
     if isinstance(engine, GenericEngine) and engine.returns_tuple:
-        return tuple(outs)
-    return outs[0]
+        return tuple(outs), plan
+    return outs[0], plan
 
 
 def tile_plan(
@@ -211,11 +220,12 @@ def _prepare(
     else:
         engine = GenericEngine(mlp, call, autocast, three_d=x.dim() == 3, backend=backend)
     num_tokens = x.numel() // hidden if hidden else 0
+    elem = x.element_size()
     if plan_tokens is None or plan_tokens <= num_tokens:
-        return engine, resolve_plan(num_tiles, tile_tokens, num_tokens, hidden, model)
+        return engine, resolve_plan(num_tiles, tile_tokens, num_tokens, hidden, model, elem)
     # Ranks agreed on the largest token count: resolve the policy for it, so that every rank
     # runs the same number of tiles, then split this rank's tokens into that many.
-    agreed = resolve_plan(num_tiles, tile_tokens, plan_tokens, hidden, model)
+    agreed = resolve_plan(num_tiles, tile_tokens, plan_tokens, hidden, model, elem)
     if agreed is None:
         return engine, None
     return engine, split_even(num_tokens, agreed.num_tiles)

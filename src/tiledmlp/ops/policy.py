@@ -1,7 +1,14 @@
 """Tile policies: from the user's choice to an explicit tile plan.
 
 Forms: a positive int (number of tiles), "arctic" (ceil(tokens / hidden), the paper's rule),
-"auto" (a memory-budget rule, below), or a tokens-per-tile count.
+"auto" (a memory-budget rule, below), "target:<GB>" (a memory target, below), or a
+tokens-per-tile count.
+
+"target:<GB>" (the seeds' memory-target mode): the fewest tiles whose working memory (the tile's
+intermediates plus the float32 gradient accumulators, by the memory model) fits <GB> GiB;
+untiled when the untiled module's intermediates fit. Tiles are never smaller than one token.
+Modules without a fast path have no memory model: their intermediates are taken as those of a
+gated MLP with intermediate size 4 x hidden (GENERIC_WIDTH), in the input's dtype.
 
 "auto" for a recognised MLP: tiles of about `weight_bytes / (c_t * m * e)` tokens, i.e. a tile's
 transient intermediates are about the size of the MLP's weights (c_t (n, m) tensors of e bytes per
@@ -27,6 +34,29 @@ from tiledmlp.ops.tiles import TilePlan, arctic_num_tiles, split_by_tile_tokens,
 __all__ = ["MemoryModel", "resolve_plan", "validate_policy"]
 
 _NAMED = ("auto", "arctic")
+_TARGET = "target:"
+GENERIC_WIDTH = 4  # intermediate / hidden assumed for "target:<GB>" without a memory model
+
+
+def target_bytes(num_tiles: object) -> float | None:
+    """The byte budget of a "target:<GB>" policy, or None for any other policy.
+
+    Raises:
+        ValueError: a "target:" string whose GB is not a positive number.
+    """
+    if not isinstance(num_tiles, str) or not num_tiles.startswith(_TARGET):
+        return None
+    text = num_tiles[len(_TARGET) :]
+    try:
+        gb = float(text)
+    except ValueError:
+        gb = -1.0
+    if not math.isfinite(gb) or gb <= 0:
+        raise ValueError(
+            f"num_tiles {num_tiles!r}: expected 'target:<GB>' with a positive number of GiB, "
+            "e.g. 'target:2' or 'target:0.5'"
+        )
+    return gb * 2**30
 
 
 def validate_policy(num_tiles: object, tile_tokens: object) -> None:
@@ -40,10 +70,13 @@ def validate_policy(num_tiles: object, tile_tokens: object) -> None:
                 f"tile_tokens={tile_tokens!r}); leave num_tiles at its default 'auto'."
             )
         return
-    if isinstance(num_tiles, str) and num_tiles in _NAMED:
+    if isinstance(num_tiles, str) and (num_tiles in _NAMED or target_bytes(num_tiles)):
         return
     if isinstance(num_tiles, bool) or not isinstance(num_tiles, int) or num_tiles < 1:
-        raise ValueError(f"num_tiles must be a positive int, 'auto' or 'arctic', got {num_tiles!r}")
+        raise ValueError(
+            "num_tiles must be a positive int, 'auto', 'arctic' or 'target:<GB>', got "
+            f"{num_tiles!r}"
+        )
 
 
 @dataclass(frozen=True)
@@ -115,16 +148,21 @@ def resolve_plan(
     num_tokens: int,
     hidden_size: int,
     model: MemoryModel | None,
+    element_size: int = 4,
 ) -> TilePlan | None:
-    """The tile plan for a call, or None to run the module untiled ("auto" only).
+    """The tile plan for a call, or None to run the module untiled ("auto" and "target:<GB>").
 
     Args:
-        num_tiles: int, "auto" or "arctic" (validated by validate_policy).
+        num_tiles: int, "auto", "arctic" or "target:<GB>" (validated by validate_policy).
         tile_tokens: tokens per tile, or None.
         num_tokens: flattened tokens of the input.
         hidden_size: last dim of the input.
         model: memory model of a recognised MLP, or None for the generic path.
+        element_size: bytes per element of the input (the generic path's "target:<GB>").
     """
+    budget = target_bytes(num_tiles)
+    if budget is not None:
+        return _target_plan(budget, num_tokens, hidden_size, model, element_size)
     if tile_tokens is not None:
         return split_by_tile_tokens(num_tokens, tile_tokens)
     if isinstance(num_tiles, int):
@@ -141,3 +179,21 @@ def resolve_plan(
     if tiles < 2 or tiled > model.MARGIN * model.untiled_bytes(num_tokens):
         return None
     return split_even(num_tokens, tiles)
+
+
+def _target_plan(
+    budget: float, num_tokens: int, hidden: int, model: MemoryModel | None, elem: int
+) -> TilePlan | None:
+    if model is not None:
+        untiled = model.untiled_bytes(num_tokens)
+        fixed = model.tiled_bytes(0)
+        per_token = model.tiled_bytes(1) - fixed
+    else:
+        per_token = MemoryModel.TILED_GATED * GENERIC_WIDTH * hidden * elem
+        untiled = MemoryModel.UNTILED_GATED * GENERIC_WIDTH * hidden * elem * num_tokens
+        fixed = 0.0
+    if untiled <= budget or num_tokens < 2:
+        return None
+    tile = max(1, int((budget - fixed) // per_token)) if budget > fixed else 1
+    tiles = min(num_tokens, math.ceil(num_tokens / tile))
+    return None if tiles < 2 else split_even(num_tokens, tiles)

@@ -12,7 +12,7 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-__all__ = ["TilePlan", "arctic_num_tiles", "split_by_tile_tokens", "split_even"]
+__all__ = ["TileCount", "TilePlan", "arctic_num_tiles", "split_by_tile_tokens", "split_even"]
 
 
 @dataclass(frozen=True)
@@ -86,3 +86,23 @@ def arctic_num_tiles(num_tokens: int, hidden_size: int) -> int:
 def _check_count(name: str, value: int, *, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+
+
+@dataclass
+class TileCount:
+    """How many tiles the calls of one module ran (the caller owns it; tiled_mlp adds to it).
+
+    Attributes:
+        calls: calls counted.
+        tiles: tiles over all calls (an untiled call counts as 1).
+        last: tiles of the latest call.
+    """
+
+    calls: int = 0
+    tiles: int = 0
+    last: int = 0
+
+    def add(self, tiles: int) -> None:
+        self.calls += 1
+        self.tiles += tiles
+        self.last = tiles

@@ -1,9 +1,14 @@
-"""The seeds' option names at the edge: use_tiled_mlp and tiled_mlp_num_shards.
+"""The seeds' option names at the edge: the configuration keys of ms-swift, axolotl and unsloth.
 
-Users of DeepSpeed/ArcticTraining-style recipes configure `use_tiled_mlp: true` and
-`tiled_mlp_num_shards: N`; this maps them once onto patch_model's num_tiles.
+- ms-swift (and DeepSpeed/ArcticTraining-style recipes): `use_tiled_mlp: true`,
+  `tiled_mlp_num_shards: N`;
+- axolotl: `tiled_mlp: true`, `tiled_mlp_num_shards: N`;
+- unsloth's tile-mode strings under `tiled_mlp`: `"arctic"` or `"target:<GB>"` (the memory-target
+  policy, ops/policy.py); an int or `"auto"` there too.
+This maps them once onto patch_model's num_tiles, so a recipe written for any of them runs
+unchanged.
 
-Invariant: nothing is patched unless use_tiled_mlp is explicitly true.
+Invariant: nothing is patched unless use_tiled_mlp or tiled_mlp explicitly turns tiling on.
 """
 
 from __future__ import annotations
@@ -13,9 +18,10 @@ from typing import Any
 
 from torch import nn
 
+from tiledmlp.ops.policy import target_bytes
 from tiledmlp.patching.patch import PatchReport, patch_model
 
-__all__ = ["parse_bool", "parse_tiles", "patch_from_args"]
+__all__ = ["parse_bool", "parse_tiles", "patch_from_args", "tiling_from_args"]
 
 _TRUE = {"true", "1", "yes", "on"}
 _FALSE = {"false", "0", "no", "off", ""}
@@ -37,8 +43,8 @@ def parse_bool(value: Any, name: str = "use_tiled_mlp") -> bool:
 
 
 def parse_tiles(value: Any, name: str = "tiled_mlp_num_shards") -> int | str:
-    """A tile count from a config or command line: a positive int, "auto", "arctic", or None
-    (auto)."""
+    """A tile policy from a config or command line: a positive int, "auto", "arctic",
+    "target:<GB>", or None (auto)."""
     if value is None:
         return "auto"
     if isinstance(value, str):
@@ -47,18 +53,65 @@ def parse_tiles(value: Any, name: str = "tiled_mlp_num_shards") -> int | str:
             return text
         if text.isdigit() and int(text) > 0:
             return int(text)
+        if text.startswith("target:"):
+            text = "target:" + text.removeprefix("target:").strip().removesuffix("gb")
+            try:
+                target_bytes(text)
+            except ValueError as e:
+                raise ValueError(f"{name}: {e}") from None
+            return text
     if isinstance(value, int) and not isinstance(value, bool) and value > 0:
         return value
-    raise ValueError(f"{name} must be a positive int, 'auto' or 'arctic', got {value!r}")
+    raise ValueError(
+        f"{name} must be a positive int, 'auto', 'arctic' or 'target:<GB>', got {value!r}"
+    )
+
+
+def tiling_from_args(args: Any) -> tuple[bool, int | str]:
+    """Whether a recipe turns tiling on, and its tile policy, from any seed's keys.
+
+    `use_tiled_mlp` (ms-swift) or `tiled_mlp` (axolotl: a bool; unsloth: a mode string such
+    as "arctic" or "target:0.5") turns tiling on; `tiled_mlp_num_shards` gives the tile count.
+    A mode string and a shard count that disagree are refused.
+
+    Raises:
+        ValueError: a value of the wrong kind, or two keys that contradict each other.
+    """
+    use = _get(args, "use_tiled_mlp")
+    mode = _get(args, "tiled_mlp")
+    shards = _get(args, "tiled_mlp_num_shards")
+    policy: int | str | None = None
+    if mode is not None and not isinstance(mode, bool):
+        try:
+            on = parse_bool(mode, "tiled_mlp")
+        except ValueError:
+            on, policy = True, parse_tiles(mode, "tiled_mlp")
+        mode = on
+    if use is not None and mode is not None and parse_bool(use) != mode:
+        raise ValueError(
+            f"use_tiled_mlp={use!r} and tiled_mlp={_get(args, 'tiled_mlp')!r} disagree; give one"
+        )
+    enabled = parse_bool(use) if use is not None else bool(mode)
+    if shards is not None:
+        count = parse_tiles(shards)
+        if policy is not None and policy != count:
+            raise ValueError(
+                f"tiled_mlp={_get(args, 'tiled_mlp')!r} and tiled_mlp_num_shards={shards!r} "
+                "disagree; give one"
+            )
+        policy = count
+    return enabled, "auto" if policy is None else policy
 
 
 def patch_from_args(model: nn.Module, args: Any) -> PatchReport | None:
     """Patches `model` when `args` (a dict, argparse Namespace, or training arguments object)
-    says use_tiled_mlp=true; tiled_mlp_num_shards (default "auto") becomes num_tiles.
+    turns tiling on with any seed's keys (see tiling_from_args); the tile policy (default
+    "auto") becomes num_tiles.
 
     Returns:
         The PatchReport, or None when tiling is off.
     """
-    if not parse_bool(_get(args, "use_tiled_mlp")):
+    enabled, num_tiles = tiling_from_args(args)
+    if not enabled:
         return None
-    return patch_model(model, num_tiles=parse_tiles(_get(args, "tiled_mlp_num_shards")))
+    return patch_model(model, num_tiles=num_tiles)

@@ -21,6 +21,7 @@ from torch import nn
 
 from tiledmlp.config import TiledMLPConfig
 from tiledmlp.ops.functional import tiled_mlp
+from tiledmlp.ops.tiles import TileCount
 from tiledmlp.patching.agreement import StepTokens, install_agreement
 from tiledmlp.patching.bound import bind
 from tiledmlp.patching.checks import backend_for, run_checks
@@ -28,7 +29,7 @@ from tiledmlp.patching.detect import Candidate, detect_mlps, hidden_size_of, nor
 from tiledmlp.patching.loss import patch_loss, unpatch_loss
 from tiledmlp.patching.offloading import install_offloading, remove_offloading
 
-__all__ = ["PatchReport", "original_forward", "patch_model", "unpatch_model"]
+__all__ = ["PatchReport", "original_forward", "patch_model", "tile_counts", "unpatch_model"]
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +45,7 @@ class _PatchState:
     kind: str
     per_token_args: int
     step: StepTokens
+    count: TileCount = field(default_factory=TileCount)
 
 
 @dataclass(frozen=True)
@@ -107,6 +109,7 @@ def forward(self: nn.Module, x: Any, *args: Any, **kwargs: Any) -> Any:
         forward=orig,
         backend=backend_for(self),
         plan_tokens=state.step.value,
+        count=state.count,
     )
 
 
@@ -145,7 +148,7 @@ def patch_model(
 
     Args:
         model: a Hugging Face causal LM or any nn.Module containing MLPs.
-        num_tiles: a positive int, "auto" or "arctic" (see tiled_mlp).
+        num_tiles: a positive int, "auto", "arctic" or "target:<GB>" (see tiled_mlp).
         tile_tokens: tokens per tile, instead of num_tiles.
         generic: also tile token-wise MLP-like modules whose structure is not recognised, with
             the generic path (otherwise they are an error).
@@ -213,7 +216,9 @@ def patch_model(
         _patch_one(cand.module, cand, config, step)
     loss = None
     if tiled_loss:
-        loss = patch_loss(model, num_tiles if tile_tokens is None else "auto") or "tiled"
+        # The loss has its own rule for the MLP's named policies ("arctic", "target:<GB>").
+        loss_tiles = num_tiles if isinstance(num_tiles, int) and tile_tokens is None else "auto"
+        loss = patch_loss(model, loss_tiles) or "tiled"
     paths = {c.name: f"{c.path}: {c.kind}" for c in candidates}
     report = PatchReport(sorted(paths), paths, skipped, config, loss, offloading)
     logger.info("%s", report)
@@ -228,6 +233,16 @@ def _step_agreement(model: nn.Module) -> StepTokens:
     step = StepTokens()
     model.__dict__[_AGREEMENT] = (step, install_agreement(model, step))
     return step
+
+
+def tile_counts(model: nn.Module) -> dict[str, TileCount]:
+    """How many tiles each patched MLP of `model` ran so far, by qualified name (an untiled
+    call counts 1 tile; `last` is the latest call's count)."""
+    return {
+        name: module.__dict__[_STATE].count
+        for name, module in model.named_modules()
+        if _STATE in module.__dict__
+    }
 
 
 def unpatch_model(model: nn.Module) -> list[str]:

@@ -1,9 +1,9 @@
 """Training text, tokenizers and packing into fixed-length sequences.
 
 Default corpus: the Python standard library's own source files (always present, nothing
-downloaded). Local corpora: a .txt file (its text) or a .jsonl file (the "text" field of each
-line). Presets use a byte-level tokenizer (256 byte values + BOS/EOS); a local model directory
-brings its own tokenizer.
+downloaded). Local corpora: a .txt file (its text), a .jsonl file (the "text" field of each
+line) or a .csv file (its "text" column). Presets use the byte-level tokenizer (train/tokenizer.py);
+a local model directory brings its own tokenizer.
 
 Invariant: packing is deterministic for a given corpus, tokenizer and sequence length; every
 sequence has exactly seq_len tokens (the remainder is dropped).
@@ -11,6 +11,7 @@ sequence has exactly seq_len tokens (the remainder is dropped).
 
 from __future__ import annotations
 
+import csv
 import json
 import sysconfig
 from collections.abc import Iterator
@@ -19,18 +20,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["ByteTokenizer", "default_corpus", "pack", "read_corpus"]
-
-
-class ByteTokenizer:
-    """UTF-8 bytes as token ids 0..255, BOS 256, EOS 257 (vocabulary 258)."""
-
-    bos_token_id = 256
-    eos_token_id = 257
-    vocab_size = 258
-
-    def encode(self, text: str) -> list[int]:
-        return [self.bos_token_id, *text.encode("utf-8"), self.eos_token_id]
+__all__ = ["PackedDataset", "default_corpus", "pack", "read_corpus"]
 
 
 def default_corpus(max_bytes: int) -> Iterator[str]:
@@ -49,11 +39,27 @@ def default_corpus(max_bytes: int) -> Iterator[str]:
 
 
 def read_corpus(path: Path, max_bytes: int) -> Iterator[str]:
-    """Texts of a local .txt or .jsonl file (the "text" field of each JSON line)."""
+    """Texts of a local .txt, .jsonl ("text" field of each line) or .csv ("text" column) file.
+
+    Raises:
+        ValueError: the file is missing, is not UTF-8 text, or lacks the "text" field/column;
+            the message names the file (and the line).
+    """
     if not path.is_file():
-        raise ValueError(f"--data: {path} is not a file; expected a .txt or .jsonl file")
+        raise ValueError(f"--data: {path} is not a file; expected a .txt, .jsonl or .csv file")
+    try:
+        yield from _read(path, max_bytes)
+    except UnicodeDecodeError as e:
+        raise ValueError(
+            f"--data: {path} is not UTF-8 text (byte {e.start}: {e.reason}); expected a .txt, "
+            ".jsonl or .csv file"
+        ) from None
+
+
+def _read(path: Path, max_bytes: int) -> Iterator[str]:
     total = 0
-    if path.suffix == ".jsonl":
+    suffix = path.suffix.lower()
+    if suffix == ".jsonl":
         with path.open(encoding="utf-8") as f:
             for n, line in enumerate(f, 1):
                 if not line.strip():
@@ -69,8 +75,23 @@ def read_corpus(path: Path, max_bytes: int) -> Iterator[str]:
                 if total >= max_bytes:
                     return
         return
-    text = path.read_text(encoding="utf-8")
-    yield text[:max_bytes]
+    if suffix == ".csv":
+        with path.open(encoding="utf-8", newline="") as f:
+            reader = csv.DictReader(f)
+            if reader.fieldnames is None or "text" not in reader.fieldnames:
+                raise ValueError(
+                    f'--data: {path} has no "text" column (columns: {reader.fieldnames}); '
+                    'expected a header row naming a "text" column'
+                )
+            for row in reader:
+                text = row["text"] or ""
+                yield text
+                total += len(text)
+                if total >= max_bytes:
+                    return
+        return
+    with path.open(encoding="utf-8") as f:
+        yield f.read(max_bytes)
 
 
 def pack(texts: Iterator[str], encode: Any, seq_len: int, max_sequences: int) -> torch.Tensor:
@@ -92,3 +113,18 @@ def pack(texts: Iterator[str], encode: Any, seq_len: int, max_sequences: int) ->
             "use a larger corpus or a shorter --seq-len"
         )
     return torch.tensor(buf[: count * seq_len], dtype=torch.int64).view(count, seq_len)
+
+
+class PackedDataset(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
+    """Packed sequences as causal-LM examples: input_ids and labels (the same ids; the model
+    shifts them)."""
+
+    def __init__(self, sequences: torch.Tensor) -> None:
+        self.sequences = sequences
+
+    def __len__(self) -> int:
+        return int(self.sequences.shape[0])
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        ids = self.sequences[index]
+        return {"input_ids": ids, "labels": ids}

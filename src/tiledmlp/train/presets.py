@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["PRESETS", "build_preset"]
+__all__ = ["FINE_TUNE_LR", "PRESETS", "build_preset", "default_learning_rate"]
 
 # name -> LlamaConfig fields. "tiny" trains in a couple of minutes on a 2-core CPU with an MLP
 # large enough (intermediate 4 x hidden) that its intermediates dominate activation memory.
@@ -38,6 +38,21 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
+# Default learning rates. A preset is a random-init model trained from scratch: 2e-3 at hidden
+# 256, scaled by 256 / hidden_size (wider models take smaller steps; tiny 2e-3, small 1e-3,
+# llama3-8b 1.25e-4, where 2e-3 diverged). A model directory is taken to be pretrained and
+# fine-tuned at 2e-5.
+SCRATCH_LR_AT_256 = 2e-3
+FINE_TUNE_LR = 2e-5
+
+
+def default_learning_rate(model: str, hidden_size: int) -> float:
+    """The learning rate `tiledmlp train` uses when none is given (rule above)."""
+    if model in PRESETS:
+        return SCRATCH_LR_AT_256 * 256 / hidden_size
+    return FINE_TUNE_LR
+
+
 def build_preset(name: str, vocab_size: int, seq_len: int, seed: int) -> Any:
     """A random-init LlamaForCausalLM of the preset's shape."""
     import torch
@@ -52,6 +67,7 @@ def build_preset(name: str, vocab_size: int, seq_len: int, seed: int) -> Any:
         "max_position_embeddings": max(seq_len, 2048),
         "bos_token_id": 256,
         "eos_token_id": 257,
+        "pad_token_id": 257,
         **{k: v for k, v in PRESETS[name].items() if k != "vocab_size"},
     }
     torch.manual_seed(seed)

@@ -1,0 +1,83 @@
+"""Command-line interface: `tiledmlp train`, `bench`, `plan` and `env`, one module each.
+
+Sits on top of everything; nothing imports it. Conventions: flags take dashes or underscores
+(`--max-steps` = `--max_steps`); `-v` works before or after the subcommand; `--version`.
+Errors in user input end with a one-line message and exit status 2, never a traceback.
+
+Invariant: argv is normalised once (underscores in flag names become dashes) before argparse
+sees it; values are never touched.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+from tiledmlp.cli import bench, env, plan, train
+from tiledmlp.cli.common import UsageError
+
+__all__ = ["main"]
+
+logger = logging.getLogger("tiledmlp")
+_COMMANDS = {"bench": bench, "train": train, "plan": plan, "env": env}
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    import tiledmlp
+
+    parser = argparse.ArgumentParser(
+        prog="tiledmlp",
+        description="Tiled MLPs for long-sequence training: train, benchmark, plan memory.",
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="log progress to stderr")
+    parser.add_argument("--version", action="version", version=f"tiledmlp {tiledmlp.__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for module in _COMMANDS.values():
+        module.add_parser(sub)
+    for child in sub.choices.values():
+        child.add_argument(
+            "-v",
+            "--verbose",
+            action="store_true",
+            default=argparse.SUPPRESS,
+            help="log progress to stderr (also before the subcommand)",
+        )
+    return parser
+
+
+def normalise_argv(argv: Sequence[str]) -> list[str]:
+    """`--a_b[=value]` -> `--a-b[=value]`; everything after a bare `--` is left alone."""
+    out: list[str] = []
+    rest = False
+    for token in argv:
+        if rest or not token.startswith("--") or token == "--":
+            rest = rest or token == "--"
+            out.append(token)
+            continue
+        name, eq, value = token.partition("=")
+        out.append(name.replace("_", "-") + eq + value)
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `tiledmlp` console command."""
+    parser = _build_parser()
+    args = parser.parse_args(normalise_argv(sys.argv[1:] if argv is None else argv))
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        return int(_COMMANDS[args.command].run(args))
+    except (UsageError, ValueError) as e:
+        print(f"tiledmlp {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"tiledmlp {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

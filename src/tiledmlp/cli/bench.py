@@ -1,0 +1,183 @@
+"""`tiledmlp bench`: regular vs tiled (vs DeepSpeed's TiledMLP) MLP time and memory over a
+sweep of sequence lengths; a table, JSON lines and a plot.
+
+Invariant: on the CPU each measurement runs in a fresh process unless --isolate off.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from tiledmlp.cli.common import DTYPE_CHOICES, UsageError, dtype_name, positive_int, seq_lens, tiles
+
+__all__ = ["add_parser", "run"]
+
+_CPU_SEQ_LENS = (1024, 2048, 4096, 8192)
+_GPU_SEQ_LENS = (2048, 4096, 8192, 16384, 32768, 65536, 131072)
+
+
+def add_parser(sub: Any) -> None:
+    """Adds `bench` to the subcommands."""
+    bench = sub.add_parser(
+        "bench",
+        help="the tiled-MLP table: time and peak memory of regular vs tiled MLP, and a plot",
+        description=(
+            "Measures a SwiGLU MLP's forward + backward for a sweep of sequence lengths, regular "
+            "(untiled) vs tiled (and DeepSpeed's TiledMLP when installed): median time of "
+            "repeated steps, tensor-level peak memory, FLOPs; on the CPU each measurement runs "
+            "in a fresh process. Writes bench.jsonl (one record per length and variant), "
+            "bench.md (Seq Length | Regular (ms) | Tiled (ms) | Speed (+%%) | Regular (MB) | "
+            "Tiled (MB) | Memory (-%%)) and bench.png (memory and time against length)."
+        ),
+    )
+    bench.add_argument(
+        "--hidden",
+        type=positive_int,
+        default=None,
+        help="hidden size (default: 4096 on an accelerator, 512 on CPU)",
+    )
+    bench.add_argument(
+        "--intermediate",
+        type=positive_int,
+        default=None,
+        help="intermediate size (default: 12288 on an accelerator, 1536 on CPU)",
+    )
+    bench.add_argument(
+        "--seq-lens",
+        type=seq_lens,
+        default=None,
+        help="comma-separated tokens per sequence (default: 2048..131072 on an accelerator, "
+        f"{','.join(map(str, _CPU_SEQ_LENS))} on CPU)",
+    )
+    bench.add_argument(
+        "--dtype",
+        choices=DTYPE_CHOICES,
+        default=None,
+        help="dtype of weights and activations (default: bfloat16 on an accelerator, float32 on "
+        "CPU)",
+    )
+    bench.add_argument(
+        "--num-tiles",
+        type=tiles,
+        default="arctic",
+        help="tiles for the tiled variants: an int, 'auto' or 'arctic' (default: "
+        "arctic, ceil(tokens/hidden); DeepSpeed gets the same count, or the "
+        "arctic count when this is 'auto')",
+    )
+    bench.add_argument(
+        "--deepspeed",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="include DeepSpeed's TiledMLP: auto (if installed), on, off",
+    )
+    bench.add_argument(
+        "--repeats",
+        type=positive_int,
+        default=3,
+        help="timed repeats per variant; the median is reported (default: 3)",
+    )
+    bench.add_argument(
+        "--warmup", type=int, default=1, help="untimed runs per variant (default: 1)"
+    )
+    bench.add_argument(
+        "--device",
+        default=None,
+        help="cpu, cuda, npu, ... (default: the first accelerator found, else cpu)",
+    )
+    bench.add_argument(
+        "--isolate",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="run each measurement in a fresh process: auto (on for CPU), on, off",
+    )
+    bench.add_argument(
+        "--no-plot", action="store_true", help="do not write bench.png (needs matplotlib)"
+    )
+    bench.add_argument(
+        "--out",
+        type=Path,
+        default=Path("bench-out"),
+        help="folder for bench.jsonl, bench.md and bench.png (default: ./bench-out)",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Runs `tiledmlp bench`."""
+    import torch
+
+    from tiledmlp.bench.device import resolve_device
+    from tiledmlp.bench.harness import BenchConfig, run_sweep
+    from tiledmlp.bench.plot import plot_records
+    from tiledmlp.bench.report import markdown_table
+    from tiledmlp.bench.variants import deepspeed_available, make_variant
+    from tiledmlp.ops.tiles import arctic_num_tiles
+
+    device = resolve_device(args.device)
+    accel = device.type != "cpu"
+    if args.warmup < 0:
+        raise UsageError(f"--warmup must be >= 0, got {args.warmup}")
+    cfg = BenchConfig(
+        hidden=args.hidden or (4096 if accel else 512),
+        intermediate=args.intermediate or (12288 if accel else 1536),
+        seq_lens=args.seq_lens or (_GPU_SEQ_LENS if accel else _CPU_SEQ_LENS),
+        dtype=getattr(torch, dtype_name(args.dtype or ("bfloat16" if accel else "float32"))),
+        device=device,
+        repeats=args.repeats,
+        warmup=args.warmup,
+        isolate=args.isolate == "on" or (args.isolate == "auto" and not accel),
+    )
+    ds_ok = args.deepspeed != "off" and deepspeed_available()
+    use_ds = args.deepspeed == "on" or (args.deepspeed == "auto" and ds_ok)
+    if args.deepspeed == "on" and not ds_ok:
+        raise UsageError(
+            "--deepspeed on, but deepspeed is not importable; pip install 'tiledmlp[deepspeed]'"
+        )
+
+    def variants(seq: int) -> list:
+        chosen = [make_variant("untiled"), make_variant("tiled", args.num_tiles)]
+        if use_ds:
+            n = (
+                args.num_tiles
+                if isinstance(args.num_tiles, int)
+                else arctic_num_tiles(seq, cfg.hidden)
+            )
+            chosen.append(make_variant("deepspeed", n))
+        return chosen
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    jsonl = args.out / "bench.jsonl"
+    with jsonl.open("w") as f:
+
+        def emit(record: dict) -> None:
+            f.write(json.dumps(record) + "\n")
+            f.flush()
+            print(
+                f"  {record['seq_len']:>7} tokens  {record['variant']:<9} "
+                f"{record['time_ms']:>10.1f} ms {record['peak_mib']:>10.1f} MB",
+                file=sys.stderr,
+                flush=True,
+            )
+
+        records = run_sweep(cfg, variants, emit)
+    dtype = str(cfg.dtype).removeprefix("torch.")
+    title = (
+        f"SwiGLU MLP hidden {cfg.hidden}, intermediate {cfg.intermediate}, {dtype}, "
+        f"{records[0]['device_name']}, tiles {args.num_tiles}"
+    )
+    table = markdown_table(records)
+    (args.out / "bench.md").write_text(
+        f"{title}, torch {torch.__version__}"
+        f"{', each measurement in a fresh process' if cfg.isolate else ''}\n\n{table}\n"
+        "Speed (+%): tiled time against regular (positive = slower). Memory (-%): tiled peak "
+        "against regular (positive = less). MB = 2**20 bytes, tensor-level peak.\n"
+    )
+    written = [jsonl, args.out / "bench.md"]
+    if not args.no_plot:
+        written.append(plot_records(records, args.out / "bench.png", title))
+    print(table, end="")
+    print(f"wrote {', '.join(map(str, written))}")
+    return 0

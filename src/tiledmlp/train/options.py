@@ -1,0 +1,307 @@
+"""The options of a training run, from keyword arguments, a config file and the command line.
+
+One name per option, the Hugging Face TrainingArguments name where one exists (max_steps,
+learning_rate, per_device_train_batch_size, ...). `options_from` accepts the same keys from any
+source, with dashes or underscores, today's short names (steps, lr, batch_size,
+deepspeed_config) and the seeds' tiling keys (ms-swift's use_tiled_mlp / tiled_mlp_num_shards,
+axolotl's tiled_mlp: true, unsloth's tiled_mlp: "arctic" | "target:<GB>"; see
+patching/args.py). A config file is YAML (.yaml/.yml) or JSON holding those keys; command-line
+flags override it.
+
+Invariant: every value is checked here, once, with a message naming the option, what was
+expected and how to fix it; nothing later re-interprets an option.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tiledmlp.patching.args import parse_bool, parse_tiles, tiling_from_args
+from tiledmlp.train.presets import PRESETS
+
+__all__ = [
+    "ALIASES",
+    "DTYPES",
+    "TrainOptions",
+    "canonical_key",
+    "known_keys",
+    "options_from",
+    "read_config_file",
+]
+
+# alias -> canonical name
+ALIASES = {
+    "steps": "max_steps",
+    "lr": "learning_rate",
+    "batch_size": "per_device_train_batch_size",
+    "deepspeed_config": "deepspeed",
+}
+# spelling -> dtype name
+DTYPES = {
+    "float32": "float32",
+    "fp32": "float32",
+    "float": "float32",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "fp16": "float16",
+    "half": "float16",
+}
+ENGINES = ("auto", "single", "ddp", "fsdp2", "deepspeed")
+SCHEDULES = (
+    "linear",
+    "cosine",
+    "cosine_with_restarts",
+    "polynomial",
+    "constant",
+    "constant_with_warmup",
+    "inverse_sqrt",
+    "warmup_stable_decay",
+)
+_SEED_KEYS = ("use_tiled_mlp", "tiled_mlp", "tiled_mlp_num_shards")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainOptions:
+    """A training run (see `tiledmlp train --help` for each field).
+
+    learning_rate None: the documented default for the model (train/presets.py).
+    resume_from_checkpoint: a checkpoint directory, or "latest" (the newest checkpoint-N in
+    output_dir).
+    """
+
+    model: str = "tiny"
+    data: Path | None = None
+    seq_len: int = 2048
+    per_device_train_batch_size: int = 1
+    max_steps: int = 12
+    learning_rate: float | None = None
+    lr_scheduler_type: str = "linear"
+    warmup_steps: int = 0
+    weight_decay: float = 0.0
+    gradient_accumulation_steps: int = 1
+    max_grad_norm: float = 1.0
+    logging_steps: int = 1
+    report_to: str = "none"
+    eval_steps: int | None = None
+    eval_sequences: int = 4
+    save_steps: int | None = None
+    save_total_limit: int | None = None
+    output_dir: Path | None = None
+    resume_from_checkpoint: str | None = None
+    use_tiled_mlp: bool = True
+    num_tiles: int | str = "auto"
+    tiled_loss: bool = True
+    gradient_checkpointing: bool = False
+    activation_offloading: bool = False
+    tiled_norms: bool = False
+    dtype: str = "float32"
+    engine: str = "auto"
+    deepspeed: Path | None = None
+    fsdp: str | None = None
+    seed: int = 0
+    max_data_bytes: int = 4_000_000
+
+    def __post_init__(self) -> None:
+        for name in ("seq_len", "per_device_train_batch_size", "max_steps", "logging_steps"):
+            _check_positive(name, getattr(self, name))
+        for name in ("gradient_accumulation_steps", "eval_sequences", "max_data_bytes"):
+            _check_positive(name, getattr(self, name))
+        for name in ("eval_steps", "save_steps", "save_total_limit"):
+            if getattr(self, name) is not None:
+                _check_positive(name, getattr(self, name))
+        if self.warmup_steps < 0:
+            raise ValueError(f"--warmup-steps must be >= 0, got {self.warmup_steps}")
+        if self.learning_rate is not None and not self.learning_rate > 0:
+            raise ValueError(f"--learning-rate must be positive, got {self.learning_rate}")
+        if not self.max_grad_norm >= 0:
+            raise ValueError(
+                f"--max-grad-norm must be >= 0 (0: no clipping), got {self.max_grad_norm}"
+            )
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.engine not in ENGINES:
+            raise ValueError(f"--engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
+        if self.lr_scheduler_type not in SCHEDULES:
+            raise ValueError(
+                f"--lr-scheduler-type must be one of {', '.join(SCHEDULES)}, got "
+                f"{self.lr_scheduler_type!r}"
+            )
+        if self.activation_offloading and not self.gradient_checkpointing:
+            raise ValueError(
+                "--activation-offloading moves the inputs of checkpointed layers: add "
+                "--gradient-checkpointing"
+            )
+        if self.tiled_norms and not self.use_tiled_mlp:
+            raise ValueError(
+                "--tiled-norms tiles on top of the tiled MLPs: drop --use-tiled-mlp false"
+            )
+        if self.engine == "deepspeed" and self.deepspeed is None:
+            raise ValueError("--engine deepspeed needs --deepspeed CONFIG (a DeepSpeed JSON file)")
+        if self.deepspeed is not None and not Path(self.deepspeed).is_file():
+            raise ValueError(
+                f"--deepspeed: {self.deepspeed} is not a file (a DeepSpeed JSON config)"
+            )
+        if self.deepspeed is not None and self.engine not in ("auto", "deepspeed"):
+            raise ValueError(f"--deepspeed runs the DeepSpeed engine; drop --engine {self.engine}")
+        if self.fsdp is not None and self.engine not in ("auto", "fsdp2"):
+            raise ValueError(f"--fsdp runs FSDP2; drop --engine {self.engine}")
+        if self.fsdp is not None and self.deepspeed is not None:
+            raise ValueError("give --fsdp or --deepspeed, not both")
+        if self.save_steps is not None and self.output_dir is None:
+            raise ValueError("--save-steps writes OUTPUT_DIR/checkpoint-N: add --output-dir")
+        if (
+            self.resume_from_checkpoint is not None
+            and self.resume_from_checkpoint != "latest"
+            and not Path(self.resume_from_checkpoint).is_dir()
+        ):
+            raise ValueError(
+                f"--resume-from-checkpoint: {self.resume_from_checkpoint} is not a directory; give "
+                "OUTPUT_DIR/checkpoint-N or 'latest'"
+            )
+        if self.resume_from_checkpoint == "latest" and self.output_dir is None:
+            raise ValueError("--resume-from-checkpoint latest looks in --output-dir: add it")
+        if self.model not in PRESETS and not Path(self.model).is_dir():
+            raise ValueError(
+                f"--model {self.model!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor a "
+                "model directory (save_pretrained output, e.g. a previous --output-dir)"
+            )
+
+    def resolved_engine(self, world_size: int) -> str:
+        """single, ddp, fsdp2 or deepspeed, from --engine, --deepspeed, --fsdp and the world."""
+        if self.engine != "auto":
+            return self.engine
+        if self.deepspeed is not None:
+            return "deepspeed"
+        if self.fsdp is not None:
+            return "fsdp2"
+        return "ddp" if world_size > 1 else "single"
+
+
+def _check_positive(name: str, value: int) -> None:
+    if value < 1:
+        raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+
+
+def read_config_file(path: Path) -> dict[str, Any]:
+    """The keys of a YAML (.yaml/.yml) or JSON config file, as a dict.
+
+    Raises:
+        ValueError: missing file, bad syntax, or not a mapping at the top level.
+    """
+    if not path.is_file():
+        raise ValueError(f"--config: {path} is not a file; expected a .yaml, .yml or .json file")
+    text = path.read_text(encoding="utf-8")
+    try:
+        if path.suffix.lower() in (".yaml", ".yml"):
+            import yaml
+
+            values = yaml.safe_load(text)
+        else:
+            values = json.loads(text)
+    except Exception as e:  # yaml.YAMLError, json.JSONDecodeError
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(f"--config: {path} could not be parsed ({first})") from None
+    if values is None:
+        return {}
+    if not isinstance(values, dict):
+        raise ValueError(
+            f"--config: {path} must hold a mapping of option names to values, got "
+            f"{type(values).__name__}"
+        )
+    return values
+
+
+def known_keys() -> set[str]:
+    """Every canonical option name, and the seeds' tiling keys."""
+    return {f.name for f in dataclasses.fields(TrainOptions)} | set(_SEED_KEYS)
+
+
+def canonical_key(raw: str) -> str:
+    """An option's canonical name from any spelling (dashes, leading --, aliases); the seeds'
+    tiling keys are kept as they are."""
+    key = str(raw).strip().lstrip("-").replace("-", "_")
+    return ALIASES.get(key, key)
+
+
+def options_from(values: Mapping[str, Any], source: str = "option") -> TrainOptions:
+    """TrainOptions from keys of any spelling (see the module docstring).
+
+    Args:
+        values: option -> value; values may be text (as on a command line) or typed.
+        source: what to call the keys in errors ("option", "--config FILE: key").
+
+    Raises:
+        ValueError: an unknown key (with the known ones listed), a bad value, or two spellings
+            of one option with different values.
+    """
+    fields = {f.name: f for f in dataclasses.fields(TrainOptions)}
+    canonical: dict[str, Any] = {}
+    seeds: dict[str, Any] = {}
+    for raw, value in values.items():
+        key = canonical_key(raw)
+        if key in _SEED_KEYS:
+            seeds[key] = value
+            continue
+        if key not in fields:
+            known = sorted({*fields, *ALIASES, *_SEED_KEYS})
+            raise ValueError(f"unknown {source} {raw!r}; known: {', '.join(known)}")
+        converted = _convert(key, value, fields[key].type)
+        if key in canonical and canonical[key] != converted:
+            raise ValueError(f"{source} {key} given twice with different values")
+        canonical[key] = converted
+    if seeds:
+        enabled, policy = tiling_from_args(seeds)
+        if "use_tiled_mlp" in seeds or "tiled_mlp" in seeds:
+            canonical["use_tiled_mlp"] = enabled
+        if policy != "auto":
+            if canonical.get("num_tiles", policy) != policy:
+                raise ValueError(
+                    f"give the tile policy once: num_tiles {canonical['num_tiles']!r} and the "
+                    f"seeds' tiled_mlp / tiled_mlp_num_shards {policy!r} disagree"
+                )
+            canonical["num_tiles"] = policy
+    return TrainOptions(**canonical)
+
+
+def _convert(key: str, value: Any, kind: Any) -> Any:
+    name = f"--{key.replace('_', '-')}"
+    text = str(kind)
+    if value is None:
+        if "None" in text:
+            return None
+        raise ValueError(f"{name} needs a value")
+    if key == "num_tiles":
+        return parse_tiles(value, name)
+    if key == "dtype":
+        spelled = str(value).strip().lower().removeprefix("torch.")
+        if spelled not in DTYPES:
+            raise ValueError(f"{name} must be one of {', '.join(DTYPES)}, got {value!r}")
+        return DTYPES[spelled]
+    if key == "report_to" and isinstance(value, list | tuple):
+        return ",".join(map(str, value)) or "none"
+    base = text.replace(" | None", "")
+    try:
+        if base == "bool":
+            return parse_bool(value, name)
+        if base == "int":
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                raise ValueError
+            return int(str(value).strip()) if not isinstance(value, int) else value
+        if base == "float":
+            number = float(value)
+            if not math.isfinite(number):
+                raise ValueError
+            return number
+    except (TypeError, ValueError):
+        expected = {"bool": "true or false", "int": "an integer", "float": "a number"}[base]
+        raise ValueError(f"{name} expected {expected}, got {value!r}") from None
+    if base == "Path":
+        return Path(str(value))
+    return str(value)

@@ -1,0 +1,400 @@
+"""`tiledmlp train` on the Hugging Face Trainer: our patching applied before the Trainer wraps
+the model, everything else (optimizer, schedule, accumulation, clipping, evaluation, logging,
+checkpoints, resume, DDP and DeepSpeed) done the Trainer's way.
+
+Engines: one process; DDP under torchrun (the Trainer's own); DeepSpeed with --deepspeed CONFIG
+(the Trainer's own, on the CPU too); FSDP2 with --fsdp: the Trainer's own on GPUs. The Trainer
+(accelerate) does not run FSDP on CPU-only machines ("Using fsdp only works in distributed
+training": its CPU process groups are MULTI_CPU, which it wraps in DDP), so there we shard each
+decoder layer and the root with `fully_shard` ourselves and hand the Trainer a model it must not
+wrap (the state it keeps for models sharded at load time); its checkpoints then hold the model
+only (the Trainer cannot save their optimizer state), so resuming is refused on that path.
+
+Invariant: with the same options and seed, a run sees the same batches in the same order; a run
+resumed from checkpoint-N produces the same losses after step N as the uninterrupted run (the
+Trainer restores weights, optimizer, schedule, RNG states and the data position), and in fp32
+tiling changes memory, not losses.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import resource
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tiledmlp.bench.memory import proc_status_bytes
+from tiledmlp.patching import patch_model, tile_counts
+from tiledmlp.patching.offloading import enable_checkpointing, install_offloading, offloader_of
+from tiledmlp.train.callbacks import InterruptToSave, MetricsFile, Progress, StepLosses
+from tiledmlp.train.data import PackedDataset, default_corpus, pack, read_corpus
+from tiledmlp.train.options import TrainOptions
+from tiledmlp.train.presets import PRESETS, build_preset, default_learning_rate
+from tiledmlp.train.tokenizer import VOCAB_SIZE, byte_tokenizer
+
+__all__ = ["METRICS_FILE", "run"]
+
+logger = logging.getLogger(__name__)
+MiB = 2**20
+METRICS_FILE = "metrics.jsonl"
+
+
+def _say(text: str) -> None:
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"tiledmlp train: {text}", file=sys.stderr, flush=True)
+
+
+def _peak_mib(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / MiB
+    # This process's high-water mark. VmHWM starts afresh at exec; ru_maxrss does not (a child
+    # of a big process reports its parent's peak), so it is only the fallback off Linux.
+    hwm = proc_status_bytes("VmHWM")
+    if hwm is not None:
+        return hwm / MiB
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _load(opts: TrainOptions) -> tuple[Any, Any]:
+    """(model, tokenizer): a preset (random init, byte tokenizer) or a model directory."""
+    if opts.model in PRESETS:
+        tokenizer = byte_tokenizer()
+        model = build_preset(opts.model, VOCAB_SIZE, opts.seq_len, opts.seed)
+    else:
+        import transformers
+
+        try:
+            tokenizer = transformers.AutoTokenizer.from_pretrained(opts.model)
+        except Exception as e:  # missing files, missing optional packages: one line
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ValueError(
+                f"--model {opts.model}: its tokenizer could not be loaded ({first}); a model "
+                "directory needs tokenizer files next to config.json (tiledmlp train's "
+                "--output-dir has them)"
+            ) from None
+        model = transformers.AutoModelForCausalLM.from_pretrained(opts.model)
+    model.config.use_cache = False
+    if opts.dtype == "bfloat16":
+        model = model.to(torch.bfloat16)  # pure bf16 weights, as today; fp16 runs AMP instead
+    return model.train(), tokenizer
+
+
+def _sequences(opts: TrainOptions, tokenizer: Any, world: int) -> tuple[Any, Any]:
+    """(train dataset, eval dataset or None) of packed sequences."""
+    texts = (
+        read_corpus(opts.data, opts.max_data_bytes)
+        if opts.data
+        else default_corpus(opts.max_data_bytes)
+    )
+    needed = (
+        opts.max_steps * opts.per_device_train_batch_size * opts.gradient_accumulation_steps * world
+    )
+    held_out = opts.eval_sequences if opts.eval_steps is not None else 0
+
+    def encode(text: str) -> list[int]:
+        return list(tokenizer(text)["input_ids"])
+
+    seqs = pack(texts, encode, opts.seq_len, needed + held_out)
+    if held_out and len(seqs) <= held_out:
+        raise ValueError(
+            f"the corpus gives {len(seqs)} sequences of {opts.seq_len} tokens, not enough for "
+            f"{held_out} evaluation sequences and training; lower --eval-sequences or --seq-len"
+        )
+    train = seqs[: len(seqs) - held_out]
+    evals = seqs[len(seqs) - held_out :] if held_out else None
+    return PackedDataset(train), (PackedDataset(evals) if evals is not None else None)
+
+
+def _deepspeed_config(opts: TrainOptions) -> dict[str, Any]:
+    """The user's DeepSpeed JSON with the Trainer's "auto" placeholders where it is silent."""
+    assert opts.deepspeed is not None
+    try:
+        config = json.loads(Path(opts.deepspeed).read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--deepspeed: {opts.deepspeed} is not valid JSON ({e.msg})") from None
+    for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
+        config.setdefault(key, "auto")
+    config.setdefault("gradient_clipping", "auto")
+    config.setdefault("zero_allow_untested_optimizer", True)
+    zero = config.get("zero_optimization", {})
+    if zero.get("stage") == 3:
+        # full weights in OUTPUT_DIR, so that it works as --model again
+        zero.setdefault("stage3_gather_16bit_weights_on_model_save", True)
+    return config
+
+
+def _decoder_layer_class(model: Any) -> str:
+    layers = model.model.layers
+    return type(layers[0]).__name__
+
+
+def _shard_fsdp2(model: Any, device: torch.device) -> None:
+    """FSDP2 the way the Trainer cannot on CPU: one unit per decoder layer (MLP inside), then the
+    root; marked as sharded at load so the Trainer neither wraps nor re-shards it."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    model._is_distributed_loading_by_transformers = True
+
+
+def _training_arguments(
+    opts: TrainOptions, engine: str, output_dir: Path, own_fsdp: bool, model: Any, cuda: bool
+) -> Any:
+    from transformers import TrainingArguments
+
+    lr = opts.learning_rate or default_learning_rate(opts.model, model.config.hidden_size)
+    kwargs: dict[str, Any] = {
+        "output_dir": str(output_dir),
+        "max_steps": opts.max_steps,
+        "per_device_train_batch_size": opts.per_device_train_batch_size,
+        "per_device_eval_batch_size": opts.per_device_train_batch_size,
+        "gradient_accumulation_steps": opts.gradient_accumulation_steps,
+        "learning_rate": lr,
+        "lr_scheduler_type": opts.lr_scheduler_type,
+        "warmup_steps": opts.warmup_steps,
+        "weight_decay": opts.weight_decay,
+        "max_grad_norm": opts.max_grad_norm,
+        "logging_strategy": "steps",
+        "logging_steps": opts.logging_steps,
+        "report_to": [] if opts.report_to == "none" else opts.report_to.split(","),
+        "eval_strategy": "steps" if opts.eval_steps is not None else "no",
+        "eval_steps": opts.eval_steps,
+        "save_strategy": "steps" if opts.save_steps is not None else "no",
+        "save_steps": opts.save_steps if opts.save_steps is not None else 500,
+        "save_total_limit": opts.save_total_limit,
+        "save_only_model": own_fsdp,
+        "seed": opts.seed,
+        "data_seed": opts.seed,
+        "use_cpu": not cuda,
+        "fp16": opts.dtype == "float16",
+        "bf16": engine == "deepspeed" and opts.dtype == "bfloat16",
+        "disable_tqdm": True,  # our Progress callback draws the bar (on stderr)
+        "remove_unused_columns": False,
+        "dataloader_num_workers": 0,
+        "ddp_find_unused_parameters": False,
+    }
+    if engine == "deepspeed":
+        kwargs["deepspeed"] = _deepspeed_config(opts)
+    if engine == "fsdp2" and not own_fsdp:
+        kwargs["fsdp"] = opts.fsdp or "full_shard"
+        kwargs["fsdp_config"] = {
+            "fsdp_version": 2,
+            "transformer_layer_cls_to_wrap": [_decoder_layer_class(model)],
+        }
+    return TrainingArguments(**kwargs)
+
+
+def _trainer_class() -> Any:
+    from transformers import Trainer
+
+    class TiledTrainer(Trainer):  # type: ignore[misc]
+        """The Trainer, recording each micro-batch loss, and saving a self-sharded FSDP2 model
+        with a gathered full state dict."""
+
+        step_losses: StepLosses
+        own_fsdp: bool = False
+
+        def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> Any:
+            loss = super().training_step(model, inputs, num_items_in_batch)
+            self.step_losses.add(loss)
+            return loss
+
+        def _save(self, output_dir: str | None = None, state_dict: Any = None) -> None:
+            if not self.own_fsdp:
+                super()._save(output_dir, state_dict)
+                return
+            from torch.distributed.checkpoint.state_dict import (
+                StateDictOptions,
+                get_model_state_dict,
+            )
+
+            full = get_model_state_dict(
+                self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+            )
+            if self.args.should_save:
+                out = output_dir or self.args.output_dir
+                os.makedirs(out, exist_ok=True)
+                self.model.save_pretrained(out, state_dict=full)
+                if self.processing_class is not None:
+                    self.processing_class.save_pretrained(out)
+                torch.save(self.args, os.path.join(out, "training_args.bin"))
+
+    return TiledTrainer
+
+
+def run(opts: TrainOptions) -> dict[str, Any]:
+    """Trains and returns the summary (also written to OUTPUT_DIR/summary.json)."""
+    launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    world = int(os.environ.get("WORLD_SIZE", "1")) if launched else 1
+    engine = opts.resolved_engine(world)
+    if engine != "single" and not launched:
+        raise ValueError(
+            f"--engine {engine} needs a launcher: torchrun --nproc_per_node N -m tiledmlp train ..."
+        )
+    if engine == "single" and world > 1:
+        raise ValueError(f"--engine single runs one process, but WORLD_SIZE is {world}")
+    cuda = torch.cuda.is_available()
+    if opts.dtype == "float16" and not cuda:
+        raise ValueError(
+            "--dtype float16 trains with loss scaling on a CUDA GPU; on the CPU use --dtype bf16 "
+            "or fp32"
+        )
+    own_fsdp = engine == "fsdp2" and not cuda
+    if own_fsdp and opts.resume_from_checkpoint is not None:
+        raise ValueError(
+            "--resume-from-checkpoint with FSDP2 on a CPU-only machine: the Trainer cannot run "
+            "FSDP there, so tiledmlp shards the model itself and its checkpoints hold the model "
+            "only (no optimizer state); resume on GPUs or with DDP/DeepSpeed"
+        )
+    device = (
+        torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        if cuda
+        else torch.device("cpu")
+    )
+    if cuda:
+        torch.cuda.set_device(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    _say(f"loading {opts.model} and packing {opts.seq_len}-token sequences ...")
+    model, tokenizer = _load(opts)
+    train_set, eval_set = _sequences(opts, tokenizer, world)
+    if opts.gradient_checkpointing:
+        enable_checkpointing(model)
+    report = None
+    if opts.use_tiled_mlp:
+        report = patch_model(
+            model,
+            num_tiles=opts.num_tiles,
+            tiled_loss=opts.tiled_loss,
+            activation_offloading=opts.activation_offloading,
+            tiled_norms=opts.tiled_norms,
+        )
+    elif opts.activation_offloading:
+        install_offloading(model)
+
+    scratch = None
+    if opts.output_dir is None:
+        scratch = tempfile.TemporaryDirectory(prefix="tiledmlp-train-")
+    output_dir = Path(opts.output_dir) if opts.output_dir is not None else Path(scratch.name)  # type: ignore[union-attr]
+    args = _training_arguments(opts, engine, output_dir, own_fsdp, model, cuda)
+    if own_fsdp:
+        if not dist.is_initialized():
+            dist.init_process_group("gloo")
+        _shard_fsdp2(model, device)
+    elif not cuda and engine != "deepspeed":
+        model = model.to(device)
+    losses = StepLosses()
+    interrupt = InterruptToSave(can_save=opts.output_dir is not None)
+    callbacks: list[Any] = [losses, Progress(), interrupt]
+    if opts.output_dir is not None:
+        callbacks.append(MetricsFile(Path(opts.output_dir) / METRICS_FILE))
+    trainer = _trainer_class()(
+        model=model,
+        args=args,
+        train_dataset=train_set,
+        eval_dataset=eval_set,
+        processing_class=tokenizer,
+        callbacks=callbacks,
+    )
+    from transformers.trainer_callback import PrinterCallback, ProgressCallback
+
+    trainer.remove_callback(PrinterCallback)
+    trainer.remove_callback(ProgressCallback)
+    trainer.step_losses = losses
+    trainer.own_fsdp = own_fsdp
+    resume: str | bool | None = opts.resume_from_checkpoint
+    if resume == "latest":
+        resume = True
+    rank = args.process_index
+    start_step = 0
+    start = time.perf_counter()
+    try:
+        trainer.train(resume_from_checkpoint=resume)
+    except ValueError as e:
+        if "No valid checkpoint" in str(e):
+            raise ValueError(
+                f"--resume-from-checkpoint latest: no checkpoint-N in {output_dir}"
+            ) from None
+        raise
+    elapsed = time.perf_counter() - start
+    start_step = trainer.state.global_step - len(losses.losses)
+    ran = len(losses.losses)
+    tokens = (
+        ran
+        * opts.per_device_train_batch_size
+        * opts.gradient_accumulation_steps
+        * world
+        * opts.seq_len
+    )
+    evals = [h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h]
+    counts = tile_counts(model)
+    summary: dict[str, Any] = {
+        "model": opts.model,
+        "engine": engine,
+        "world_size": world,
+        "seq_len": opts.seq_len,
+        "batch_size": opts.per_device_train_batch_size,
+        "steps": ran,
+        "global_step": trainer.state.global_step,
+        "max_steps": opts.max_steps,
+        "resumed_from_step": start_step if resume else None,
+        "dtype": opts.dtype,
+        "learning_rate": args.learning_rate,
+        "lr_scheduler_type": opts.lr_scheduler_type,
+        "warmup_steps": opts.warmup_steps,
+        "gradient_accumulation_steps": opts.gradient_accumulation_steps,
+        "max_grad_norm": opts.max_grad_norm,
+        "use_tiled_mlp": opts.use_tiled_mlp,
+        "tiled_loss": opts.use_tiled_mlp and opts.tiled_loss,
+        "num_tiles": opts.num_tiles if opts.use_tiled_mlp else None,
+        "tiles_per_mlp": {name: c.last for name, c in counts.items()},
+        "gradient_checkpointing": opts.gradient_checkpointing,
+        "activation_offloading": opts.activation_offloading,
+        "tiled_norms": opts.tiled_norms,
+        "offloaded_mib": _offloaded_mib(model),
+        "tiled_modules": report.patched if report else [],
+        "losses": losses.losses,
+        "first_loss": losses.losses[0] if losses.losses else None,
+        "last_loss": losses.losses[-1] if losses.losses else None,
+        "eval_loss": evals[-1] if evals else None,
+        "tokens_per_s": round(tokens / elapsed, 1) if elapsed > 0 else None,
+        "seconds": round(elapsed, 2),
+        "peak_mib": round(_peak_mib(device), 1),
+        "peak_kind": "max_memory_allocated" if device.type == "cuda" else "process max RSS",
+        "device": device.type,
+        "torch": torch.__version__,
+        "interrupted": interrupt.stopped_at is not None,
+        "checkpoint": None,
+        "output_dir": str(opts.output_dir) if opts.output_dir is not None else None,
+    }
+    if interrupt.stopped_at is not None and opts.output_dir is not None:
+        summary["checkpoint"] = str(Path(opts.output_dir) / f"checkpoint-{interrupt.stopped_at}")
+    elif opts.output_dir is not None:
+        trainer.save_model(str(opts.output_dir))
+    if opts.output_dir is not None and rank == 0:
+        Path(opts.output_dir).mkdir(parents=True, exist_ok=True)
+        (Path(opts.output_dir) / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    if dist.is_initialized():
+        dist.barrier()
+        # Without this, gloo's threads are torn down at interpreter exit and the process aborts.
+        dist.destroy_process_group()
+    if scratch is not None:
+        scratch.cleanup()
+    return summary
+
+
+def _offloaded_mib(model: Any) -> float | None:
+    """MiB of layer inputs moved to the host over the run, or None when offloading is off."""
+    offloader = offloader_of(model)
+    return None if offloader is None else round(offloader.stats.offloaded_bytes / MiB, 1)
