@@ -78,7 +78,9 @@ def _ds_config(stage: int) -> dict[str, Any]:
     return {
         "train_micro_batch_size_per_gpu": PER_RANK,
         "gradient_accumulation_steps": 1,
-        "zero_optimization": {"stage": stage},
+        # persistence 0: every ZeRO-3 parameter is partitioned, however small (the default keeps
+        # those under 1e5 elements whole, i.e. all of the test models' MLP weights)
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
         "steps_per_print": 1_000_000,
         "wall_clock_breakdown": False,
         "zero_allow_untested_optimizer": True,

@@ -47,6 +47,15 @@ def _ours_to_gather(params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     here would leave their holder with an empty parameter."""
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
+    inflight = [p for p in params if getattr(p, "ds_status", None) is ZeroParamStatus.INFLIGHT]
+    if inflight and not all(getattr(p, "ds_active_sub_modules", ()) for p in inflight):
+        raise RuntimeError(
+            "tiled_mlp under DeepSpeed ZeRO-3: a parameter of a tiled MLP is being prefetched by "
+            "DeepSpeed (status INFLIGHT), so it cannot be gathered whole; this happens when the "
+            "MLP's children were called outside the tiled op (their hooks taught DeepSpeed to "
+            "prefetch them). Call the MLP only through its patched forward, or set "
+            "zero_optimization.stage3_prefetch_bucket_size to 0."
+        )
     return [
         p
         for p in params

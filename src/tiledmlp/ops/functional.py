@@ -115,6 +115,11 @@ def _run(
 ) -> tuple[Any, TilePlan | None]:
     """The module's result and the plan that ran (None: untiled)."""
     engine, plan = _prepare(mlp, x, num_tiles, tile_tokens, call, structure, backend, plan_tokens)
+    if (plan is None or plan.num_tiles == 0) and backend.engine_hooks and x.numel():
+        # An engine that fetches parameters in the children's hooks (ZeRO-3) would record
+        # those fetches and prefetch them in later steps, where the tiled op gathers them
+        # itself: run "untiled" as one tile, so that the children's hooks never fire.
+        plan = split_even(x.numel() // x.shape[-1], 1)
     if plan is None or plan.num_tiles == 0:
         logger.debug("tiled_mlp: running %s untiled", type(mlp).__name__)
         return call(x, *args), None
