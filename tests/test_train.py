@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -34,16 +36,95 @@ def summary(*args: str, env: dict[str, str] | None = None) -> dict:
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
-def test_default_run_learns_and_saves(tmp_path: Path) -> None:
+def test_default_run_learns_saves_and_the_output_dir_is_a_model(tmp_path: Path) -> None:
     out = tmp_path / "model"
-    s = summary("--seq-len", "512", "--steps", "8", "--output-dir", str(out))
+    s = summary("--seq-len", "512", "--max-steps", "8", "--output-dir", str(out))
     assert s["use_tiled_mlp"] and s["tiled_loss"] and len(s["tiled_modules"]) == 4
     assert s["last_loss"] < s["first_loss"] - 1.0
+    # auto policy, tiny preset (hidden 256, intermediate 1024, fp32): tiles of
+    # 3 x 256 x 1024 x 4 B / (5 x 1024 x 4 B) = 153 tokens -> ceil(512 / 153) = 4 tiles
+    assert set(s["tiles_per_mlp"].values()) == {4}
     import transformers
 
     loaded = transformers.AutoModelForCausalLM.from_pretrained(out)
     assert not any("_tiledmlp" in k or k.startswith("mlp.") for k in loaded.state_dict())
     assert json.loads((out / "summary.json").read_text())["losses"] == s["losses"]
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["loss"] for m in metrics if "loss" in m] == pytest.approx(s["losses"], rel=1e-3)
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    assert tok("hé")["input_ids"] == [256, 104, 195, 169, 257]
+    # the output directory trains again as --model (its own tokenizer, fine-tuning lr 2e-5)
+    again = summary("--model", str(out), "--seq-len", "512", "--max-steps", "1")
+    assert again["learning_rate"] == 2e-5
+    assert again["first_loss"] < s["first_loss"] - 1.0  # it starts from the trained weights
+
+
+def test_resume_equals_uninterrupted(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    args = ("--seq-len", "128", "--max-steps", "4", "--output-dir", str(out))
+    full = summary(*args, "--save-steps", "2")
+    assert (out / "checkpoint-2" / "optimizer.pt").is_file()
+    resumed = summary(*args, "--resume-from-checkpoint", str(out / "checkpoint-2"))
+    assert resumed["resumed_from_step"] == 2 and resumed["global_step"] == 4
+    assert resumed["losses"] == pytest.approx(full["losses"][2:], rel=0, abs=1e-6)
+
+
+def test_gradient_accumulation_equals_the_bigger_batch() -> None:
+    args = ("--seq-len", "128", "--max-steps", "3")
+    big = summary(*args, "--batch-size", "2")
+    accumulated = summary(*args, "--batch-size", "1", "--gradient-accumulation-steps", "2")
+    assert accumulated["losses"] == pytest.approx(big["losses"], rel=1e-5)
+
+
+def test_config_file_with_the_seeds_keys_and_flags_overriding_it(tmp_path: Path) -> None:
+    config = tmp_path / "axolotl-style.yaml"
+    config.write_text(
+        "seq_len: 128\nmax_steps: 5\ntiled_mlp: true\ntiled_mlp_num_shards: 3\n"
+        "learning_rate: 0.001\nlr_scheduler_type: cosine\nwarmup_steps: 1\neval_steps: 2\n"
+    )
+    s = summary("--config", str(config), "--max_steps", "2", "--dtype", "bf16", "-v")
+    assert s["steps"] == 2 and s["num_tiles"] == 3 and set(s["tiles_per_mlp"].values()) == {3}
+    assert s["learning_rate"] == 0.001 and s["lr_scheduler_type"] == "cosine"
+    assert s["dtype"] == "bfloat16" and s["eval_loss"] is not None
+    swift = tmp_path / "swift.json"
+    swift.write_text(json.dumps({"use_tiled_mlp": False, "seq_len": 64, "steps": 1}))
+    off = summary("--config", str(swift))
+    assert not off["use_tiled_mlp"] and off["tiled_modules"] == []
+
+
+def test_seed_flags_and_local_jsonl(tmp_path: Path) -> None:
+    data = tmp_path / "d.jsonl"
+    data.write_text("\n".join(json.dumps({"text": "hello tiled world " * 40}) for _ in range(20)))
+    s = summary(
+        "--data", str(data), "--seq-len", "128", "--steps", "2", "--use_tiled_mlp", "true",
+        "--tiled_mlp_num_shards", "3",
+    )  # fmt: skip
+    assert s["num_tiles"] == 3 and set(s["tiles_per_mlp"].values()) == {3}
+    arctic = summary("--seq-len", "1024", "--steps", "1", "--tiled_mlp", "arctic")
+    assert set(arctic["tiles_per_mlp"].values()) == {4}  # ceil(1024 / hidden 256)
+
+
+def test_ctrl_c_saves_a_checkpoint_and_exits_cleanly(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "tiledmlp", "train", "--seq-len", "64", "--max-steps", "100000",
+           "--output-dir", str(out)]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    metrics = out / "metrics.jsonl"
+    while not (metrics.is_file() and metrics.read_text().count("\n") >= 2):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 130, stderr[-3000:]
+    assert "Traceback" not in stderr, stderr[-3000:]
+    saved = sorted(out.glob("checkpoint-*"))
+    assert len(saved) == 1 and (saved[0] / "trainer_state.json").is_file()
+    assert f"--resume-from-checkpoint {saved[0]}" in stdout
+    step = int(saved[0].name.split("-")[1])
+    more = summary("--seq-len", "64", "--max-steps", str(step + 1), "--output-dir", str(out),
+                   "--resume-from-checkpoint", "latest")  # fmt: skip
+    assert more["resumed_from_step"] == step and more["steps"] == 1
 
 
 @pytest.mark.slow
@@ -58,15 +139,6 @@ def test_tiling_keeps_the_losses_and_lowers_peak_memory() -> None:
     assert untiled["peak_mib"] > tiled["peak_mib"] + 250
 
 
-def test_seed_flags_and_local_jsonl(tmp_path: Path) -> None:
-    data = tmp_path / "d.jsonl"
-    data.write_text("\n".join(json.dumps({"text": "hello tiled world " * 40}) for _ in range(20)))
-    s = summary(
-        "--data", str(data), "--seq-len", "128", "--steps", "2", "--tiled_mlp_num_shards", "3"
-    )
-    assert s["num_tiles"] == 3
-
-
 def test_activation_offloading_keeps_the_losses_exactly() -> None:
     args = ("--seq-len", "256", "--steps", "3", "--gradient-checkpointing")
     plain = summary(*args)
@@ -77,35 +149,85 @@ def test_activation_offloading_keeps_the_losses_exactly() -> None:
     assert offloaded["offloaded_mib"] == pytest.approx(3 * 3 * 256 * 256 * 4 / 2**20, abs=0.05)
 
 
+def _bad_files(tmp: Path) -> dict[str, str]:
+    (tmp / "bin.txt").write_bytes(bytes(range(128, 256)) * 4)
+    (tmp / "no-text.csv").write_text("body,id\nhello,1\n")
+    (tmp / "bad.yaml").write_text("seq_len: 64\nmax_step: 3\n")
+    (tmp / "list.yaml").write_text("- 1\n")
+    (tmp / "no-tokenizer").mkdir()
+    (tmp / "no-tokenizer" / "config.json").write_text('{"model_type": "llama"}')
+    return {"TMP": str(tmp)}
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
         (["--activation-offloading"], "add --gradient-checkpointing"),
         (["--data", "/nonexistent.txt"], "is not a file"),
+        (["--data", "TMP/bin.txt"], "bin.txt is not UTF-8 text"),
+        (["--data", "TMP/no-text.csv"], 'no-text.csv has no "text" column'),
         (["--model", "no-such-model"], "neither a preset"),
-        (["--engine", "deepspeed"], "needs --deepspeed-config"),
-        (["--use_tiled_mlp", "maybe"], "expected true or false"),
-        (["--steps", "0"], "positive integer"),
+        (["--model", "TMP/no-tokenizer"], "its tokenizer could not be loaded"),
+        (["--config", "TMP/bad.yaml"], "unknown key 'max_step'"),
+        (["--config", "TMP/list.yaml"], "must hold a mapping"),
+        (["--config", "TMP/none.yaml"], "is not a file"),
+        (["--engine", "deepspeed"], "needs --deepspeed CONFIG"),
+        (["--use_tiled_mlp", "maybe"], "must be true or false"),
+        (["--tiled_mlp", "target:lots"], "expected 'target:<GB>'"),
+        (["--dtype", "fp8"], "--dtype must be one of"),
+        (["--max-steps", "0"], "--max-steps must be >= 1, got 0"),
+        (["--learning-rate", "fast"], "--learning-rate expected a number"),
+        (["--save-steps", "2"], "add --output-dir"),
+        (["--resume-from-checkpoint", "TMP/none"], "is not a directory"),
         (["--engine", "ddp"], "needs a launcher"),
     ],
 )
-def test_bad_input_is_one_line(args: list[str], message: str) -> None:
-    res = train(*args, "--seq-len", "64", "--steps", "1") if "--steps" not in args else train(*args)
+def test_bad_input_is_one_line(args: list[str], message: str, tmp_path: Path) -> None:
+    subst = _bad_files(tmp_path)
+    args = [a.replace("TMP", subst["TMP"]) for a in args]
+    res = (
+        train(*args, "--seq-len", "64")
+        if "--max-steps" in args
+        else train(*args, "--seq-len", "64", "--max-steps", "1")
+    )
     assert res.returncode == 2, res.stderr
     assert "Traceback" not in res.stderr and message in res.stderr, res.stderr
+    assert [line for line in res.stderr.splitlines() if "error" in line.lower()] == [
+        res.stderr.strip().splitlines()[-1]
+    ], res.stderr
+
+
+@pytest.fixture(scope="module")
+def single_process_batch_2() -> dict:
+    return summary("--seq-len", "128", "--max-steps", "3", "--batch-size", "2")
 
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("engine", ["ddp", "fsdp2", "deepspeed"])
-def test_under_torchrun(engine: str) -> None:
+def test_under_torchrun_every_engine_matches_one_process(
+    engine: str, single_process_batch_2: dict, tmp_path: Path
+) -> None:
+    # 2 processes x batch 1 see the single process's batch of 2 (the Trainer's sampler hands
+    # consecutive batches to the ranks); fp32 losses agree to rounding.
     if engine == "deepspeed":
         pytest.importorskip("deepspeed")
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m"]
-    extra = ["--deepspeed-config", str(Path(__file__).parents[1] / "examples" / "ds_zero3.json")]
+    extra = {
+        "ddp": [],
+        "fsdp2": ["--fsdp", "full_shard"],
+        "deepspeed": ["--deepspeed", str(Path(__file__).parents[1] / "examples" / "ds_zero3.json")],
+    }[engine]
+    out = tmp_path / "out"
     res = train(
-        "--engine", engine, "--seq-len", "256", "--steps", "2", "--json",
-        *(extra if engine == "deepspeed" else []), launcher=launcher,
+        "--seq-len", "128", "--max-steps", "3", "--json", "--output-dir", str(out), *extra,
+        launcher=launcher,
     )  # fmt: skip
     assert res.returncode == 0, res.stderr[-3000:]
     s = json.loads(res.stdout.strip().splitlines()[-1])
-    assert s["world_size"] == 2 and s["engine"] == engine and len(s["losses"]) == 2
+    assert s["world_size"] == 2 and s["engine"] == engine
+    assert s["losses"] == pytest.approx(single_process_batch_2["losses"], rel=1e-5)
+    import transformers
+
+    # the saved model is whole (ZeRO-3 gathered, FSDP2 full state dict) and loads
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(out)
+    assert loaded.model.layers[0].mlp.gate_proj.weight.shape == (1024, 256)

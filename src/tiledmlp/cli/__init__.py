@@ -69,6 +69,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",
     )
+    if not args.verbose:
+        # bitsandbytes (imported with the Trainer's PEFT support) warns on every CPU start that
+        # an optional kernel package is missing; nothing here uses it.
+        logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
     try:
         return int(_COMMANDS[args.command].run(args))
     except (UsageError, ValueError) as e:

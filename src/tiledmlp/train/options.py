@@ -167,6 +167,10 @@ class TrainOptions:
             )
         if self.resume_from_checkpoint == "latest" and self.output_dir is None:
             raise ValueError("--resume-from-checkpoint latest looks in --output-dir: add it")
+        if self.data is not None and not Path(self.data).is_file():
+            raise ValueError(
+                f"--data: {self.data} is not a file; expected a .txt, .jsonl or .csv file"
+            )
         if self.model not in PRESETS and not Path(self.model).is_dir():
             raise ValueError(
                 f"--model {self.model!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor a "

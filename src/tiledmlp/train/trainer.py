@@ -220,13 +220,15 @@ def _trainer_class() -> Any:
                 get_model_state_dict,
             )
 
+            sharded: Any = self.model
             full = get_model_state_dict(
-                self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+                sharded, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
             )
             if self.args.should_save:
-                out = output_dir or self.args.output_dir
+                out = str(output_dir or self.args.output_dir)
                 os.makedirs(out, exist_ok=True)
-                self.model.save_pretrained(out, state_dict=full)
+                model: Any = self.model
+                model.save_pretrained(out, state_dict=full)
                 if self.processing_class is not None:
                     self.processing_class.save_pretrained(out)
                 torch.save(self.args, os.path.join(out, "training_args.bin"))
