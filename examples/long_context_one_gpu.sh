@@ -13,6 +13,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 "${PYTHON:-python}" -m torch.distributed.run --nproc_per_node 1 -m tiledmlp train \
   --model "${MODEL:-llama3-8b}" --seq-len "${SEQ_LEN:-524288}" --dtype "${DTYPE:-bfloat16}" \
-  --steps "${STEPS:-4}" --lr "${LR:-1e-5}" \
+  --max-steps "${STEPS:-4}" --learning-rate "${LR:-1e-5}" \
   --gradient-checkpointing --activation-offloading --tiled-norms \
-  --engine deepspeed --deepspeed-config "${DS_CONFIG:-examples/ds_zero3_offload.json}" "$@"
+  --deepspeed "${DS_CONFIG:-examples/ds_zero3_offload.json}" "$@"

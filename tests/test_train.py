@@ -69,6 +69,12 @@ def test_resume_equals_uninterrupted(tmp_path: Path) -> None:
     assert resumed["losses"] == pytest.approx(full["losses"][2:], rel=0, abs=1e-6)
 
 
+def test_the_small_preset_learns_at_its_default_learning_rate() -> None:
+    s = summary("--model", "small", "--seq-len", "256", "--max-steps", "6")
+    assert s["learning_rate"] == pytest.approx(1e-3)  # 2e-3 x 256 / hidden 512
+    assert s["last_loss"] < s["first_loss"] - 1.0
+
+
 def test_gradient_accumulation_equals_the_bigger_batch() -> None:
     args = ("--seq-len", "128", "--max-steps", "3")
     big = summary(*args, "--batch-size", "2")

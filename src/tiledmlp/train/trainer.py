@@ -301,14 +301,20 @@ def run(opts: TrainOptions) -> dict[str, Any]:
     callbacks: list[Any] = [losses, Progress(), interrupt]
     if opts.output_dir is not None:
         callbacks.append(MetricsFile(Path(opts.output_dir) / METRICS_FILE))
-    trainer = _trainer_class()(
-        model=model,
-        args=args,
-        train_dataset=train_set,
-        eval_dataset=eval_set,
-        processing_class=tokenizer,
-        callbacks=callbacks,
-    )
+    try:
+        trainer = _trainer_class()(
+            model=model,
+            args=args,
+            train_dataset=train_set,
+            eval_dataset=eval_set,
+            processing_class=tokenizer,
+            callbacks=callbacks,
+        )
+    except RuntimeError as e:
+        if opts.report_to != "none" and "requires" in str(e):
+            # e.g. "TensorBoardCallback requires tensorboard to be installed"
+            raise ValueError(f"--report-to {opts.report_to}: {e}") from None
+        raise
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
     trainer.remove_callback(PrinterCallback)
