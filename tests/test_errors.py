@@ -11,12 +11,19 @@ from conftest import make_mlp
 from generic_modules import ClosesOverParam, TokenMixer
 
 
-@pytest.mark.parametrize("bad", [0, -2, 1.5, True, "many", None, "AUTO"])
+@pytest.mark.parametrize("bad", [0, -2, 1.5, True, "many", None, "AUTO", "target"])
 def test_bad_num_tiles(bad: object) -> None:
     with pytest.raises(
-        ValueError, match=r"num_tiles must be a positive int, 'auto' or 'arctic', got"
+        ValueError,
+        match=r"num_tiles must be a positive int, 'auto', 'arctic' or 'target:<GB>', got",
     ):
         tiled_mlp(make_mlp("swiglu"), torch.randn(4, 16), num_tiles=bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("bad", ["target:", "target:0", "target:-1", "target:nan", "target:x"])
+def test_bad_target_budget(bad: str) -> None:
+    with pytest.raises(ValueError, match=r"expected 'target:<GB>' with a positive number of GiB"):
+        tiled_mlp(make_mlp("swiglu"), torch.randn(4, 16), num_tiles=bad)
 
 
 @pytest.mark.parametrize("bad", [0, -1, 2.0, False])
