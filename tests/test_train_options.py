@@ -143,3 +143,25 @@ def test_cli_conventions(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["plan", "--hidden", "64", "--intermediate", "128", "--seq_len", "256",
                  "--dtype", "bf16", "--json"]) == 0  # fmt: skip
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["tiles"] >= 1
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"fsdp": "full_shard", "fsdp_config": __file__}, "reads no FSDP config"),
+        ({"fsdp": "full_shard", "resume_from_checkpoint": "."}, "model only"),
+    ],
+)
+def test_fsdp2_on_a_cpu_only_machine_refuses_what_it_cannot_do(
+    extra: dict, message: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tiledmlp.train.trainer import run
+
+    if torch.cuda.is_available():
+        pytest.skip("the Trainer runs FSDP2 itself on GPUs")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match=message):
+        run(options_from(extra))  # refused before any process group or model exists
+    with pytest.raises(ValueError, match="add --fsdp full_shard"):
+        options_from({"fsdp_config": __file__})

@@ -96,6 +96,8 @@ def add_parser(sub: Any) -> None:
          help="DeepSpeed JSON config; 'auto' values are filled by the Trainer")  # fmt: skip
     flag("--fsdp", metavar="full_shard", help="FSDP2 under torchrun, one unit per decoder layer "
          "(the Trainer's --fsdp; on CPU-only machines tiledmlp shards the model itself)")  # fmt: skip
+    flag("--fsdp-config", metavar="FILE", help="JSON of the Trainer's fsdp_config keys, over "
+         "tiledmlp's (fsdp_version 2, the decoder layer class to wrap); GPUs only")  # fmt: skip
     flag("--seed", help="model init and data order seed (default: 0)")
     flag("--max-data-bytes", help="read at most about this much text (default: 4000000)")
     t.add_argument("--json", action="store_true", default=False,

@@ -105,6 +105,7 @@ class TrainOptions:
     engine: str = "auto"
     deepspeed: Path | None = None
     fsdp: str | None = None
+    fsdp_config: Path | None = None
     seed: int = 0
     max_data_bytes: int = 4_000_000
 
@@ -152,6 +153,10 @@ class TrainOptions:
             raise ValueError(f"--deepspeed runs the DeepSpeed engine; drop --engine {self.engine}")
         if self.fsdp is not None and self.engine not in ("auto", "fsdp2"):
             raise ValueError(f"--fsdp runs FSDP2; drop --engine {self.engine}")
+        if self.fsdp_config is not None and not Path(self.fsdp_config).is_file():
+            raise ValueError(f"--fsdp-config: {self.fsdp_config} is not a file (a JSON object)")
+        if self.fsdp_config is not None and self.fsdp is None and self.engine != "fsdp2":
+            raise ValueError("--fsdp-config configures FSDP2: add --fsdp full_shard")
         if self.fsdp is not None and self.deepspeed is not None:
             raise ValueError("give --fsdp or --deepspeed, not both")
         if self.save_steps is not None and self.output_dir is None:

@@ -113,13 +113,20 @@ def _sequences(opts: TrainOptions, tokenizer: Any, world: int) -> tuple[Any, Any
     return PackedDataset(train), (PackedDataset(evals) if evals is not None else None)
 
 
+def _json_object(path: Path, flag: str) -> dict[str, Any]:
+    try:
+        value = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{flag}: {path} is not valid JSON ({e.msg})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{flag}: {path} must hold a JSON object, got {type(value).__name__}")
+    return value
+
+
 def _deepspeed_config(opts: TrainOptions) -> dict[str, Any]:
     """The user's DeepSpeed JSON with the Trainer's "auto" placeholders where it is silent."""
     assert opts.deepspeed is not None
-    try:
-        config = json.loads(Path(opts.deepspeed).read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"--deepspeed: {opts.deepspeed} is not valid JSON ({e.msg})") from None
+    config = _json_object(Path(opts.deepspeed), "--deepspeed")
     for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
         config.setdefault(key, "auto")
     config.setdefault("gradient_clipping", "auto")
@@ -189,10 +196,13 @@ def _training_arguments(
         kwargs["deepspeed"] = _deepspeed_config(opts)
     if engine == "fsdp2" and not own_fsdp:
         kwargs["fsdp"] = opts.fsdp or "full_shard"
-        kwargs["fsdp_config"] = {
+        fsdp_config: dict[str, Any] = {
             "fsdp_version": 2,
             "transformer_layer_cls_to_wrap": [_decoder_layer_class(model)],
         }
+        if opts.fsdp_config is not None:
+            fsdp_config.update(_json_object(Path(opts.fsdp_config), "--fsdp-config"))
+        kwargs["fsdp_config"] = fsdp_config
     return TrainingArguments(**kwargs)
 
 
@@ -254,6 +264,12 @@ def run(opts: TrainOptions) -> dict[str, Any]:
             "or fp32"
         )
     own_fsdp = engine == "fsdp2" and not cuda
+    if own_fsdp and opts.fsdp_config is not None:
+        raise ValueError(
+            "--fsdp-config on a CPU-only machine: the Trainer cannot run FSDP there, so tiledmlp "
+            "shards the model itself (one unit per decoder layer, then the root) and reads no "
+            "FSDP config; drop --fsdp-config or run on GPUs"
+        )
     if own_fsdp and opts.resume_from_checkpoint is not None:
         raise ValueError(
             "--resume-from-checkpoint with FSDP2 on a CPU-only machine: the Trainer cannot run "
