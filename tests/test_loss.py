@@ -190,11 +190,16 @@ def test_memory_at_16k_tokens_vocab_32000_at_most_0_15x_untiled() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "exc", "match"),
     [
-        ({"reduction": "none"}, ValueError, "reduction must be"),
+        ({"reduction": "avg"}, ValueError, "reduction must be"),
         ({"num_tiles": 0}, ValueError, "num_tiles must be"),
         ({"num_tiles": 2, "tile_tokens": 3}, ValueError, "either num_tiles or tile_tokens"),
         ({"softcap": -1.0}, ValueError, "softcap must be positive"),
-        ({"num_tiles": "arctic"}, ValueError, "the MLP's rule"),
+        ({"num_tiles": "arctic"}, ValueError, "an MLP policy"),
+        ({"num_tiles": "target:1"}, ValueError, "an MLP policy"),
+        ({"label_smoothing": 1.5}, ValueError, r"label_smoothing must be in \[0, 1\]"),
+        ({"z_loss": -1.0}, ValueError, "z_loss must be a coefficient >= 0"),
+        ({"weight": torch.ones(3)}, ValueError, r"weight must be \(40,\) class weights"),
+        ({"mask": torch.ones(21, dtype=torch.int64)}, ValueError, "mask must be a bool tensor"),
     ],
 )
 def test_bad_arguments(kwargs: dict, exc: type, match: str) -> None:

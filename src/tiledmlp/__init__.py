@@ -8,12 +8,13 @@ from tiledmlp import integrations  # noqa: F401  (registers the engines' checks)
 from tiledmlp.config import TiledMLPConfig
 from tiledmlp.module import TiledMLP
 from tiledmlp.ops import TiledMLPFunction, TilePlan, tiled_mlp
-from tiledmlp.ops.loss import tiled_cross_entropy
+from tiledmlp.ops.loss import CrossEntropyOutput, tiled_cross_entropy, tiled_token_logprobs
 from tiledmlp.patching import PatchReport, patch_from_args, patch_model, unpatch_model
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "CrossEntropyOutput",
     "PatchReport",
     "TilePlan",
     "TiledMLP",
@@ -24,5 +25,6 @@ __all__ = [
     "patch_model",
     "tiled_cross_entropy",
     "tiled_mlp",
+    "tiled_token_logprobs",
     "unpatch_model",
 ]

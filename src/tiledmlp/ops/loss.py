@@ -1,41 +1,56 @@
-"""Tiled fused LM-head + cross-entropy: a long sequence's logits never exist at once.
+"""Tiled LM-head losses: a long sequence's logits never exist at once.
 
-For hidden states h (N tokens x hidden), LM-head weight W (V x hidden) and labels, the loss is
-computed tile by tile: per tile the logits (n x V) are formed, soft-capped if asked, upcast to
-float32, reduced to the tile's loss sum, and — when gradients are needed — turned at once into
-the gradient with respect to the logits (softmax minus one-hot, scaled by the reduction), which
-gives the tile's d(hidden) and its contribution to d(W). The backward only scales those by the
-upstream gradient: no logits are recomputed.
+`tiled_cross_entropy` is torch.nn.functional.cross_entropy of the LM head's logits (label
+smoothing, class weights, ignore_index, reductions "mean" / "sum" / "none", as there) plus a
+z-loss, an explicit token mask, token accuracy and predictions; `tiled_token_logprobs` gives the
+per-token log-probabilities of given tokens and the entropy, with a temperature, for RL
+fine-tuning. Both run one tile loop (ops/lm_head.py) with per-tile math (ops/loss_math.py).
 
-Cost, with L = 2 * N * hidden * V: 3L FLOPs per training step (one GEMM for the logits, two for
-the gradients), the same as the untiled computation; the alternative (recompute the logits in the
-backward) costs 4L. Memory: a few (n x V) float32 tensors for one tile, plus d(hidden) (N x hidden)
-and one float32 accumulator for d(W), instead of several (N x V) tensors.
+Cost, with L = 2 * tokens * hidden * vocab: a loss reduced by "mean" or "sum" costs 3L FLOPs per
+training step (the untiled cost: its gradient is formed in the forward); per-token outputs cost
+4L (the backward recomputes each tile's logits, since every token has its own upstream
+gradient); without gradients 1L. Memory: one tile of logits at a time.
 
-Invariants: d(W) (and d(bias)) is summed over tiles in one float32 buffer and returned once; the
-mean is over the non-ignored tokens of the whole input (a tile with no valid token contributes
-exactly zero); the numerics follow the untiled path: logits in the compute dtype, soft-capping in
-the compute dtype, cross-entropy in float32.
+Invariants: the numerics follow the untiled path (logits and soft-capping in the compute dtype,
+the softmax in float32); "mean" divides by the counted tokens of the whole input (by the sum of
+their class weights with `weight`, as torch does); a token that is ignored or masked out
+contributes exactly zero.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
-from tiledmlp.ops.grads import GradSlot, Scratch
-from tiledmlp.ops.guards import refuse_double_backward
-from tiledmlp.ops.policy import validate_policy
+from tiledmlp.ops.lm_head import HeadRun, run_head
+from tiledmlp.ops.loss_math import CrossEntropyMath, LogprobMath
+from tiledmlp.ops.policy import target_bytes, validate_policy
 from tiledmlp.ops.probe import absent
 from tiledmlp.ops.state import AutocastState
 from tiledmlp.ops.tiles import TilePlan, split_by_tile_tokens, split_even
 
-__all__ = ["shift_labels", "tiled_cross_entropy"]
+__all__ = ["CrossEntropyOutput", "shift_labels", "tiled_cross_entropy", "tiled_token_logprobs"]
 
-_REDUCTIONS = ("mean", "sum")
+_REDUCTIONS = ("mean", "sum", "none")
+
+
+class CrossEntropyOutput(NamedTuple):
+    """What tiled_cross_entropy(..., return_aux=True) returns.
+
+    Attributes:
+        loss: the loss (as without return_aux), z-loss included.
+        z_loss: the z-loss term inside `loss`, reduced like it, without gradient (for logging).
+        accuracy: fraction of counted tokens whose argmax logit is the label (float32 scalar;
+            nan with none counted), without gradient.
+        predictions: the argmax token of every position, labels' shape (int64).
+    """
+
+    loss: torch.Tensor
+    z_loss: torch.Tensor
+    accuracy: torch.Tensor
+    predictions: torch.Tensor
 
 
 def shift_labels(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
@@ -50,163 +65,17 @@ def shift_labels(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor
     return torch.cat([labels[..., 1:], pad], dim=-1)
 
 
-@dataclass
-class _LossRun:
-    plan: TilePlan
-    ignore_index: int
-    reduction: str
-    softcap: float | None
-    autocast: AutocastState
-    dh: torch.Tensor | None = None
-    dw: torch.Tensor | None = None
-    db: torch.Tensor | None = None
-
-
-def _softcap(z: torch.Tensor, cap: float) -> torch.Tensor:
-    # The same three ops, in the same dtype, as Gemma 2's final-logit soft-capping.
-    return torch.tanh(z / cap) * cap
-
-
-class TiledCrossEntropyFunction(torch.autograd.Function):
-    """Inputs: hidden (tokens, hidden), targets (tokens,), a _LossRun, weight, bias or None.
-    Output: the reduced loss (float32 scalar)."""
-
-    @staticmethod
-    def forward(
-        ctx: Any,
-        hidden: torch.Tensor,
-        targets: torch.Tensor,
-        run: _LossRun,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None,
-    ) -> torch.Tensor:
-        want_grad = any(ctx.needs_input_grad[i] for i in (0, 3, 4))
-        loss = _loss_and_grads(hidden, targets, run, weight, bias, want_grad, ctx.needs_input_grad)
-        ctx.run = run
-        return loss
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        refuse_double_backward("tiled_cross_entropy")
-        run: _LossRun = ctx.run
-        # The gradients were formed in the forward for an upstream gradient of 1; the loss is
-        # linear in it, so scaling is exact. Out of place, so a retained graph can be
-        # differentiated again.
-        dh, dw, db = (None if g is None else g * grad.to(g.dtype) for g in (run.dh, run.dw, run.db))
-        return dh, None, None, dw, db
-
-
-def _loss_and_grads(
-    hidden: torch.Tensor,
-    targets: torch.Tensor,
-    run: _LossRun,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    want_grad: bool,
-    needs: tuple[bool, ...] = (True, False, False, True, True),
-) -> torch.Tensor:
-    cd = run.autocast.compute_dtype(hidden.dtype, weight.dtype) or hidden.dtype
-    if (
-        run.autocast.compute_dtype(hidden.dtype, weight.dtype) is None
-        and weight.dtype != hidden.dtype
-    ):
-        raise TypeError(
-            f"tiled_cross_entropy: hidden_states have dtype {hidden.dtype} but the LM-head weight "
-            f"has {weight.dtype}; expected them to match. Cast one, or run under torch.autocast."
-        )
-    w = weight.to(cd)
-    b = None if bias is None else bias.to(cd)
-    valid = targets != run.ignore_index
-    # Planning on fake tensors has no values: every token counts (the scale changes no memory).
-    count = valid.numel() if absent(valid) else int(valid.sum().item())
-    # mean over the valid tokens of the whole input; with none valid, torch's mean is 0/0 = nan
-    scale = 1.0 / count if run.reduction == "mean" and count else 1.0
-    total = torch.zeros((), dtype=torch.promote_types(cd, torch.float32), device=hidden.device)
-    scratch = Scratch()
-    need_h, need_w, need_b = want_grad and needs[0], want_grad and needs[3], want_grad and needs[4]
-    slot_w = GradSlot(weight, cd, scratch) if need_w else None
-    slot_b = GradSlot(bias, cd, scratch) if need_b and bias is not None else None
-    dh = torch.empty_like(hidden) if need_h else None
-    with torch.no_grad(), torch.autocast(hidden.device.type, enabled=False):
-        for start, stop in run.plan.bounds():
-            total += _tile(
-                hidden[start:stop].to(cd),
-                targets[start:stop],
-                valid[start:stop],
-                w,
-                b,
-                run,
-                scale,
-                want_grad,
-                slot_w,
-                slot_b,
-                None if dh is None else dh[start:stop],
-            )
-    run.dh = dh
-    run.dw = None if slot_w is None else _result(slot_w, weight)
-    run.db = None if slot_b is None else _result(slot_b, bias)  # type: ignore[arg-type]
-    if run.reduction == "mean":
-        return total / count if count else total / 0.0
-    return total
-
-
-def _result(slot: GradSlot, like: torch.Tensor) -> torch.Tensor:
-    res = slot.result()
-    return torch.zeros_like(like) if res is None else res
-
-
-def _tile(
-    ht: torch.Tensor,
-    tt: torch.Tensor,
-    vt: torch.Tensor,
-    w: torch.Tensor,
-    b: torch.Tensor | None,
-    run: _LossRun,
-    scale: float,
-    want_grad: bool,
-    slot_w: GradSlot | None,
-    slot_b: GradSlot | None,
-    dht: torch.Tensor | None,
-) -> torch.Tensor:
-    """One tile: returns its float32 loss sum; accumulates its gradients when asked."""
-    z = torch.nn.functional.linear(ht, w, b)  # (n, V) in the compute dtype
-    zc = z if run.softcap is None else _softcap(z, run.softcap)
-    # float32 at least (float64 stays float64); zc itself when no cast is needed: it is not
-    # needed again
-    zf = zc.to(torch.promote_types(zc.dtype, torch.float32))
-    safe = torch.where(vt, tt, torch.zeros_like(tt))
-    lse = torch.logsumexp(zf, dim=-1)
-    picked = zf.gather(1, safe.unsqueeze(1)).squeeze(1)
-    loss_sum = torch.where(vt, lse - picked, torch.zeros_like(lse)).sum()
-    if not want_grad:
-        return loss_sum
-    # d(loss)/d(logits) = (softmax - one_hot) * scale on valid rows, 0 on ignored rows
-    p = zf.sub_(lse.unsqueeze(1)).exp_()
-    p.scatter_add_(1, safe.unsqueeze(1), -torch.ones_like(lse).unsqueeze(1))
-    p.mul_((vt.to(p.dtype) * scale).unsqueeze(1))
-    dz = p.to(z.dtype)
-    del p, zf
-    if run.softcap is not None:
-        z_leaf = z.detach().requires_grad_()
-        with torch.enable_grad():
-            capped = _softcap(z_leaf, run.softcap)
-        (dz,) = torch.autograd.grad(capped, z_leaf, dz)
-    if slot_w is not None:
-        slot_w.add_mm(dz.t(), ht)
-    if slot_b is not None:
-        slot_b.add_rows(dz)
-    if dht is not None:
-        if dht.dtype == dz.dtype:
-            torch.mm(dz, w, out=dht)
-        else:
-            dht.copy_(torch.mm(dz, w))
-    return loss_sum
+def _shift_mask(mask: torch.Tensor) -> torch.Tensor:
+    pad = torch.zeros((*mask.shape[:-1], 1), dtype=torch.bool, device=mask.device)
+    return torch.cat([mask[..., 1:], pad], dim=-1)
 
 
 def _plan(num_tokens: int, hidden: int, elem: int, num_tiles: Any, tile_tokens: Any) -> TilePlan:
     validate_policy(num_tiles, tile_tokens)
-    if num_tiles == "arctic":
-        raise ValueError("num_tiles='arctic' is the MLP's rule; give the loss an int or 'auto'")
+    if num_tiles == "arctic" or target_bytes(num_tiles) is not None:
+        raise ValueError(
+            f"num_tiles={num_tiles!r} is an MLP policy; give the loss an int or 'auto'"
+        )
     if tile_tokens is not None:
         return split_by_tile_tokens(num_tokens, tile_tokens)
     if num_tiles == "auto":
@@ -214,6 +83,74 @@ def _plan(num_tokens: int, hidden: int, elem: int, num_tiles: Any, tile_tokens: 
         per_tile = max(1, hidden * elem // 4)
         return split_even(num_tokens, max(1, math.ceil(num_tokens / per_tile)))
     return split_even(num_tokens, int(num_tiles))
+
+
+def _check_inputs(
+    hidden_states: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    labels: torch.Tensor,
+    bias: torch.Tensor | None,
+    softcap: float | None,
+    mask: torch.Tensor | None,
+    what: str,
+) -> None:
+    op = "tiled_cross_entropy" if what == "labels" else "tiled_token_logprobs"
+    if not isinstance(hidden_states, torch.Tensor) or not hidden_states.is_floating_point():
+        raise TypeError(f"{op}: hidden_states must be a floating-point tensor")
+    if hidden_states.dim() not in (2, 3):
+        raise ValueError(
+            f"{op}: hidden_states must be (batch, seq, hidden) or (tokens, hidden), got "
+            f"{tuple(hidden_states.shape)}"
+        )
+    if lm_head_weight.dim() != 2 or lm_head_weight.shape[1] != hidden_states.shape[-1]:
+        raise ValueError(
+            f"{op}: lm_head_weight must be (vocab, {hidden_states.shape[-1]}), got "
+            f"{tuple(lm_head_weight.shape)}"
+        )
+    if labels.dtype.is_floating_point or labels.dtype.is_complex or labels.dtype == torch.bool:
+        raise TypeError(f"{op}: {what} must be integer class indices, got {labels.dtype}")
+    if tuple(labels.shape) != tuple(hidden_states.shape[:-1]):
+        raise ValueError(
+            f"{op}: {what} must have shape {tuple(hidden_states.shape[:-1])} (one per token), "
+            f"got {tuple(labels.shape)}"
+        )
+    if bias is not None and tuple(bias.shape) != (lm_head_weight.shape[0],):
+        raise ValueError(
+            f"{op}: bias must be ({lm_head_weight.shape[0]},), got {tuple(bias.shape)}"
+        )
+    if softcap is not None and not softcap >= 0:
+        raise ValueError(
+            f"{op}: softcap must be positive, or None / 0 for no capping, got {softcap!r}"
+        )
+    if mask is not None and (mask.dtype != torch.bool or tuple(mask.shape) != tuple(labels.shape)):
+        raise ValueError(
+            f"{op}: mask must be a bool tensor of {what}' shape {tuple(labels.shape)} (True = the "
+            f"token counts), got {mask.dtype} {tuple(mask.shape)}"
+        )
+
+
+def _targets(
+    labels: torch.Tensor,
+    mask: torch.Tensor | None,
+    shift: bool,
+    ignore_index: int,
+    vocab: int,
+    op: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(targets, counted), flat. Labels of any integer dtype are compared and gathered as
+    int64, so ignore_index=-100 never wraps around in a narrow dtype."""
+    labels = labels.long()
+    targets = shift_labels(labels, ignore_index) if shift else labels
+    counted = targets != ignore_index
+    if mask is not None:
+        counted = counted & (_shift_mask(mask) if shift else mask)
+    targets, counted = targets.reshape(-1), counted.reshape(-1)
+    out_of_range = counted & ((targets < 0) | (targets >= vocab))
+    if not absent(targets) and bool(out_of_range.any()):  # fake tensors (planning): no values
+        raise ValueError(
+            f"{op}: labels must be in [0, {vocab}) or equal ignore_index={ignore_index}"
+        )
+    return targets, counted
 
 
 def tiled_cross_entropy(
@@ -228,93 +165,170 @@ def tiled_cross_entropy(
     reduction: str = "mean",
     shift: bool = False,
     softcap: float | None = None,
-) -> torch.Tensor:
+    label_smoothing: float = 0.0,
+    weight: torch.Tensor | None = None,
+    z_loss: float = 0.0,
+    mask: torch.Tensor | None = None,
+    return_aux: bool = False,
+) -> Any:
     """Cross-entropy of the LM head's logits without materialising more than one tile of them.
 
-    Equals F.cross_entropy((hidden_states @ lm_head_weight.T + bias).float(), labels) (with the
-    optional soft-capping applied to the logits first), with exact gradients for hidden_states,
-    lm_head_weight and bias. Cost: the untiled computation's 3L FLOPs (L = 2 * tokens * hidden *
-    vocab); memory: one tile of logits at a time.
+    Equals F.cross_entropy((hidden_states @ lm_head_weight.T + bias).float(), labels,
+    weight=weight, ignore_index=ignore_index, reduction=reduction,
+    label_smoothing=label_smoothing) (soft-capping applied to the logits first), plus
+    z_loss * logsumexp(logits)**2 per counted token (reduced the same way; "mean" over counted
+    tokens), with exact gradients for hidden_states, lm_head_weight and bias.
 
     Args:
         hidden_states: (batch, seq, hidden) or (tokens, hidden), floating point.
         lm_head_weight: (vocab, hidden).
-        labels: (batch, seq) or (tokens,) class indices of any integer dtype; ignore_index
-            marks tokens without a target.
+        labels: (batch, seq) or (tokens,) class indices of any integer dtype (int64, int32,
+            uint8, ...); ignore_index marks tokens without a target.
         bias: (vocab,) or None.
         num_tiles: a positive int, or "auto" (tiles of hidden * elem / 4 tokens: their float32
             logits are about the size of the LM-head weight).
         tile_tokens: tokens per tile, instead of num_tiles.
         ignore_index: label value that contributes nothing.
-        reduction: "mean" over the non-ignored tokens of the whole input (nan when there are
-            none, as in torch), or "sum".
+        reduction: "mean" over the counted tokens of the whole input (weighted by their class
+            weights with `weight`; nan when nothing counts, as in torch), "sum", or "none"
+            (one loss per position, labels' shape, 0 where not counted; its backward recomputes
+            the logits: 4L instead of 3L FLOPs).
         shift: causal-LM shifting: position t is scored against labels[..., t + 1] and the last
-            position of each sequence is ignored (what Hugging Face causal LMs do).
+            position of each sequence is ignored (what Hugging Face causal LMs do); `mask` is
+            shifted with the labels.
         softcap: final-logit soft-capping, logits = tanh(logits / softcap) * softcap (Gemma 2);
             None or 0 for none.
+        label_smoothing: in [0, 1], as in F.cross_entropy.
+        weight: (vocab,) class weights, as in F.cross_entropy.
+        z_loss: coefficient of the z-loss (PaLM: 1e-4), >= 0.
+        mask: bool, labels' shape: False drops a token (as if its label were ignore_index).
+        return_aux: return a CrossEntropyOutput (loss, z_loss, accuracy, predictions).
 
     Returns:
-        The loss, a float32 scalar.
+        The loss (float32; a scalar, or labels' shape for "none"), or a CrossEntropyOutput.
 
     Raises:
-        TypeError / ValueError: wrong dtypes, shapes, reduction or tile policy.
+        TypeError / ValueError: wrong dtypes, shapes, reduction, option values or tile policy.
     """
     if reduction not in _REDUCTIONS:
-        raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
-    if not isinstance(hidden_states, torch.Tensor) or not hidden_states.is_floating_point():
-        raise TypeError("tiled_cross_entropy: hidden_states must be a floating-point tensor")
-    if hidden_states.dim() not in (2, 3):
-        raise ValueError(
-            f"tiled_cross_entropy: hidden_states must be (batch, seq, hidden) or (tokens, hidden), "
-            f"got {tuple(hidden_states.shape)}"
-        )
-    if lm_head_weight.dim() != 2 or lm_head_weight.shape[1] != hidden_states.shape[-1]:
-        raise ValueError(
-            f"tiled_cross_entropy: lm_head_weight must be (vocab, {hidden_states.shape[-1]}), got "
-            f"{tuple(lm_head_weight.shape)}"
-        )
-    if labels.dtype.is_floating_point or labels.dtype.is_complex or labels.dtype == torch.bool:
-        raise TypeError(
-            f"tiled_cross_entropy: labels must be integer class indices, got {labels.dtype}"
-        )
-    if tuple(labels.shape) != tuple(hidden_states.shape[:-1]):
-        raise ValueError(
-            f"tiled_cross_entropy: labels must have shape {tuple(hidden_states.shape[:-1])} (one per "
-            f"token), got {tuple(labels.shape)}"
-        )
-    if bias is not None and tuple(bias.shape) != (lm_head_weight.shape[0],):
-        raise ValueError(
-            f"tiled_cross_entropy: bias must be ({lm_head_weight.shape[0]},), got {tuple(bias.shape)}"
-        )
-    if softcap is not None and not softcap >= 0:
-        raise ValueError(
-            f"tiled_cross_entropy: softcap must be positive, or None / 0 for no capping, got "
-            f"{softcap!r}"
-        )
-    if not softcap:
-        softcap = None  # 0 means off, as in Hugging Face configs and other fused losses
-    # Class indices of any integer dtype (F.cross_entropy takes int64 and uint8): compared and
-    # gathered as int64, so ignore_index=-100 never wraps around in a narrow dtype.
-    labels = labels.long()
-    targets = shift_labels(labels, ignore_index) if shift else labels
-    hidden = hidden_states.reshape(-1, hidden_states.shape[-1])
-    targets = targets.reshape(-1)
+        raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing!r}")
+    if not (isinstance(z_loss, int | float) and math.isfinite(z_loss) and z_loss >= 0):
+        raise ValueError(f"z_loss must be a coefficient >= 0, got {z_loss!r}")
+    _check_inputs(hidden_states, lm_head_weight, labels, bias, softcap, mask, "labels")
     vocab = lm_head_weight.shape[0]
-    out_of_range = (targets != ignore_index) & ((targets < 0) | (targets >= vocab))
-    if not absent(targets) and bool(out_of_range.any()):  # fake tensors (planning): no values
+    if weight is not None and (weight.dim() != 1 or weight.shape[0] != vocab):
         raise ValueError(
-            f"tiled_cross_entropy: labels must be in [0, {vocab}) or equal ignore_index={ignore_index}"
+            f"tiled_cross_entropy: weight must be ({vocab},) class weights, got "
+            f"{tuple(weight.shape)}"
         )
+    targets, counted = _targets(labels, mask, shift, ignore_index, vocab, "tiled_cross_entropy")
+    hidden = hidden_states.reshape(-1, hidden_states.shape[-1])
     autocast = AutocastState.capture(hidden.device.type)
     cd = autocast.compute_dtype(hidden.dtype, lm_head_weight.dtype) or hidden.dtype
+    wide = torch.promote_types(cd, torch.float32)
+    class_weight = None if weight is None else weight.detach().to(wide)
+    # Planning on fake tensors has no values: every token counts (the scale changes no memory).
+    if absent(counted):
+        count, weight_total = counted.numel(), float(counted.numel())
+    else:
+        count = int(counted.sum().item())
+        weight_total = (
+            float(count)
+            if class_weight is None
+            else float(class_weight[torch.where(counted, targets, 0)][counted].sum())
+        )
+    math_ = CrossEntropyMath(
+        reduction=reduction,
+        label_smoothing=float(label_smoothing),
+        class_weight=class_weight,
+        z_loss=float(z_loss),
+        weight_total=weight_total,
+        count=count,
+        vocab=vocab,
+        num_tokens=hidden.shape[0],
+        device=hidden.device,
+        dtype=wide,
+        want_argmax=return_aux,
+    )
     elem = torch.empty((), dtype=cd).element_size()
     plan = _plan(hidden.shape[0], hidden.shape[1], elem, num_tiles, tile_tokens)
-    run = _LossRun(plan, ignore_index, reduction, softcap, autocast)
-    needs_grad = torch.is_grad_enabled() and (
-        hidden.requires_grad
-        or lm_head_weight.requires_grad
-        or (bias is not None and bias.requires_grad)
+    run = HeadRun(plan, targets, counted, softcap or None, 1.0, autocast, math_)
+    loss = run_head(hidden, run, lm_head_weight, bias)
+    if reduction == "none":
+        loss = loss.view(labels.shape)
+    if not return_aux:
+        return loss
+    assert math_.argmax is not None
+    correct = (math_.argmax == targets) & counted
+    accuracy = correct.sum().to(torch.float32) / count if count else torch.tensor(float("nan"))
+    z_value = math_.z_value()
+    return CrossEntropyOutput(
+        loss,
+        z_value.view(labels.shape) if reduction == "none" else z_value,
+        accuracy.to(hidden.device),
+        math_.argmax.view(labels.shape),
     )
-    if not needs_grad:
-        return _loss_and_grads(hidden.detach(), targets, run, lm_head_weight, bias, want_grad=False)
-    return TiledCrossEntropyFunction.apply(hidden, targets, run, lm_head_weight, bias)  # type: ignore[no-any-return]
+
+
+def tiled_token_logprobs(
+    hidden_states: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    tokens: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    softcap: float | None = None,
+    return_entropy: bool = False,
+    shift: bool = False,
+    mask: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    num_tiles: int | str = "auto",
+    tile_tokens: int | None = None,
+) -> Any:
+    """Per-token log-probabilities of given tokens (and the entropy) under the LM head, without
+    the (tokens x vocab) logits ever existing: what GRPO / PPO trainers need for the policy and
+    reference log-probs and the entropy bonus.
+
+    logprob[t] = log_softmax(logits[t] / temperature)[tokens[t]] and entropy[t] =
+    -sum_c p_c log p_c of the same distribution, where logits = hidden_states @ W.T + bias
+    (soft-capped first if asked). Differentiable with respect to hidden_states, lm_head_weight
+    and bias; the backward recomputes each tile's logits (4L FLOPs in all, 1L without grads).
+
+    Args:
+        hidden_states: (batch, seq, hidden) or (tokens, hidden), floating point.
+        lm_head_weight: (vocab, hidden).
+        tokens: (batch, seq) or (tokens,) token ids of any integer dtype.
+        bias: (vocab,) or None.
+        temperature: > 0; the logits are divided by it (as samplers do).
+        softcap: final-logit soft-capping before the temperature; None or 0 for none.
+        return_entropy: also return the per-token entropy.
+        shift: score position t against tokens[..., t + 1] (causal LM; the last position gets
+            0), `mask` shifted with the tokens.
+        mask: bool, tokens' shape: False gives that position 0 and no gradient.
+        ignore_index: token value treated as masked out.
+        num_tiles / tile_tokens: the tile policy, as for tiled_cross_entropy.
+
+    Returns:
+        logprobs (float32, tokens' shape), or (logprobs, entropy) with return_entropy.
+    """
+    if not (
+        isinstance(temperature, int | float) and math.isfinite(temperature) and temperature > 0
+    ):
+        raise ValueError(f"temperature must be a positive number, got {temperature!r}")
+    _check_inputs(hidden_states, lm_head_weight, tokens, bias, softcap, mask, "tokens")
+    vocab = lm_head_weight.shape[0]
+    targets, counted = _targets(tokens, mask, shift, ignore_index, vocab, "tiled_token_logprobs")
+    hidden = hidden_states.reshape(-1, hidden_states.shape[-1])
+    autocast = AutocastState.capture(hidden.device.type)
+    cd = autocast.compute_dtype(hidden.dtype, lm_head_weight.dtype) or hidden.dtype
+    wide = torch.promote_types(cd, torch.float32)
+    math_ = LogprobMath(hidden.shape[0], hidden.device, wide, entropy=return_entropy)
+    elem = torch.empty((), dtype=cd).element_size()
+    plan = _plan(hidden.shape[0], hidden.shape[1], elem, num_tiles, tile_tokens)
+    run = HeadRun(plan, targets, counted, softcap or None, float(temperature), autocast, math_)
+    out = run_head(hidden, run, lm_head_weight, bias)
+    if return_entropy:
+        return out[0].view(tokens.shape), out[1].view(tokens.shape)
+    return out.view(tokens.shape)

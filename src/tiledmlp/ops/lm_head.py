@@ -1,0 +1,210 @@
+"""The LM-head tile loop: logits one tile at a time, per-tile math plugged in (ops/loss_math.py),
+and the two ways its gradient reaches hidden states, weight and bias.
+
+Per tile: z = hidden_tile @ W.T + b in the compute dtype, soft-capped if asked (in the compute
+dtype, as the untiled models do), upcast to float32 and divided by the temperature; the math
+records its values and, when gradients are wanted, d/d(logits), which the loop turns into the
+tile's d(hidden) = dz @ W, and adds dz.T @ hidden_tile to d(W) (one float32 accumulator) and
+dz's column sums to d(bias).
+
+- Scalar outputs (a loss reduced by "mean" or "sum"): the gradient is formed in the forward for
+  an upstream gradient of 1 and only scaled in the backward: 3L FLOPs (L = 2 x tokens x hidden x
+  vocab), the untiled cost.
+- Per-token outputs (reduction "none", log-probabilities, entropy): each token has its own
+  upstream gradient, which d(W) cannot take after the fact, so the backward recomputes each
+  tile's logits: 4L FLOPs in all, and nothing of (tokens x vocab) size is ever kept.
+- Evaluation (no gradient wanted): one pass, 1L FLOPs, no gradient buffers.
+
+Invariant: memory beyond inputs and outputs is one tile of logits (a few (n x V) float32
+tensors), d(hidden) and one float32 accumulator per parameter, whatever the number of tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from tiledmlp.ops.grads import GradSlot, Scratch
+from tiledmlp.ops.guards import refuse_double_backward
+from tiledmlp.ops.loss_math import TileMath
+from tiledmlp.ops.state import AutocastState
+from tiledmlp.ops.tiles import TilePlan
+
+__all__ = ["HeadRun", "run_head"]
+
+
+@dataclass
+class HeadRun:
+    """One call: the tile plan, targets, which rows count, how logits are formed, the math."""
+
+    plan: TilePlan
+    targets: torch.Tensor  # (tokens,) int64; any value on rows that do not count
+    counted: torch.Tensor  # (tokens,) bool
+    softcap: float | None
+    temperature: float
+    autocast: AutocastState
+    math: TileMath
+    dh: torch.Tensor | None = None
+    dw: torch.Tensor | None = None
+    db: torch.Tensor | None = None
+
+
+def _softcap(z: torch.Tensor, cap: float) -> torch.Tensor:
+    # The same three ops, in the same dtype, as Gemma 2's final-logit soft-capping.
+    return torch.tanh(z / cap) * cap
+
+
+def _compute_dtype(run: HeadRun, hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    cd = run.autocast.compute_dtype(hidden.dtype, weight.dtype)
+    if cd is None and weight.dtype != hidden.dtype:
+        raise TypeError(
+            f"tiled LM head: hidden_states have dtype {hidden.dtype} but the LM-head weight has "
+            f"{weight.dtype}; expected them to match. Cast one, or run under torch.autocast."
+        )
+    return cd or hidden.dtype
+
+
+def _tiles(
+    hidden: torch.Tensor,
+    run: HeadRun,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    need: tuple[bool, bool, bool],
+    upstream: list[torch.Tensor | None] | None,
+    record: bool,
+) -> None:
+    """The loop. need = (d hidden, d weight, d bias) wanted; upstream: per-token gradients (the
+    recomputing backward), None otherwise; record: let the math record its values."""
+    cd = _compute_dtype(run, hidden, weight)
+    w = weight.to(cd)
+    b = None if bias is None else bias.to(cd)
+    scratch = Scratch()
+    slot_w = GradSlot(weight, cd, scratch) if need[1] else None
+    slot_b = GradSlot(bias, cd, scratch) if need[2] and bias is not None else None
+    dh = torch.empty_like(hidden) if need[0] else None
+    grads = any(need)
+    wide = torch.promote_types(cd, torch.float32)
+    with torch.no_grad(), torch.autocast(hidden.device.type, enabled=False):
+        for start, stop in run.plan.bounds():
+            rows = slice(start, stop)
+            ht = hidden[rows].to(cd)
+            y, v = run.targets[rows], run.counted[rows]
+            y = torch.where(v, y, torch.zeros_like(y))
+            z = torch.nn.functional.linear(ht, w, b)  # (n, V), compute dtype
+            zc = z if run.softcap is None else _softcap(z, run.softcap)
+            # float32 at least; zc itself when no cast is needed (it is not needed again)
+            zf = zc.to(wide)
+            if run.temperature != 1.0:
+                zf = zf / run.temperature
+            lse = torch.logsumexp(zf, dim=-1)
+            if record:
+                run.math.values(zf, lse, y, v, rows)
+            if not grads:
+                continue
+            up = None if upstream is None else [u if u is None else u[rows] for u in upstream]
+            dzf = run.math.grad(zf, lse, y, v, up)
+            del zf
+            if run.temperature != 1.0:
+                dzf = dzf.div_(run.temperature)
+            dz = dzf.to(z.dtype)
+            del dzf
+            if run.softcap is not None:
+                z_leaf = z.detach().requires_grad_()
+                with torch.enable_grad():
+                    capped = _softcap(z_leaf, run.softcap)
+                (dz,) = torch.autograd.grad(capped, z_leaf, dz)
+            if slot_w is not None:
+                slot_w.add_mm(dz.t(), ht)
+            if slot_b is not None:
+                slot_b.add_rows(dz)
+            if dh is not None:
+                if dh.dtype == dz.dtype:
+                    torch.mm(dz, w, out=dh[rows])
+                else:
+                    dh[rows].copy_(torch.mm(dz, w))
+    run.dh = dh
+    run.dw = None if slot_w is None else _result(slot_w, weight)
+    run.db = None if slot_b is None or bias is None else _result(slot_b, bias)
+
+
+def _result(slot: GradSlot, like: torch.Tensor) -> torch.Tensor:
+    res = slot.result()
+    return torch.zeros_like(like) if res is None else res
+
+
+class _ScalarHead(torch.autograd.Function):
+    """Scalar outputs: gradients formed in the forward (upstream 1), scaled in the backward.
+    Inputs: hidden (tokens, hidden), the run, weight, bias or None. Output: a dummy scalar whose
+    value the caller replaces by the math's (so the output stays a plain function output)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        hidden: torch.Tensor,
+        run: HeadRun,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+    ) -> torch.Tensor:
+        needs = ctx.needs_input_grad
+        _tiles(hidden, run, weight, bias, (needs[0], needs[2], needs[3]), None, record=True)
+        ctx.run = run
+        return run.math.total().clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        refuse_double_backward("tiled LM-head loss")
+        run: HeadRun = ctx.run
+        # The loss is linear in the upstream gradient, so scaling is exact; out of place, so a
+        # retained graph can be differentiated again.
+        dh, dw, db = (None if g is None else g * grad.to(g.dtype) for g in (run.dh, run.dw, run.db))
+        return dh, None, dw, db
+
+
+class _TokenHead(torch.autograd.Function):
+    """Per-token outputs: values in the forward, the tiles recomputed in the backward with each
+    token's upstream gradient. Inputs: hidden, the run, weight, bias or None. Outputs: the math's
+    per-token tensors (math.outputs())."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        hidden: torch.Tensor,
+        run: HeadRun,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+    ) -> Any:
+        _tiles(hidden, run, weight, bias, (False, False, False), None, record=True)
+        ctx.run = run
+        ctx.save_for_backward(hidden, weight, bias)
+        outs = tuple(o.clone() for o in run.math.outputs())
+        return outs if len(outs) > 1 else outs[0]
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> Any:
+        refuse_double_backward("tiled LM-head log-probabilities")
+        run: HeadRun = ctx.run
+        hidden, weight, bias = ctx.saved_tensors
+        needs = ctx.needs_input_grad
+        _tiles(hidden, run, weight, bias, (needs[0], needs[2], needs[3]), list(grads), False)
+        return run.dh, None, run.dw, run.db
+
+
+def run_head(
+    hidden: torch.Tensor, run: HeadRun, weight: torch.Tensor, bias: torch.Tensor | None
+) -> Any:
+    """Runs the tile loop for `run.math`: through autograd when a gradient is wanted (the math
+    decides scalar or per-token), in one plain pass otherwise. Returns the math's output(s)."""
+    wants = torch.is_grad_enabled() and (
+        hidden.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+    )
+    if not wants:
+        _tiles(hidden.detach(), run, weight, bias, (False, False, False), None, record=True)
+        if run.math.per_token:
+            outs = run.math.outputs()
+            return outs if len(outs) > 1 else outs[0]
+        return run.math.total()
+    if run.math.per_token:
+        return _TokenHead.apply(hidden, run, weight, bias)
+    return _ScalarHead.apply(hidden, run, weight, bias)
