@@ -89,3 +89,27 @@ def test_unpatch_restores_the_model_forward() -> None:
     assert "forward" not in model.__dict__
     ids = torch.randint(3, VOCAB, (2, 9))
     assert model(input_ids=ids, labels=ids).logits is not None
+
+
+def test_loss_only_patching_leaves_the_mlps_alone() -> None:
+    ref = tiny_causal_lm("llama")
+    model = copy.deepcopy(ref)
+    report = patch_model(model, tiled_mlp=False, tiled_loss=True, num_tiles=3)
+    assert report.patched == [] and report.loss == "tiled"
+    assert all("forward" not in m.__dict__ for m in model.modules() if m is not model)
+    assert "_tiledmlp_agreement" not in model.__dict__  # no per-step collective for MLP tiles
+    ids = torch.randint(3, VOCAB, (2, 23))
+    out, grads = _step(model, ids, _labels(ids))
+    ref_out, ref_grads = _step(ref, ids, _labels(ids))
+    assert out.logits is None
+    assert_close_rel(out.loss.detach(), ref_out.loss.detach(), "loss")
+    for name in grads:
+        assert_close_rel(grads[name], ref_grads[name], name)
+    assert unpatch_model(model) == ["<loss>"]
+
+
+def test_loss_only_patching_refuses_what_it_cannot_do() -> None:
+    with pytest.raises(ValueError, match=r"cannot be tiled: .*auxiliary"):
+        patch_model(tiny_causal_lm("qwen3_moe"), tiled_mlp=False, tiled_loss=True)
+    with pytest.raises(ValueError, match="nothing to do with tiled_mlp=False"):
+        patch_model(tiny_causal_lm("llama"), tiled_mlp=False)

@@ -138,8 +138,9 @@ def patch_model(
     tiled_loss: bool = False,
     activation_offloading: bool = False,
     tiled_norms: bool = False,
+    tiled_mlp: bool = True,
 ) -> PatchReport:
-    """Makes every MLP of `model` tiled, in place.
+    """Makes every MLP of `model` tiled, in place (and with the options, its loss and norms).
 
     MLPs are found by structure (see tiledmlp.patching.detect): gated, fused gated and plain
     MLPs take the minimal-recompute fast path; LoRA-wrapped, Conv1D and dropout MLPs and MoE
@@ -166,6 +167,8 @@ def patch_model(
             intermediates (several tokens x hidden x 4 bytes each, the largest part of a
             checkpointed layer's recompute once the MLP is tiled) then exist one tile at a
             time.
+        tiled_mlp: False leaves the MLPs alone (e.g. `tiled_mlp=False, tiled_loss=True`: the
+            tiled loss only); then an option that cannot be applied is an error, not a note.
 
     Returns:
         A PatchReport.
@@ -175,12 +178,55 @@ def patch_model(
             generic is False), the hidden size cannot be determined, or a bad tile policy.
     """
     config = TiledMLPConfig(num_tiles=num_tiles, tile_tokens=tile_tokens)
+    if not (tiled_mlp or tiled_loss or tiled_norms or activation_offloading):
+        raise ValueError(
+            "patch_model: nothing to do with tiled_mlp=False; ask for tiled_loss=True, "
+            "tiled_norms=True or activation_offloading=True"
+        )
+    candidates: list[Candidate] = []
+    skipped: list[tuple[str, str]] = []
     hidden = hidden_size if hidden_size is not None else hidden_size_of(model)
-    if hidden is None:
+    if hidden is None and (tiled_mlp or tiled_norms):
         raise ValueError(
             f"patch_model: cannot tell the hidden size of {type(model).__name__} (no "
             "config.hidden_size and no nn.Embedding); pass hidden_size=..."
         )
+    if tiled_mlp:
+        assert hidden is not None
+        candidates, skipped = _mlp_candidates(model, hidden, generic)
+    offloading = None
+    if activation_offloading:
+        install_offloading(model)
+        offloading = "checkpointed layer inputs to host memory (all but the last layer's)"
+    if tiled_norms:
+        assert hidden is not None
+        taken = {id(c.module) for c in candidates}
+        candidates += [c for c in norms_of(model, hidden) if id(c.module) not in taken]
+    if candidates:
+        step = _step_agreement(model)
+        for cand in candidates:
+            _patch_one(cand.module, cand, config, step)
+    loss = None
+    if tiled_loss:
+        # The loss has its own rule for the MLP's named policies ("arctic", "target:<GB>").
+        loss_tiles = num_tiles if isinstance(num_tiles, int) and tile_tokens is None else "auto"
+        why = patch_loss(model, loss_tiles)
+        if why is not None and not tiled_mlp:
+            raise ValueError(
+                f"patch_model: the loss of {type(model).__name__} cannot be tiled: {why}"
+            )
+        loss = why or "tiled"
+    paths = {c.name: f"{c.path}: {c.kind}" for c in candidates}
+    report = PatchReport(sorted(paths), paths, skipped, config, loss, offloading)
+    logger.info("%s", report)
+    return report
+
+
+def _mlp_candidates(
+    model: nn.Module, hidden: int, generic: bool
+) -> tuple[list[Candidate], list[tuple[str, str]]]:
+    """The MLPs to tile and the skipped candidates; raises when nothing or something not
+    understood was found (see patch_model)."""
     found = detect_mlps(model, hidden)
     candidates = list(found.candidates)
     skipped = list(found.skipped)
@@ -204,25 +250,7 @@ def patch_model(
             "fc1/fc2 projections, or MoE experts. Is hidden_size right, and are the weights "
             f"materialised (not on the meta device)?{why}"
         )
-    offloading = None
-    if activation_offloading:
-        install_offloading(model)
-        offloading = "checkpointed layer inputs to host memory (all but the last layer's)"
-    if tiled_norms:
-        taken = {id(c.module) for c in candidates}
-        candidates += [c for c in norms_of(model, hidden) if id(c.module) not in taken]
-    step = _step_agreement(model)
-    for cand in candidates:
-        _patch_one(cand.module, cand, config, step)
-    loss = None
-    if tiled_loss:
-        # The loss has its own rule for the MLP's named policies ("arctic", "target:<GB>").
-        loss_tiles = num_tiles if isinstance(num_tiles, int) and tile_tokens is None else "auto"
-        loss = patch_loss(model, loss_tiles) or "tiled"
-    paths = {c.name: f"{c.path}: {c.kind}" for c in candidates}
-    report = PatchReport(sorted(paths), paths, skipped, config, loss, offloading)
-    logger.info("%s", report)
-    return report
+    return candidates, skipped
 
 
 def _step_agreement(model: nn.Module) -> StepTokens:
