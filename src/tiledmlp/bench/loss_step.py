@@ -1,14 +1,19 @@
-"""Peak tensor memory and FLOPs of LM-head + cross-entropy forward + backward, three designs.
+"""Peak tensor memory, FLOPs and time of LM-head + cross-entropy designs, forward + backward.
 
 Usage (prints one JSON object per design):
     python -m tiledmlp.bench.loss_step --tokens 16384 --vocab 32000 --hidden 512
+    python -m tiledmlp.bench.loss_step --device cuda --dtype bfloat16 --tokens 32768 --vocab 128256 --hidden 4096
 
 Designs: "untiled" (logits for all tokens, float32 cross-entropy, as Hugging Face does),
-"tiled" (tiled_cross_entropy: gradients formed in the forward, 3L FLOPs), and "recompute"
-(per-tile activation checkpointing of the same computation, which recomputes each tile's logits
-in the backward: 4L FLOPs), with L = 2 * tokens * hidden * vocab.
+"tiled" (tiled_cross_entropy: gradients formed in the forward, 3L FLOPs), "recompute" (per-tile
+activation checkpointing of the same computation, which recomputes each tile's logits in the
+backward: 4L FLOPs), "tiled_eval" (tiled_cross_entropy under torch.no_grad: 1L), "logprobs"
+(tiled_token_logprobs with the entropy, per-token outputs: 4L), and "liger" (Liger-Kernel's
+LigerFusedLinearCrossEntropyLoss) when liger-kernel is installed and the device is a GPU;
+L = 2 * tokens * hidden * vocab.
 
-Invariant: every design gets the same inputs and is measured by the same helpers.
+Invariant: every design gets the same inputs and is measured by the same helpers; time is the
+median of --repeats runs after one warm-up.
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import statistics
+import time
 from collections.abc import Callable
 
 import torch
@@ -24,9 +31,26 @@ from torch.utils.checkpoint import checkpoint
 
 from tiledmlp.bench.flops import count_flops
 from tiledmlp.bench.memory import peak_bytes, tensor_bytes
-from tiledmlp.ops.loss import tiled_cross_entropy
+from tiledmlp.ops.loss import tiled_cross_entropy, tiled_token_logprobs
 
 __all__ = ["main"]
+
+
+def _liger(device: torch.device) -> Callable[..., torch.Tensor] | None:
+    """Liger's fused linear cross-entropy (weight, input, target), or None where unavailable."""
+    if device.type != "cuda":
+        return None
+    try:
+        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+    except ImportError:
+        return None
+    loss: Callable[..., torch.Tensor] = LigerFusedLinearCrossEntropyLoss()
+    return loss
+
+
+def _sync(device: torch.device) -> None:
+    if device.type != "cpu":
+        torch.accelerator.synchronize(device)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -35,11 +59,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--vocab", type=int, default=32000, help="vocabulary size")
     p.add_argument("--hidden", type=int, default=512, help="hidden size")
     p.add_argument("--recompute-tiles", type=int, default=32, help="tiles of the recompute design")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="dtype")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per design (median)")
+    p.add_argument("--designs", default=None, help="comma-separated subset of the designs")
     a = p.parse_args(argv)
+    device, dtype = torch.device(a.device), getattr(torch, a.dtype)
     torch.manual_seed(0)
-    h = torch.randn(a.tokens, a.hidden, requires_grad=True)
-    w = (torch.randn(a.vocab, a.hidden) * 0.02).requires_grad_()
-    labels = torch.randint(0, a.vocab, (a.tokens,))
+    h = torch.randn(a.tokens, a.hidden, device=device, dtype=dtype, requires_grad=True)
+    w = (torch.randn(a.vocab, a.hidden, device=device, dtype=dtype) * 0.02).requires_grad_()
+    labels = torch.randint(0, a.vocab, (a.tokens,), device=device)
     big_l = 2 * a.tokens * a.hidden * a.vocab
 
     def untiled() -> torch.Tensor:
@@ -59,29 +88,65 @@ def main(argv: list[str] | None = None) -> None:
         ]
         return torch.stack(parts).sum() / a.tokens
 
+    def logprobs() -> torch.Tensor:
+        lp, ent = tiled_token_logprobs(h, w, labels, return_entropy=True)
+        return lp.sum() + 0.01 * ent.sum()
+
     designs: dict[str, Callable[[], torch.Tensor]] = {
         "tiled": tiled,
+        "tiled_eval": tiled,
+        "logprobs": logprobs,
         "recompute": recompute,
         "untiled": untiled,
     }
+    liger = _liger(device)
+    if liger is not None:
 
-    def step(fn: Callable[[], torch.Tensor]) -> None:
-        fn().backward()
+        def liger_loss() -> torch.Tensor:
+            out = liger(w, h, labels)  # (lin_weight, input, target)
+            return out[0] if isinstance(out, tuple) else out  # (loss, z_loss) in some versions
+
+        designs["liger"] = liger_loss
+    if a.designs:
+        chosen = a.designs.split(",")
+        unknown = sorted(set(chosen) - set(designs))
+        if unknown:
+            p.error(f"--designs: unknown {unknown}; available: {sorted(designs)}")
+        designs = {k: v for k, v in designs.items() if k in chosen}
+
+    def step(name: str, fn: Callable[[], torch.Tensor]) -> None:
+        if name == "tiled_eval":
+            with torch.no_grad():
+                fn()
+        else:
+            fn().backward()
 
     for name, fn in designs.items():
+        run = functools.partial(step, name, fn)
         alive = tensor_bytes(h, w, labels)
-        peak = peak_bytes(functools.partial(step, fn), alive, torch.device("cpu"))
+        peak = peak_bytes(run, alive, device)
         h.grad = w.grad = None
-        flops = count_flops(functools.partial(step, fn))
+        flops = count_flops(run)
         h.grad = w.grad = None
+        times = []
+        for i in range(a.repeats + 1):
+            _sync(device)
+            t0 = time.perf_counter()
+            run()
+            _sync(device)
+            if i:  # the first run warms up
+                times.append(time.perf_counter() - t0)
+            h.grad = w.grad = None
         record = {
             "design": name,
             "tokens": a.tokens,
             "vocab": a.vocab,
             "hidden": a.hidden,
-            "dtype": "float32",
+            "dtype": a.dtype,
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "peak_mib": round(peak / 2**20, 1),
             "flops_over_L": flops / big_l,
+            "time_ms": round(1000 * statistics.median(times), 1) if times else None,
             "torch": torch.__version__,
         }
         print(json.dumps(record), flush=True)

@@ -85,48 +85,66 @@ def _tiles(
     slot_b = GradSlot(bias, cd, scratch) if need[2] and bias is not None else None
     dh = torch.empty_like(hidden) if need[0] else None
     grads = any(need)
-    wide = torch.promote_types(cd, torch.float32)
     with torch.no_grad(), torch.autocast(hidden.device.type, enabled=False):
         for start, stop in run.plan.bounds():
-            rows = slice(start, stop)
-            ht = hidden[rows].to(cd)
-            y, v = run.targets[rows], run.counted[rows]
-            y = torch.where(v, y, torch.zeros_like(y))
-            z = torch.nn.functional.linear(ht, w, b)  # (n, V), compute dtype
-            zc = z if run.softcap is None else _softcap(z, run.softcap)
-            # float32 at least; zc itself when no cast is needed (it is not needed again)
-            zf = zc.to(wide)
-            if run.temperature != 1.0:
-                zf = zf / run.temperature
-            lse = torch.logsumexp(zf, dim=-1)
-            if record:
-                run.math.values(zf, lse, y, v, rows)
-            if not grads:
-                continue
-            up = None if upstream is None else [u if u is None else u[rows] for u in upstream]
-            dzf = run.math.grad(zf, lse, y, v, up)
-            del zf
-            if run.temperature != 1.0:
-                dzf = dzf.div_(run.temperature)
-            dz = dzf.to(z.dtype)
-            del dzf
-            if run.softcap is not None:
-                z_leaf = z.detach().requires_grad_()
-                with torch.enable_grad():
-                    capped = _softcap(z_leaf, run.softcap)
-                (dz,) = torch.autograd.grad(capped, z_leaf, dz)
-            if slot_w is not None:
-                slot_w.add_mm(dz.t(), ht)
-            if slot_b is not None:
-                slot_b.add_rows(dz)
-            if dh is not None:
-                if dh.dtype == dz.dtype:
-                    torch.mm(dz, w, out=dh[rows])
-                else:
-                    dh[rows].copy_(torch.mm(dz, w))
+            # one function call per tile: its (n x V) temporaries are freed before the next
+            _tile(hidden, run, w, b, slice(start, stop), cd, upstream, record, grads,
+                  slot_w, slot_b, dh)  # fmt: skip
     run.dh = dh
     run.dw = None if slot_w is None else _result(slot_w, weight)
     run.db = None if slot_b is None or bias is None else _result(slot_b, bias)
+
+
+def _tile(
+    hidden: torch.Tensor,
+    run: HeadRun,
+    w: torch.Tensor,
+    b: torch.Tensor | None,
+    rows: slice,
+    cd: torch.dtype,
+    upstream: list[torch.Tensor | None] | None,
+    record: bool,
+    grads: bool,
+    slot_w: GradSlot | None,
+    slot_b: GradSlot | None,
+    dh: torch.Tensor | None,
+) -> None:
+    ht = hidden[rows].to(cd)
+    y, v = run.targets[rows], run.counted[rows]
+    y = torch.where(v, y, torch.zeros_like(y))
+    z = torch.nn.functional.linear(ht, w, b)  # (n, V), compute dtype
+    zc = z if run.softcap is None else _softcap(z, run.softcap)
+    # float32 at least; zc itself when no cast is needed (it is not needed again)
+    zf = zc.to(torch.promote_types(cd, torch.float32))
+    del zc
+    if run.temperature != 1.0:
+        zf = zf.div_(run.temperature) if zf is not z else zf / run.temperature
+    lse = torch.logsumexp(zf, dim=-1)
+    if record:
+        run.math.values(zf, lse, y, v, rows)
+    if not grads:
+        return
+    up = None if upstream is None else [u if u is None else u[rows] for u in upstream]
+    dz = run.math.grad(zf, lse, y, v, up)  # may reuse zf's storage
+    del zf
+    if run.temperature != 1.0:
+        dz = dz.div_(run.temperature)
+    dz = dz.to(z.dtype)
+    if run.softcap is not None:
+        z_leaf = z.detach().requires_grad_()
+        with torch.enable_grad():
+            capped = _softcap(z_leaf, run.softcap)
+        (dz,) = torch.autograd.grad(capped, z_leaf, dz)
+    del z
+    if slot_w is not None:
+        slot_w.add_mm(dz.t(), ht)
+    if slot_b is not None:
+        slot_b.add_rows(dz)
+    if dh is not None:
+        if dh.dtype == dz.dtype:
+            torch.mm(dz, w, out=dh[rows])
+        else:
+            dh[rows].copy_(torch.mm(dz, w))
 
 
 def _result(slot: GradSlot, like: torch.Tensor) -> torch.Tensor:

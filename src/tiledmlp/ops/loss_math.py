@@ -213,7 +213,7 @@ class LogprobMath(TileMath):
 
     def _entropy(self, zf: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
         p = (zf - lse.unsqueeze(1)).exp_()
-        return lse - (p * zf).sum(dim=-1)
+        return lse - p.mul_(zf).sum(dim=-1)
 
     def values(
         self, zf: torch.Tensor, lse: torch.Tensor, y: torch.Tensor, v: torch.Tensor, rows: slice
@@ -231,19 +231,22 @@ class LogprobMath(TileMath):
         v: torch.Tensor,
         upstream: list[torch.Tensor | None] | None,
     ) -> torch.Tensor:
+        # d/dzf = g_lp * (e_y - p) - g_h * p * (log p + H), built in place: two (n x V) tensors
         assert upstream is not None
         vf = v.to(self.dtype)
-        g_lp = None if upstream[0] is None else upstream[0].to(self.dtype) * vf
+        g_lp = vf * (0.0 if upstream[0] is None else upstream[0].to(self.dtype))
         g_h = None
         if self.entropy and len(upstream) > 1 and upstream[1] is not None:
             g_h = upstream[1].to(self.dtype) * vf
         ent = self._entropy(zf, lse) if g_h is not None else None
-        logp = zf.sub_(lse.unsqueeze(1))  # zf - lse, in place
+        logp = zf.sub_(lse.unsqueeze(1))  # in place: zf is not needed again
         p = logp.exp()
-        out = torch.zeros_like(p)
-        if g_lp is not None:
-            out.sub_(p * g_lp.unsqueeze(1))
-            out.scatter_add_(1, y.unsqueeze(1), g_lp.unsqueeze(1))
         if g_h is not None and ent is not None:
-            out.sub_(p * (logp + ent.unsqueeze(1)) * g_h.unsqueeze(1))
+            coef = logp.add_(ent.unsqueeze(1)).mul_(g_h.unsqueeze(1))  # (log p + H) * g_h
+            coef.add_(g_lp.unsqueeze(1))
+        else:
+            coef = logp.fill_(0.0).add_(g_lp.unsqueeze(1))
+        out = coef.mul_(p).neg_()
+        del p
+        out.scatter_add_(1, y.unsqueeze(1), g_lp.unsqueeze(1))
         return out
