@@ -154,8 +154,8 @@ def _result(slot: GradSlot, like: torch.Tensor) -> torch.Tensor:
 
 class _ScalarHead(torch.autograd.Function):
     """Scalar outputs: gradients formed in the forward (upstream 1), scaled in the backward.
-    Inputs: hidden (tokens, hidden), the run, weight, bias or None. Output: a dummy scalar whose
-    value the caller replaces by the math's (so the output stays a plain function output)."""
+    Inputs: hidden (tokens, hidden), the run, weight, bias or None. Output: the math's scalar
+    (math.total())."""
 
     @staticmethod
     def forward(
