@@ -299,3 +299,54 @@ def test_loss_bench_designs_and_their_flops(capsys: pytest.CaptureFixture[str]) 
     flops = {name: r["flops_over_L"] for name, r in records.items()}
     assert flops == {"tiled": 3, "tiled_eval": 1, "logprobs": 4, "recompute": 4, "untiled": 3}
     assert all(r["time_ms"] > 0 and r["peak_mib"] > 0 for r in records.values())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_bf16_options_and_logprobs_within_twice_untiled() -> None:
+    # The same 2x rule on the GPU's bf16 matmuls, every option at once; and Liger's fused loss
+    # (when installed) agrees with ours as closely as with the untiled computation.
+    g = torch.Generator().manual_seed(5)
+    n, hid, v = 4096, 256, 32000
+    h = torch.randn(n, hid, generator=g)
+    w = torch.randn(v, hid, generator=g) * 0.05
+    labels = torch.randint(0, v, (n,), generator=g)
+    mask = torch.rand(n, generator=g) > 0.1
+    dev = torch.device("cuda")
+    h64, w64 = (t.to(dev, torch.float64).requires_grad_() for t in (h, w))
+    hb, wb = (t.to(dev, torch.bfloat16).requires_grad_() for t in (h, w))
+    labels, mask = labels.to(dev), mask.to(dev)
+    kw = dict(reduction="mean", label_smoothing=0.1, weight=None, z_loss=1e-4, mask=mask,
+              softcap=30.0)  # fmt: skip
+
+    def ours(h, w):
+        return tiled_cross_entropy(h, w, labels, num_tiles=8, **kw)
+
+    def ref(h, w):
+        return reference_ce(h, w, None, labels, **kw)
+
+    def run(fn, h, w):
+        out = fn(h, w)
+        return [out.detach(), *torch.autograd.grad(out, (h, w))]
+
+    exact, tiled, untiled = run(ref, h64, w64), run(ours, hb, wb), run(ref, hb, wb)
+    for name, t, u, r in zip(["loss", "h", "w"], tiled, untiled, exact):
+        et, eu = (t.double() - r).abs().max().item(), (u.double() - r).abs().max().item()
+        assert et <= 2 * eu + 1e-6, f"{name}: tiled error {et:.3e} > 2 x untiled {eu:.3e}"
+    lp = tiled_token_logprobs(hb, wb, labels, temperature=0.9, mask=mask)
+    ref_lp, _ = reference_logprobs(h64, w64, None, labels, temperature=0.9, softcap=None,
+                                   mask=mask)  # fmt: skip
+    low_lp, _ = reference_logprobs(hb, wb, None, labels, temperature=0.9, softcap=None,
+                                   mask=mask)  # fmt: skip
+    et = (lp.double() - ref_lp).abs().max().item()
+    eu = (low_lp.double() - ref_lp).abs().max().item()
+    assert et <= 2 * eu + 1e-6
+    try:
+        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+    except ImportError:
+        return
+    plain = tiled_cross_entropy(hb, wb, labels).double()
+    liger = LigerFusedLinearCrossEntropyLoss()(wb, hb, labels)
+    liger = (liger[0] if isinstance(liger, tuple) else liger).double()
+    exact_plain = F.cross_entropy(F.linear(h64, w64), labels)
+    assert (plain - exact_plain).abs() <= 2 * (liger - exact_plain).abs() + 1e-4
