@@ -112,6 +112,16 @@ def test_depth_extrapolation_equals_simulating_every_layer(stack: str, optimizer
     assert fast == exact
 
 
+@pytest.mark.parametrize("policy", ["arctic", "target:0.001"])
+def test_mlp_only_policies_plan_the_loss_with_auto(policy: str) -> None:
+    # "arctic" and "target:<GB>" are MLP policies; the tiled loss then uses "auto", as
+    # patch_model(tiled_loss=True) does (the plan used to stop with the loss's error)
+    cfg = _config()
+    kw: dict[str, Any] = {"seq_len": 4096, "stack": "tiled_mlp_loss", "dtype": torch.float32}
+    named = estimate_step(cfg, num_tiles=policy, **kw)
+    assert named.peak < estimate_step(cfg, stack="untiled", seq_len=4096, dtype=torch.float32).peak
+
+
 def test_the_stacks_order_and_what_offloading_removes() -> None:
     cfg = _config(vocab_size=8192)  # logits larger than a hidden state, as in real models
     peaks = {

@@ -299,9 +299,11 @@ def _simulate(
                 loss = model.loss_function(logits, ids, vocab_size=text.vocab_size)
                 del logits
             else:
-                # the same tile policy as the MLPs, as patch_model(tiled_loss=True) applies
+                # the loss's policy as patch_model(tiled_loss=True) sets it: the MLPs' tile
+                # count, or "auto" for the MLP-only policies ("arctic", "target:<GB>")
+                loss_tiles = num_tiles if isinstance(num_tiles, int) else "auto"
                 loss = tiled_cross_entropy(
-                    hidden, head.weight, ids, bias=head.bias, num_tiles=num_tiles, shift=True
+                    hidden, head.weight, ids, bias=head.bias, num_tiles=loss_tiles, shift=True
                 )
             del hidden
             tracker.phase = "backward"
