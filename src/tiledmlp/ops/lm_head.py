@@ -118,7 +118,8 @@ def _tile(
     zf = zc.to(torch.promote_types(cd, torch.float32))
     del zc
     if run.temperature != 1.0:
-        zf = zf.div_(run.temperature) if zf is not z else zf / run.temperature
+        # in place, also when zf is z: z is read again only for its dtype (no soft-cap here)
+        zf.div_(run.temperature)
     lse = torch.logsumexp(zf, dim=-1)
     if record:
         run.math.values(zf, lse, y, v, rows)
@@ -196,8 +197,7 @@ class _TokenHead(torch.autograd.Function):
         _tiles(hidden, run, weight, bias, (False, False, False), None, record=True)
         ctx.run = run
         ctx.save_for_backward(hidden, weight, bias)
-        outs = tuple(o.clone() for o in run.math.outputs())
-        return outs if len(outs) > 1 else outs[0]
+        return _outputs(run, clone=True)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> Any:
@@ -207,6 +207,12 @@ class _TokenHead(torch.autograd.Function):
         needs = ctx.needs_input_grad
         _tiles(hidden, run, weight, bias, (needs[0], needs[2], needs[3]), list(grads), False)
         return run.dh, None, run.dw, run.db
+
+
+def _outputs(run: HeadRun, clone: bool) -> Any:
+    """The math's per-token output, or the tuple of them when there are several."""
+    outs = tuple(o.clone() if clone else o for o in run.math.outputs())
+    return outs if len(outs) > 1 else outs[0]
 
 
 def run_head(
@@ -219,10 +225,7 @@ def run_head(
     )
     if not wants:
         _tiles(hidden.detach(), run, weight, bias, (False, False, False), None, record=True)
-        if run.math.per_token:
-            outs = run.math.outputs()
-            return outs if len(outs) > 1 else outs[0]
-        return run.math.total()
+        return _outputs(run, clone=False) if run.math.per_token else run.math.total()
     if run.math.per_token:
         return _TokenHead.apply(hidden, run, weight, bias)
     return _ScalarHead.apply(hidden, run, weight, bias)

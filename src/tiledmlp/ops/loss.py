@@ -31,7 +31,13 @@ from tiledmlp.ops.probe import absent
 from tiledmlp.ops.state import AutocastState
 from tiledmlp.ops.tiles import TilePlan, split_by_tile_tokens, split_even
 
-__all__ = ["CrossEntropyOutput", "shift_labels", "tiled_cross_entropy", "tiled_token_logprobs"]
+__all__ = [
+    "CrossEntropyOutput",
+    "loss_policy",
+    "shift_labels",
+    "tiled_cross_entropy",
+    "tiled_token_logprobs",
+]
 
 _REDUCTIONS = ("mean", "sum", "none")
 
@@ -59,15 +65,20 @@ def shift_labels(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor
     Args:
         labels: (batch, seq) or (seq,) integer labels.
     """
-    pad = torch.full(
-        (*labels.shape[:-1], 1), ignore_index, dtype=labels.dtype, device=labels.device
-    )
-    return torch.cat([labels[..., 1:], pad], dim=-1)
+    return _shift(labels, ignore_index)
 
 
-def _shift_mask(mask: torch.Tensor) -> torch.Tensor:
-    pad = torch.zeros((*mask.shape[:-1], 1), dtype=torch.bool, device=mask.device)
-    return torch.cat([mask[..., 1:], pad], dim=-1)
+def _shift(t: torch.Tensor, fill: int | bool) -> torch.Tensor:
+    """t[..., 1:] with `fill` appended along the last dimension."""
+    pad = torch.full((*t.shape[:-1], 1), fill, dtype=t.dtype, device=t.device)
+    return torch.cat([t[..., 1:], pad], dim=-1)
+
+
+def loss_policy(num_tiles: int | str, tile_tokens: int | None = None) -> int | str:
+    """The loss's tile policy for an MLP tile policy: the same tile count, or "auto" for the
+    MLP-only policies ("arctic", "target:<GB>") and for tokens-per-tile (what
+    patch_model(tiled_loss=True) and the planner give the loss)."""
+    return num_tiles if isinstance(num_tiles, int) and tile_tokens is None else "auto"
 
 
 def _plan(num_tokens: int, hidden: int, elem: int, num_tiles: Any, tile_tokens: Any) -> TilePlan:
@@ -143,7 +154,7 @@ def _targets(
     targets = shift_labels(labels, ignore_index) if shift else labels
     counted = targets != ignore_index
     if mask is not None:
-        counted = counted & (_shift_mask(mask) if shift else mask)
+        counted = counted & (_shift(mask, False) if shift else mask)
     targets, counted = targets.reshape(-1), counted.reshape(-1)
     out_of_range = counted & ((targets < 0) | (targets >= vocab))
     if not absent(targets) and bool(out_of_range.any()):  # fake tensors (planning): no values

@@ -243,10 +243,10 @@ class LogprobMath(TileMath):
         p = logp.exp()
         if g_h is not None and ent is not None:
             coef = logp.add_(ent.unsqueeze(1)).mul_(g_h.unsqueeze(1))  # (log p + H) * g_h
-            coef.add_(g_lp.unsqueeze(1))
+            out = coef.add_(g_lp.unsqueeze(1)).mul_(p).neg_()
+            del p
         else:
-            coef = logp.fill_(0.0).add_(g_lp.unsqueeze(1))
-        out = coef.mul_(p).neg_()
-        del p
+            del logp
+            out = p.mul_(g_lp.neg().unsqueeze(1))
         out.scatter_add_(1, y.unsqueeze(1), g_lp.unsqueeze(1))
         return out

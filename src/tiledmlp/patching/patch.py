@@ -21,6 +21,7 @@ from torch import nn
 
 from tiledmlp.config import TiledMLPConfig
 from tiledmlp.ops.functional import tiled_mlp
+from tiledmlp.ops.loss import loss_policy
 from tiledmlp.ops.tiles import TileCount
 from tiledmlp.patching.agreement import StepTokens, install_agreement
 from tiledmlp.patching.bound import bind
@@ -208,9 +209,7 @@ def patch_model(
             _patch_one(cand.module, cand, config, step)
     loss = None
     if tiled_loss:
-        # The loss has its own rule for the MLP's named policies ("arctic", "target:<GB>").
-        loss_tiles = num_tiles if isinstance(num_tiles, int) and tile_tokens is None else "auto"
-        why = patch_loss(model, loss_tiles)
+        why = patch_loss(model, loss_policy(num_tiles, tile_tokens))
         if why is not None and not tiled_mlp:
             raise ValueError(
                 f"patch_model: the loss of {type(model).__name__} cannot be tiled: {why}"

@@ -38,7 +38,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from tiledmlp.ops.functional import tiled_mlp
-from tiledmlp.ops.loss import tiled_cross_entropy
+from tiledmlp.ops.loss import loss_policy, tiled_cross_entropy
 from tiledmlp.ops.offload import ActivationOffloader
 from tiledmlp.patching.detect import norms_of
 from tiledmlp.patching.offloading import before_forward, enable_checkpointing
@@ -299,11 +299,14 @@ def _simulate(
                 loss = model.loss_function(logits, ids, vocab_size=text.vocab_size)
                 del logits
             else:
-                # the loss's policy as patch_model(tiled_loss=True) sets it: the MLPs' tile
-                # count, or "auto" for the MLP-only policies ("arctic", "target:<GB>")
-                loss_tiles = num_tiles if isinstance(num_tiles, int) else "auto"
+                # the loss's policy as patch_model(tiled_loss=True) sets it
                 loss = tiled_cross_entropy(
-                    hidden, head.weight, ids, bias=head.bias, num_tiles=loss_tiles, shift=True
+                    hidden,
+                    head.weight,
+                    ids,
+                    bias=head.bias,
+                    num_tiles=loss_policy(num_tiles),
+                    shift=True,
                 )
             del hidden
             tracker.phase = "backward"

@@ -341,7 +341,6 @@ def run(opts: TrainOptions) -> dict[str, Any]:
     if resume == "latest":
         resume = True
     rank = args.process_index
-    start_step = 0
     start = time.perf_counter()
     try:
         trainer.train(resume_from_checkpoint=resume)
