@@ -21,6 +21,7 @@ def test_bench_writes_records_table_and_plot(tmp_path: Path) -> None:
     res = run(
         "bench", "--hidden", "32", "--intermediate", "64", "--seq-lens", "96,200",
         "--num-tiles", "3", "--repeats", "2", "--deepspeed", "off", "--out", str(out),
+        "--device", "cpu",  # the CPU's defaults (isolation) even on a machine with a GPU
     )  # fmt: skip
     assert res.returncode == 0, res.stderr
     records = [json.loads(line) for line in (out / "bench.jsonl").read_text().splitlines()]

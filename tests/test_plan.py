@@ -22,7 +22,9 @@ MiB = 2**20
 @pytest.mark.parametrize("tiles", [4, "auto"])
 def test_fake_estimate_equals_real_tensor_level_peak(tiles: int | str) -> None:
     h, m, n = 256, 768, 2048
-    est = plan_mlp(hidden=h, intermediate=m, seq_len=n, dtype=torch.float32, num_tiles=tiles)
+    est = plan_mlp(
+        hidden=h, intermediate=m, seq_len=n, dtype=torch.float32, num_tiles=tiles, device_type="cpu"
+    )
     torch.manual_seed(0)
     mlp = GatedMLP(h, m)
     x = torch.randn(1, n, h, requires_grad=True)
@@ -60,7 +62,7 @@ def test_untiled_estimate_within_10_percent_of_process_peak() -> None:
 
 def test_budget_recommendation_fits() -> None:
     h, m, n = 512, 1536, 8192
-    base = plan_mlp(hidden=h, intermediate=m, seq_len=n, dtype=torch.bfloat16)
+    base = plan_mlp(hidden=h, intermediate=m, seq_len=n, dtype=torch.bfloat16, device_type="cpu")
     budget = int((base["tiled_mib"] + base["regular_mib"]) / 2 * MiB)
     rec = plan_mlp(hidden=h, intermediate=m, seq_len=n, dtype=torch.bfloat16, budget_bytes=budget)
     assert rec["recommended_num_tiles"] >= 1 and rec["recommended_mib"] * MiB <= budget

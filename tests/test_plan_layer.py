@@ -46,7 +46,9 @@ def test_fake_layer_estimate_equals_real_tensor_level_peak(tiles: int | str) -> 
     import transformers as tr
 
     n = 2048
-    est = plan_layer(load_config("tiny"), seq_len=n, dtype=torch.float32, num_tiles=tiles)
+    est = plan_layer(
+        load_config("tiny"), seq_len=n, dtype=torch.float32, num_tiles=tiles, device_type="cpu"
+    )
     cfg = tr.LlamaConfig(**{**PRESETS["tiny"], "num_hidden_layers": 1, "use_cache": False})
     torch.manual_seed(0)
     model = tr.LlamaModel._from_config(cfg, attn_implementation="sdpa", dtype=torch.float32)
@@ -146,7 +148,7 @@ def test_load_config_sources(tmp_path: Path) -> None:
 
 
 def test_cli_model_json() -> None:
-    res = plan("--model", "tiny", "--seq-len", "4096", "--json")
+    res = plan("--model", "tiny", "--seq-len", "4096", "--device", "cpu", "--json")
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout)
     assert out["model_name"] == "tiny" and out["model_type"] == "llama"

@@ -44,6 +44,8 @@ def test_aliases_spellings_and_dtype_names() -> None:
         ({"tiled_mlp": "target:0.5"}, True, "target:0.5"),
         ({"tiled_mlp": "target: 2GB"}, True, "target:2"),
         ({"tiled_mlp": False}, False, "auto"),
+        ({"use_tiled_mlp": True, "tile_budget_gb": 0.5}, True, "target:0.5"),  # --tile-budget-gb
+        ({"tiled_mlp": "target:2", "tile_budget_gb": "2"}, True, "target:2"),
         ({}, False, "auto"),
     ],
 )
@@ -58,6 +60,14 @@ def test_the_seeds_keys_refuse_contradictions() -> None:
         tiling_from_args({"tiled_mlp": "arctic", "tiled_mlp_num_shards": 4})
     with pytest.raises(ValueError, match="disagree"):
         options_from({"num_tiles": 2, "tiled_mlp_num_shards": 4})
+    with pytest.raises(ValueError, match="disagree"):
+        tiling_from_args({"tiled_mlp_num_shards": 4, "tile_budget_gb": 1})
+    with pytest.raises(ValueError, match="disagree"):
+        options_from({"num_tiles": "arctic", "tile_budget_gb": 1})
+    for bad in (0, -1, "x", True):
+        with pytest.raises(ValueError, match="positive number of GiB"):
+            options_from({"tile_budget_gb": bad})
+    assert options_from({"tile_budget_gb": "0.25"}).num_tiles == "target:0.25"
 
 
 def test_patch_from_args_takes_each_seeds_recipe() -> None:
@@ -141,7 +151,7 @@ def test_cli_conventions(capsys: pytest.CaptureFixture[str]) -> None:
     assert done.value.code == 0 and capsys.readouterr().out.startswith("tiledmlp ")
     assert main(["env", "-v"]) == 0
     assert main(["plan", "--hidden", "64", "--intermediate", "128", "--seq_len", "256",
-                 "--dtype", "bf16", "--json"]) == 0  # fmt: skip
+                 "--dtype", "bf16", "--device", "cpu", "--json"]) == 0  # fmt: skip
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["tiles"] >= 1
 
 

@@ -59,6 +59,21 @@ def add_parser(sub: Any) -> None:
         help="tile policy to estimate: an int, 'auto' or 'arctic' (default: auto)",
     )
     pl.add_argument(
+        "--tile-budget-gb",
+        type=float,
+        default=None,
+        metavar="GB",
+        help="estimate the memory-target policy: each MLP's working memory within GB GiB (the "
+        "same as --num-tiles target:<GB>)",
+    )
+    pl.add_argument(
+        "--device",
+        choices=("cuda", "cpu"),
+        default="cuda",
+        help="the device to plan for: 'auto' picks fewer, larger tiles on a GPU than on the "
+        "CPU (default: cuda)",
+    )
+    pl.add_argument(
         "--budget-gb",
         type=float,
         default=None,
@@ -98,6 +113,19 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--budget-gb must be positive, got {args.budget_gb}")
     if args.memory_gb is not None and args.memory_gb <= 0:
         raise UsageError(f"--memory-gb must be positive, got {args.memory_gb}")
+    if args.tile_budget_gb is not None:
+        from tiledmlp.patching.args import parse_budget_gb
+
+        try:
+            target = parse_budget_gb(args.tile_budget_gb, "--tile-budget-gb")
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+        if args.num_tiles not in ("auto", target):
+            raise UsageError(
+                f"give --num-tiles {args.num_tiles} or --tile-budget-gb {args.tile_budget_gb}, "
+                "not both"
+            )
+        args.num_tiles = target
     whole = (
         ("--gradient-checkpointing", args.gradient_checkpointing),
         (
@@ -134,11 +162,18 @@ def run(args: argparse.Namespace) -> int:
         dtype=dtype,
         num_tiles=args.num_tiles,
         budget_bytes=None if args.budget_gb is None else int(args.budget_gb * 2**30),
+        device_type=args.device,
     )
     if config is not None:
         from tiledmlp.plan.layer import plan_layer
 
-        layer = plan_layer(config, seq_len=args.seq_len, dtype=dtype, num_tiles=args.num_tiles)
+        layer = plan_layer(
+            config,
+            seq_len=args.seq_len,
+            dtype=dtype,
+            num_tiles=args.num_tiles,
+            device_type=args.device,
+        )
         from tiledmlp.plan.model import plan_model
 
         stacks = plan_model(
@@ -149,6 +184,7 @@ def run(args: argparse.Namespace) -> int:
             optimizer=args.optimizer,
             num_tiles=args.num_tiles,
             budget_bytes=None if args.memory_gb is None else int(args.memory_gb * 2**30),
+            device_type=args.device,
         )
         result.update(
             model_name=args.model,
@@ -156,6 +192,7 @@ def run(args: argparse.Namespace) -> int:
             optimizer=args.optimizer,
             gradient_checkpointing=args.gradient_checkpointing,
             memory_gb=args.memory_gb,
+            device=args.device,
             model_type=layer["model_type"],
             layer_tiles=layer["tiles"],
             layer_regular_mib=layer["regular_mib"],

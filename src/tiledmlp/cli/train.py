@@ -80,6 +80,8 @@ def add_parser(sub: Any) -> None:
          "--num-tiles)")  # fmt: skip
     flag("--num-tiles", help="tiles per MLP: an int, 'auto', 'arctic' or 'target:<GB>' "
          "(default: auto)")  # fmt: skip
+    flag("--tile-budget-gb", metavar="GB", help="each MLP's working-memory budget in GiB: the "
+         "fewest tiles that fit it (the same as --num-tiles target:<GB>)")  # fmt: skip
     flag("--tiled-loss", metavar="true|false", help="compute the loss with tiled_cross_entropy "
          "when tiling (default: true)")  # fmt: skip
     switch = _Switch(t)

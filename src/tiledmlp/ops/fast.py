@@ -78,6 +78,8 @@ class FastEngine:
         return [None if p is None else p.to(dtype) for p in self._slots]
 
     def _act(self, g: torch.Tensor) -> torch.Tensor:
+        if not self.autocast.enabled:
+            return self.structure.act(g)  # every caller already runs with autocast off
         with self.autocast.restore():
             return self.structure.act(g)
 
@@ -175,8 +177,9 @@ class FastEngine:
         w = self._cast(cd)
         need_iter = iter(needs_params)
         scratch = Scratch()
+        single = plan.num_tiles == 1
         slots: list[GradSlot | None] = [
-            None if p is None else (GradSlot(p, cd, scratch) if next(need_iter) else None)
+            None if p is None else (GradSlot(p, cd, scratch, single) if next(need_iter) else None)
             for p in self._slots
         ]
         need_up = needs_x or any(sl is not None for sl in slots[:-2])

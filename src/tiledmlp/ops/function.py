@@ -66,9 +66,9 @@ class TiledRun:
     extras: tuple[torch.Tensor, ...] = ()
     extra_nodes: tuple[Any, ...] = ()
     layouts_keep_lead: tuple[bool, ...] = ()
-    versions: tuple[tuple[str, torch.Tensor, int], ...] = ()
+    versions: tuple[tuple[object, torch.Tensor, int], ...] = ()
 
-    def record_versions(self, named: Sequence[tuple[str, torch.Tensor]]) -> None:
+    def record_versions(self, named: Sequence[tuple[object, torch.Tensor]]) -> None:
         """Remembers the version counters of the tensors the backward recomputes from but does
         not save (the weights, kept by reference; extra inputs that need no grad)."""
         self.versions = tuple((name, t, t._version) for name, t in named)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -93,7 +94,7 @@ def tiled_mlp(
         return call(x, *args)  # the tiled op is running this module's own forward: never tile twice
     backend = backend if backend is not None else LOCAL
     structure = None if args else recognise(mlp, call, ignore_hooks=backend.engine_hooks)
-    with backend.gathered(list(mlp.parameters())):
+    with nullcontext() if backend is LOCAL else backend.gathered(list(mlp.parameters())):
         out, plan = _run(
             mlp, x, args, structure, call, backend, num_tiles, tile_tokens, plan_tokens
         )
@@ -139,9 +140,8 @@ def _run(
         extras=tuple(args),
         extra_nodes=tuple(node for _, node in anchored),
     )
-    names = {id(p): f"parameter {n!r}" for n, p in mlp.named_parameters()}
     run.record_versions(
-        [(names.get(id(w), "a weight of the MLP"), w) for w in engine.weights]
+        [(_ParamName(mlp, w), w) for w in engine.weights]
         + [(f"extra input {i}", a) for i, (a, node) in enumerate(anchored) if node is None]
     )
     if not needs_grad:
@@ -234,6 +234,21 @@ def _prepare(
     if agreed is None:
         return engine, None
     return engine, split_even(num_tokens, agreed.num_tiles)
+
+
+class _ParamName:
+    """A parameter's name in the message of a failed version check, looked up only then (a
+    per-call named_parameters() walk would cost more than a small tile's work)."""
+
+    def __init__(self, mlp: nn.Module, param: torch.Tensor) -> None:
+        self.mlp = mlp
+        self.param = param
+
+    def __str__(self) -> str:
+        for name, p in self.mlp.named_parameters():
+            if p is self.param:
+                return f"parameter {name!r}"
+        return "a weight of the MLP"
 
 
 def _output_slots(run: TiledRun) -> list[bool | None]:

@@ -2,17 +2,46 @@
 
 Invariant: each parameter's gradient is summed over tiles in ONE buffer and handed to autograd
 once. When the parameter (or the compute dtype) is lower precision than float32, the buffer is
-float32 and the tile contributions are exact upcasts of the tile GEMM results, so rounding to the
-parameter dtype happens once, at the end, never once per tile.
+float32 and rounding to the parameter dtype happens once, at the end, never once per tile. Where
+the backend supports a float32 output for low-precision GEMM inputs (CUDA:
+`torch.addmm(acc32, a, b, out_dtype=torch.float32, out=acc32)`), each tile's product is
+accumulated in float32 inside the GEMM (no rounding of the tile's product, no scratch buffer);
+elsewhere (the CPU) the tile's product is formed in the compute dtype in a shared scratch and
+added to the float32 buffer. Each accumulator is released as soon as its gradient is formed.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["GradSlot", "Scratch"]
+__all__ = ["GradSlot", "Scratch", "fp32_epilogue"]
 
 _WIDE = (torch.float32, torch.float64)
+_EPILOGUE: dict[tuple[str, torch.dtype], bool] = {}
+
+
+def fp32_epilogue(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether GEMMs on `device` with inputs of `dtype` can accumulate into a float32 output
+    (`torch.addmm(..., out_dtype=torch.float32)`). Probed once per device type and dtype on a
+    2x2 product whose exact result is known; any failure means no (the scratch path is used).
+    Depends only on the device type, the dtype and the installed torch, so ranks agree.
+    """
+    key = (device.type, dtype)
+    known = _EPILOGUE.get(key)
+    if known is not None:
+        return known
+    ok = False
+    if dtype in (torch.bfloat16, torch.float16) and device.type != "meta":
+        try:
+            a = torch.tensor([[1.0, 2.0], [3.0, 4.0]], dtype=dtype, device=device)
+            acc = torch.mm(a, a, out_dtype=torch.float32)
+            torch.addmm(acc, a, a, out_dtype=torch.float32, out=acc)
+            want = torch.tensor([[14.0, 20.0], [30.0, 44.0]], device=device)
+            ok = acc.dtype == torch.float32 and bool(torch.equal(acc, want))
+        except (RuntimeError, NotImplementedError, TypeError):
+            ok = False
+    _EPILOGUE[key] = ok
+    return ok
 
 
 class Scratch:
@@ -41,12 +70,21 @@ class GradSlot:
         param: the parameter (its shape and dtype define the returned gradient).
         compute_dtype: dtype the tile GEMMs run in.
         scratch: shared buffer for low-precision tile results.
+        single: the caller adds exactly one product (a one-tile plan): it is kept as the GEMM
+            returns it, rounded once like the untiled module's, with no float32 buffer.
     """
 
-    def __init__(self, param: torch.Tensor, compute_dtype: torch.dtype, scratch: Scratch) -> None:
+    def __init__(
+        self,
+        param: torch.Tensor,
+        compute_dtype: torch.dtype,
+        scratch: Scratch,
+        single: bool = False,
+    ) -> None:
         self.param = param
         self.compute_dtype = compute_dtype
-        self.direct = param.dtype == compute_dtype and param.dtype in _WIDE
+        self.direct = single or (param.dtype == compute_dtype and param.dtype in _WIDE)
+        self.epilogue = not self.direct and fp32_epilogue(param.device, compute_dtype)
         self.scratch = scratch
         self.acc: torch.Tensor | None = None
 
@@ -63,6 +101,12 @@ class GradSlot:
                 self.acc = torch.mm(a, b)
             else:
                 torch.addmm(self.acc, a, b, out=self.acc)
+            return
+        if self.epilogue:
+            if self.acc is None:
+                self.acc = torch.mm(a, b, out_dtype=torch.float32)
+            else:
+                torch.addmm(self.acc, a, b, out_dtype=torch.float32, out=self.acc)
             return
         tile = self.scratch.view(self.param.shape, self.compute_dtype, self.param.device)
         torch.mm(a, b, out=tile)
@@ -88,8 +132,9 @@ class GradSlot:
 
     def result(self) -> torch.Tensor | None:
         """The summed gradient in the parameter's dtype; None if no tile contributed (as with
-        the untiled module, whose graph would not reach the parameter)."""
-        acc = self.acc
+        the untiled module, whose graph would not reach the parameter). The slot lets go of its
+        accumulator, so a float32 buffer dies as soon as its gradient exists."""
+        acc, self.acc = self.acc, None
         if acc is None:
             return None
         return acc if acc.dtype == self.param.dtype else acc.to(self.param.dtype)

@@ -38,12 +38,13 @@ def refuse_double_backward(op: str) -> None:
         )
 
 
-def check_versions(op: str, versions: Sequence[tuple[str, torch.Tensor, int]]) -> None:
+def check_versions(op: str, versions: Sequence[tuple[object, torch.Tensor, int]]) -> None:
     """Raises like autograd does for a saved tensor modified in place.
 
     Args:
         op: the op's name, for the message.
-        versions: (description, tensor, its version counter when the forward ran).
+        versions: (description (str() is taken only for the message), tensor, its version
+            counter when the forward ran).
     """
     for name, t, version in versions:
         if t._version != version:

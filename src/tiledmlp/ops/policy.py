@@ -10,32 +10,63 @@ untiled when the untiled module's intermediates fit. Tiles are never smaller tha
 Modules without a fast path have no memory model: their intermediates are taken as those of a
 gated MLP with intermediate size 4 x hidden (GENERIC_WIDTH), in the input's dtype.
 
-"auto" for a recognised MLP: tiles of about `weight_bytes / (c_t * m * e)` tokens, i.e. a tile's
-transient intermediates are about the size of the MLP's weights (c_t (n, m) tensors of e bytes per
-token row, see fast.py). It runs untiled unless its memory model predicts that tiling needs at
-most half the untiled module's intermediates (short sequences run untiled), so "auto" never
-costs memory and costs no recompute where it saves little (tests/test_policy.py measures this). For modules without a fast path it uses the paper's rule
-beyond two tiles' worth of tokens and runs untiled below.
+"auto" for a recognised MLP on the CPU: tiles of about `weight_bytes / (c_t * m * e)` tokens,
+i.e. a tile's transient intermediates are about the size of the MLP's weights (c_t (n, m) tensors
+of e bytes per token row, see fast.py). It runs untiled unless its memory model predicts that
+tiling needs at most half the untiled module's intermediates (short sequences run untiled), so
+"auto" never costs memory and costs no recompute where it saves little (tests/test_policy.py
+measures this).
 
-Invariant: the resolution depends only on the token count, the module's shapes and dtypes, and
-the policy; never on free memory, so every rank with the same inputs gets the same plan.
+"auto" for a recognised MLP on an accelerator (any device but the CPU) is time-aware: small tiles
+lose GEMM efficiency and add a pass over every weight-sized accumulator per tile, while the
+memory saving is nearly all captured by a few large tiles. It takes the largest tiles that keep
+ACCELERATOR_SAVING (90%) of the saving the memory model says tiling can reach (untiled
+intermediates minus the accumulators), within a token budget of ACCELERATOR_MIN_TILE_TOKENS (8K)
+to ACCELERATOR_MAX_TILE_TOKENS (32K) tokens per tile; untiled when that leaves fewer than two
+tiles or saves nothing. (Hidden 4096 / intermediate 12288 in bf16: untiled at 8K tokens, 2 tiles
+at 16K, 4 at 32K, 10 at 128K, 16 at 512K.)
+
+For modules without a fast path "auto" uses the paper's rule beyond two tiles' worth of tokens
+and runs untiled below.
+
+Invariant: the resolution depends only on the token count, the module's shapes, dtypes and device
+type, and the policy; never on free memory, so every rank with the same inputs gets the same
+plan. The planner resolves for an accelerator on fake CPU tensors with `assume_device`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 
+from tiledmlp.ops.grads import fp32_epilogue
 from tiledmlp.ops.structure import MLPKind, MLPStructure
 from tiledmlp.ops.tiles import TilePlan, arctic_num_tiles, split_by_tile_tokens, split_even
 
-__all__ = ["MemoryModel", "resolve_plan", "validate_policy"]
+__all__ = ["MemoryModel", "assume_device", "resolve_plan", "validate_policy"]
 
 _NAMED = ("auto", "arctic")
 _TARGET = "target:"
 GENERIC_WIDTH = 4  # intermediate / hidden assumed for "target:<GB>" without a memory model
+ACCELERATOR_MIN_TILE_TOKENS = 8192
+ACCELERATOR_MAX_TILE_TOKENS = 32768
+ACCELERATOR_SAVING = 0.9
+_ASSUMED: list[str] = []  # device types set by assume_device, innermost last
+
+
+@contextlib.contextmanager
+def assume_device(device_type: str) -> Iterator[None]:
+    """Within the block, "auto" resolves as on `device_type` whatever device the tensors are on
+    (the planner estimates a GPU's step on fake CPU tensors)."""
+    _ASSUMED.append(device_type)
+    try:
+        yield
+    finally:
+        _ASSUMED.pop()
 
 
 def target_bytes(num_tiles: object) -> float | None:
@@ -123,18 +154,37 @@ class MemoryModel:
 
     def _acc_bytes(self) -> float:
         """Extra bytes of grads.GradSlot: a float32 accumulator beside the final low-precision
-        gradient, and one shared scratch in the compute dtype, for every parameter whose
-        gradient is not summed in place (see grads.py)."""
+        gradient for every parameter whose gradient is not summed in place, and one shared
+        scratch in the compute dtype where the GEMM cannot accumulate in float32 (see
+        grads.py)."""
         wide = (torch.float32, torch.float64)
         params = self._params()
         indirect = [p for p in params if not (p.dtype == self.compute_dtype and p.dtype in wide)]
         if not indirect:
             return 0.0
         acc = sum(4 * p.numel() for p in indirect if p.dtype not in wide)
+        if fp32_epilogue(indirect[0].device, self.compute_dtype):
+            return acc  # tile products accumulate in the GEMM: no scratch
         return acc + max(p.numel() for p in indirect) * self._elem
 
     def weight_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self._params())
+
+    @property
+    def on_accelerator(self) -> bool:
+        """Whether the "auto" rule is the accelerator's (module docstring)."""
+        if _ASSUMED:
+            return _ASSUMED[-1] != "cpu"
+        params = self._params()
+        return bool(params) and params[0].device.type not in ("cpu", "meta")
+
+    def accelerator_tile_tokens(self, num_tokens: int) -> int:
+        """The accelerator's "auto" tile size for `num_tokens` tokens (module docstring)."""
+        fixed = self.tiled_bytes(0)
+        per_token = self.tiled_bytes(1) - fixed
+        reachable = self.untiled_bytes(num_tokens) - fixed
+        keep = int((1 - ACCELERATOR_SAVING) * reachable // per_token) if per_token > 0 else 0
+        return min(max(ACCELERATOR_MIN_TILE_TOKENS, keep), ACCELERATOR_MAX_TILE_TOKENS)
 
     def auto_tile_tokens(self) -> int:
         c = self.TILED_PLAIN if self.structure.kind is MLPKind.PLAIN else self.TILED_GATED
@@ -173,6 +223,12 @@ def resolve_plan(
         if num_tokens < 2 * hidden_size:
             return None
         return split_even(num_tokens, arctic_num_tiles(num_tokens, hidden_size))
+    if model.on_accelerator:
+        tiles = math.ceil(num_tokens / model.accelerator_tile_tokens(num_tokens))
+        tiled = model.tiled_bytes(math.ceil(num_tokens / max(tiles, 1)))
+        if tiles < 2 or tiled >= model.untiled_bytes(num_tokens):
+            return None
+        return split_even(num_tokens, tiles)
     target = model.auto_tile_tokens()
     tiles = math.ceil(num_tokens / target)
     tiled = model.tiled_bytes(math.ceil(num_tokens / tiles))

@@ -4,7 +4,8 @@
   `tiled_mlp_num_shards: N`;
 - axolotl: `tiled_mlp: true`, `tiled_mlp_num_shards: N`;
 - unsloth's tile-mode strings under `tiled_mlp`: `"arctic"` or `"target:<GB>"` (the memory-target
-  policy, ops/policy.py); an int or `"auto"` there too.
+  policy, ops/policy.py); an int or `"auto"` there too;
+- tiledmlp's own `tile_budget_gb: <GB>` (`--tile-budget-gb`), the same memory target as a number.
 This maps them once onto patch_model's num_tiles, so a recipe written for any of them runs
 unchanged.
 
@@ -21,7 +22,13 @@ from torch import nn
 from tiledmlp.ops.policy import target_bytes
 from tiledmlp.patching.patch import PatchReport, patch_model
 
-__all__ = ["parse_bool", "parse_tiles", "patch_from_args", "tiling_from_args"]
+__all__ = [
+    "parse_bool",
+    "parse_budget_gb",
+    "parse_tiles",
+    "patch_from_args",
+    "tiling_from_args",
+]
 
 _TRUE = {"true", "1", "yes", "on"}
 _FALSE = {"false", "0", "no", "off", ""}
@@ -67,12 +74,26 @@ def parse_tiles(value: Any, name: str = "tiled_mlp_num_shards") -> int | str:
     )
 
 
+def parse_budget_gb(value: Any, name: str = "tile_budget_gb") -> str:
+    """The "target:<GB>" policy of a tile memory budget in GiB (a positive number)."""
+    try:
+        gb = float(str(value).strip().lower().removesuffix("gb")) if value is not None else -1.0
+    except ValueError:
+        gb = -1.0
+    if isinstance(value, bool) or not gb > 0 or gb == float("inf"):
+        raise ValueError(
+            f"{name} must be a positive number of GiB (each MLP's working memory budget, e.g. "
+            f"2 or 0.5), got {value!r}"
+        )
+    return f"target:{gb:g}"
+
+
 def tiling_from_args(args: Any) -> tuple[bool, int | str]:
     """Whether a recipe turns tiling on, and its tile policy, from any seed's keys.
 
     `use_tiled_mlp` (ms-swift) or `tiled_mlp` (axolotl: a bool; unsloth: a mode string such
-    as "arctic" or "target:0.5") turns tiling on; `tiled_mlp_num_shards` gives the tile count.
-    A mode string and a shard count that disagree are refused.
+    as "arctic" or "target:0.5") turns tiling on; `tiled_mlp_num_shards` gives the tile count,
+    `tile_budget_gb` a memory target. Policies that disagree are refused.
 
     Raises:
         ValueError: a value of the wrong kind, or two keys that contradict each other.
@@ -100,6 +121,15 @@ def tiling_from_args(args: Any) -> tuple[bool, int | str]:
                 "disagree; give one"
             )
         policy = count
+    budget = _get(args, "tile_budget_gb")
+    if budget is not None:
+        target = parse_budget_gb(budget)
+        if policy is not None and policy != target:
+            raise ValueError(
+                f"tile_budget_gb={budget!r} and the tile policy {policy!r} (tiled_mlp / "
+                "tiled_mlp_num_shards) disagree; give one"
+            )
+        policy = target
     return enabled, "auto" if policy is None else policy
 
 

@@ -33,6 +33,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_flatten
 
 from tiledmlp.ops.functional import tile_plan, tiled_mlp
+from tiledmlp.ops.policy import assume_device
 from tiledmlp.ops.structure import recognise
 from tiledmlp.plan.fake_memory import fake_peak_bytes
 from tiledmlp.plan.mlp import estimate_fields
@@ -180,13 +181,18 @@ def _layer_inputs(
 
 
 def _estimate(
-    config: Any, seq_len: int, dtype: torch.dtype, tiles: int | str | None
+    config: Any,
+    seq_len: int,
+    dtype: torch.dtype,
+    tiles: int | str | None,
+    device_type: str = "cuda",
 ) -> tuple[int, int]:
-    """(peak bytes, tiles used) of one layer's forward + backward; tiles None means untiled."""
+    """(peak bytes, tiles used) of one layer's forward + backward; tiles None means untiled;
+    the tile policy resolves as on `device_type`."""
     import transformers
 
     cfg = cut_config(config)
-    with FakeTensorMode():
+    with FakeTensorMode(), assume_device(device_type):
         model = transformers.AutoModel.from_config(
             cfg, attn_implementation="sdpa", dtype=dtype, trust_remote_code=False
         )
@@ -218,7 +224,12 @@ def _estimate(
 
 
 def plan_layer(
-    config: Any, *, seq_len: int, dtype: torch.dtype, num_tiles: int | str = "auto"
+    config: Any,
+    *,
+    seq_len: int,
+    dtype: torch.dtype,
+    num_tiles: int | str = "auto",
+    device_type: str = "cuda",
 ) -> dict[str, Any]:
     """Estimated peak MiB of one decoder layer's forward + backward, untiled and with its MLP
     tiled.
@@ -229,6 +240,7 @@ def plan_layer(
         seq_len: tokens of the single sequence, hidden states (1, seq_len, hidden).
         dtype: dtype of weights and activations.
         num_tiles: the MLP's tile policy: a positive int, "auto" or "arctic" (see tiled_mlp).
+        device_type: the device whose "auto" rule to plan for (a GPU by default).
 
     Returns:
         {"model_type", "hidden", "intermediate", "seq_len", "dtype", "num_tiles",
@@ -240,7 +252,7 @@ def plan_layer(
     """
     hidden, intermediate = mlp_shape(config)
     regular, _ = _estimate(config, seq_len, dtype, None)
-    tiled, used = _estimate(config, seq_len, dtype, num_tiles)
+    tiled, used = _estimate(config, seq_len, dtype, num_tiles, device_type)
     cfg = config.get_text_config()
     return {
         "model_type": getattr(cfg, "model_type", ""),

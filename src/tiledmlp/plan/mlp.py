@@ -18,6 +18,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from tiledmlp.bench.models import GatedMLP
 from tiledmlp.ops.functional import tile_plan, tiled_mlp
+from tiledmlp.ops.policy import assume_device
 from tiledmlp.plan.fake_memory import fake_peak_bytes
 
 __all__ = ["estimate_fields", "plan_mlp"]
@@ -28,12 +29,18 @@ _MAX_SEARCH_TILES = 1024
 
 
 def _estimate(
-    hidden: int, intermediate: int, seq_len: int, dtype: torch.dtype, tiles: int | str | None
+    hidden: int,
+    intermediate: int,
+    seq_len: int,
+    dtype: torch.dtype,
+    tiles: int | str | None,
+    device_type: str = "cuda",
 ) -> tuple[int, int]:
-    """(peak bytes, tiles used) of one forward + backward; tiles None means untiled."""
+    """(peak bytes, tiles used) of one forward + backward; tiles None means untiled; "auto"
+    resolves as on `device_type`."""
     mode = FakeTensorMode()
     default = torch.get_default_dtype()
-    with mode:
+    with mode, assume_device(device_type):
         torch.set_default_dtype(dtype)  # build in dtype: .to() cannot swap fake parameters
         try:
             mlp = GatedMLP(hidden, intermediate)
@@ -86,16 +93,18 @@ def plan_mlp(
     dtype: torch.dtype,
     num_tiles: int | str = "auto",
     budget_bytes: int | None = None,
+    device_type: str = "cuda",
 ) -> dict[str, Any]:
     """Estimated peak MiB untiled and tiled; with a budget, the fewest tiles (a power of two up
-    to 1024) that fit it.
+    to 1024) that fit it. "auto" resolves as on `device_type` (a GPU by default; "cpu" to
+    compare with a CPU run).
 
     Returns:
         {"regular_mib", "tiled_mib", "tiles", ...,} plus "recommended_num_tiles" (None when no
         tile count fits) and "recommended_mib" when budget_bytes is given.
     """
     regular, _ = _estimate(hidden, intermediate, seq_len, dtype, None)
-    tiled, used = _estimate(hidden, intermediate, seq_len, dtype, num_tiles)
+    tiled, used = _estimate(hidden, intermediate, seq_len, dtype, num_tiles, device_type)
     out = estimate_fields(hidden, intermediate, seq_len, dtype, num_tiles, regular, tiled, used)
     if budget_bytes is not None:
         out["budget_mib"] = round(budget_bytes / MiB, 1)

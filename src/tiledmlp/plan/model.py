@@ -40,6 +40,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from tiledmlp.ops.functional import tiled_mlp
 from tiledmlp.ops.loss import loss_policy, tiled_cross_entropy
 from tiledmlp.ops.offload import ActivationOffloader
+from tiledmlp.ops.policy import assume_device
 from tiledmlp.patching.detect import norms_of
 from tiledmlp.patching.offloading import before_forward, enable_checkpointing
 from tiledmlp.plan.fake_memory import StorageTracker
@@ -160,6 +161,7 @@ def estimate_step(
     optimizer: str = "none",
     num_tiles: int | str = "auto",
     exact: bool = False,
+    device_type: str = "cuda",
 ) -> StepEstimate:
     """Peak device memory of one training step of `stack` (see the module docstring).
 
@@ -189,6 +191,7 @@ def estimate_step(
         checkpointing=checkpointing,
         optimizer=optimizer,
         num_tiles=num_tiles,
+        device_type=device_type,
     )
     depth = config.get_text_config().num_hidden_layers
     if exact or depth <= _SHORT + 1:
@@ -239,10 +242,12 @@ def _simulate(
     checkpointing: bool,
     optimizer: str,
     num_tiles: int | str,
+    device_type: str = "cuda",
 ) -> _Segments:
-    """One step of the model cut to `layers` decoder layers, on fake tensors."""
+    """One step of the model cut to `layers` decoder layers, on fake tensors; the tile policy
+    resolves as on `device_type`."""
     text = config.get_text_config()
-    with FakeTensorMode():
+    with FakeTensorMode(), assume_device(device_type):
         model = _build(config, dtype, layers)
         if stack != "untiled":
             _tile(model, text.hidden_size, num_tiles, norms=stack.endswith("_norms"))
@@ -423,9 +428,11 @@ def plan_model(
     budget_bytes: int | None = None,
     stacks: tuple[str, ...] = STACKS,
     granularity: int = 1024,
+    device_type: str = "cuda",
 ) -> dict[str, Any]:
     """Every stack's peak MiB and breakdown at `seq_len`; with a budget, each stack's longest
-    sequence that fits ("max_seq_len", a multiple of `granularity`).
+    sequence that fits ("max_seq_len", a multiple of `granularity`). The tile policy resolves
+    as on `device_type` (a GPU by default).
 
     Returns:
         {stack: {"peak_mib", "breakdown_mib", "gradient_checkpointing"[, "max_seq_len"]}}.
@@ -435,6 +442,7 @@ def plan_model(
         "checkpointing": checkpointing,
         "optimizer": optimizer,
         "num_tiles": num_tiles,
+        "device_type": device_type,
     }
     out: dict[str, Any] = {}
     for stack in stacks:

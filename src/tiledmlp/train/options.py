@@ -64,7 +64,7 @@ SCHEDULES = (
     "inverse_sqrt",
     "warmup_stable_decay",
 )
-_SEED_KEYS = ("use_tiled_mlp", "tiled_mlp", "tiled_mlp_num_shards")
+_SEED_KEYS = ("use_tiled_mlp", "tiled_mlp", "tiled_mlp_num_shards", "tile_budget_gb")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -273,7 +273,7 @@ def options_from(values: Mapping[str, Any], source: str = "option") -> TrainOpti
             if canonical.get("num_tiles", policy) != policy:
                 raise ValueError(
                     f"give the tile policy once: num_tiles {canonical['num_tiles']!r} and the "
-                    f"seeds' tiled_mlp / tiled_mlp_num_shards {policy!r} disagree"
+                    f"seeds' tiled_mlp / tiled_mlp_num_shards / tile_budget_gb {policy!r} disagree"
                 )
             canonical["num_tiles"] = policy
     return TrainOptions(**canonical)
