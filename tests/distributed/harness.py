@@ -1,4 +1,4 @@
-"""Running a function in 2 real processes (gloo on CPU) with a deadline.
+"""Running a function in real processes (gloo on CPU; 2 unless told) with a deadline.
 
 Invariant: every worker either returns its result (pickled into a file) or the run fails with
 the worker's traceback; a run past its deadline is killed and reported as a timeout (a deadlock
@@ -35,19 +35,21 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _worker(rank: int, fn: Callable[..., Any], port: int, out_dir: str, args: tuple) -> None:
+def _worker(
+    rank: int, fn: Callable[..., Any], port: int, out_dir: str, args: tuple, world: int = WORLD
+) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
         RANK=str(rank),
-        WORLD_SIZE=str(WORLD),
+        WORLD_SIZE=str(world),
         LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(WORLD),
+        LOCAL_WORLD_SIZE=str(world),
     )
     torch.set_num_threads(1)
     result: Any
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+        dist.init_process_group("gloo", rank=rank, world_size=world)
         result = ("ok", fn(rank, *args))
         dist.barrier()
     except BaseException:
@@ -61,8 +63,10 @@ def _worker(rank: int, fn: Callable[..., Any], port: int, out_dir: str, args: tu
     os._exit(0)  # skip interpreter teardown (thread destructors), the result is written
 
 
-def run_distributed(fn: Callable[..., Any], *args: Any, timeout: float = 240.0) -> list[Any]:
-    """Runs fn(rank, *args) on 2 ranks; returns the per-rank results.
+def run_distributed(
+    fn: Callable[..., Any], *args: Any, timeout: float = 240.0, world: int = WORLD
+) -> list[Any]:
+    """Runs fn(rank, *args) on `world` ranks (2 by default); returns the per-rank results.
 
     Raises:
         DeadlineExceeded: not done within `timeout` seconds.
@@ -71,8 +75,8 @@ def run_distributed(fn: Callable[..., Any], *args: Any, timeout: float = 240.0) 
     out_dir = tempfile.mkdtemp(prefix="tiledmlp-dist-")
     ctx = mp.start_processes(
         _worker,
-        args=(fn, _free_port(), out_dir, args),
-        nprocs=WORLD,
+        args=(fn, _free_port(), out_dir, args, world),
+        nprocs=world,
         join=False,
         start_method="spawn",
     )
@@ -92,7 +96,7 @@ def run_distributed(fn: Callable[..., Any], *args: Any, timeout: float = 240.0) 
                 p.kill()
             raise DeadlineExceeded(f"distributed run did not finish within {timeout:.0f} s")
     results = []
-    for rank in range(WORLD):
+    for rank in range(world):
         path = os.path.join(out_dir, f"{rank}.pkl")
         if not os.path.exists(path):
             raise AssertionError(f"rank {rank} wrote no result ({abnormal or 'no error reported'})")
