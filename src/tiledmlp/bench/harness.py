@@ -86,7 +86,21 @@ def environment(cfg: BenchConfig) -> dict[str, Any]:
         "intermediate": cfg.intermediate,
         "isolated": cfg.isolate,
         "git_sha": git_sha(),
+        "versions": package_versions(),
     }
+
+
+def package_versions() -> dict[str, str | None]:
+    """Installed versions of the packages a comparison depends on (None: not installed)."""
+    from importlib import metadata
+
+    out: dict[str, str | None] = {}
+    for name in ("tiledmlp", "deepspeed", "liger-kernel", "triton", "transformers"):
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = None
+    return out
 
 
 def run_sweep(

@@ -12,7 +12,12 @@ from typing import Any
 
 __all__ = ["LABELS", "plot_records"]
 
-LABELS = {"untiled": "Regular", "tiled": "Tiled (tiledmlp)", "deepspeed": "DeepSpeed TiledMLP"}
+LABELS = {
+    "untiled": "Regular",
+    "tiled": "Tiled (tiledmlp)",
+    "deepspeed": "DeepSpeed TiledMLP",
+    "liger": "Liger tiled SwiGLU",
+}
 
 
 def _tokens(n: int) -> str:

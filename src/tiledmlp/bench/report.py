@@ -56,21 +56,21 @@ def _flops(r: Row, base: Row) -> str:
 
 
 def markdown_table(records: Sequence[dict[str, Any]]) -> str:
-    """The table of `records` (any mix of "untiled", "tiled", "deepspeed" variants)."""
+    """The table of `records` (any mix of "untiled", "tiled", "deepspeed", "liger" variants):
+    the contract columns, then time and memory of each peer present, tiles and FLOP ratios."""
     by_seq: dict[int, dict[str, dict[str, Any]]] = {}
     for r in records:
         by_seq.setdefault(r["seq_len"], {})[r["variant"]] = r
-    has_ds = any(r["variant"] == "deepspeed" for r in records)
+    peers = [(v, label) for v, label in _PEERS if any(r["variant"] == v for r in records)]
     header = list(CONTRACT_COLUMNS)
-    if has_ds:
-        header += ["DeepSpeed (ms)", "DeepSpeed (MB)"]
+    for _, label in peers:
+        header += [f"{label} (ms)", f"{label} (MB)"]
     header += ["Tiles", "Tiled FLOPs (x)"]
-    if has_ds:
-        header += ["DeepSpeed FLOPs (x)"]
+    header += [f"{label} FLOPs (x)" for _, label in peers]
     lines = ["| " + " | ".join(header) + " |", "|" + "---:|" * len(header)]
     for seq in sorted(by_seq):
         row = by_seq[seq]
-        base, tiled, ds = row.get("untiled"), row.get("tiled"), row.get("deepspeed")
+        base, tiled = row.get("untiled"), row.get("tiled")
         cells = [
             str(seq),
             _ms(base),
@@ -80,10 +80,12 @@ def markdown_table(records: Sequence[dict[str, Any]]) -> str:
             _mb(tiled),
             _change(tiled, base, "peak_mib", saving=True),
         ]
-        if has_ds:
-            cells += [_ms(ds), _mb(ds)]
+        for v, _ in peers:
+            cells += [_ms(row.get(v)), _mb(row.get(v))]
         cells += ["" if tiled is None else str(tiled["tiles"]), _flops(tiled, base)]
-        if has_ds:
-            cells += [_flops(ds, base)]
+        cells += [_flops(row.get(v), base) for v, _ in peers]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+_PEERS = (("deepspeed", "DeepSpeed"), ("liger", "Liger"))

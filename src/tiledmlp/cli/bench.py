@@ -75,6 +75,13 @@ def add_parser(sub: Any) -> None:
         help="include DeepSpeed's TiledMLP: auto (if installed), on, off",
     )
     bench.add_argument(
+        "--liger",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="include Liger-Kernel's tiled SwiGLU (apply_tiled_mlp + LigerSiLUMulFunction, the "
+        "same tile count as DeepSpeed): auto (if installed and on a GPU), on, off",
+    )
+    bench.add_argument(
         "--repeats",
         type=positive_int,
         default=3,
@@ -113,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
     from tiledmlp.bench.harness import BenchConfig, run_sweep
     from tiledmlp.bench.plot import plot_records
     from tiledmlp.bench.report import markdown_table
-    from tiledmlp.bench.variants import deepspeed_available, make_variant
+    from tiledmlp.bench.variants import deepspeed_available, liger_available, make_variant
     from tiledmlp.ops.tiles import arctic_num_tiles
 
     device = resolve_device(args.device)
@@ -137,15 +144,21 @@ def run(args: argparse.Namespace) -> int:
             "--deepspeed on, but deepspeed is not importable; pip install 'tiledmlp[deepspeed]'"
         )
 
+    liger_ok = args.liger != "off" and accel and liger_available()
+    use_liger = args.liger == "on" or (args.liger == "auto" and liger_ok)
+    if args.liger == "on" and not liger_ok:
+        raise UsageError(
+            "--liger on, but liger-kernel's tiled MLP is not importable on this device (it "
+            "needs Triton and a GPU); pip install liger-kernel on a GPU machine"
+        )
+
     def variants(seq: int) -> list:
         chosen = [make_variant("untiled"), make_variant("tiled", args.num_tiles)]
+        n = args.num_tiles if isinstance(args.num_tiles, int) else arctic_num_tiles(seq, cfg.hidden)
         if use_ds:
-            n = (
-                args.num_tiles
-                if isinstance(args.num_tiles, int)
-                else arctic_num_tiles(seq, cfg.hidden)
-            )
             chosen.append(make_variant("deepspeed", n))
+        if use_liger:
+            chosen.append(make_variant("liger", n))
         return chosen
 
     args.out.mkdir(parents=True, exist_ok=True)
