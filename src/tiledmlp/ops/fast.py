@@ -9,6 +9,12 @@ Memory: the forward keeps nothing but the output. The backward holds, per tile o
 about 5*n*m elements (gated) or 4*n*m (plain) in the compute dtype, plus one float32 accumulator
 per weight when weights or compute are lower precision than float32.
 
+Fused elementwise: where the gate's activation is exactly SiLU, GELU-tanh or GELU
+(glu_kernels.activation_kind) and Triton kernels can run on the device (CUDA), act(g) * u and
+the whole backward chain (du, dg and h again for the down projection's weight gradient) are one
+pass each, in place: a gated tile then holds 3*n*m elements. Elsewhere the module's own
+activation runs through PyTorch (the reference path).
+
 Invariant: every tile's weight gradients go into one accumulator per weight (grads.GradSlot);
 the backward returns each parameter's gradient once.
 """
@@ -20,6 +26,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from tiledmlp.ops import glu_kernels
 from tiledmlp.ops.backend import LOCAL, ParamBackend
 from tiledmlp.ops.grads import GradSlot, Scratch
 from tiledmlp.ops.state import AutocastState
@@ -57,6 +64,14 @@ class FastEngine:
         self._slots = structure.params()  # weight, bias per linear; None where no bias
         self.params: list[torch.Tensor] = [p for p in self._slots if p is not None]
         self.weights = self.params  # every parameter the computation uses (all are inputs)
+        gated = structure.kind in (MLPKind.GATED, MLPKind.FUSED_GATED)
+        self.glu = glu_kernels.activation_kind(structure.act) if gated else None
+
+    def _fused(self, t: torch.Tensor) -> str | None:
+        """The activation kind for the fused elementwise kernels, or None for PyTorch."""
+        if self.glu is None or not glu_kernels.kernels_available(t.device):
+            return None
+        return self.glu
 
     # -- dtypes ------------------------------------------------------------------------------
 
@@ -113,7 +128,11 @@ class FastEngine:
         self, xt: torch.Tensor, w: list[torch.Tensor | None], out: torch.Tensor
     ) -> None:
         s = self.structure
-        if s.kind is MLPKind.GATED:
+        kind = self._fused(xt)
+        if kind is not None:
+            g, u, _ = self._gate_up(xt, w)
+            h = glu_kernels.glu_forward(g, u, kind, out=g)
+        elif s.kind is MLPKind.GATED:
             g = F.linear(xt, w[0], w[1])  # type: ignore[arg-type]
             h = self._act(g).mul_(F.linear(xt, w[2], w[3]))  # type: ignore[arg-type]
         elif s.kind is MLPKind.FUSED_GATED:
@@ -122,6 +141,17 @@ class FastEngine:
         else:
             h = self._act(F.linear(xt, w[0], w[1]))  # type: ignore[arg-type]
         _mm_into(out, h.to(xt.dtype), w[-2], w[-1])  # type: ignore[arg-type]
+
+    def _gate_up(
+        self, xt: torch.Tensor, w: list[torch.Tensor | None]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(g, u, gu) of a gated tile: for a fused gate_up, g and u are the two halves of one
+        GEMM's result gu; else gu is None."""
+        if self.structure.kind is MLPKind.GATED:
+            g = F.linear(xt, w[0], w[1])  # type: ignore[arg-type]
+            return g, F.linear(xt, w[2], w[3]), None  # type: ignore[arg-type]
+        gu = F.linear(xt, w[0], w[1])  # type: ignore[arg-type]
+        return (*self._halves(gu), gu)
 
     def recompute_tile(self, xt: torch.Tensor) -> torch.Tensor:
         """One tile's output under autograd, for a graph of the backward (create_graph=True):
@@ -207,6 +237,10 @@ class FastEngine:
         need_up: bool,
         dxt: torch.Tensor | None,
     ) -> None:
+        kind = self._fused(xt)
+        if kind is not None:
+            self._backward_tile_fused(xt, dyt, w, slots, need_up, dxt, kind)
+            return
         s = self.structure
         cd = xt.dtype
         first_slots = slots[:-2]
@@ -254,6 +288,43 @@ class FastEngine:
             self._first_grads(first_slots[2], first_slots[3], du, xt)
             if dxt is not None:
                 self._dx_into(dxt, dg, w[0], du, w[2])  # type: ignore[arg-type]
+
+    def _backward_tile_fused(
+        self,
+        xt: torch.Tensor,
+        dyt: torch.Tensor,
+        w: list[torch.Tensor | None],
+        slots: list[GradSlot | None],
+        need_up: bool,
+        dxt: torch.Tensor | None,
+        kind: str,
+    ) -> None:
+        """_backward_tile with the fused elementwise kernels: three (n, m) tensors at most."""
+        g, u, gu = self._gate_up(xt, w)
+        if not need_up:
+            h = glu_kernels.glu_forward(g, u, kind, out=g)
+            if slots[-2] is not None:
+                slots[-2].add_mm(dyt.t(), h)
+            if slots[-1] is not None:
+                slots[-1].add_rows(dyt)
+            return
+        dh = torch.mm(dyt, w[-2])  # type: ignore[arg-type]
+        glu_kernels.glu_backward(g, u, dh, kind, h_out=dh)  # g <- dg, u <- du, dh <- h
+        if slots[-2] is not None:
+            slots[-2].add_mm(dyt.t(), dh)
+        if slots[-1] is not None:
+            slots[-1].add_rows(dyt)
+        del dh
+        first = slots[:-2]
+        if gu is not None:  # dg and du were written over its halves: [dg | du] in its layout
+            self._first_grads(first[0], first[1], gu, xt)
+            if dxt is not None:
+                self._dx_into(dxt, gu, w[0], None, None)  # type: ignore[arg-type]
+            return
+        self._first_grads(first[0], first[1], g, xt)
+        self._first_grads(first[2], first[3], u, xt)
+        if dxt is not None:
+            self._dx_into(dxt, g, w[0], u, w[2])  # type: ignore[arg-type]
 
     def _act_grad(self, z: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
         """Gradient through the module's own activation at z, by re-evaluating it (elementwise,

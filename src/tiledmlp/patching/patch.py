@@ -29,6 +29,10 @@ from tiledmlp.patching.checks import backend_for, run_checks
 from tiledmlp.patching.detect import Candidate, detect_mlps, hidden_size_of, norms_of
 from tiledmlp.patching.loss import patch_loss, unpatch_loss
 from tiledmlp.patching.offloading import install_offloading, remove_offloading
+from tiledmlp.sequence_parallel.attention import install as install_sp
+from tiledmlp.sequence_parallel.attention import installed_groups as sp_installed
+from tiledmlp.sequence_parallel.attention import remove as remove_sp
+from tiledmlp.sequence_parallel.groups import SequenceParallelGroups, make_groups
 
 __all__ = ["PatchReport", "original_forward", "patch_model", "tile_counts", "unpatch_model"]
 
@@ -61,6 +65,8 @@ class PatchReport:
         loss: with tiled_loss=True, "tiled" when the training loss now runs through
             tiled_cross_entropy, else the reason it does not; None when not asked.
         offloading: with activation_offloading=True, what is offloaded; None when not asked.
+        sequence_parallel: with sequence_parallel_size, what the attention now runs as (Ulysses
+            over P ranks, wrapping the model's own implementation); None when not asked.
     """
 
     patched: list[str]
@@ -69,6 +75,7 @@ class PatchReport:
     config: TiledMLPConfig = field(default_factory=TiledMLPConfig)
     loss: str | None = None
     offloading: str | None = None
+    sequence_parallel: str | None = None
 
     def __str__(self) -> str:
         lines = [f"tiled {len(self.patched)} MLP(s) with {self.config}"]
@@ -78,6 +85,8 @@ class PatchReport:
             lines.append(f"  loss: {self.loss}")
         if self.offloading is not None:
             lines.append(f"  activation offloading: {self.offloading}")
+        if self.sequence_parallel is not None:
+            lines.append(f"  sequence parallelism: {self.sequence_parallel}")
         return "\n".join(lines)
 
 
@@ -140,6 +149,8 @@ def patch_model(
     activation_offloading: bool = False,
     tiled_norms: bool = False,
     tiled_mlp: bool = True,
+    sequence_parallel_size: int | None = None,
+    sequence_parallel_group: Any = None,
 ) -> PatchReport:
     """Makes every MLP of `model` tiled, in place (and with the options, its loss and norms).
 
@@ -170,20 +181,33 @@ def patch_model(
             time.
         tiled_mlp: False leaves the MLPs alone (e.g. `tiled_mlp=False, tiled_loss=True`: the
             tiled loss only); then an option that cannot be applied is an error, not a note.
+        sequence_parallel_size: P > 1 makes the attention sequence-parallel (Ulysses) over P
+            ranks of the initialised process group (consecutive ranks form a group; see
+            tiledmlp.sequence_parallel): every forward then takes this rank's shard of each
+            sequence with its position_ids (tiledmlp.sequence_parallel.shard_batch) and the
+            loss over the whole sequences comes from sequence_parallel_loss_from_mean. Call it
+            on every rank before an engine wraps the model. 1 or None: no change.
+        sequence_parallel_group: a process group of P ranks to use instead of the consecutive
+            ones (every rank passes its own group).
 
     Returns:
         A PatchReport.
 
     Raises:
         ValueError: no MLP was found, a module looks like an MLP but is not understood (and
-            generic is False), the hidden size cannot be determined, or a bad tile policy.
+            generic is False), the hidden size cannot be determined, or a bad tile policy;
+            with sequence parallelism, sizes or heads that do not divide, no process group,
+            an attention implementation other than sdpa / flash attention (before any
+            collective runs).
     """
     config = TiledMLPConfig(num_tiles=num_tiles, tile_tokens=tile_tokens)
-    if not (tiled_mlp or tiled_loss or tiled_norms or activation_offloading):
+    sp = sequence_parallel_size not in (None, 1) or sequence_parallel_group is not None
+    if not (tiled_mlp or tiled_loss or tiled_norms or activation_offloading or sp):
         raise ValueError(
             "patch_model: nothing to do with tiled_mlp=False; ask for tiled_loss=True, "
-            "tiled_norms=True or activation_offloading=True"
+            "tiled_norms=True, activation_offloading=True or sequence_parallel_size=P"
         )
+    sp_groups = _sequence_parallel_groups(model, sequence_parallel_size, sequence_parallel_group)
     candidates: list[Candidate] = []
     skipped: list[tuple[str, str]] = []
     hidden = hidden_size if hidden_size is not None else hidden_size_of(model)
@@ -209,16 +233,66 @@ def patch_model(
             _patch_one(cand.module, cand, config, step)
     loss = None
     if tiled_loss:
+        # The loss probe runs the model on a few tokens without position_ids: never through
+        # the sequence-parallel attention (taken off for the probe, put back below).
+        current = sp_installed(model)
+        if current is not None:
+            remove_sp(model)
+            sp_groups = sp_groups or current
         why = patch_loss(model, loss_policy(num_tiles, tile_tokens))
         if why is not None and not tiled_mlp:
             raise ValueError(
                 f"patch_model: the loss of {type(model).__name__} cannot be tiled: {why}"
             )
         loss = why or "tiled"
+    sequence_parallel = None
+    if sp_groups is not None:
+        if sp_installed(model) is None:
+            done = install_sp(model, sp_groups)
+            logger.debug("sequence parallelism: %s", done)
+        sequence_parallel = (
+            f"Ulysses over {sp_groups.sp_size} ranks (data-parallel size {sp_groups.dp_size})"
+        )
     paths = {c.name: f"{c.path}: {c.kind}" for c in candidates}
-    report = PatchReport(sorted(paths), paths, skipped, config, loss, offloading)
+    report = PatchReport(sorted(paths), paths, skipped, config, loss, offloading, sequence_parallel)
     logger.info("%s", report)
     return report
+
+
+def _sequence_parallel_groups(
+    model: nn.Module, size: int | None, group: Any
+) -> SequenceParallelGroups | None:
+    """The groups to install (None: no sequence parallelism asked); checks before any
+    collective that a model already sequence-parallel is asked for the same size."""
+    if size is None and group is None:
+        return None
+    if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+        raise ValueError(
+            f"patch_model: sequence_parallel_size must be a positive int, got {size!r}"
+        )
+    current = sp_installed(model)
+    want = size if size is not None else None
+    if current is not None:
+        if want is not None and want != current.sp_size:
+            raise ValueError(
+                f"patch_model: the model is already sequence-parallel over {current.sp_size} "
+                f"ranks, asked for {want}; unpatch_model(model) first"
+            )
+        return current
+    if size == 1 and group is None:
+        return None
+    return make_groups(size if size is not None else _group_size(group), group)
+
+
+def _group_size(group: Any) -> int:
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        raise ValueError(
+            "patch_model: sequence_parallel_group given but no process group is initialised; "
+            "call torch.distributed.init_process_group first (e.g. run under torchrun)"
+        )
+    return int(dist.get_world_size(group))
 
 
 def _mlp_candidates(
@@ -278,9 +352,11 @@ def unpatch_model(model: nn.Module) -> list[str]:
 
     Returns:
         Qualified names of the modules restored ("<loss>" for the loss, "<activation
-        offloading>" for offloading).
+        offloading>" for offloading, "<sequence parallelism>" for the attention).
     """
     restored = []
+    if remove_sp(model):
+        restored.append("<sequence parallelism>")
     agreement = model.__dict__.pop(_AGREEMENT, None)
     if agreement is not None:
         agreement[1].remove()

@@ -26,6 +26,7 @@ from tiledmlp.sequence_parallel.attention import (
     UlyssesAttention,
     UlyssesReport,
     install,
+    installed_groups,
     remove,
 )
 from tiledmlp.sequence_parallel.data import shard_batch, shift_labels
@@ -46,6 +47,7 @@ __all__ = [
     "count_tokens",
     "heads_to_sequence",
     "install",
+    "installed_groups",
     "make_groups",
     "remove",
     "sequence_parallel_loss",

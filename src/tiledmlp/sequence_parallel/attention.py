@@ -73,6 +73,7 @@ class _Installed:
 
     name: str
     originals: list[tuple[Any, Any]]  # (config, its original _attn_implementation)
+    groups: SequenceParallelGroups | None = None
 
 
 class _LocalHeads:
@@ -446,7 +447,7 @@ def install(model: nn.Module, groups: SequenceParallelGroups) -> UlyssesReport:
         if any(cfg is c for c in configs) and _takes_position_ids(m):
             m.register_forward_pre_hook(_check_inputs, with_kwargs=True)
             checked.append(type(m).__name__)
-    base.__dict__[_STATE] = _Installed(name, [(c, c._attn_implementation) for c in configs])
+    base.__dict__[_STATE] = _Installed(name, [(c, c._attn_implementation) for c in configs], groups)
     for c in configs:
         _set_implementation(c, name)
     logger.info("tiledmlp: Ulysses SP over %d ranks installed (wrapping %s)", p, original)
@@ -481,6 +482,12 @@ def _check_inputs(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> Non
             "model(**tiledmlp.sequence_parallel.shard_batch(batch, groups))"
         )
     _refuse_padding(given.get("attention_mask"))
+
+
+def installed_groups(model: nn.Module) -> SequenceParallelGroups | None:
+    """The groups `model`'s attention is sequence-parallel over, or None when not installed."""
+    state: _Installed | None = _base(model).__dict__.get(_STATE)
+    return None if state is None else state.groups
 
 
 def remove(model: nn.Module) -> bool:
