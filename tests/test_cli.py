@@ -78,6 +78,10 @@ def test_bad_flags_exit_nonzero_with_one_line() -> None:
         ("bench", "--seq-lens", "12,-4"),
         ("bench", "--device", "tpu"),
         ("bench", "--isolate", "maybe"),
+        ("bench", "--device", "cpu", "--memory-snapshot", "s.pickle"),  # CUDA only
+        ("bench", "--device", "cpu", "--liger", "on"),  # Liger needs a GPU
+        ("plan", "--tile-budget-gb", "0"),
+        ("plan", "--num-tiles", "4", "--tile-budget-gb", "2"),
         ("nope",),
     ):
         res = run(*args)

@@ -75,3 +75,13 @@ def test_autocast_bf16_error_rule_and_dtypes(kind: str) -> None:
 def test_bf16_many_tiles_does_not_grow_error() -> None:
     # Peer bug: weight grads summed in bf16 k times (error 1.9e-2 at k=256 vs 1.7e-3 untiled).
     check_rule("swiglu", torch.bfloat16, tokens=1024, tiles=256, autocast=False)
+
+
+def test_the_cpu_accumulates_through_the_scratch_path() -> None:
+    # The probe selects the float32 GEMM epilogue (CUDA) or the scratch path: on this torch's
+    # CPU, addmm has no float32 output for bf16 inputs, so the probe must say no (once, cached).
+    from tiledmlp.ops.grads import _EPILOGUE, fp32_epilogue
+
+    assert fp32_epilogue(torch.device("cpu"), torch.bfloat16) is False
+    assert _EPILOGUE[("cpu", torch.bfloat16)] is False
+    assert fp32_epilogue(torch.device("cpu"), torch.float32) is False  # nothing to widen

@@ -33,7 +33,7 @@ from tiledmlp.bench.memory import peak_bytes, process_peak_bytes, tensor_bytes
 from tiledmlp.bench.models import GatedMLP
 from tiledmlp.bench.variants import Variant, make_variant
 
-__all__ = ["Job", "measure", "measure_in_subprocess"]
+__all__ = ["Job", "measure", "measure_in_subprocess", "memory_snapshot"]
 
 MiB = 2**20
 
@@ -121,6 +121,40 @@ def measure(job: Job) -> dict[str, Any]:
         "flops": flops,
         "repeats": job.repeats,
     }
+
+
+def memory_snapshot(job: Job, path: str) -> str:
+    """Records the CUDA caching allocator's history over one step of `job` (after a warm-up
+    step) and writes the snapshot to `path` (a pickle for https://pytorch.org/memory_viz): every
+    allocation of the step with its stack, to find what outlives its use.
+
+    Raises:
+        ValueError: the job's device is not CUDA (the allocator history is CUDA's).
+    """
+    device = torch.device(job.device)
+    if device.type != "cuda":
+        raise ValueError(
+            f"a memory snapshot records the CUDA allocator's history; the device is "
+            f"{job.device!r}: run it on a GPU (--device cuda)"
+        )
+    dtype = getattr(torch, job.dtype)
+    torch.manual_seed(0)
+    mlp = GatedMLP(job.hidden, job.intermediate).to(device=device, dtype=dtype)
+    x = torch.randn(1, job.seq_len, job.hidden, device=device, dtype=dtype, requires_grad=True)
+    dy = torch.randn(1, job.seq_len, job.hidden, device=device, dtype=dtype)
+    v = make_variant(job.variant, job.num_tiles)
+    v.forward(mlp, x).backward(dy)  # warm-up: kernels compiled, caches as in training
+    x.grad = None
+    mlp.zero_grad(set_to_none=True)
+    torch.cuda.synchronize(device)
+    torch.cuda.memory._record_memory_history(max_entries=200_000)
+    try:
+        v.forward(mlp, x).backward(dy)
+        torch.cuda.synchronize(device)
+        torch.cuda.memory._dump_snapshot(path)
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    return path
 
 
 def measure_in_subprocess(job: Job, timeout: float = 3600.0) -> dict[str, Any]:

@@ -102,6 +102,13 @@ def add_parser(sub: Any) -> None:
         help="run each measurement in a fresh process: auto (on for CPU), on, off",
     )
     bench.add_argument(
+        "--memory-snapshot",
+        metavar="FILE",
+        default=None,
+        help="CUDA only: also record the allocator's history over one tiled step at the "
+        "longest sequence and write it to FILE (open it at https://pytorch.org/memory_viz)",
+    )
+    bench.add_argument(
         "--no-plot", action="store_true", help="do not write bench.png (needs matplotlib)"
     )
     bench.add_argument(
@@ -137,6 +144,11 @@ def run(args: argparse.Namespace) -> int:
         warmup=args.warmup,
         isolate=args.isolate == "on" or (args.isolate == "auto" and not accel),
     )
+    if args.memory_snapshot is not None and device.type != "cuda":
+        raise UsageError(
+            f"--memory-snapshot records the CUDA allocator's history; the device is {device}: "
+            "run it on a GPU"
+        )
     ds_ok = args.deepspeed != "off" and deepspeed_available()
     use_ds = args.deepspeed == "on" or (args.deepspeed == "auto" and ds_ok)
     if args.deepspeed == "on" and not ds_ok:
@@ -189,6 +201,19 @@ def run(args: argparse.Namespace) -> int:
         "against regular (positive = less). MB = 2**20 bytes, tensor-level peak.\n"
     )
     written = [jsonl, args.out / "bench.md"]
+    if args.memory_snapshot is not None:
+        from tiledmlp.bench.measure import Job, memory_snapshot
+
+        job = Job(
+            hidden=cfg.hidden,
+            intermediate=cfg.intermediate,
+            seq_len=max(cfg.seq_lens),
+            dtype=dtype,
+            device=str(device),
+            variant="tiled",
+            num_tiles=args.num_tiles,
+        )
+        written.append(Path(memory_snapshot(job, str(args.memory_snapshot))))
     if not args.no_plot:
         written.append(plot_records(records, args.out / "bench.png", title))
     print(table, end="")
