@@ -186,6 +186,9 @@ def _bad_files(tmp: Path) -> dict[str, str]:
         (["--save-steps", "2"], "add --output-dir"),
         (["--resume-from-checkpoint", "TMP/none"], "is not a directory"),
         (["--engine", "ddp"], "needs a launcher"),
+        (["--sequence-parallel-size", "2"], "must divide the number of processes (1)"),
+        (["--sequence-parallel-size", "3"], "--seq-len 64 must be divisible by"),
+        (["--tile-budget-gb", "0"], "positive number of GiB"),
     ],
 )
 def test_bad_input_is_one_line(args: list[str], message: str, tmp_path: Path) -> None:
@@ -237,3 +240,21 @@ def test_under_torchrun_every_engine_matches_one_process(
     # the saved model is whole (ZeRO-3 gathered, FSDP2 full state dict) and loads
     loaded = transformers.AutoModelForCausalLM.from_pretrained(out)
     assert loaded.model.layers[0].mlp.gate_proj.weight.shape == (1024, 256)
+
+
+@pytest.mark.distributed
+def test_sequence_parallel_under_torchrun_matches_one_process(tmp_path: Path) -> None:
+    # Each sequence split over 2 ranks (Ulysses), ZeRO-3 over both through the Trainer: the
+    # losses are those of one process on the whole sequences.
+    pytest.importorskip("deepspeed")
+    one = summary("--seq-len", "128", "--max-steps", "3")
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m"]
+    config = Path(__file__).parents[1] / "examples" / "ds_zero3.json"
+    res = train(
+        "--seq-len", "128", "--max-steps", "3", "--json", "--sequence-parallel-size", "2",
+        "--deepspeed", str(config), launcher=launcher,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    s = json.loads(res.stdout.strip().splitlines()[-1])
+    assert s["sequence_parallel_size"] == 2 and s["engine"] == "deepspeed"
+    assert s["losses"] == pytest.approx(one["losses"], rel=1e-5)

@@ -12,6 +12,7 @@ local mean loss, whose gradient carries the factor P that the engines' world ave
 
 from __future__ import annotations
 
+import functools
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -22,11 +23,13 @@ import torch
 from distributed.harness import run_distributed
 from distributed.test_sequence_parallel import (
     LR,
+    ROWS,
     collator_labels,
     global_batches,
     tiny_model,
 )
 from tiledmlp import patch_model, unpatch_model
+from tiledmlp.patching.patch import tile_counts
 from tiledmlp.sequence_parallel import (
     count_tokens,
     installed_groups,
@@ -53,6 +56,7 @@ def lora_model() -> torch.nn.Module:
     return get_peft_model(model, config)
 
 
+@functools.cache  # read only: shared by the tests that train the same model
 def reference(
     make: Callable[[], torch.nn.Module] = tiny_model, packed: bool = False
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
@@ -107,9 +111,10 @@ def _train(
         from distributed.workers import _ds_config
 
         config = _ds_config(stage)
-        config["train_micro_batch_size_per_gpu"] = global_batches(1, packed)[0]["input_ids"].shape[
-            0
-        ]
+        config["train_micro_batch_size_per_gpu"] = ROWS
+        # DeepSpeed clips the gradient norm to 1.0 unless told otherwise (its default); the
+        # reference does not clip.
+        config["gradient_clipping"] = 0.0
         ds_engine, *_ = deepspeed.initialize(
             model=model,
             optimizer=torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR),
@@ -137,14 +142,18 @@ def _train(
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
+    result: dict[str, Any] = {"losses": losses}
     if ds_engine is not None:
         from distributed.workers import _ds_param
 
+        # ZeRO-3 outside a gather: every parameter is a partition placeholder (numel 0).
+        result["partitioned"] = all(p.numel() == 0 for p in model.parameters())
         params = {n: _ds_param(p) for n, p in model.named_parameters()}
     else:
         params = {n: _full(p) for n, p in model.named_parameters()}
-    return {"losses": losses, "params": params}
+    result["params"] = params
+    return result
 
 
 def _fsdp2() -> dict[str, Any]:
@@ -163,7 +172,9 @@ def _tiled() -> dict[str, Any]:
     model = tiny_model()
     report = patch_model(model, num_tiles=3, tiled_loss=True, sequence_parallel_size=P)
     assert report.loss == "tiled", report
-    return _train(model, "ddp", packed=True)
+    result = _train(model, "ddp", packed=True)
+    result["tiles"] = sorted({c.last for c in tile_counts(model).values()})
+    return result
 
 
 def _offloaded() -> dict[str, Any]:
@@ -304,11 +315,15 @@ def test_fsdp2(launched: list[dict[str, Any]]) -> None:
 @pytest.mark.parametrize("stage", [3, 2])
 def test_deepspeed_zero(launched: list[dict[str, Any]], stage: int) -> None:
     # Torch SGD, every ZeRO-3 parameter partitioned (persistence threshold 0), tiled MLP.
-    _assert_trains_like_reference(_case(launched, f"zero{stage}"), *reference())
+    results = _case(launched, f"zero{stage}")
+    assert [r["partitioned"] for r in results] == [stage == 3] * 2
+    _assert_trains_like_reference(results, *reference())
 
 
 def test_ddp_tiled_mlp_and_tiled_loss_packed(launched: list[dict[str, Any]]) -> None:
-    _assert_trains_like_reference(_case(launched, "tiled"), *reference(packed=True))
+    results = _case(launched, "tiled")
+    assert [r["tiles"] for r in results] == [[3], [3]]  # every MLP ran 3 tiles
+    _assert_trains_like_reference(results, *reference(packed=True))
 
 
 def test_ddp_activation_offloading_under_checkpointing(launched: list[dict[str, Any]]) -> None:

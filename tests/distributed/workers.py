@@ -84,6 +84,8 @@ def _ds_config(stage: int) -> dict[str, Any]:
         "steps_per_print": 1_000_000,
         "wall_clock_breakdown": False,
         "zero_allow_untested_optimizer": True,
+        # DeepSpeed clips at 1.0 unless told otherwise; the references do not clip
+        "gradient_clipping": 0.0,
     }
 
 

@@ -84,6 +84,9 @@ def add_parser(sub: Any) -> None:
          "fewest tiles that fit it (the same as --num-tiles target:<GB>)")  # fmt: skip
     flag("--tiled-loss", metavar="true|false", help="compute the loss with tiled_cross_entropy "
          "when tiling (default: true)")  # fmt: skip
+    flag("--sequence-parallel-size", metavar="P", help="split each sequence over P ranks "
+         "(Ulysses sequence parallelism, under torchrun; P divides the world, the heads and "
+         "--seq-len) (default: 1)")  # fmt: skip
     switch = _Switch(t)
     switch("--gradient-checkpointing", help="the model's own (non-reentrant) checkpointing")
     switch("--activation-offloading", help="keep the checkpointed layers' inputs in host memory "

@@ -108,8 +108,17 @@ class TrainOptions:
     fsdp_config: Path | None = None
     seed: int = 0
     max_data_bytes: int = 4_000_000
+    sequence_parallel_size: int = 1
 
     def __post_init__(self) -> None:
+        _check_positive("sequence_parallel_size", self.sequence_parallel_size)
+        if self.seq_len % self.sequence_parallel_size:
+            p = self.sequence_parallel_size
+            raise ValueError(
+                f"--seq-len {self.seq_len} must be divisible by --sequence-parallel-size {p} "
+                f"(each rank holds seq-len / {p} tokens); e.g. --seq-len "
+                f"{max(p, self.seq_len // p * p)}"
+            )
         for name in ("seq_len", "per_device_train_batch_size", "max_steps", "logging_steps"):
             _check_positive(name, getattr(self, name))
         for name in ("gradient_accumulation_steps", "eval_sequences", "max_data_bytes"):

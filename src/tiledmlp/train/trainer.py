@@ -210,11 +210,69 @@ def _trainer_class() -> Any:
     from transformers import Trainer
 
     class TiledTrainer(Trainer):  # type: ignore[misc]
-        """The Trainer, recording each micro-batch loss, and saving a self-sharded FSDP2 model
-        with a gathered full state dict."""
+        """The Trainer, recording each micro-batch loss, saving a self-sharded FSDP2 model with
+        a gathered full state dict, and with sequence parallelism: batches drawn per
+        data-parallel replica (the SP ranks of a replica get the same batch), each rank's shard
+        of the sequences, and the exact token-weighted loss over the whole sequences."""
 
         step_losses: StepLosses
         own_fsdp: bool = False
+        sp_groups: Any = None
+
+        def _sp_loader(self, dataset: Any, shuffle: bool) -> Any:
+            from torch.utils.data import DataLoader, DistributedSampler
+
+            g = self.sp_groups
+            sampler: DistributedSampler[Any] = DistributedSampler(
+                dataset, g.dp_size, g.dp_rank, shuffle=shuffle, seed=self.args.seed
+            )
+            return DataLoader(
+                dataset,
+                batch_size=self.args.per_device_train_batch_size,
+                sampler=sampler,
+                collate_fn=self.data_collator,
+                drop_last=shuffle,
+            )
+
+        def get_train_dataloader(self) -> Any:
+            if self.sp_groups is None:
+                return super().get_train_dataloader()
+            return self._sp_loader(self.train_dataset, shuffle=True)
+
+        def get_eval_dataloader(self, eval_dataset: Any = None) -> Any:
+            if self.sp_groups is None:
+                return super().get_eval_dataloader(eval_dataset)
+            return self._sp_loader(
+                eval_dataset if eval_dataset is not None else self.eval_dataset, shuffle=False
+            )
+
+        def compute_loss(
+            self,
+            model: Any,
+            inputs: Any,
+            return_outputs: bool = False,
+            num_items_in_batch: Any = None,
+        ) -> Any:
+            if self.sp_groups is None:
+                return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+            from tiledmlp.sequence_parallel import (
+                count_tokens,
+                sequence_parallel_loss_from_mean,
+                shard_batch,
+            )
+
+            batch = dict(inputs)
+            mask = batch.pop("attention_mask", None)  # the collator's; packed rows are all ones
+            if mask is not None and not bool(mask.all()):
+                raise ValueError(
+                    "sequence parallelism needs packed sequences without padding, but a batch "
+                    "has a padding attention_mask"
+                )
+            shard = shard_batch(batch, self.sp_groups)
+            outputs = model(**shard, use_cache=False)
+            count = count_tokens(shard["shift_labels"])
+            loss = sequence_parallel_loss_from_mean(outputs.loss, count, self.sp_groups)
+            return (loss, outputs) if return_outputs else loss
 
         def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> Any:
             loss = super().training_step(model, inputs, num_items_in_batch)
@@ -284,9 +342,18 @@ def run(opts: TrainOptions) -> dict[str, Any]:
     if cuda:
         torch.cuda.set_device(device)
         torch.cuda.reset_peak_memory_stats(device)
+    sp = opts.sequence_parallel_size
+    if sp > 1 and world % sp:
+        raise ValueError(
+            f"--sequence-parallel-size {sp} must divide the number of processes ({world}); "
+            f"run under torchrun --nproc_per_node {sp} (or a multiple of {sp})"
+        )
+    if sp > 1 and not dist.is_initialized():
+        # sequence parallelism builds its groups before the Trainer starts (it reuses them)
+        dist.init_process_group("nccl" if cuda else "gloo")
     _say(f"loading {opts.model} and packing {opts.seq_len}-token sequences ...")
     model, tokenizer = _load(opts)
-    train_set, eval_set = _sequences(opts, tokenizer, world)
+    train_set, eval_set = _sequences(opts, tokenizer, world // sp)
     if opts.gradient_checkpointing:
         enable_checkpointing(model)
     report = None
@@ -297,9 +364,13 @@ def run(opts: TrainOptions) -> dict[str, Any]:
             tiled_loss=opts.tiled_loss,
             activation_offloading=opts.activation_offloading,
             tiled_norms=opts.tiled_norms,
+            sequence_parallel_size=sp,
         )
-    elif opts.activation_offloading:
-        install_offloading(model)
+    else:
+        if opts.activation_offloading:
+            install_offloading(model)
+        if sp > 1:
+            patch_model(model, tiled_mlp=False, sequence_parallel_size=sp)
 
     scratch = None
     if opts.output_dir is None:
@@ -337,6 +408,11 @@ def run(opts: TrainOptions) -> dict[str, Any]:
     trainer.remove_callback(ProgressCallback)
     trainer.step_losses = losses
     trainer.own_fsdp = own_fsdp
+    if sp > 1:
+        from tiledmlp.sequence_parallel import installed_groups
+
+        trainer.sp_groups = installed_groups(model)
+        trainer.loss_is_scaled_for_ga = False  # a mean per micro-batch: divide by accumulation
     resume: str | bool | None = opts.resume_from_checkpoint
     if resume == "latest":
         resume = True
@@ -366,6 +442,7 @@ def run(opts: TrainOptions) -> dict[str, Any]:
         "model": opts.model,
         "engine": engine,
         "world_size": world,
+        "sequence_parallel_size": opts.sequence_parallel_size,
         "seq_len": opts.seq_len,
         "batch_size": opts.per_device_train_batch_size,
         "steps": ran,
