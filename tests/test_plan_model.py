@@ -180,3 +180,24 @@ def test_whole_model_options_need_a_model() -> None:
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert res.returncode == 2 and "add --model" in res.stderr, res.stderr
+
+
+def test_sequence_parallel_plan_is_the_local_step_plus_the_all_to_all() -> None:
+    from tiledmlp.plan.model import plan_model
+
+    # 4 query heads, 2 key/value heads over P = 4: K/V repeated to 4 heads before the exchange
+    config = _config(num_key_value_heads=2)
+    stacks = ("tiled_mlp_loss",)
+    one = plan_model(config, seq_len=512, dtype=torch.float32, stacks=stacks)
+    split = plan_model(
+        config, seq_len=2048, dtype=torch.float32, stacks=stacks, sequence_parallel_size=4
+    )
+    head_dim = config.hidden_size // config.num_attention_heads
+    a2a = 2 * (4 + 2 * 4) * head_dim * 4 * 512  # q + repeated k, v; sent and received; fp32
+    got, ref = split["tiled_mlp_loss"], one["tiled_mlp_loss"]
+    assert got["breakdown_mib"]["all_to_all"] == round(a2a / 2**20, 1)
+    assert got["peak_mib"] == pytest.approx(ref["peak_mib"] + a2a / 2**20, abs=0.11)
+    with pytest.raises(ValueError, match="divisible by the sequence-parallel size 4"):
+        plan_model(config, seq_len=2050, stacks=stacks, sequence_parallel_size=4)
+    with pytest.raises(ValueError, match="query heads divisible by 3"):
+        plan_model(config, seq_len=3 * 512, stacks=stacks, sequence_parallel_size=3)

@@ -100,6 +100,14 @@ def add_parser(sub: Any) -> None:
         help="with --model: device memory in GiB; report each stack's longest sequence that "
         "fits (max_seq_len, a multiple of 1024)",
     )
+    pl.add_argument(
+        "--sequence-parallel-size",
+        type=positive_int,
+        default=1,
+        metavar="P",
+        help="with --model: the sequence split over P GPUs (Ulysses); figures per GPU, "
+        "max_seq_len for the whole sequence (default: 1)",
+    )
     pl.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -133,6 +141,7 @@ def run(args: argparse.Namespace) -> int:
             args.optimizer != "none",
         ),
         ("--memory-gb", args.memory_gb is not None),
+        ("--sequence-parallel-size", args.sequence_parallel_size != 1),
     )
     if args.model is None and any(on for _, on in whole):
         names = " and ".join(n for n, on in whole if on)
@@ -185,6 +194,7 @@ def run(args: argparse.Namespace) -> int:
             num_tiles=args.num_tiles,
             budget_bytes=None if args.memory_gb is None else int(args.memory_gb * 2**30),
             device_type=args.device,
+            sequence_parallel_size=args.sequence_parallel_size,
         )
         result.update(
             model_name=args.model,
@@ -193,6 +203,7 @@ def run(args: argparse.Namespace) -> int:
             gradient_checkpointing=args.gradient_checkpointing,
             memory_gb=args.memory_gb,
             device=args.device,
+            sequence_parallel_size=args.sequence_parallel_size,
             model_type=layer["model_type"],
             layer_tiles=layer["tiles"],
             layer_regular_mib=layer["regular_mib"],
@@ -217,7 +228,13 @@ def run(args: argparse.Namespace) -> int:
         print(
             f"one training step of the whole model ({args.optimizer} optimizer"
             + (", checkpointing" if args.gradient_checkpointing else "")
-            + "), peak device MiB:"
+            + (
+                f", the sequence split over {args.sequence_parallel_size} GPUs"
+                if args.sequence_parallel_size > 1
+                else ""
+            )
+            + "), peak device MiB"
+            + (" per GPU:" if args.sequence_parallel_size > 1 else ":")
         )
         for stack, entry in result["model"].items():
             parts = ", ".join(f"{k} {v:,.0f}" for k, v in entry["breakdown_mib"].items() if v)

@@ -23,6 +23,14 @@ bound). The breakdown sorts what is alive at the peak by what it is: "weights", 
 "recompute" (created in the backward: the recomputed layer, activation gradients, prefetched
 inputs). Attention runs through SDPA as in layer.py (flash-like O(seq) memory).
 
+Sequence parallelism (Ulysses, P ranks): each GPU holds seq_len / P tokens of every tensor
+outside attention; inside, whole sequences with heads / P, i.e. the same number of elements as
+the local tokens with all heads. So a GPU's step is simulated at seq_len / P tokens, plus the
+all-to-all's buffers of one layer (sent and received query, key and value, key/value heads
+repeated up to P when there are fewer): "all_to_all" in the breakdown. Weights, gradients and
+optimizer states are counted whole on every GPU (replicated, as under DDP); ZeRO-3 or FSDP
+sharding would lower them further.
+
 Invariant: the estimate depends only on the config's shapes, the sequence length, the dtype,
 the stack and its options; no weights are read or downloaded.
 """
@@ -377,6 +385,7 @@ def max_seq_len(
     granularity: int = 1024,
     upper: int = 1 << 24,
     hint: int | None = None,
+    extra_bytes_per_token: float = 0.0,
     **options: Any,
 ) -> int:
     """The longest sequence (a multiple of `granularity`, at most `upper`) whose step fits
@@ -386,12 +395,15 @@ def max_seq_len(
     the search extrapolates along the line through its last two estimates until it has a length
     that does not fit, then interpolates inside that bracket; every answer is verified (it fits,
     one more granule does not). `hint` (tokens) is a first guess, e.g. a length already planned.
+    `extra_bytes_per_token` adds memory the simulation does not see (the all-to-all's buffers).
     """
     cache: dict[int, int] = {}
 
     def peak(n: int) -> int:
         if n not in cache:
-            cache[n] = estimate_step(config, seq_len=n * granularity, stack=stack, **options).peak
+            tokens = n * granularity
+            step = estimate_step(config, seq_len=tokens, stack=stack, **options).peak
+            cache[n] = step + int(extra_bytes_per_token * tokens)
         return cache[n]
 
     limit = max(1, upper // granularity)
@@ -429,14 +441,30 @@ def plan_model(
     stacks: tuple[str, ...] = STACKS,
     granularity: int = 1024,
     device_type: str = "cuda",
+    sequence_parallel_size: int = 1,
 ) -> dict[str, Any]:
     """Every stack's peak MiB and breakdown at `seq_len`; with a budget, each stack's longest
     sequence that fits ("max_seq_len", a multiple of `granularity`). The tile policy resolves
-    as on `device_type` (a GPU by default).
+    as on `device_type` (a GPU by default). With `sequence_parallel_size` P, every figure is
+    per GPU for a sequence of `seq_len` tokens split over P GPUs (module docstring), and
+    "max_seq_len" is the whole sequence's length (a multiple of P x granularity).
 
     Returns:
         {stack: {"peak_mib", "breakdown_mib", "gradient_checkpointing"[, "max_seq_len"]}}.
+
+    Raises:
+        ValueError: seq_len not divisible by sequence_parallel_size, or heads that Ulysses
+            cannot split over it.
     """
+    p = sequence_parallel_size
+    if isinstance(p, bool) or not isinstance(p, int) or p < 1:
+        raise ValueError(f"sequence_parallel_size must be a positive int, got {p!r}")
+    if seq_len % p:
+        raise ValueError(
+            f"seq_len {seq_len} must be divisible by the sequence-parallel size {p} (each GPU "
+            f"holds seq_len / {p} tokens)"
+        )
+    per_token = _all_to_all_bytes_per_token(config, p, dtype)
     options: dict[str, Any] = {
         "dtype": dtype,
         "checkpointing": checkpointing,
@@ -445,11 +473,43 @@ def plan_model(
         "device_type": device_type,
     }
     out: dict[str, Any] = {}
+    local = seq_len // p
     for stack in stacks:
-        entry = estimate_step(config, seq_len=seq_len, stack=stack, **options).as_json()
+        est = estimate_step(config, seq_len=local, stack=stack, **options)
+        if p > 1:
+            extra = int(per_token * local)
+            est = StepEstimate(
+                est.peak + extra, {**est.breakdown, "all_to_all": extra}, est.checkpointing
+            )
+        entry = est.as_json()
         if budget_bytes is not None:
-            entry["max_seq_len"] = max_seq_len(
-                config, budget_bytes, stack=stack, granularity=granularity, hint=seq_len, **options
+            entry["max_seq_len"] = p * max_seq_len(
+                config,
+                budget_bytes,
+                stack=stack,
+                granularity=granularity,
+                hint=local,
+                extra_bytes_per_token=per_token,
+                **options,
             )
         out[stack] = entry
     return out
+
+
+def _all_to_all_bytes_per_token(config: Any, p: int, dtype: torch.dtype) -> float:
+    """Bytes per local token of one layer's all-to-all buffers under Ulysses over p GPUs (0 for
+    p = 1): query, key and value sent and received (twice their size), key/value heads repeated
+    up to p when there are fewer."""
+    if p == 1:
+        return 0.0
+    text = config.get_text_config()
+    heads = int(text.num_attention_heads)
+    kv = int(getattr(text, "num_key_value_heads", None) or heads)
+    if heads % p or (kv % p and p % kv):
+        raise ValueError(
+            f"Ulysses over {p} GPUs needs the {heads} query heads divisible by {p} and the {kv} "
+            f"key/value heads divisible by {p} or dividing it; choose another size"
+        )
+    head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // heads)
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2.0 * (heads + 2 * max(kv, p)) * head_dim * elem
