@@ -21,10 +21,11 @@ measures this).
 lose GEMM efficiency and add a pass over every weight-sized accumulator per tile, while the
 memory saving is nearly all captured by a few large tiles. It takes the largest tiles that keep
 ACCELERATOR_SAVING (90%) of the saving the memory model says tiling can reach (untiled
-intermediates minus the accumulators), within a token budget of ACCELERATOR_MIN_TILE_TOKENS (8K)
-to ACCELERATOR_MAX_TILE_TOKENS (32K) tokens per tile; untiled when that leaves fewer than two
-tiles or saves nothing. (Hidden 4096 / intermediate 12288 in bf16: untiled at 8K tokens, 2 tiles
-at 16K, 4 at 32K, 10 at 128K, 16 at 512K.)
+intermediates minus the accumulators), but never tiles whose working memory exceeds
+ACCELERATOR_MAX_TILE_BYTES (2 GiB: at very long sequences the last 10% would be many GiB) and
+never fewer than ACCELERATOR_MIN_TILE_TOKENS (8K) tokens per tile; untiled when that leaves
+fewer than two tiles or saves nothing. (Hidden 4096 / intermediate 12288 in bf16: untiled at 8K
+tokens, 2 tiles at 16K, 4 at 32K, 10 at 128K (13K-token tiles), 31 at 512K (2 GiB tiles).)
 
 For modules without a fast path "auto" uses the paper's rule beyond two tiles' worth of tokens
 and runs untiled below.
@@ -53,7 +54,7 @@ _NAMED = ("auto", "arctic")
 _TARGET = "target:"
 GENERIC_WIDTH = 4  # intermediate / hidden assumed for "target:<GB>" without a memory model
 ACCELERATOR_MIN_TILE_TOKENS = 8192
-ACCELERATOR_MAX_TILE_TOKENS = 32768
+ACCELERATOR_MAX_TILE_BYTES = 2 * 2**30
 ACCELERATOR_SAVING = 0.9
 _ASSUMED: list[str] = []  # device types set by assume_device, innermost last
 
@@ -184,7 +185,8 @@ class MemoryModel:
         per_token = self.tiled_bytes(1) - fixed
         reachable = self.untiled_bytes(num_tokens) - fixed
         keep = int((1 - ACCELERATOR_SAVING) * reachable // per_token) if per_token > 0 else 0
-        return min(max(ACCELERATOR_MIN_TILE_TOKENS, keep), ACCELERATOR_MAX_TILE_TOKENS)
+        cap = int(ACCELERATOR_MAX_TILE_BYTES // per_token) if per_token > 0 else keep
+        return max(ACCELERATOR_MIN_TILE_TOKENS, min(keep, cap))
 
     def auto_tile_tokens(self) -> int:
         c = self.TILED_PLAIN if self.structure.kind is MLPKind.PLAIN else self.TILED_GATED
