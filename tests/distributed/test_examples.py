@@ -67,3 +67,30 @@ def test_long_context_recipe_runs_cpu_sized(tmp_path: Path) -> None:
     )  # fmt: skip
     assert plain.returncode == 0, plain.stderr[-3000:]
     assert json.loads(plain.stdout.strip().splitlines()[-1])["losses"] == summary["losses"]
+
+
+def test_sequence_parallel_examples_match_one_process() -> None:
+    # The library example: each sequence split over 2 ranks (packed documents) = one process.
+    script = str(ROOT / "examples" / "train_sequence_parallel.py")
+
+    def losses(*cmd: str) -> list[float]:
+        res = subprocess.run(
+            [*cmd, script, "--seq-len", "128"], cwd=ROOT, capture_output=True, text=True,
+            timeout=300,
+        )  # fmt: skip
+        assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+        return [float(x) for x in re.findall(r"step \d+: loss ([0-9.]+)", res.stdout)]
+
+    split = losses(sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2")
+    one = losses(sys.executable)
+    assert len(split) == 3 and split == pytest.approx(one, rel=1e-5)
+    # The CLI example: tiledmlp train --sequence-parallel-size 2 under torchrun.
+    env = {**os.environ, "PYTHON": sys.executable, "SEQ_LEN": "128"}
+    res = subprocess.run(
+        ["bash", str(ROOT / "examples" / "train_sequence_parallel.sh"), "--max-steps", "2",
+         "--json"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, env=env,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    summary = json.loads(res.stdout.strip().splitlines()[-1])
+    assert summary["sequence_parallel_size"] == 2 and len(summary["losses"]) == 2

@@ -26,8 +26,9 @@ inputs). Attention runs through SDPA as in layer.py (flash-like O(seq) memory).
 Sequence parallelism (Ulysses, P ranks): each GPU holds seq_len / P tokens of every tensor
 outside attention; inside, whole sequences with heads / P, i.e. the same number of elements as
 the local tokens with all heads. So a GPU's step is simulated at seq_len / P tokens, plus the
-all-to-all's buffers of one layer (sent and received query, key and value, key/value heads
-repeated up to P when there are fewer): "all_to_all" in the breakdown. Weights, gradients and
+all-to-all's transient buffers (a send copy and the received tensor of the largest of query, key
+and value, key/value heads repeated up to P when there are fewer): "all_to_all" in the
+breakdown. Weights, gradients and
 optimizer states are counted whole on every GPU (replicated, as under DDP); ZeRO-3 or FSDP
 sharding would lower them further.
 
@@ -497,9 +498,11 @@ def plan_model(
 
 
 def _all_to_all_bytes_per_token(config: Any, p: int, dtype: torch.dtype) -> float:
-    """Bytes per local token of one layer's all-to-all buffers under Ulysses over p GPUs (0 for
-    p = 1): query, key and value sent and received (twice their size), key/value heads repeated
-    up to p when there are fewer."""
+    """Bytes per local token of one layer's all-to-all buffers under Ulysses over p GPUs, beyond
+    what the local simulation counts (0 for p = 1): the exchange of the largest of query, key
+    and value (key/value heads repeated up to p when there are fewer) holds a send copy and the
+    received tensor beside the local one; the received tensors then replace the local ones the
+    simulation already counts."""
     if p == 1:
         return 0.0
     text = config.get_text_config()
@@ -512,4 +515,4 @@ def _all_to_all_bytes_per_token(config: Any, p: int, dtype: torch.dtype) -> floa
         )
     head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // heads)
     elem = torch.empty((), dtype=dtype).element_size()
-    return 2.0 * (heads + 2 * max(kv, p)) * head_dim * elem
+    return 2.0 * max(heads, max(kv, p)) * head_dim * elem
