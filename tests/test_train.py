@@ -247,14 +247,15 @@ def test_sequence_parallel_under_torchrun_matches_one_process(tmp_path: Path) ->
     # Each sequence split over 2 ranks (Ulysses), ZeRO-3 over both through the Trainer: the
     # losses are those of one process on the whole sequences.
     pytest.importorskip("deepspeed")
-    one = summary("--seq-len", "128", "--max-steps", "3")
+    one = summary("--seq-len", "128", "--max-steps", "3", "--eval-steps", "3")
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m"]
     config = Path(__file__).parents[1] / "examples" / "ds_zero3.json"
     res = train(
         "--seq-len", "128", "--max-steps", "3", "--json", "--sequence-parallel-size", "2",
-        "--deepspeed", str(config), launcher=launcher,
+        "--eval-steps", "3", "--deepspeed", str(config), launcher=launcher,
     )  # fmt: skip
     assert res.returncode == 0, res.stderr[-3000:]
     s = json.loads(res.stdout.strip().splitlines()[-1])
     assert s["sequence_parallel_size"] == 2 and s["engine"] == "deepspeed"
     assert s["losses"] == pytest.approx(one["losses"], rel=1e-5)
+    assert s["eval_loss"] == pytest.approx(one["eval_loss"], rel=1e-5)  # evaluation splits too
