@@ -247,12 +247,16 @@ def test_sequence_parallel_under_torchrun_matches_one_process(tmp_path: Path) ->
     # Each sequence split over 2 ranks (Ulysses), ZeRO-3 over both through the Trainer: the
     # losses are those of one process on the whole sequences.
     pytest.importorskip("deepspeed")
-    one = summary("--seq-len", "128", "--max-steps", "3", "--eval-steps", "3")
+    ga = ("--gradient-accumulation-steps", "2")  # micro-batch means averaged, as one process's
+    one = summary("--seq-len", "128", "--max-steps", "3", "--eval-steps", "3", *ga)
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m"]
-    config = Path(__file__).parents[1] / "examples" / "ds_zero3.json"
+    config = tmp_path / "ds.json"  # the example's ZeRO-3 config, batch sizes from the Trainer
+    ds = json.loads((Path(__file__).parents[1] / "examples" / "ds_zero3.json").read_text())
+    ds.update(train_micro_batch_size_per_gpu="auto", gradient_accumulation_steps="auto")
+    config.write_text(json.dumps(ds))
     res = train(
         "--seq-len", "128", "--max-steps", "3", "--json", "--sequence-parallel-size", "2",
-        "--eval-steps", "3", "--deepspeed", str(config), launcher=launcher,
+        "--eval-steps", "3", "--deepspeed", str(config), *ga, launcher=launcher,
     )  # fmt: skip
     assert res.returncode == 0, res.stderr[-3000:]
     s = json.loads(res.stdout.strip().splitlines()[-1])

@@ -412,7 +412,10 @@ def run(opts: TrainOptions) -> dict[str, Any]:
         from tiledmlp.sequence_parallel import installed_groups
 
         trainer.sp_groups = installed_groups(model)
-        trainer.loss_is_scaled_for_ga = False  # a mean per micro-batch: divide by accumulation
+        # a mean per micro-batch: the Trainer divides by the accumulation steps (both names, for
+        # transformers versions with and without loss_is_scaled_for_ga)
+        trainer.loss_is_scaled_for_ga = False
+        trainer.model_accepts_loss_kwargs = False
     resume: str | bool | None = opts.resume_from_checkpoint
     if resume == "latest":
         resume = True
