@@ -119,27 +119,23 @@ class FastEngine:
         cd = self.compute_dtype(x)
         w = self._cast(cd)
         out = torch.empty((x.shape[0], s.output_size), dtype=cd, device=x.device)
+        kind = self._fused(x)
         with torch.no_grad(), torch.autocast(x.device.type, enabled=False):
             for start, stop in plan.bounds():
-                self._forward_tile(x[start:stop].to(cd), w, out[start:stop])
+                self._forward_tile(x[start:stop].to(cd), w, out[start:stop], kind)
         return out
 
     def _forward_tile(
-        self, xt: torch.Tensor, w: list[torch.Tensor | None], out: torch.Tensor
+        self, xt: torch.Tensor, w: list[torch.Tensor | None], out: torch.Tensor, kind: str | None
     ) -> None:
-        s = self.structure
-        kind = self._fused(xt)
-        if kind is not None:
-            g, u, _ = self._gate_up(xt, w)
-            h = glu_kernels.glu_forward(g, u, kind, out=g)
-        elif s.kind is MLPKind.GATED:
-            g = F.linear(xt, w[0], w[1])  # type: ignore[arg-type]
-            h = self._act(g).mul_(F.linear(xt, w[2], w[3]))  # type: ignore[arg-type]
-        elif s.kind is MLPKind.FUSED_GATED:
-            g, u = self._halves(F.linear(xt, w[0], w[1]))  # type: ignore[arg-type]
-            h = self._act(g).mul_(u)
-        else:
+        if self.structure.kind is MLPKind.PLAIN:
             h = self._act(F.linear(xt, w[0], w[1]))  # type: ignore[arg-type]
+        else:
+            g, u, _ = self._gate_up(xt, w)
+            if kind is not None:
+                h = glu_kernels.glu_forward(g, u, kind, out=g)
+            else:
+                h = self._act(g).mul_(u)
         _mm_into(out, h.to(xt.dtype), w[-2], w[-1])  # type: ignore[arg-type]
 
     def _gate_up(
@@ -214,17 +210,20 @@ class FastEngine:
         ]
         need_up = needs_x or any(sl is not None for sl in slots[:-2])
         dx = torch.empty_like(x) if needs_x else None
+        kind = self._fused(x)
+        tile = self._backward_tile if kind is None else self._backward_tile_fused
 
         with torch.no_grad(), torch.autocast(x.device.type, enabled=False):
             for start, stop in plan.bounds():
                 # One call per tile: its temporaries die on return, before the next tile's exist.
-                self._backward_tile(
+                tile(
                     x[start:stop].to(cd),
                     grad_out[start:stop].to(cd),
                     w,
                     slots,
                     need_up,
                     None if dx is None else dx[start:stop],
+                    kind,
                 )
         return dx, self._results(slots, needs_params)
 
@@ -236,38 +235,25 @@ class FastEngine:
         slots: list[GradSlot | None],
         need_up: bool,
         dxt: torch.Tensor | None,
+        kind: str | None = None,
     ) -> None:
-        kind = self._fused(xt)
-        if kind is not None:
-            self._backward_tile_fused(xt, dyt, w, slots, need_up, dxt, kind)
-            return
+        """One tile's backward through PyTorch and the module's own activation."""
         s = self.structure
         cd = xt.dtype
-        first_slots = slots[:-2]
-        gu: torch.Tensor | None = None
-        if s.kind is MLPKind.GATED:
-            g = F.linear(xt, w[0], w[1])  # type: ignore[arg-type]
-            u: torch.Tensor | None = F.linear(xt, w[2], w[3])  # type: ignore[arg-type]
-        elif s.kind is MLPKind.FUSED_GATED:
-            gu = F.linear(xt, w[0], w[1])  # type: ignore[arg-type]
-            g, u = self._halves(gu)
+        if s.kind is MLPKind.PLAIN:
+            g, u, gu = F.linear(xt, w[0], w[1]), None, None  # type: ignore[arg-type]
         else:
-            g, u = F.linear(xt, w[0], w[1]), None  # type: ignore[arg-type]
+            g, u, gu = self._gate_up(xt, w)
 
         a = self._act(g.clone() if s.act_in_place else g).to(cd)
         h = a if u is None else a * u  # the down projection's input
-        if slots[-2] is not None:
-            slots[-2].add_mm(dyt.t(), h)
-        if slots[-1] is not None:
-            slots[-1].add_rows(dyt)
+        self._down_grads(slots, dyt, h)
         if not need_up:
             return
         if u is None:
             del a, h
             dz = self._act_grad(g, torch.mm(dyt, w[-2]))  # type: ignore[arg-type]
-            self._first_grads(first_slots[0], first_slots[1], dz, xt)
-            if dxt is not None:
-                self._dx_into(dxt, dz, w[0], None, None)  # type: ignore[arg-type]
+            self._input_grads(slots, xt, w, dxt, dz)
             return
         dh = torch.mm(dyt, w[-2], out=h)  # type: ignore[arg-type]
         du = a.mul_(dh)
@@ -280,14 +266,9 @@ class FastEngine:
             g.copy_(dg)
             u.copy_(du)
             del dg, du
-            self._first_grads(first_slots[0], first_slots[1], gu, xt)
-            if dxt is not None:
-                self._dx_into(dxt, gu, w[0], None, None)  # type: ignore[arg-type]
+            self._input_grads(slots, xt, w, dxt, gu)
         else:
-            self._first_grads(first_slots[0], first_slots[1], dg, xt)
-            self._first_grads(first_slots[2], first_slots[3], du, xt)
-            if dxt is not None:
-                self._dx_into(dxt, dg, w[0], du, w[2])  # type: ignore[arg-type]
+            self._input_grads(slots, xt, w, dxt, dg, du)
 
     def _backward_tile_fused(
         self,
@@ -297,34 +278,49 @@ class FastEngine:
         slots: list[GradSlot | None],
         need_up: bool,
         dxt: torch.Tensor | None,
-        kind: str,
+        kind: str | None,
     ) -> None:
-        """_backward_tile with the fused elementwise kernels: three (n, m) tensors at most."""
+        """_backward_tile with the fused elementwise kernels (gated MLPs with an activation of
+        `kind`): three (n, m) tensors at most."""
+        assert kind is not None  # chosen by backward() only for a recognised activation
         g, u, gu = self._gate_up(xt, w)
         if not need_up:
-            h = glu_kernels.glu_forward(g, u, kind, out=g)
-            if slots[-2] is not None:
-                slots[-2].add_mm(dyt.t(), h)
-            if slots[-1] is not None:
-                slots[-1].add_rows(dyt)
+            self._down_grads(slots, dyt, glu_kernels.glu_forward(g, u, kind, out=g))
             return
         dh = torch.mm(dyt, w[-2])  # type: ignore[arg-type]
         glu_kernels.glu_backward(g, u, dh, kind, h_out=dh)  # g <- dg, u <- du, dh <- h
+        self._down_grads(slots, dyt, dh)
+        del dh
+        if gu is not None:  # dg and du were written over its halves: [dg | du] in its layout
+            self._input_grads(slots, xt, w, dxt, gu)
+        else:
+            self._input_grads(slots, xt, w, dxt, g, u)
+
+    @staticmethod
+    def _down_grads(slots: list[GradSlot | None], dyt: torch.Tensor, h: torch.Tensor) -> None:
+        """The down projection's weight (dy^T h) and bias gradients of a tile."""
         if slots[-2] is not None:
-            slots[-2].add_mm(dyt.t(), dh)
+            slots[-2].add_mm(dyt.t(), h)
         if slots[-1] is not None:
             slots[-1].add_rows(dyt)
-        del dh
-        first = slots[:-2]
-        if gu is not None:  # dg and du were written over its halves: [dg | du] in its layout
-            self._first_grads(first[0], first[1], gu, xt)
-            if dxt is not None:
-                self._dx_into(dxt, gu, w[0], None, None)  # type: ignore[arg-type]
-            return
-        self._first_grads(first[0], first[1], g, xt)
-        self._first_grads(first[2], first[3], u, xt)
+
+    def _input_grads(
+        self,
+        slots: list[GradSlot | None],
+        xt: torch.Tensor,
+        w: list[torch.Tensor | None],
+        dxt: torch.Tensor | None,
+        d1: torch.Tensor,
+        d2: torch.Tensor | None = None,
+    ) -> None:
+        """The first projection(s)' gradients and dx of a tile, from d1 (the gradient of the
+        first linear's output: dz, dg, or [dg | du] in a fused gate_up's layout) and d2 (du of
+        a separate up projection)."""
+        self._first_grads(slots[0], slots[1], d1, xt)
+        if d2 is not None:
+            self._first_grads(slots[2], slots[3], d2, xt)
         if dxt is not None:
-            self._dx_into(dxt, g, w[0], u, w[2])  # type: ignore[arg-type]
+            self._dx_into(dxt, d1, w[0], d2, None if d2 is None else w[2])  # type: ignore[arg-type]
 
     def _act_grad(self, z: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
         """Gradient through the module's own activation at z, by re-evaluating it (elementwise,
