@@ -199,5 +199,7 @@ def test_sequence_parallel_plan_is_the_local_step_plus_the_all_to_all() -> None:
     assert got["peak_mib"] == pytest.approx(ref["peak_mib"] + a2a / 2**20, abs=0.11)
     with pytest.raises(ValueError, match="divisible by the sequence-parallel size 4"):
         plan_model(config, seq_len=2050, stacks=stacks, sequence_parallel_size=4)
-    with pytest.raises(ValueError, match="query heads divisible by 3"):
+    with pytest.raises(
+        ValueError, match="4 query heads must be divisible by the sequence-parallel size 3"
+    ):
         plan_model(config, seq_len=3 * 512, stacks=stacks, sequence_parallel_size=3)

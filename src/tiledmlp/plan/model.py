@@ -54,6 +54,7 @@ from tiledmlp.patching.detect import norms_of
 from tiledmlp.patching.offloading import before_forward, enable_checkpointing
 from tiledmlp.plan.fake_memory import StorageTracker
 from tiledmlp.plan.layer import _dense_mlp, cut_config
+from tiledmlp.sequence_parallel.attention import kv_repeat
 
 __all__ = ["OPTIMIZERS", "STACKS", "StepEstimate", "estimate_step", "max_seq_len", "plan_model"]
 
@@ -508,11 +509,7 @@ def _all_to_all_bytes_per_token(config: Any, p: int, dtype: torch.dtype) -> floa
     text = config.get_text_config()
     heads = int(text.num_attention_heads)
     kv = int(getattr(text, "num_key_value_heads", None) or heads)
-    if heads % p or (kv % p and p % kv):
-        raise ValueError(
-            f"Ulysses over {p} GPUs needs the {heads} query heads divisible by {p} and the {kv} "
-            f"key/value heads divisible by {p} or dividing it; choose another size"
-        )
+    kv_sent = kv * kv_repeat(heads, kv, p)  # the check the attention wrapper makes
     head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // heads)
     elem = torch.empty((), dtype=dtype).element_size()
-    return 2.0 * max(heads, max(kv, p)) * head_dim * elem
+    return 2.0 * max(heads, kv_sent) * head_dim * elem

@@ -124,12 +124,7 @@ class UlyssesAttention:
         batch, heads, local, _ = query.shape
         kv_heads = key.shape[1]
         self._check_local(module, query, key, attention_mask, kwargs)
-        if heads % p != 0:
-            raise _error(
-                f"the {heads} query heads must be divisible by the sequence-parallel size {p}; "
-                f"choose a sequence_parallel_size that divides {heads}"
-            )
-        repeat = _kv_repeat(kv_heads, p)
+        repeat = kv_repeat(heads, kv_heads, p)
         full = self._positions(kwargs["position_ids"], batch, local)
         kwargs = dict(kwargs, position_ids=full.positions)
         window = kwargs.get("sliding_window")
@@ -273,9 +268,19 @@ class _FullPositions:
         return self._masks[key]
 
 
-def _kv_repeat(kv_heads: int, p: int) -> int:
+def kv_repeat(heads: int, kv_heads: int, p: int) -> int:
     """How many times each KV head is repeated before the all-to-all: 1 when kv_heads % P == 0,
-    P / kv_heads when kv_heads divides P."""
+    P / kv_heads when kv_heads divides P.
+
+    Raises:
+        ValueError: the query heads are not divisible by P, or the KV heads neither divisible
+            by P nor dividing it.
+    """
+    if heads % p != 0:
+        raise _error(
+            f"the {heads} query heads must be divisible by the sequence-parallel size {p}; "
+            f"choose a sequence_parallel_size that divides {heads}"
+        )
     if kv_heads % p == 0:
         return 1
     if p % kv_heads == 0:
@@ -433,13 +438,7 @@ def install(model: nn.Module, groups: SequenceParallelGroups) -> UlyssesReport:
     p = groups.sp_size
     heads = getattr(text, "num_attention_heads", None)
     if isinstance(heads, int):
-        if heads % p != 0:
-            raise _error(
-                f"the {heads} query heads must be divisible by the sequence-parallel size {p}; "
-                f"choose a sequence_parallel_size that divides {heads}"
-            )
-        kv_heads = getattr(text, "num_key_value_heads", None) or heads
-        _kv_repeat(int(kv_heads), p)
+        kv_repeat(heads, int(getattr(text, "num_key_value_heads", None) or heads), p)
     name = _register(groups, original)
     checked = []
     for m in base.modules():
