@@ -271,12 +271,11 @@ def _sequence_parallel_groups(
             f"patch_model: sequence_parallel_size must be a positive int, got {size!r}"
         )
     current = sp_installed(model)
-    want = size if size is not None else None
     if current is not None:
-        if want is not None and want != current.sp_size:
+        if size is not None and size != current.sp_size:
             raise ValueError(
                 f"patch_model: the model is already sequence-parallel over {current.sp_size} "
-                f"ranks, asked for {want}; unpatch_model(model) first"
+                f"ranks, asked for {size}; unpatch_model(model) first"
             )
         return current
     if size == 1 and group is None:

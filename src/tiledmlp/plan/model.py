@@ -28,9 +28,8 @@ outside attention; inside, whole sequences with heads / P, i.e. the same number 
 the local tokens with all heads. So a GPU's step is simulated at seq_len / P tokens, plus the
 all-to-all's transient buffers (a send copy and the received tensor of the largest of query, key
 and value, key/value heads repeated up to P when there are fewer): "all_to_all" in the
-breakdown. Weights, gradients and
-optimizer states are counted whole on every GPU (replicated, as under DDP); ZeRO-3 or FSDP
-sharding would lower them further.
+breakdown. Weights, gradients and optimizer states are counted whole on every GPU (replicated,
+as under DDP); ZeRO-3 or FSDP sharding would lower them further.
 
 Invariant: the estimate depends only on the config's shapes, the sequence length, the dtype,
 the stack and its options; no weights are read or downloaded.
