@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -130,3 +136,26 @@ def assert_same_sgd_steps(
             assert_close_rel(p.grad, q.grad, f"step {step} {name}.grad")
         for opt in opts:
             opt.step()
+
+
+def run_interpreted(module: str, function: str) -> Any:
+    """Calls tests/<module>.py's `function()` in a fresh process with Triton's interpreter on
+    (TRITON_INTERPRET=1: Triton kernels run on CPU tensors; triton.jit reads it when kernels are
+    built, so it cannot be switched on inside this process) and returns its JSON result.
+    Skips when triton is not installed; fails with the process's output when it fails."""
+    pytest.importorskip("triton", reason="triton is not installed")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONWARNINGS": "ignore"}
+    code = (
+        f"import json, sys; sys.path.insert(0, sys.argv[1]); import {module} as t; "
+        f"print('RESULT ' + json.dumps(t.{function}()))"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(Path(__file__).parent)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
+    return json.loads(line.removeprefix("RESULT "))

@@ -8,11 +8,6 @@ makes kernels_available true for CPU tensors there); on a GPU the same cases run
 from __future__ import annotations
 
 import copy
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,7 +15,7 @@ import torch
 from tiledmlp import tiled_mlp
 from tiledmlp.ops import glu_kernels
 
-from conftest import assert_same_grads, grads_of, make_mlp
+from conftest import assert_same_grads, grads_of, make_mlp, run_interpreted
 
 KINDS = ["swiglu", "swiglu_bias", "geglu", "fused", "fused_bias"]
 
@@ -90,22 +85,7 @@ def test_kernels_are_not_selected_on_the_cpu() -> None:
 
 
 def test_op_with_kernels_under_triton_interpreter() -> None:
-    pytest.importorskip("triton", reason="triton is not installed")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONWARNINGS": "ignore"}
-    code = (
-        "import json, sys; sys.path.insert(0, sys.argv[1]); import test_fused_elementwise as t; "
-        "print('CALLS ' + json.dumps(t.op_cases()))"
-    )
-    proc = subprocess.run(
-        [sys.executable, "-c", code, str(Path(__file__).parent)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
-    line = next(x for x in proc.stdout.splitlines() if x.startswith("CALLS "))
-    assert json.loads(line.removeprefix("CALLS "))["glu_backward"] > 0
+    assert run_interpreted("test_fused_elementwise", "op_cases")["glu_backward"] > 0
 
 
 @pytest.mark.gpu

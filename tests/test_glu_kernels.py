@@ -12,7 +12,6 @@ evaluation can promise), plus half an ulp of the result's dtype for the final ro
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import subprocess
@@ -32,6 +31,8 @@ from tiledmlp.ops.glu_kernels import (
     glu_forward,
     glu_forward_reference,
 )
+
+from conftest import run_interpreted
 
 _MODULES = {
     "silu": lambda: nn.SiLU(),
@@ -283,22 +284,8 @@ def interpreted_cases() -> dict[str, float]:
 
 
 def test_kernels_match_reference_under_triton_interpreter() -> None:
-    pytest.importorskip("triton", reason="triton is not installed")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONWARNINGS": "ignore"}
-    code = (
-        "import json, sys; sys.path.insert(0, sys.argv[1]); import test_glu_kernels as t; "
-        "print('WORST ' + json.dumps(t.interpreted_cases()))"
-    )
-    proc = subprocess.run(
-        [sys.executable, "-c", code, str(Path(__file__).parent)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
-    line = next(x for x in proc.stdout.splitlines() if x.startswith("WORST "))
-    print(json.loads(line.removeprefix("WORST ")))  # shown with -s: the measured differences
+    worst = run_interpreted("test_glu_kernels", "interpreted_cases")
+    print(worst)  # shown with -s: the measured differences
 
 
 @pytest.mark.gpu
