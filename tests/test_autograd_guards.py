@@ -5,6 +5,8 @@ autograd raises for the untiled module."""
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import pytest
 import torch
 from torch import nn
@@ -133,3 +135,47 @@ def test_double_backward_with_a_per_token_input_is_exact() -> None:
         return tiled_mlp(mlp, x, scale, num_tiles=3)
 
     assert torch.autograd.gradgradcheck(f, (x, scale), eps=1e-6, atol=1e-6, rtol=1e-4)
+
+
+def _in_place_outcome(mlp: nn.Module, name: str, run, x: torch.Tensor) -> str | None:
+    """The error message (None: no error) of run(mlp, x).sum().backward() after `name` was
+    changed in place between forward and backward."""
+    y = run(mlp, x)
+    with torch.no_grad():
+        dict(mlp.named_parameters())[name].mul_(2.0)
+    try:
+        y.float().sum().backward()
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("kind", ["swiglu", "swiglu_bias", "fused_bias", "plain", "relu_inplace"])
+@pytest.mark.parametrize(
+    ("x_grad", "frozen_first", "autocast"),
+    [(True, False, False), (False, False, False), (False, True, False), (True, False, True)],
+)
+def test_in_place_message_says_what_the_untiled_module_does(
+    kind: str, x_grad: bool, frozen_first: bool, autocast: bool
+) -> None:
+    # Autograd raises for the untiled module only for tensors its backward keeps (a Linear's
+    # weight when its input needs a gradient; never a bias, nor a weight autocast copies).
+    # The tiled backward always refuses; its message must say which case it is.
+    names = [n for n, _ in make_mlp(kind, 6, 10).named_parameters()]
+    ctx = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else nullcontext()
+    for name in names:
+        outcomes = []
+        for run in (lambda m, t: m(t), lambda m, t: tiled_mlp(m, t, num_tiles=3)):
+            mlp = make_mlp(kind, 6, 10)
+            if frozen_first:
+                for n, p in mlp.named_parameters():
+                    p.requires_grad_(not n.startswith(("gate", "up", "fc1")))
+            x = torch.randn(2, 5, 6, requires_grad=x_grad)
+            with ctx:
+                outcomes.append(_in_place_outcome(mlp, name, run, x))
+        untiled, tiled = outcomes
+        assert tiled is not None and f"parameter {name!r}" in tiled, (name, tiled)
+        if untiled is not None:
+            assert "The untiled module raises here too." in tiled, (name, tiled)
+        else:
+            assert "The untiled module would not raise here" in tiled, (name, tiled)

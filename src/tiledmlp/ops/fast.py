@@ -89,6 +89,24 @@ class FastEngine:
             )
         return x.dtype
 
+    def untiled_keeps(self, x: torch.Tensor) -> dict[int, bool]:
+        """Which parameters (by id) the untiled module's autograd would keep by reference for its
+        backward, for an input like x: a Linear's backward keeps its weight only when its input
+        needs a gradient (for d(input)), never its bias, and nothing of a weight that autocast
+        casts (it keeps the cast copy). Changing a kept tensor in place before the backward makes
+        the untiled module raise too; changing one it does not keep leaves its gradients exact
+        for the forward that ran (the tiled backward, which recomputes from it, must refuse)."""
+        first = [p for lin in self.structure.first for p in (lin.weight, lin.bias) if p is not None]
+        x_grad = x.requires_grad and torch.is_grad_enabled()
+        hidden_grad = x_grad or any(p.requires_grad for p in first)
+        keeps = {id(p): False for p in self.params}
+        for lin in self.structure.linears:
+            cast = self.autocast.compute_dtype(x.dtype, lin.weight.dtype)
+            copied = cast is not None and cast != lin.weight.dtype
+            input_grad = hidden_grad if lin is self.structure.down else x_grad
+            keeps[id(lin.weight)] = input_grad and not copied
+        return keeps
+
     def _cast(self, dtype: torch.dtype) -> list[torch.Tensor | None]:
         return [None if p is None else p.to(dtype) for p in self._slots]
 

@@ -66,12 +66,13 @@ class TiledRun:
     extras: tuple[torch.Tensor, ...] = ()
     extra_nodes: tuple[Any, ...] = ()
     layouts_keep_lead: tuple[bool, ...] = ()
-    versions: tuple[tuple[object, torch.Tensor, int], ...] = ()
+    versions: tuple[tuple[object, torch.Tensor, int, bool | None], ...] = ()
 
-    def record_versions(self, named: Sequence[tuple[object, torch.Tensor]]) -> None:
+    def record_versions(self, named: Sequence[tuple[object, torch.Tensor, bool | None]]) -> None:
         """Remembers the version counters of the tensors the backward recomputes from but does
-        not save (the weights, kept by reference; extra inputs that need no grad)."""
-        self.versions = tuple((name, t, t._version) for name, t in named)
+        not save (the weights, kept by reference; extra inputs that need no grad), each with
+        whether the untiled module's autograd would keep it too (None: not known)."""
+        self.versions = tuple((name, t, t._version, keeps) for name, t, keeps in named)
 
     def flat_extras(self, extras: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
         """Per-token extra inputs flattened to (tokens, ...), detached."""

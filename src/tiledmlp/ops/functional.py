@@ -140,9 +140,10 @@ def _run(
         extras=tuple(args),
         extra_nodes=tuple(node for _, node in anchored),
     )
+    keeps = engine.untiled_keeps(x) if isinstance(engine, FastEngine) else {}
     run.record_versions(
-        [(_ParamName(mlp, w), w) for w in engine.weights]
-        + [(f"extra input {i}", a) for i, (a, node) in enumerate(anchored) if node is None]
+        [(_ParamName(mlp, w), w, keeps.get(id(w))) for w in engine.weights]
+        + [(f"extra input {i}", a, None) for i, (a, node) in enumerate(anchored) if node is None]
     )
     if not needs_grad:
         outs = run.run_forward(x)

@@ -17,7 +17,9 @@ Log-probabilities of given tokens and the entropy (RL):
     entropy = lse - sum_c p_c zf_c,  d/dzf = -p * (zf - lse + entropy)
 
 Invariant: values and gradients are float32 (float64 for float64 inputs); a row that does not
-count contributes exactly zero to every value and gradient.
+count contributes exactly zero to every value, also when its logits are not finite (padding
+positions may carry NaN: selected away, never multiplied by zero), and its gradient follows
+torch's cross_entropy / log_softmax: zero for finite logits, NaN where the logits are NaN.
 """
 
 from __future__ import annotations
@@ -141,13 +143,15 @@ class CrossEntropyMath(TileMath):
         self, zf: torch.Tensor, lse: torch.Tensor, y: torch.Tensor, v: torch.Tensor, rows: slice
     ) -> None:
         uy = self._uy(y, v)  # 0 on rows that do not count
-        vf = v.to(self.dtype)
         nll = lse - zf.gather(1, y.unsqueeze(1)).squeeze(1)
         token = self.a * uy * nll
         if self.label_smoothing:
             weighted = zf.sum(dim=-1) if self.class_weight is None else zf @ self.class_weight
-            token = token + self.b * vf * (lse * self.u_total - weighted)
-        z_term = self.c * vf * lse * lse if self.z_loss else None
+            token = token + self.b * (lse * self.u_total - weighted)
+        # selected, not multiplied: a row that does not count may hold NaN logits (padding)
+        zero = token.new_zeros(())
+        token = torch.where(v, token, zero)
+        z_term = torch.where(v, self.c * lse * lse, zero) if self.z_loss else None
         if self.per_token:
             assert self.token_loss is not None
             self.token_loss[rows] = token if z_term is None else token + z_term
@@ -218,10 +222,10 @@ class LogprobMath(TileMath):
     def values(
         self, zf: torch.Tensor, lse: torch.Tensor, y: torch.Tensor, v: torch.Tensor, rows: slice
     ) -> None:
-        vf = v.to(self.dtype)
-        self.logprobs[rows] = (zf.gather(1, y.unsqueeze(1)).squeeze(1) - lse) * vf
+        zero = lse.new_zeros(())
+        self.logprobs[rows] = torch.where(v, zf.gather(1, y.unsqueeze(1)).squeeze(1) - lse, zero)
         if self.entropies is not None:
-            self.entropies[rows] = self._entropy(zf, lse) * vf
+            self.entropies[rows] = torch.where(v, self._entropy(zf, lse), zero)
 
     def grad(
         self,
