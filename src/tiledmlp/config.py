@@ -21,13 +21,18 @@ class TiledMLPConfig:
         num_tiles: a positive int, "auto" (memory-budget rule, default) or "arctic"
             (ceil(tokens / hidden)).
         tile_tokens: tokens per tile instead of num_tiles (num_tiles must stay "auto").
+        kernels: use the fused Triton elementwise kernels for gated MLPs where they can run
+            (CUDA; default True). False: PyTorch only (see tiled_mlp's `kernels`).
     """
 
     num_tiles: int | str = "auto"
     tile_tokens: int | None = None
+    kernels: bool = True
 
     def __post_init__(self) -> None:
         validate_policy(self.num_tiles, self.tile_tokens)
+        if not isinstance(self.kernels, bool):
+            raise ValueError(f"TiledMLPConfig: kernels must be True or False, got {self.kernels!r}")
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> TiledMLPConfig:

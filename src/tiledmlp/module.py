@@ -33,9 +33,13 @@ class TiledMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> Any:
         """x: (batch, seq, hidden) or (tokens, hidden); returns what mlp(x) returns."""
+        cfg = self.config
         return tiled_mlp(
-            self.mlp, x, num_tiles=self.config.num_tiles, tile_tokens=self.config.tile_tokens
+            self.mlp, x, num_tiles=cfg.num_tiles, tile_tokens=cfg.tile_tokens, kernels=cfg.kernels
         )
 
     def extra_repr(self) -> str:
-        return f"num_tiles={self.config.num_tiles!r}, tile_tokens={self.config.tile_tokens!r}"
+        extra = "" if self.config.kernels else ", kernels=False"
+        return (
+            f"num_tiles={self.config.num_tiles!r}, tile_tokens={self.config.tile_tokens!r}{extra}"
+        )

@@ -12,8 +12,9 @@ per weight when weights or compute are lower precision than float32.
 Fused elementwise: where the gate's activation is exactly SiLU, GELU-tanh or GELU
 (glu_kernels.activation_kind) and Triton kernels can run on the device (CUDA), act(g) * u and
 the whole backward chain (du, dg and h again for the down projection's weight gradient) are one
-pass each, in place: a gated tile then holds 3*n*m elements. Elsewhere the module's own
-activation runs through PyTorch (the reference path).
+pass each, in place: a gated tile then holds 3*n*m elements. Elsewhere (or with kernels=False,
+or on a device where a kernel failed: glu_kernels' failover) the module's own activation runs
+through PyTorch (the reference path).
 
 Invariant: every tile's weight gradients go into one accumulator per weight (grads.GradSlot);
 the backward returns each parameter's gradient once.
@@ -53,14 +54,20 @@ class FastEngine:
         autocast: autocast settings captured when the forward ran.
         backend: how the module's parameters are made whole (ops/backend.py); the caller
             gathers `weights` around the forward and the backward.
+        kernels: whether the fused elementwise kernels may be used (False: PyTorch only).
     """
 
     def __init__(
-        self, structure: MLPStructure, autocast: AutocastState, backend: ParamBackend = LOCAL
+        self,
+        structure: MLPStructure,
+        autocast: AutocastState,
+        backend: ParamBackend = LOCAL,
+        kernels: bool = True,
     ) -> None:
         self.structure = structure
         self.autocast = autocast
         self.backend = backend
+        self.kernels = kernels
         self._slots = structure.params()  # weight, bias per linear; None where no bias
         self.params: list[torch.Tensor] = [p for p in self._slots if p is not None]
         self.weights = self.params  # every parameter the computation uses (all are inputs)
@@ -69,7 +76,7 @@ class FastEngine:
 
     def _fused(self, t: torch.Tensor) -> str | None:
         """The activation kind for the fused elementwise kernels, or None for PyTorch."""
-        if self.glu is None or not glu_kernels.kernels_available(t.device):
+        if self.glu is None or not self.kernels or not glu_kernels.kernels_available(t.device):
             return None
         return self.glu
 

@@ -44,6 +44,7 @@ def tiled_mlp(
     backend: ParamBackend | None = None,
     plan_tokens: int | None = None,
     count: TileCount | None = None,
+    kernels: bool = True,
 ) -> Any:
     """Runs the token-wise module `mlp` over `x` in tiles of tokens, keeping no intermediates.
 
@@ -77,6 +78,10 @@ def tiled_mlp(
             split x's tokens into that plan's number of tiles: ranks that agreed on their
             largest token count run the same number of tiles.
         count: a TileCount to add this call's tiles to (1 when it ran untiled).
+        kernels: let gated MLPs whose activation is SiLU, GELU-tanh or GELU use the fused Triton
+            elementwise kernels where they can run (CUDA). False: PyTorch only. Either way the
+            result is the same formula; a kernel that fails on a device is replaced by PyTorch
+            there for the rest of the process, with one warning (ops/glu_kernels.py).
 
     Returns:
         What mlp(x) returns: a Tensor of shape (..., out), or the module's tuple of outputs.
@@ -96,7 +101,7 @@ def tiled_mlp(
     structure = None if args else recognise(mlp, call, ignore_hooks=backend.engine_hooks)
     with nullcontext() if backend is LOCAL else backend.gathered(list(mlp.parameters())):
         out, plan = _run(
-            mlp, x, args, structure, call, backend, num_tiles, tile_tokens, plan_tokens
+            mlp, x, args, structure, call, backend, num_tiles, tile_tokens, plan_tokens, kernels
         )
     if count is not None:
         count.add(1 if plan is None else max(1, plan.num_tiles))
@@ -113,9 +118,12 @@ def _run(
     num_tiles: int | str,
     tile_tokens: int | None,
     plan_tokens: int | None,
+    kernels: bool = True,
 ) -> tuple[Any, TilePlan | None]:
     """The module's result and the plan that ran (None: untiled)."""
-    engine, plan = _prepare(mlp, x, num_tiles, tile_tokens, call, structure, backend, plan_tokens)
+    engine, plan = _prepare(
+        mlp, x, num_tiles, tile_tokens, call, structure, backend, plan_tokens, kernels
+    )
     if (plan is None or plan.num_tiles == 0) and backend.engine_hooks and x.numel():
         # An engine that fetches parameters in the children's hooks (ZeRO-3) would record
         # those fetches and prefetch them in later steps, where the tiled op gathers them
@@ -207,6 +215,7 @@ def _prepare(
     structure: MLPStructure | None,
     backend: ParamBackend = LOCAL,
     plan_tokens: int | None = None,
+    kernels: bool = True,
 ) -> tuple[FastEngine | GenericEngine, TilePlan | None]:
     """Checks x against the module, builds the engine (fast when `structure` is given) and
     resolves the plan."""
@@ -221,7 +230,7 @@ def _prepare(
     engine: FastEngine | GenericEngine
     model: MemoryModel | None = None
     if structure is not None:
-        engine = FastEngine(structure, autocast, backend)
+        engine = FastEngine(structure, autocast, backend, kernels)
         model = MemoryModel(structure, engine.compute_dtype(x), tuple(engine.params))
     else:
         engine = GenericEngine(mlp, call, autocast, three_d=x.dim() == 3, backend=backend)

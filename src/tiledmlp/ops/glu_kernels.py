@@ -10,6 +10,12 @@ one of those; anything else keeps the module's own activation.
 Cost: elementwise, no GEMM. Forward reads 2 and writes 1 (n, m) tensor; backward reads 3 and
 writes 2 (3 with `h_out`), allocating nothing.
 
+Failover: a kernel that fails to compile, load or launch on a device (a Triton version whose
+compiler rejects it, a driver too old for its PTX, too few registers) raises before any thread
+runs, so its operands are untouched. The call then logs one warning naming the error and
+computes the same formula with the reference; that device uses the reference from then on
+(`kernels_available` turns False for it, `kernel_failure` says why).
+
 Invariant: the kernels and their PyTorch references evaluate the same formulas in float32
 registers (float64 for float64 tensors, which only the references take) and round once, to the
 tensors' dtype. Triton is imported only when a kernel is first needed on a device that can run
@@ -21,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib.util
+import logging
 import math
 import os
 import sys
@@ -39,8 +46,11 @@ __all__ = [
     "glu_backward_reference",
     "glu_forward",
     "glu_forward_reference",
+    "kernel_failure",
     "kernels_available",
 ]
+
+logger = logging.getLogger(__name__)
 
 ActKind = Literal["silu", "gelu_tanh", "gelu"]
 ACT_KINDS: tuple[ActKind, ...] = ("silu", "gelu_tanh", "gelu")
@@ -252,9 +262,8 @@ def glu_forward(
     if out is None:
         out = torch.empty(g.shape, dtype=g.dtype, device=g.device)
     _check_aliasing("glu_forward", written={"out": out}, read={"g": g, "u": u})
-    if not _use_kernel(g):
+    if not _use_kernel(g) or not _launched("forward", [g, u, out], act):
         return glu_forward_reference(g, u, act, out=out)
-    _launch(_kernels().forward, [g, u, out], act)
     return out
 
 
@@ -289,20 +298,21 @@ def glu_backward(
     _check_act(act)
     _check_operands("glu_backward", {"g": g, "u": u, "dh": dh, "h_out": h_out})
     _check_aliasing("glu_backward", written={"g": g, "u": u, "h_out": h_out}, read={"dh": dh})
-    if not _use_kernel(g):
-        glu_backward_reference(g, u, dh, act, h_out=h_out)
-        return
     # Without h_out the kernel's h pointer is dh's, never written (WRITE_H=False).
     h = dh if h_out is None else h_out
-    _launch(_kernels().backward, [g, u, dh, h], act, WRITE_H=h_out is not None)
+    if not _use_kernel(g) or not _launched(
+        "backward", [g, u, dh, h], act, WRITE_H=h_out is not None
+    ):
+        glu_backward_reference(g, u, dh, act, h_out=h_out)
 
 
 def kernels_available(device: torch.device | str) -> bool:
     """Whether `glu_forward`/`glu_backward` run their Triton kernels for tensors on `device`.
 
-    True when Triton imports and either the device is CUDA or Triton's interpreter is on
-    (Triton's own TRITON_INTERPRET=1, read once, when the kernels are first built; meant for
-    testing the kernels on CPU tensors, slowly). Imports Triton only in those cases.
+    True when Triton imports, the kernels have not failed on this device (see
+    `kernel_failure`), and either the device is CUDA or Triton's interpreter is on (Triton's own
+    TRITON_INTERPRET=1, read once, when the kernels are first built; meant for testing the
+    kernels on CPU tensors, slowly). Imports Triton only in those cases.
 
     Args:
         device: a torch device or its name.
@@ -314,7 +324,61 @@ def kernels_available(device: torch.device | str) -> bool:
     interpret = _BUILT.interpret if _BUILT is not None else _env_interpret()
     if dev.type != "cuda" and not interpret:
         return False
-    return _triton_imports()
+    return _device_key(dev) not in _FAILED and _triton_imports()
+
+
+def kernel_failure(device: torch.device | str) -> str | None:
+    """Why the kernels no longer run on `device` (the error of their failed compile, load or
+    launch there), or None when they have not failed on it.
+
+    Args:
+        device: a torch device or its name ("cuda" means the current CUDA device).
+
+    Returns:
+        "<ExceptionType>: <message>" or None.
+    """
+    return _FAILED.get(_device_key(torch.device(device)))
+
+
+# -- failover --------------------------------------------------------------------------------
+
+# Device -> the error that turned its kernels off ("cuda:0" -> "CompilationError: ..."). Written
+# once per device, on the first failure; read on every call.
+_FAILED: dict[str, str] = {}
+
+
+def _device_key(dev: torch.device) -> str:
+    if dev.type == "cuda" and dev.index is None and torch.cuda.is_available():
+        return f"cuda:{torch.cuda.current_device()}"
+    return str(dev)
+
+
+def _launched(which: str, tensors: list[torch.Tensor], act: str, **constexprs: bool) -> bool:
+    """Runs kernel `which` ("forward" or "backward"); False when it failed (then the device is
+    switched to the references, with one warning, and the operands are as they were)."""
+    try:
+        kernels = _kernels()
+        _launch(getattr(kernels, which), tensors, act, **constexprs)
+    except Exception as e:  # compile, module load and launch errors raise before any write
+        _turn_off(tensors[0].device, e)
+        return False
+    return True
+
+
+def _turn_off(device: torch.device, error: BaseException) -> None:
+    key = _device_key(device)
+    first_line = (str(error).strip().splitlines() or [""])[0][:300]
+    reason = f"{type(error).__name__}: {first_line}" if first_line else type(error).__name__
+    if key in _FAILED:
+        return
+    _FAILED[key] = reason
+    logger.warning(
+        "fused GLU kernels failed on %s (%s); using the PyTorch path there from now on (same "
+        "formula, same results). Pass kernels=False to tiled_mlp / patch_model to choose it "
+        "from the start.",
+        key,
+        reason,
+    )
 
 
 # -- checks ----------------------------------------------------------------------------------
@@ -487,19 +551,35 @@ def _kernels() -> _Kernels:
     return _BUILT
 
 
-def _launch(kernel: Any, tensors: list[torch.Tensor], act: str, **constexprs: bool) -> None:
-    """Grid (rows, column blocks) over tensors[0]'s shape; the kernel takes every tensor's
-    pointer, the column count, then every tensor's row stride."""
-    import triton
+def compiled_kernels() -> _Kernels:
+    """The kernels as Triton functions (forward, backward), decorated on first use; for
+    ahead-of-time compilation (ops/glu_compile.py). Imports Triton."""
+    return _kernels()
 
-    n, m = tensors[0].shape
-    block = min(_MAX_BLOCK, triton.next_power_of_2(m))
-    grid = (n, triton.cdiv(m, block))
-    args = [*tensors, m, *(t.stride(0) for t in tensors)]
+
+def launch_config(
+    tensors: list[torch.Tensor], act: str, **constexprs: bool
+) -> tuple[list[Any], dict[str, Any]]:
+    """The positional arguments and the constexprs a launch over `tensors` passes: every
+    tensor's pointer, the column count, every tensor's row stride; ACT, BLOCK (column block,
+    a power of two up to 1024), BF16_BY_HAND and `constexprs`. Imports Triton."""
+    _check_act(act)
+    m = tensors[0].shape[1]
+    block = min(_MAX_BLOCK, 1 << max(0, (m - 1).bit_length()))
+    args: list[Any] = [*tensors, m, *(t.stride(0) for t in tensors)]
     by_hand = _kernels().interpret and tensors[0].dtype == torch.bfloat16
+    return args, {"ACT": _ACT_CODE[act], "BLOCK": block, "BF16_BY_HAND": by_hand, **constexprs}
+
+
+def _launch(kernel: Any, tensors: list[torch.Tensor], act: str, **constexprs: bool) -> None:
+    """Grid (rows, column blocks) over tensors[0]'s shape (see launch_config)."""
+    args, consts = launch_config(tensors, act, **constexprs)
+    n, m = tensors[0].shape
+    block = consts["BLOCK"]
+    grid = (n, (m + block - 1) // block)
     device = tensors[0].device
     with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-        kernel[grid](*args, ACT=_ACT_CODE[act], BLOCK=block, BF16_BY_HAND=by_hand, **constexprs)
+        kernel[grid](*args, **consts)
 
 
 # The kernels' formulas are _act_and_grad's, operation for operation: keep the two in step.

@@ -120,6 +120,7 @@ def forward(self: nn.Module, x: Any, *args: Any, **kwargs: Any) -> Any:
         backend=backend_for(self),
         plan_tokens=state.step.value,
         count=state.count,
+        kernels=cfg.kernels,
     )
 
 
@@ -151,6 +152,7 @@ def patch_model(
     tiled_mlp: bool = True,
     sequence_parallel_size: int | None = None,
     sequence_parallel_group: Any = None,
+    kernels: bool = True,
 ) -> PatchReport:
     """Makes every MLP of `model` tiled, in place (and with the options, its loss and norms).
 
@@ -189,6 +191,8 @@ def patch_model(
             on every rank before an engine wraps the model. 1 or None: no change.
         sequence_parallel_group: a process group of P ranks to use instead of the consecutive
             ones (every rank passes its own group).
+        kernels: let the fast path use the fused Triton elementwise kernels where they can run
+            (CUDA; see tiled_mlp). False: PyTorch only.
 
     Returns:
         A PatchReport.
@@ -200,7 +204,7 @@ def patch_model(
             an attention implementation other than sdpa / flash attention (before any
             collective runs).
     """
-    config = TiledMLPConfig(num_tiles=num_tiles, tile_tokens=tile_tokens)
+    config = TiledMLPConfig(num_tiles=num_tiles, tile_tokens=tile_tokens, kernels=kernels)
     sp = sequence_parallel_size not in (None, 1) or sequence_parallel_group is not None
     if not (tiled_mlp or tiled_loss or tiled_norms or activation_offloading or sp):
         raise ValueError(
