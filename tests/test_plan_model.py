@@ -34,7 +34,7 @@ SMALL = {
 # The estimate counts the tensors the dispatcher sees; kernels' internal workspaces are not
 # (the CPU flash-attention backward's per-thread 1 MiB buffers: at hidden 64 and 1024 tokens,
 # where the peak falls in that backward, they were -18% of the step). At these shapes the
-# largest error measured on this machine was 0.06% (README, "Planning a whole model").
+# largest error measured on this machine was 0.06% (docs/how-it-works/memory-model.md).
 TOLERANCE = 0.01
 TILES = 4  # few tiles keep the fake steps short (each tile is a few dozen fake ops)
 

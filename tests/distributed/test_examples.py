@@ -36,18 +36,17 @@ def test_examples_run_and_agree_across_engines() -> None:
     assert zero3 == pytest.approx(ddp, rel=1e-4)
 
 
-def test_long_context_recipe_runs_cpu_sized(tmp_path: Path) -> None:
-    # examples/long_context_one_gpu.sh as it is, CPU-sized: the tiny preset, fp32, and the
-    # recipe's DeepSpeed config without bf16 and without pinned memory (no GPU here).
+def test_long_context_recipe_runs_cpu_sized() -> None:
+    # examples/long_context_one_gpu.sh as it is, CPU-sized with its own switch: the tiny
+    # preset, fp32, and the shipped CPU config, which is the recipe's DeepSpeed config without
+    # bf16 and without pinned memory.
     pytest.importorskip("deepspeed")
     config = json.loads((ROOT / "examples" / "ds_zero3_offload.json").read_text())
     config.pop("bf16")
     config["zero_optimization"]["offload_optimizer"]["pin_memory"] = False
-    (tmp_path / "ds.json").write_text(json.dumps(config))
-    env = {
-        **os.environ, "PYTHON": sys.executable, "MODEL": "tiny", "SEQ_LEN": "512",
-        "DTYPE": "float32", "STEPS": "2", "LR": "1e-3", "DS_CONFIG": str(tmp_path / "ds.json"),
-    }  # fmt: skip
+    cpu_config = ROOT / "examples" / "ds_zero3_offload_cpu.json"
+    assert json.loads(cpu_config.read_text()) == config
+    env = {**os.environ, "PYTHON": sys.executable, "CPU_SIZED": "1", "STEPS": "2"}
     res = subprocess.run(
         ["bash", str(ROOT / "examples" / "long_context_one_gpu.sh"), "--json"],
         cwd=ROOT, capture_output=True, text=True, timeout=300, env=env,
@@ -62,7 +61,7 @@ def test_long_context_recipe_runs_cpu_sized(tmp_path: Path) -> None:
          "tiledmlp", "train", "--model", "tiny", "--seq-len", "512", "--dtype", "float32",
          "--steps", "2", "--lr", "1e-3", "--gradient-checkpointing", "--tiled-norms",
          "--engine", "deepspeed",
-         "--deepspeed-config", str(tmp_path / "ds.json"), "--json"],
+         "--deepspeed-config", str(cpu_config), "--json"],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert plain.returncode == 0, plain.stderr[-3000:]

@@ -3,7 +3,7 @@ MLPs and the tiled loss (train/trainer.py does the work).
 
 Options come from defaults, then `--config FILE` (YAML or JSON, the same keys), then the command
 line, each overriding the one before. Flags carry the TrainingArguments names; today's short
-names (--steps, --lr, --batch-size, --deepspeed-config) and the seeds' flags (--use_tiled_mlp,
+names (--steps, --lr, --batch-size, --deepspeed-config) and ms-swift / axolotl / unsloth flags (--use_tiled_mlp,
 --tiled_mlp_num_shards, --tiled_mlp) are accepted too.
 
 Invariant: `--json` prints one JSON object on the last stdout line; its keys (losses, first_loss,
@@ -76,8 +76,8 @@ def add_parser(sub: Any) -> None:
          "(default: true; ms-swift's name)")  # fmt: skip
     flag("--tiled-mlp", metavar="true|false|MODE", help="axolotl's and unsloth's name: true, "
          "false, or a tile mode ('arctic', 'target:<GB>', N)")  # fmt: skip
-    flag("--tiled-mlp-num-shards", metavar="N", help="tiles per MLP (the seeds' name for "
-         "--num-tiles)")  # fmt: skip
+    flag("--tiled-mlp-num-shards", metavar="N", help="tiles per MLP (ms-swift's and axolotl's "
+         "name for --num-tiles)")  # fmt: skip
     flag("--num-tiles", help="tiles per MLP: an int, 'auto', 'arctic' or 'target:<GB>' "
          "(default: auto)")  # fmt: skip
     flag("--tile-budget-gb", metavar="GB", help="each MLP's working-memory budget in GiB: the "

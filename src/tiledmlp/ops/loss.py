@@ -319,7 +319,8 @@ def tiled_token_logprobs(
             0), `mask` shifted with the tokens.
         mask: bool, tokens' shape: False gives that position 0 and no gradient.
         ignore_index: token value treated as masked out.
-        num_tiles / tile_tokens: the tile policy, as for tiled_cross_entropy.
+        num_tiles: the tile policy, as for tiled_cross_entropy.
+        tile_tokens: tokens per tile instead of num_tiles, as for tiled_cross_entropy.
 
     Returns:
         logprobs (float32, tokens' shape), or (logprobs, entropy) with return_entropy.

@@ -4,7 +4,7 @@ Forms: a positive int (number of tiles), "arctic" (ceil(tokens / hidden), the pa
 "auto" (a memory-budget rule, below), "target:<GB>" (a memory target, below), or a
 tokens-per-tile count.
 
-"target:<GB>" (the seeds' memory-target mode): the fewest tiles whose working memory (the tile's
+"target:<GB>" (unsloth's memory-target mode): the fewest tiles whose working memory (the tile's
 intermediates plus the float32 gradient accumulators, by the memory model) fits <GB> GiB;
 untiled when the untiled module's intermediates fit. Tiles are never smaller than one token.
 Modules without a fast path have no memory model: their intermediates are taken as those of a

@@ -1,4 +1,4 @@
-"""The seeds' option names at the edge: the configuration keys of ms-swift, axolotl and unsloth.
+"""Other frameworks' option names at the edge: the tiling keys of ms-swift, axolotl and unsloth.
 
 - ms-swift (and DeepSpeed/ArcticTraining-style recipes): `use_tiled_mlp: true`,
   `tiled_mlp_num_shards: N`;
@@ -89,7 +89,7 @@ def parse_budget_gb(value: Any, name: str = "tile_budget_gb") -> str:
 
 
 def tiling_from_args(args: Any) -> tuple[bool, int | str]:
-    """Whether a recipe turns tiling on, and its tile policy, from any seed's keys.
+    """Whether a recipe turns tiling on, and its tile policy, from ms-swift, axolotl or unsloth keys.
 
     `use_tiled_mlp` (ms-swift) or `tiled_mlp` (axolotl: a bool; unsloth: a mode string such
     as "arctic" or "target:0.5") turns tiling on; `tiled_mlp_num_shards` gives the tile count,
@@ -135,7 +135,7 @@ def tiling_from_args(args: Any) -> tuple[bool, int | str]:
 
 def patch_from_args(model: nn.Module, args: Any) -> PatchReport | None:
     """Patches `model` when `args` (a dict, argparse Namespace, or training arguments object)
-    turns tiling on with any seed's keys (see tiling_from_args); the tile policy (default
+    turns tiling on with ms-swift, axolotl or unsloth keys (see tiling_from_args); the tile policy (default
     "auto") becomes num_tiles.
 
     Returns:

@@ -3,7 +3,7 @@
 One name per option, the Hugging Face TrainingArguments name where one exists (max_steps,
 learning_rate, per_device_train_batch_size, ...). `options_from` accepts the same keys from any
 source, with dashes or underscores, today's short names (steps, lr, batch_size,
-deepspeed_config) and the seeds' tiling keys (ms-swift's use_tiled_mlp / tiled_mlp_num_shards,
+deepspeed_config) and other frameworks' tiling keys (ms-swift's use_tiled_mlp / tiled_mlp_num_shards,
 axolotl's tiled_mlp: true, unsloth's tiled_mlp: "arctic" | "target:<GB>"; see
 patching/args.py). A config file is YAML (.yaml/.yml) or JSON holding those keys; command-line
 flags override it.
@@ -237,13 +237,13 @@ def read_config_file(path: Path) -> dict[str, Any]:
 
 
 def known_keys() -> set[str]:
-    """Every canonical option name, and the seeds' tiling keys."""
+    """Every canonical option name, and other frameworks' tiling keys."""
     return {f.name for f in dataclasses.fields(TrainOptions)} | set(_SEED_KEYS)
 
 
 def canonical_key(raw: str) -> str:
-    """An option's canonical name from any spelling (dashes, leading --, aliases); the seeds'
-    tiling keys are kept as they are."""
+    """An option's canonical name from any spelling (dashes, leading --, aliases); other
+    frameworks' tiling keys are kept as they are."""
     key = str(raw).strip().lstrip("-").replace("-", "_")
     return ALIASES.get(key, key)
 
@@ -282,7 +282,7 @@ def options_from(values: Mapping[str, Any], source: str = "option") -> TrainOpti
             if canonical.get("num_tiles", policy) != policy:
                 raise ValueError(
                     f"give the tile policy once: num_tiles {canonical['num_tiles']!r} and the "
-                    f"seeds' tiled_mlp / tiled_mlp_num_shards / tile_budget_gb {policy!r} disagree"
+                    f"ms-swift / axolotl / unsloth keys tiled_mlp / tiled_mlp_num_shards / tile_budget_gb {policy!r} disagree"
                 )
             canonical["num_tiles"] = policy
     return TrainOptions(**canonical)

@@ -1,0 +1,161 @@
+"""The documentation is tested: its Python blocks run, its commands are the ones CI runs, and it
+speaks of the product only.
+
+Every ```python block of README.md and docs/ runs: the blocks of one page in order, in one fresh
+interpreter (later blocks see what earlier ones defined), in a temporary directory. A block that
+cannot run in one CPU process (it needs torchrun, a GPU or a checkpoint on disk) is preceded by
+`<!-- docs-test: skip, tested by tests/PATH -->`, naming the test file that covers what it shows;
+that file must exist.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+_FENCE = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```", re.M | re.S)
+_SKIP = re.compile(r"<!--\s*docs-test:\s*skip, tested by (\S+)\s*-->\s*$")
+
+
+def code_blocks(page: Path, language: str) -> list[tuple[int, str, str | None]]:
+    """(line, code, skip reason or None) of each fenced block of `language` on a page."""
+    text = page.read_text()
+    blocks = []
+    for match in _FENCE.finditer(text):
+        if match.group(1) != language:
+            continue
+        before = text[: match.start()].rstrip("\n").rsplit("\n", 1)[-1]
+        skip = _SKIP.search(before)
+        line = text.count("\n", 0, match.start()) + 1
+        blocks.append((line, match.group(2), skip.group(1) if skip else None))
+    return blocks
+
+
+# The documentation must not teach transformers' deprecated checkpointing names (5.x warns on
+# gradient_checkpointing_enable and TrainingArguments(gradient_checkpointing=...)).
+_DEPRECATED_CHECKPOINTING = "error:`gradient_checkpointing:FutureWarning"
+_DOCS_BLOCKS = {code for page in PAGES[1:] for _, code, _ in code_blocks(page, "python")}
+
+
+def runnable_blocks(page: Path) -> list[tuple[int, str]]:
+    """The blocks of a page that test_python_blocks_run runs: not skipped, and for the README
+    not a copy of a block of docs/ (that one runs on its own page)."""
+    return [
+        (line, code)
+        for line, code, skip in code_blocks(page, "python")
+        if skip is None and not (page.name == "README.md" and code in _DOCS_BLOCKS)
+    ]
+
+
+_RUNNABLE = [p for p in PAGES if runnable_blocks(p)]
+
+
+@pytest.mark.parametrize("page", _RUNNABLE, ids=lambda p: str(p.relative_to(ROOT)))
+def test_python_blocks_run(page: Path, tmp_path: Path) -> None:
+    script = [f"# {page.name}:{line}\n{code}" for line, code in runnable_blocks(page)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "TOKENIZERS_PARALLELISM": "false"}
+    done = subprocess.run(
+        [sys.executable, "-W", _DEPRECATED_CHECKPOINTING, "-c", "\n".join(script)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, (
+        f"{page.relative_to(ROOT)}: its python blocks failed\n{done.stderr[-3000:]}"
+    )
+
+
+def test_readme_python_blocks_are_run() -> None:
+    """The README's quickstart is a copy of Getting started's, which runs; none is left out."""
+    for line, _, skip in code_blocks(ROOT / "README.md", "python"):
+        assert skip is None, f"README.md:{line}: every README block must run"
+
+
+def test_skipped_blocks_name_an_existing_test() -> None:
+    for page in PAGES:
+        for line, _, skip in code_blocks(page, "python"):
+            if skip is not None:
+                target = ROOT / skip.split("::")[0]
+                assert target.is_file(), f"{page.name}:{line}: names {skip}, which does not exist"
+
+
+def test_readme_test_command_is_what_ci_runs() -> None:
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    marker = next(i for i, line in enumerate(ci) if "The README's test command, verbatim" in line)
+    command = ci[marker + 1].strip()
+    readme = [code for _, code, _ in code_blocks(ROOT / "README.md", "bash")]
+    assert any(command == code.strip() for code in readme), (
+        f"README.md has no bash block equal to .ci/run's test command:\n{command}"
+    )
+
+
+def test_readme_is_short() -> None:
+    lines = (ROOT / "README.md").read_text().count("\n")
+    assert lines <= 160, f"README.md has {lines} lines; keep it at most 160 (move text to docs/)"
+
+
+# Words about how the product was made, not about the product.
+_DEVELOPMENT_WORDS = re.compile(
+    r"\bthe seeds\b|\bseeds'|\bseed's|\blent\b|\bissue \d+|\bissue's\b", re.I
+)
+# In prose, also "session" (in code it names a step's offloading session).
+_PROSE_WORDS = re.compile(r"\bsessions?\b", re.I)
+
+
+def _text_files() -> list[Path]:
+    files = [ROOT / "README.md", ROOT / "mkdocs.yml"]
+    for folder, patterns in (
+        ("docs", ("*.md",)),
+        ("src", ("*.py",)),
+        ("tests", ("*.py",)),
+        ("examples", ("*.py", "*.sh", "*.json")),
+        ("benchmarks", ("*.md",)),
+    ):
+        for pattern in patterns:
+            files += sorted((ROOT / folder).rglob(pattern))
+    return [f for f in files if f != Path(__file__).resolve()]  # this file names the words
+
+
+def test_no_words_about_how_the_product_is_developed() -> None:
+    hits = []
+    for path in _text_files():
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            prose = path.suffix != ".py" and _PROSE_WORDS.search(line)
+            if _DEVELOPMENT_WORDS.search(line) or prose:
+                hits.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
+    assert not hits, "words about how the product is developed:\n" + "\n".join(hits)
+
+
+def test_readme_links_resolve() -> None:
+    text = (ROOT / "README.md").read_text()
+    for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text):
+        if "://" in target:
+            continue
+        assert (ROOT / target).exists(), f"README.md links to {target}, which does not exist"
+
+
+_TEST_REF = re.compile(r"`(?:tests/)?((?:distributed/)?test_\w+\.py)(?:::(\w+))?")
+
+
+def test_named_tests_exist() -> None:
+    """Every `test_x.py::test_name` the documentation cites exists (a prefix for `name_*`)."""
+    missing = []
+    for page in PAGES:
+        for file, name in _TEST_REF.findall(page.read_text()):
+            path = ROOT / "tests" / file
+            if not path.is_file():
+                path = ROOT / "tests" / "distributed" / file
+            if not path.is_file():
+                missing.append(f"{page.name}: {file}")
+            elif name and f"def {name}" not in path.read_text():
+                missing.append(f"{page.name}: {file}::{name}")
+    assert not missing, "the documentation cites tests that do not exist:\n" + "\n".join(missing)
