@@ -1,8 +1,9 @@
 """The LM-head tile loop: logits one tile at a time, per-tile math plugged in (ops/loss_math.py),
 and the two ways its gradient reaches hidden states, weight and bias.
 
-Per tile: z = hidden_tile @ W.T + b in the compute dtype, soft-capped if asked (in the compute
-dtype, as the untiled models do), upcast to float32 and divided by the temperature; the math
+Per tile: z = hidden_tile @ W.T + b in the compute dtype, multiplied by a logit scale if asked,
+soft-capped if asked (in the compute dtype, as the untiled models do), upcast to float32 and
+divided by the temperature; the math
 records its values and, when gradients are wanted, d/d(logits), which the loop turns into the
 tile's d(hidden) = dz @ W, and adds dz.T @ hidden_tile to d(W) (one float32 accumulator) and
 dz's column sums to d(bias).
@@ -46,6 +47,7 @@ class HeadRun:
     temperature: float
     autocast: AutocastState
     math: TileMath
+    scale: float = 1.0  # logit scale, applied before soft-capping (Cohere, Granite)
     dh: torch.Tensor | None = None
     dw: torch.Tensor | None = None
     db: torch.Tensor | None = None
@@ -113,6 +115,8 @@ def _tile(
     y, v = run.targets[rows], run.counted[rows]
     y = torch.where(v, y, torch.zeros_like(y))
     z = torch.nn.functional.linear(ht, w, b)  # (n, V), compute dtype
+    if run.scale != 1.0:
+        z = z.mul_(run.scale)  # in place: the unscaled product is not needed again
     zc = z if run.softcap is None else _softcap(z, run.softcap)
     # float32 at least; zc itself when no cast is needed (it is not needed again)
     zf = zc.to(torch.promote_types(cd, torch.float32))
@@ -137,6 +141,8 @@ def _tile(
             capped = _softcap(z_leaf, run.softcap)
         (dz,) = torch.autograd.grad(capped, z_leaf, dz)
     del z
+    if run.scale != 1.0:
+        dz = dz.mul_(run.scale)
     if slot_w is not None:
         slot_w.add_mm(dz.t(), ht)
     if slot_b is not None:
@@ -196,6 +202,9 @@ class _TokenHead(torch.autograd.Function):
     ) -> Any:
         _tiles(hidden, run, weight, bias, (False, False, False), None, record=True)
         ctx.run = run
+        # an output nobody differentiates (an entropy only logged) gets None, not zeros: the
+        # math then skips its term
+        ctx.set_materialize_grads(False)
         ctx.save_for_backward(hidden, weight, bias)
         return _outputs(run, clone=True)
 

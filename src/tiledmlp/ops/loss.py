@@ -4,7 +4,7 @@
 smoothing, class weights, ignore_index, reductions "mean" / "sum" / "none", as there) plus a
 z-loss, an explicit token mask, token accuracy and predictions; `tiled_token_logprobs` gives the
 per-token log-probabilities of given tokens and the entropy, with a temperature, for RL
-fine-tuning. Both run one tile loop (ops/lm_head.py) with per-tile math (ops/loss_math.py).
+fine-tuning; `tiled_token_stats` adds a logit scale and the statistics RL trainers log. Both run one tile loop (ops/lm_head.py) with per-tile math (ops/loss_math.py).
 
 Cost, with L = 2 * tokens * hidden * vocab: a loss reduced by "mean" or "sum" costs 3L FLOPs per
 training step (the untiled cost: its gradient is formed in the forward); per-token outputs cost
@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 import torch
 
 from tiledmlp.ops.lm_head import HeadRun, run_head
-from tiledmlp.ops.loss_math import CrossEntropyMath, LogprobMath
+from tiledmlp.ops.loss_math import STATS, CrossEntropyMath, LogprobMath
 from tiledmlp.ops.policy import target_bytes, validate_policy
 from tiledmlp.ops.probe import absent
 from tiledmlp.ops.state import AutocastState
@@ -33,10 +33,12 @@ from tiledmlp.ops.tiles import TilePlan, split_by_tile_tokens, split_even
 
 __all__ = [
     "CrossEntropyOutput",
+    "TokenStats",
     "loss_policy",
     "shift_labels",
     "tiled_cross_entropy",
     "tiled_token_logprobs",
+    "tiled_token_stats",
 ]
 
 _REDUCTIONS = ("mean", "sum", "none")
@@ -325,22 +327,125 @@ def tiled_token_logprobs(
     Returns:
         logprobs (float32, tokens' shape), or (logprobs, entropy) with return_entropy.
     """
+    out = _token_head(
+        hidden_states, lm_head_weight, tokens, bias, temperature, softcap, 1.0, return_entropy,
+        (), shift, mask, ignore_index, num_tiles, tile_tokens, "tiled_token_logprobs",
+    )  # fmt: skip
+    if return_entropy:
+        return out.log_probs, out.entropy
+    return out.log_probs
+
+
+class TokenStats(NamedTuple):
+    """What tiled_token_stats returns (tokens' shape each; None where not asked).
+
+    Attributes:
+        log_probs: log-probability of each token (float32, differentiable).
+        entropy: entropy of each position's distribution (float32, differentiable).
+        log_sum_sq_probs: log(sum_c p_c**2) of each position's distribution, no gradient.
+        mean_logits: mean over the vocabulary of the scaled, capped, tempered logits, no
+            gradient.
+        is_top1: whether the token is the distribution's first argmax (bool), no gradient.
+    """
+
+    log_probs: torch.Tensor
+    entropy: torch.Tensor | None = None
+    log_sum_sq_probs: torch.Tensor | None = None
+    mean_logits: torch.Tensor | None = None
+    is_top1: torch.Tensor | None = None
+
+
+def tiled_token_stats(
+    hidden_states: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    tokens: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    softcap: float | None = None,
+    logit_scale: float = 1.0,
+    entropy: bool = False,
+    stats: tuple[str, ...] = (),
+    shift: bool = False,
+    mask: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    num_tiles: int | str = "auto",
+    tile_tokens: int | None = None,
+) -> TokenStats:
+    """tiled_token_logprobs with a logit scale and the statistics RL trainers log.
+
+    The logits are logit_scale * (hidden_states @ W.T + bias), soft-capped, divided by the
+    temperature (the order of Cohere / Granite-style scaled heads and of samplers). Positions
+    that do not count (ignore_index, mask, the last one under `shift`) are 0 / False in every
+    output. Costs as tiled_token_logprobs: the statistics are read from the same tile of
+    logits, the backward recomputes each tile (4L FLOPs in all, 1L without gradients).
+
+    Args:
+        hidden_states, lm_head_weight, tokens, bias, temperature, softcap, shift, mask,
+            ignore_index, num_tiles, tile_tokens: as tiled_token_logprobs.
+        logit_scale: multiplies the logits before soft-capping; 1.0 for none.
+        entropy: also return the per-token entropy (differentiable).
+        stats: any of "log_sum_sq_probs", "mean_logits", "is_top1" (no gradient).
+
+    Returns:
+        A TokenStats.
+    """
+    if not (isinstance(logit_scale, int | float) and math.isfinite(logit_scale)):
+        raise ValueError(
+            f"tiled_token_stats: logit_scale must be a finite number, got {logit_scale!r}"
+        )
+    return _token_head(
+        hidden_states, lm_head_weight, tokens, bias, temperature, softcap, float(logit_scale),
+        entropy, tuple(stats), shift, mask, ignore_index, num_tiles, tile_tokens,
+        "tiled_token_stats",
+    )  # fmt: skip
+
+
+def _token_head(
+    hidden_states: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    tokens: torch.Tensor,
+    bias: torch.Tensor | None,
+    temperature: float,
+    softcap: float | None,
+    scale: float,
+    entropy: bool,
+    stats: tuple[str, ...],
+    shift: bool,
+    mask: torch.Tensor | None,
+    ignore_index: int,
+    num_tiles: int | str,
+    tile_tokens: int | None,
+    op: str,
+) -> TokenStats:
     if not (
         isinstance(temperature, int | float) and math.isfinite(temperature) and temperature > 0
     ):
         raise ValueError(f"temperature must be a positive number, got {temperature!r}")
+    unknown = [n for n in stats if n not in STATS]
+    if unknown:
+        raise ValueError(f"{op}: unknown statistic(s) {unknown}; expected any of {STATS}")
     _check_inputs(hidden_states, lm_head_weight, tokens, bias, softcap, mask, "tokens")
     vocab = lm_head_weight.shape[0]
-    targets, counted = _targets(tokens, mask, shift, ignore_index, vocab, "tiled_token_logprobs")
+    targets, counted = _targets(tokens, mask, shift, ignore_index, vocab, op)
     hidden = hidden_states.reshape(-1, hidden_states.shape[-1])
     autocast = AutocastState.capture(hidden.device.type)
     cd = autocast.compute_dtype(hidden.dtype, lm_head_weight.dtype) or hidden.dtype
     wide = torch.promote_types(cd, torch.float32)
-    math_ = LogprobMath(hidden.shape[0], hidden.device, wide, entropy=return_entropy)
+    math_ = LogprobMath(hidden.shape[0], hidden.device, wide, entropy=entropy, stats=stats)
     elem = torch.empty((), dtype=cd).element_size()
     plan = _plan(hidden.shape[0], hidden.shape[1], elem, num_tiles, tile_tokens)
-    run = HeadRun(plan, targets, counted, softcap or None, float(temperature), autocast, math_)
+    run = HeadRun(
+        plan, targets, counted, softcap or None, float(temperature), autocast, math_, scale
+    )
     out = run_head(hidden, run, lm_head_weight, bias)
-    if return_entropy:
-        return out[0].view(tokens.shape), out[1].view(tokens.shape)
-    return out.view(tokens.shape)
+    log_probs, ent = (out[0], out[1]) if entropy else (out, None)
+    shape = tokens.shape
+    rec = {name: t.view(shape) for name, t in math_.recorded.items()}
+    return TokenStats(
+        log_probs.view(shape),
+        None if ent is None else ent.view(shape),
+        rec.get("log_sum_sq_probs"),
+        rec.get("mean_logits"),
+        rec.get("is_top1"),
+    )

@@ -15,6 +15,10 @@ Cross-entropy, as torch.nn.functional.cross_entropy (label smoothing eps, class 
 Log-probabilities of given tokens and the entropy (RL):
     logprob = zf[y] - lse,  d/dzf = e_y - p
     entropy = lse - sum_c p_c zf_c,  d/dzf = -p * (zf - lse + entropy)
+  and, recorded without gradient (RL trainers' metrics and weights):
+    log_sum_sq_probs = log(sum_c p_c**2) = logsumexp(2 zf) - 2 lse
+    mean_logits = mean_c zf_c
+    is_top1 = (argmax_c zf_c == y)   (the first maximum, as torch.argmax)
 
 Invariant: values and gradients are float32 (float64 for float64 inputs); a row that does not
 count contributes exactly zero to every value, also when its logits are not finite (padding
@@ -28,7 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["CrossEntropyMath", "LogprobMath", "TileMath"]
+__all__ = ["STATS", "CrossEntropyMath", "LogprobMath", "TileMath"]
 
 
 class TileMath:
@@ -193,22 +197,48 @@ class CrossEntropyMath(TileMath):
         return p
 
 
+#: the statistics LogprobMath can record besides the differentiable outputs
+STATS = ("log_sum_sq_probs", "mean_logits", "is_top1")
+
+
 @dataclass
 class LogprobMath(TileMath):
-    """Per-token log-probabilities of the given tokens, and optionally the entropy."""
+    """Per-token log-probabilities of the given tokens, optionally the entropy, and optionally
+    statistics without gradient (`stats`, names from STATS; zero / False on rows that do not
+    count)."""
 
     num_tokens: int
     device: torch.device
     dtype: torch.dtype
     entropy: bool = False
+    stats: tuple[str, ...] = ()
     logprobs: torch.Tensor = field(init=False)
     entropies: torch.Tensor | None = field(init=False, default=None)
+    recorded: dict[str, torch.Tensor] = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         self.per_token = True
         self.logprobs = torch.zeros(self.num_tokens, dtype=self.dtype, device=self.device)
         if self.entropy:
             self.entropies = torch.zeros_like(self.logprobs)
+        for name in self.stats:
+            if name not in STATS:
+                raise ValueError(f"unknown statistic {name!r}; expected one of {STATS}")
+            dtype = torch.bool if name == "is_top1" else self.dtype
+            self.recorded[name] = torch.zeros(self.num_tokens, dtype=dtype, device=self.device)
+
+    def _record_stats(
+        self, zf: torch.Tensor, lse: torch.Tensor, y: torch.Tensor, v: torch.Tensor, rows: slice
+    ) -> None:
+        zero = lse.new_zeros(())  # where, not a product: a padded row's logits may be NaN
+        rec = self.recorded
+        if "log_sum_sq_probs" in rec:
+            sq = torch.logsumexp(zf * 2, dim=-1) - 2 * lse
+            rec["log_sum_sq_probs"][rows] = torch.where(v, sq, zero)
+        if "mean_logits" in rec:
+            rec["mean_logits"][rows] = torch.where(v, zf.mean(dim=-1), zero)
+        if "is_top1" in rec:
+            rec["is_top1"][rows] = (zf.argmax(dim=-1) == y) & v
 
     def outputs(self) -> tuple[torch.Tensor, ...]:
         if self.entropies is None:
@@ -226,6 +256,8 @@ class LogprobMath(TileMath):
         self.logprobs[rows] = torch.where(v, zf.gather(1, y.unsqueeze(1)).squeeze(1) - lse, zero)
         if self.entropies is not None:
             self.entropies[rows] = torch.where(v, self._entropy(zf, lse), zero)
+        if self.recorded:
+            self._record_stats(zf, lse, y, v, rows)
 
     def grad(
         self,

@@ -6,16 +6,22 @@ the LM head's weight (and bias), the model's final-logit soft-capping, causal sh
 caller's shift_labels) and num_items_in_batch handled like Hugging Face's loss; the logits are
 never materialised (the output's `logits` is None).
 
+A call with `fused_lm_head=True` (the slot through which TRL's trainers ask a model for
+per-token log-probabilities instead of logits) is served by the fused-head server an integration
+registered (tiledmlp.integrations.trl); `fused_lm_head` never reaches the decoder.
+
 Invariant: a model is only patched after a probe shows that, on random ids, the patched loss
 equals the model's own loss; a model whose forward adds anything else to the loss (an MoE
 auxiliary loss, logit scaling) fails the probe and is left alone, with the reason reported.
+Unpatching restores the forward this patch replaced and refuses (changing nothing) when another
+forward was installed over it since.
 """
 
 from __future__ import annotations
 
 import contextlib
 import inspect
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,18 +30,54 @@ from torch import nn
 
 from tiledmlp.ops.loss import tiled_cross_entropy
 from tiledmlp.ops.probe import stand_ins
-from tiledmlp.patching.bound import bind
+from tiledmlp.patching.bound import BoundForward, bind
 from tiledmlp.patching.detect import probing, text_config
 
-__all__ = ["patch_loss", "softcap_of", "unpatch_loss"]
+__all__ = [
+    "decoder_of",
+    "lifted",
+    "loss_covered",
+    "loss_patched",
+    "patch_loss",
+    "register_fused_head",
+    "register_on_loss_patch",
+    "replaced_forward",
+    "softcap_of",
+    "unpatch_loss",
+]
 
 _STATE = "_tiledmlp_loss_patch"
+
+#: serves model(..., fused_lm_head=True): server(model, args, kwargs, num_tiles) -> output
+_FUSED_SERVER: list[Callable[..., Any]] = []
+#: called with the causal LM after its loss is patched (an integration readies its slot)
+_ON_PATCH: list[Callable[[nn.Module], None]] = []
+
+
+def register_fused_head(server: Callable[..., Any]) -> None:
+    """Sets the server of `fused_lm_head=True` calls on loss-patched models (one at a time)."""
+    _FUSED_SERVER[:] = [server]
+
+
+def register_on_loss_patch(hook: Callable[[nn.Module], None]) -> None:
+    """Adds a hook called with the causal LM each time its loss is patched."""
+    if hook not in _ON_PATCH:
+        _ON_PATCH.append(hook)
 
 
 @dataclass
 class _LossState:
     saved: Any  # replaced instance-level forward, or None
     num_tiles: int | str
+
+
+def replaced_forward(model: nn.Module) -> Any:
+    """The forward the loss patch of `model` sits over (bound): the class's, or the one
+    another library installed before (TRL's fused head); the current one when not patched."""
+    model = _causal_lm(model)
+    if _STATE not in model.__dict__:
+        return model.forward
+    return _original(model)
 
 
 def _original(model: nn.Module) -> Any:
@@ -47,6 +89,14 @@ def _original(model: nn.Module) -> Any:
 
 def _loss_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     """Installed forward of a loss-patched causal LM (bound to the instance)."""
+    state: _LossState = self.__dict__[_STATE]
+    if kwargs.pop("fused_lm_head", False):
+        if not _FUSED_SERVER:
+            raise TypeError(
+                f"{type(self).__name__}(..., fused_lm_head=True): no fused-head server is "
+                "registered; import tiledmlp (it registers TRL's) or call without fused_lm_head"
+            )
+        return _FUSED_SERVER[0](self, args, kwargs, state.num_tiles)
     orig = _original(self)
     try:
         bound = inspect.signature(orig).bind(*args, **kwargs)
@@ -61,12 +111,11 @@ def _loss_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         # No loss to tile, or a loss over the last logits_to_keep positions only (the model's
         # own forward scores just those): the model's own forward.
         return orig(*args, **kwargs)
-    state: _LossState = self.__dict__[_STATE]
     shifted = params.pop("shift_labels", None)
     num_items = params.pop("num_items_in_batch", None)
     params.pop("logits_to_keep", None)
     return_dict = params.pop("return_dict", None)
-    outputs = _decoder(self)(**params)
+    outputs = decoder_of(self)(**params)
     hidden = outputs[0]
     head = self.get_output_embeddings()  # type: ignore[operator]
     config = getattr(self, "config", None)
@@ -117,7 +166,7 @@ def _wants_dict(config: Any, return_dict: bool | None) -> bool:
     return bool(getattr(config, "return_dict", True)) and not getattr(config, "torchscript", False)
 
 
-def _decoder(model: nn.Module) -> Any:
+def decoder_of(model: nn.Module) -> Any:
     """The module producing the last hidden states: base_model, or get_decoder() where
     base_model_prefix does not name an attribute (base_model is then the model itself)."""
     lm: Any = model
@@ -245,7 +294,62 @@ def patch_loss(model: nn.Module, num_tiles: int | str = "auto") -> str | None:
     # Bound with its module (picklable, deep-copied with it), advertising the model's own
     # forward signature: the Hugging Face Trainer inspects it to decide which inputs to pass.
     model.forward = bind(_loss_forward, model, _original)  # type: ignore[method-assign]
+    for hook in _ON_PATCH:
+        hook(model)
     return None
+
+
+def loss_patched(model: nn.Module) -> bool:
+    """Whether `model` (or the causal LM a PEFT wrapper holds) has its loss patched."""
+    return _STATE in _causal_lm(model).__dict__
+
+
+def _ours_on_top(model: nn.Module) -> bool:
+    fwd = model.__dict__.get("forward")
+    return isinstance(fwd, BoundForward) and fwd.func is _loss_forward and fwd.module is model
+
+
+@contextlib.contextmanager
+def lifted(model: nn.Module) -> Iterator[None]:
+    """Takes the patched forward off the loss-patched causal LM for the block and puts it back
+    on top of whatever the block installed (another library's wrapper of the original forward
+    then sits below the tiled loss, which hands it every call it does not serve).
+
+    Raises:
+        RuntimeError: another forward already sits over the patched one.
+    """
+    model = _causal_lm(model)
+    state: _LossState = model.__dict__[_STATE]
+    if not _ours_on_top(model):
+        raise RuntimeError(_covered(model, "lift the tiled loss"))
+    ours = model.__dict__.pop("forward")
+    if state.saved is not None:
+        model.forward = state.saved  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        state.saved = model.__dict__.get("forward")
+        model.forward = ours  # type: ignore[method-assign]
+
+
+def loss_covered(model: nn.Module) -> str | None:
+    """Why the loss patch of `model` cannot be removed now (another forward installed over
+    it), or None."""
+    model = _causal_lm(model)
+    if _STATE in model.__dict__ and not _ours_on_top(model):
+        return _covered(model, "restore the loss")
+    return None
+
+
+def _covered(model: nn.Module, what: str) -> str:
+    top = model.__dict__.get("forward")
+    name = getattr(getattr(top, "__func__", top), "__qualname__", type(top).__name__)
+    module = getattr(getattr(top, "__func__", top), "__module__", "?")
+    return (
+        f"cannot {what} of {type(model).__name__}: another forward ({module}.{name}) was "
+        "installed over it, and removing ours would remove it too. Remove that one first "
+        "(or leave the model patched)"
+    )
 
 
 def _causal_lm(model: nn.Module) -> nn.Module:
@@ -257,11 +361,18 @@ def _causal_lm(model: nn.Module) -> nn.Module:
 
 
 def unpatch_loss(model: nn.Module) -> bool:
-    """Restores the model's own forward; True if it was loss-patched."""
+    """Restores the forward the patch replaced; True if it was loss-patched.
+
+    Raises:
+        RuntimeError: another forward was installed over the patched one (nothing changed).
+    """
     model = _causal_lm(model)
-    state = model.__dict__.pop(_STATE, None)
+    state = model.__dict__.get(_STATE)
     if state is None:
         return False
+    if not _ours_on_top(model):
+        raise RuntimeError(_covered(model, "restore the loss"))
+    del model.__dict__[_STATE]
     if state.saved is None:
         model.__dict__.pop("forward", None)
     else:

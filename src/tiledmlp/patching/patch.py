@@ -24,10 +24,10 @@ from tiledmlp.ops.functional import tiled_mlp
 from tiledmlp.ops.loss import loss_policy
 from tiledmlp.ops.tiles import TileCount
 from tiledmlp.patching.agreement import StepTokens, install_agreement
-from tiledmlp.patching.bound import bind
+from tiledmlp.patching.bound import BoundForward, bind
 from tiledmlp.patching.checks import backend_for, run_checks
 from tiledmlp.patching.detect import Candidate, detect_mlps, hidden_size_of, norms_of
-from tiledmlp.patching.loss import patch_loss, unpatch_loss
+from tiledmlp.patching.loss import loss_covered, patch_loss, unpatch_loss
 from tiledmlp.patching.offloading import install_offloading, remove_offloading
 from tiledmlp.sequence_parallel.attention import install as install_sp
 from tiledmlp.sequence_parallel.attention import installed_groups as sp_installed
@@ -122,6 +122,11 @@ def forward(self: nn.Module, x: Any, *args: Any, **kwargs: Any) -> Any:
         count=state.count,
         kernels=cfg.kernels,
     )
+
+
+def _ours_on_top(module: nn.Module) -> bool:
+    fwd = module.__dict__.get("forward")
+    return isinstance(fwd, BoundForward) and fwd.func is forward and fwd.module is module
 
 
 def _patch_one(
@@ -353,10 +358,27 @@ def unpatch_model(model: nn.Module) -> list[str]:
     """Restores every patched module of `model` to its original forward (and the model's own
     loss when it was loss-patched).
 
+    Only what patching installed is removed: a forward another library installed over a patched
+    one (a wrapper of the tiled forward) is never taken off with it.
+
     Returns:
         Qualified names of the modules restored ("<loss>" for the loss, "<activation
         offloading>" for offloading, "<sequence parallelism>" for the attention).
+
+    Raises:
+        RuntimeError: another library installed a forward over a patched one; nothing is
+            changed (remove that forward first).
     """
+    covered = [why for why in (loss_covered(model),) if why is not None]
+    covered += [
+        f"cannot restore {name or '<root>'} ({type(module).__name__}): another forward was "
+        "installed over the tiled one, and removing ours would remove it too. Remove that one "
+        "first (or leave the model patched)"
+        for name, module in model.named_modules()
+        if _STATE in module.__dict__ and not _ours_on_top(module)
+    ]
+    if covered:
+        raise RuntimeError(f"unpatch_model: {covered[0]}")
     restored = []
     if remove_sp(model):
         restored.append("<sequence parallelism>")

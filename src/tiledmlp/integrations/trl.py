@@ -1,0 +1,293 @@
+"""TRL: the tiled LM head serves the fused-LM-head slot of TRL's trainers.
+
+TRL (1.15 and later) gives the model of its SFT, DPO, GRPO, KTO and RLOO trainers a fused LM
+head: `add_fused_lm_head(model, temperature, cast_lm_head_to_fp32, outputs)` wraps the model's
+forward so that `model(..., labels=labels, fused_lm_head=True)` runs the decoder and returns a
+`FusedCausalLMOutput` (loss, per-token log_probs, entropy, log_sum_sq_probs, mean_logits,
+is_top1, label_mask) computed from the LM head's weight in chunks of its own. On a model whose
+loss tiledmlp patched (`patch_model(..., tiled_loss=True)`), those calls run through
+`tiled_token_stats` instead: the same fields, from our tile loop (tiles chosen by our policy,
+the weight gradient summed in one float32 accumulator, soft-capping, logit scale, temperature,
+bias and a frozen head honoured), never materialising the logits.
+
+Whatever the order:
+- patched before the trainer is built: TRL's `add_fused_lm_head` (in every loaded module that
+  imported it, and in `trl.trainer.utils` for those imported later) is wrapped once, the first
+  time a loss is patched; on a loss-patched model it installs TRL's head BELOW the tiled loss
+  (patching.loss.lifted), so the tiled loss serves `fused_lm_head=True` and hands every other
+  call to TRL's forward, which hands it to the model's own;
+- patched after: patch_model stacks the tiled loss over TRL's forward; same arrangement;
+- `install(trainer)`: patches a built trainer's model and reference model.
+`unpatch_model` then takes off only the tiled loss: TRL's head keeps working.
+
+TRL's settings for a model (temperature, outputs asked for, cast_lm_head_to_fp32, logit scale)
+are read from the forward TRL installed (its closure: private to TRL, hence the version guard;
+tests/test_trl.py fails loudly when it moves). TRL versions outside TESTED are refused with the
+reason, at the call that would otherwise bypass the tiled loss.
+
+Invariant: on a loss-patched model, no call with `fused_lm_head=True` reaches TRL's chunked
+head, and `fused_lm_head` never reaches the decoder.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import importlib.util
+import logging
+import sys
+import types
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from tiledmlp.ops.loss import tiled_token_stats
+from tiledmlp.patching.loss import (
+    decoder_of,
+    lifted,
+    loss_patched,
+    register_fused_head,
+    register_on_loss_patch,
+    replaced_forward,
+    softcap_of,
+)
+
+__all__ = ["TESTED", "install", "ready"]
+
+logger = logging.getLogger(__name__)
+
+#: TRL versions the fused-head slot is tested with: [low, high)
+TESTED = ("1.16.0", "1.17.0")
+_STATS = ("log_sum_sq_probs", "mean_logits", "is_top1")
+_ALL_OUTPUTS = ("log_probs", "entropy", *_STATS)
+_ORIGINAL: list[Any] = []  # TRL's own add_fused_lm_head, once wrapped
+
+
+@dataclass(frozen=True)
+class HeadSettings:
+    """What TRL asked of a model's fused head."""
+
+    temperature: float = 1.0
+    outputs: tuple[str, ...] = _ALL_OUTPUTS
+    cast_lm_head_to_fp32: bool = False
+    logit_scale: float = 1.0
+
+
+def _trl_version() -> str | None:
+    try:
+        import trl
+    except ImportError:
+        return None
+    return str(trl.__version__)
+
+
+def untested_reason() -> str | None:
+    """Why the installed TRL cannot be served (outside TESTED), or None."""
+    from packaging.version import Version
+
+    version = _trl_version()
+    if version is None:
+        return None
+    low, high = TESTED
+    if Version(low) <= Version(version) < Version(high):
+        return None
+    return (
+        f"TRL {version} is outside the range the tiled loss is tested with (>={low},<{high}): "
+        "its fused LM head may call or read the model differently, and serving it blindly could "
+        f"train on wrong numbers. Install trl>={low},<{high}, or patch without tiled_loss=True "
+        "(TRL's own fused head then computes the loss)"
+    )
+
+
+def _refuse_untested() -> None:
+    why = untested_reason()
+    if why is not None:
+        raise RuntimeError(f"tiled loss: {why}")
+
+
+def _trl_forward_code() -> list[types.CodeType]:
+    """The code objects of the forwards TRL's add_fused_lm_head installs."""
+    if not _ORIGINAL:
+        return []
+    return [c for c in _ORIGINAL[0].__code__.co_consts if isinstance(c, types.CodeType)]
+
+
+def settings_of(model: nn.Module) -> HeadSettings | None:
+    """TRL's settings for the fused head of `model` (read from the forward TRL installed below
+    the tiled loss), or None when TRL's head is not there."""
+    below = replaced_forward(model)
+    func = getattr(below, "__func__", None)
+    code = getattr(func, "__code__", None)
+    if code is None or code not in _trl_forward_code():
+        return None
+    cells = dict(zip(code.co_freevars, (c.cell_contents for c in func.__closure__ or ())))
+    missing = [n for n in ("temperature", "outputs", "cast_lm_head_to_fp32") if n not in cells]
+    if missing:
+        raise RuntimeError(
+            f"tiled loss: TRL's fused-head forward no longer holds {missing}; this TRL version "
+            "is not supported (see tiledmlp.integrations.trl.TESTED)"
+        )
+    return HeadSettings(
+        temperature=float(cells["temperature"]),
+        outputs=tuple(cells["outputs"]),
+        cast_lm_head_to_fp32=bool(cells["cast_lm_head_to_fp32"]),
+        logit_scale=float(cells.get("logit_scale", 1.0)),
+    )
+
+
+def _serve(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], num_tiles: Any) -> Any:
+    """model(*args, **kwargs, fused_lm_head=True) on a loss-patched model: TRL's
+    FusedCausalLMOutput from the tiled LM head."""
+    _refuse_untested()
+    from trl.trainer.utils import FusedCausalLMOutput
+
+    settings = settings_of(model) or HeadSettings()
+    labels = kwargs.pop("labels", None)
+    shifted = kwargs.pop("shift_labels", None)
+    num_items = kwargs.pop("num_items_in_batch", None)
+    for unused in ("return_dict", "logits_to_keep"):
+        kwargs.pop(unused, None)
+    if labels is None and shifted is None:
+        raise ValueError(
+            f"{type(model).__name__}(..., fused_lm_head=True) needs labels (or shift_labels)"
+        )
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if kwargs.get("output_router_logits") or getattr(text, "output_router_logits", False):
+        raise NotImplementedError(
+            "tiled loss: the fused LM head with MoE router logits (an auxiliary loss) is not "
+            "served; set output_router_logits=False or patch without tiled_loss=True"
+        )
+    kwargs["use_cache"] = False
+    hidden = decoder_of(model)(*args, **kwargs)[0]
+    head: Any = model.get_output_embeddings()  # type: ignore[operator]
+    weight, bias = head.weight, getattr(head, "bias", None)
+    tokens = labels if shifted is None else shifted
+    tokens = tokens.to(weight.device)
+    hidden = hidden.to(weight.device)
+    if settings.cast_lm_head_to_fp32:
+        hidden, weight = hidden.float(), weight.float()
+        bias = None if bias is None else bias.float()
+    # cast_lm_head_to_fp32: the head in float32, outside any autocast region (TRL's meaning)
+    no_autocast = torch.autocast(hidden.device.type, enabled=False)
+    with no_autocast if settings.cast_lm_head_to_fp32 else contextlib.nullcontext():
+        out = tiled_token_stats(
+            hidden,
+            weight,
+            tokens,
+            bias=bias,
+            temperature=settings.temperature,
+            softcap=softcap_of(config),
+            logit_scale=settings.logit_scale,
+            entropy="entropy" in settings.outputs,
+            stats=tuple(s for s in _STATS if s in settings.outputs),
+            shift=shifted is None,
+            num_tiles=num_tiles,
+        )
+    # TRL's layout: (batch, seq - 1) scored positions without shift_labels, (batch, seq) with
+    fields = out._asdict()
+    if shifted is None:
+        label_mask = tokens[..., 1:] != -100
+        fields = {name: None if t is None else t[..., :-1] for name, t in fields.items()}
+    else:
+        label_mask = tokens != -100
+    denominator = label_mask.sum().clamp(min=1) if num_items is None else num_items
+    return FusedCausalLMOutput(
+        loss=-fields["log_probs"].sum() / denominator,
+        label_mask=label_mask,
+        aux_loss=None,
+        **fields,
+    )
+
+
+def _add_fused_lm_head(model: Any, *args: Any, **kwargs: Any) -> None:
+    """TRL's add_fused_lm_head, with TRL's head put below the tiled loss of a loss-patched
+    model (where the tiled loss then serves it)."""
+    original = _ORIGINAL[0]
+    if not isinstance(model, nn.Module) or not loss_patched(model):
+        return original(model, *args, **kwargs)  # type: ignore[no-any-return]
+    _refuse_untested()
+    getter = getattr(model, "get_base_model", None)
+    if callable(getter) and getter() is not model:
+        raise RuntimeError(
+            "tiled loss: TRL's fused LM head was asked on a PEFT wrapper; TRL adds it to the "
+            "wrapped causal LM (get_base_model()). Add it there"
+        )
+    with lifted(model):
+        original(model, *args, **kwargs)
+    logger.info("tiled loss serves TRL's fused LM head of %s", type(model).__name__)
+    return None
+
+
+def ready() -> bool:
+    """Wraps TRL's add_fused_lm_head where it is used (idempotent); False when TRL is not
+    installed or has no fused LM head (nothing to serve)."""
+    if _ORIGINAL:
+        _rewire(_ORIGINAL[0])
+        return True
+    if importlib.util.find_spec("trl") is None:
+        return False
+    utils = importlib.import_module("trl.trainer.utils")
+    original = getattr(utils, "add_fused_lm_head", None)
+    if original is None:
+        return False
+    _ORIGINAL.append(original)
+    _rewire(original)
+    return True
+
+
+def _rewire(original: Any) -> None:
+    """Points every loaded module's `add_fused_lm_head` (TRL's trainers import it by name)
+    at the wrapper; trl.trainer.utils itself too, for trainers imported later."""
+    wrapper = _wrapper()
+    for module in list(sys.modules.values()):
+        namespace = getattr(module, "__dict__", None)
+        if isinstance(namespace, dict) and namespace.get("add_fused_lm_head") is original:
+            namespace["add_fused_lm_head"] = wrapper
+
+
+@functools.cache
+def _wrapper() -> Any:
+    wrapper = functools.wraps(_ORIGINAL[0])(_add_fused_lm_head)
+    return wrapper
+
+
+def _on_loss_patch(model: nn.Module) -> None:
+    if "trl" in sys.modules or importlib.util.find_spec("trl") is not None:
+        ready()
+
+
+def install(trainer: Any, **patch_kwargs: Any) -> Any:
+    """Makes a built TRL trainer compute its loss (and its reference model's log-probabilities)
+    with the tiled LM head, and its MLPs tiled: patch_model(trainer.model, tiled_loss=True,
+    **patch_kwargs), and the loss of trainer.ref_model tiled when there is one.
+
+    Args:
+        trainer: a TRL trainer (SFTTrainer, DPOTrainer, GRPOTrainer, KTOTrainer, RLOOTrainer).
+        patch_kwargs: patch_model's options (num_tiles, tiled_norms, ...).
+
+    Returns:
+        The policy model's PatchReport.
+
+    Raises:
+        RuntimeError: the installed TRL is outside TESTED.
+    """
+    from tiledmlp.patching.patch import patch_model
+
+    _refuse_untested()
+    ready()
+    report = patch_model(trainer.model, tiled_loss=True, **patch_kwargs)
+    if report.loss != "tiled":
+        logger.warning("tiled loss not installed on the trainer's model: %s", report.loss)
+    ref = getattr(trainer, "ref_model", None)
+    if isinstance(ref, nn.Module) and ref is not trainer.model and not loss_patched(ref):
+        num_tiles = patch_kwargs.get("num_tiles", "auto")
+        patch_model(ref, tiled_mlp=False, tiled_loss=True, num_tiles=num_tiles)
+    return report
+
+
+register_fused_head(_serve)
+register_on_loss_patch(_on_loss_patch)
