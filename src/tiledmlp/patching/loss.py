@@ -13,14 +13,15 @@ registered (tiledmlp.integrations.trl); `fused_lm_head` never reaches the decode
 Invariant: a model is only patched after a probe shows that, on random ids, the patched loss
 equals the model's own loss; a model whose forward adds anything else to the loss (an MoE
 auxiliary loss, logit scaling) fails the probe and is left alone, with the reason reported.
-Unpatching restores the forward this patch replaced and refuses (changing nothing) when another
-forward was installed over it since.
+Unpatching restores the forward this patch replaced; when another forward was installed over it
+since, that one is kept and ours stays below it as a pure pass-through.
 """
 
 from __future__ import annotations
 
 import contextlib
 import inspect
+import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -36,7 +37,6 @@ from tiledmlp.patching.detect import probing, text_config
 __all__ = [
     "decoder_of",
     "lifted",
-    "loss_covered",
     "loss_patched",
     "patch_loss",
     "register_fused_head",
@@ -45,6 +45,8 @@ __all__ = [
     "softcap_of",
     "unpatch_loss",
 ]
+
+logger = logging.getLogger(__name__)
 
 _STATE = "_tiledmlp_loss_patch"
 
@@ -69,6 +71,9 @@ def register_on_loss_patch(hook: Callable[[nn.Module], None]) -> None:
 class _LossState:
     saved: Any  # replaced instance-level forward, or None
     num_tiles: int | str
+    # False once unpatched while another forward sat over ours: ours stays in that forward's
+    # chain as a pure pass-through to `saved`
+    active: bool = True
 
 
 def replaced_forward(model: nn.Module) -> Any:
@@ -90,6 +95,8 @@ def _original(model: nn.Module) -> Any:
 def _loss_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     """Installed forward of a loss-patched causal LM (bound to the instance)."""
     state: _LossState = self.__dict__[_STATE]
+    if not state.active:
+        return _original(self)(*args, **kwargs)
     if kwargs.pop("fused_lm_head", False):
         if not _FUSED_SERVER:
             raise TypeError(
@@ -285,6 +292,7 @@ def patch_loss(model: nn.Module, num_tiles: int | str = "auto") -> str | None:
     state = model.__dict__.get(_STATE)
     if state is not None:
         state.num_tiles = num_tiles
+        state.active = True
         return None
     model.__dict__[_STATE] = _LossState(model.__dict__.get("forward"), num_tiles)
     why = _probe(model)
@@ -301,7 +309,8 @@ def patch_loss(model: nn.Module, num_tiles: int | str = "auto") -> str | None:
 
 def loss_patched(model: nn.Module) -> bool:
     """Whether `model` (or the causal LM a PEFT wrapper holds) has its loss patched."""
-    return _STATE in _causal_lm(model).__dict__
+    state = _causal_lm(model).__dict__.get(_STATE)
+    return state is not None and state.active
 
 
 def _ours_on_top(model: nn.Module) -> bool:
@@ -332,23 +341,13 @@ def lifted(model: nn.Module) -> Iterator[None]:
         model.forward = ours  # type: ignore[method-assign]
 
 
-def loss_covered(model: nn.Module) -> str | None:
-    """Why the loss patch of `model` cannot be removed now (another forward installed over
-    it), or None."""
-    model = _causal_lm(model)
-    if _STATE in model.__dict__ and not _ours_on_top(model):
-        return _covered(model, "restore the loss")
-    return None
-
-
 def _covered(model: nn.Module, what: str) -> str:
     top = model.__dict__.get("forward")
     name = getattr(getattr(top, "__func__", top), "__qualname__", type(top).__name__)
     module = getattr(getattr(top, "__func__", top), "__module__", "?")
     return (
         f"cannot {what} of {type(model).__name__}: another forward ({module}.{name}) was "
-        "installed over it, and removing ours would remove it too. Remove that one first "
-        "(or leave the model patched)"
+        "installed over it, and removing ours would remove it too"
     )
 
 
@@ -363,15 +362,19 @@ def _causal_lm(model: nn.Module) -> nn.Module:
 def unpatch_loss(model: nn.Module) -> bool:
     """Restores the forward the patch replaced; True if it was loss-patched.
 
-    Raises:
-        RuntimeError: another forward was installed over the patched one (nothing changed).
+    When another library installed a forward over the patched one since (Accelerate's
+    autocast wrapper, a TRL head added without the tiled loss's knowledge), that forward is
+    kept: the patched forward stays in its chain as a pure pass-through to the forward it
+    replaced, so the model computes exactly what it computed before patching.
     """
     model = _causal_lm(model)
     state = model.__dict__.get(_STATE)
-    if state is None:
+    if state is None or not state.active:
         return False
     if not _ours_on_top(model):
-        raise RuntimeError(_covered(model, "restore the loss"))
+        state.active = False
+        logger.info("%s", _covered(model, "take the tiled loss off").replace("cannot", "did not"))
+        return True
     del model.__dict__[_STATE]
     if state.saved is None:
         model.__dict__.pop("forward", None)

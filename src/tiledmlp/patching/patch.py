@@ -27,7 +27,7 @@ from tiledmlp.patching.agreement import StepTokens, install_agreement
 from tiledmlp.patching.bound import BoundForward, bind
 from tiledmlp.patching.checks import backend_for, run_checks
 from tiledmlp.patching.detect import Candidate, detect_mlps, hidden_size_of, norms_of
-from tiledmlp.patching.loss import loss_covered, patch_loss, unpatch_loss
+from tiledmlp.patching.loss import patch_loss, unpatch_loss
 from tiledmlp.patching.offloading import install_offloading, remove_offloading
 from tiledmlp.sequence_parallel.attention import install as install_sp
 from tiledmlp.sequence_parallel.attention import installed_groups as sp_installed
@@ -359,18 +359,19 @@ def unpatch_model(model: nn.Module) -> list[str]:
     loss when it was loss-patched).
 
     Only what patching installed is removed: a forward another library installed over a patched
-    one (a wrapper of the tiled forward) is never taken off with it.
+    one is never taken off with it. Over the loss, such a wrapper (Accelerate's autocast
+    wrapper, say) is kept and the tiled loss below it becomes a pure pass-through; over an MLP,
+    unpatching refuses.
 
     Returns:
         Qualified names of the modules restored ("<loss>" for the loss, "<activation
         offloading>" for offloading, "<sequence parallelism>" for the attention).
 
     Raises:
-        RuntimeError: another library installed a forward over a patched one; nothing is
+        RuntimeError: another library installed a forward over a patched MLP; nothing is
             changed (remove that forward first).
     """
-    covered = [why for why in (loss_covered(model),) if why is not None]
-    covered += [
+    covered = [
         f"cannot restore {name or '<root>'} ({type(module).__name__}): another forward was "
         "installed over the tiled one, and removing ours would remove it too. Remove that one "
         "first (or leave the model patched)"
