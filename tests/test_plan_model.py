@@ -155,7 +155,7 @@ def test_cli_json_has_every_stack_and_max_seq_len(tmp_path) -> None:
     config.write_text(json.dumps({"model_type": "llama", **SMALL, "num_hidden_layers": 2}))
     res = subprocess.run(
         [sys.executable, "-m", "tiledmlp", "plan", "--model", str(config), "--seq-len", "4096",
-         "--optimizer", "adamw", "--gradient-checkpointing", "--memory-gb", "0.1",
+         "--optimizer", "adamw", "--gradient-checkpointing", "--memory-gb", "0.75",
          "--num-tiles", "2", "--json"],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
@@ -167,6 +167,14 @@ def test_cli_json_has_every_stack_and_max_seq_len(tmp_path) -> None:
             "weights", "grads", "optimizer", "checkpoints", "activations", "loss", "recompute"
         }  # fmt: skip
         assert entry["peak_mib"] > 0 and entry["max_seq_len"] % 1024 == 0
+        # the card's 0.75 GiB hold the CUDA context and workspaces beside the tensors
+        assert set(entry["device_overhead_breakdown_mib"]) == {
+            "cuda_context", "cublas_workspace", "attention_backward", "allocator"
+        }  # fmt: skip
+        assert entry["device_overhead_mib"] == pytest.approx(
+            sum(entry["device_overhead_breakdown_mib"].values()), abs=0.3
+        )
+        assert entry["device_overhead_breakdown_mib"]["cuda_context"] == 512.0
     assert (
         out["model"]["tiled_mlp_loss_offload"]["max_seq_len"]
         > out["model"]["untiled"]["max_seq_len"]
@@ -203,3 +211,38 @@ def test_sequence_parallel_plan_is_the_local_step_plus_the_all_to_all() -> None:
         ValueError, match="4 query heads must be divisible by the sequence-parallel size 3"
     ):
         plan_model(config, seq_len=3 * 512, stacks=stacks, sequence_parallel_size=3)
+
+
+def test_device_overhead_terms_and_max_seq_len_on_a_card() -> None:
+    """Each term as documented (plan/device_overhead.py); max_seq_len on a card of B bytes is
+    the longest step whose tensors plus overhead fit B; the CPU has none."""
+    from tiledmlp.plan.device_overhead import device_overhead
+
+    cfg = _config()
+    heads, head_dim = cfg.num_attention_heads, cfg.hidden_size // cfg.num_attention_heads
+    cuda = device_overhead(cfg, "cuda")
+    terms = cuda.terms(peak=1000 * MiB, tokens=2048)
+    attention = 2048 * heads * (head_dim + 1) * 4
+    assert terms == {
+        "cuda_context": 512 * MiB,
+        "cublas_workspace": int(40.125 * MiB),
+        "attention_backward": attention,
+        "allocator": int(0.10 * (1000 * MiB + attention)),
+    }
+    assert device_overhead(cfg, "cpu").total(peak=1000 * MiB, tokens=2048) == 0
+    # The H100 data point: tensors of 72.6 GiB at 32K tokens did not fit 79.2 GiB; with an
+    # 8B model's 32 heads of 128 the overhead says so.
+    llama8b = _config(num_attention_heads=32, hidden_size=4096)
+    peak = int(72.6 * 2**30)
+    assert peak + device_overhead(llama8b, "cuda").total(peak, 32768) > 79.2 * 2**30
+
+    kw: dict[str, Any] = {"stack": "tiled_mlp_loss_offload", "num_tiles": TILES}
+    tensors = estimate_step(cfg, seq_len=8192, **kw).peak
+    card = tensors + cuda.total(tensors, 8192)
+    n = max_seq_len(cfg, card, granularity=512, overhead=cuda, **kw)
+    assert 7_500 < n <= 8192
+    for length, fits in ((n, True), (n + 512, False)):
+        p = estimate_step(cfg, seq_len=length, **kw).peak
+        assert (p + cuda.total(p, length) <= card) is fits
+    # without the overhead the same card would be said to hold more
+    assert max_seq_len(cfg, card, granularity=512, **kw) > n

@@ -97,8 +97,10 @@ def add_parser(sub: Any) -> None:
         "--memory-gb",
         type=float,
         default=None,
-        help="with --model: device memory in GiB; report each stack's longest sequence that "
-        "fits (max_seq_len, a multiple of 1024)",
+        help="with --model: the card's memory in GiB (e.g. 79.2 for an H100 80GB, as torch "
+        "reports it); report each stack's longest sequence whose step, with the device "
+        "overhead (CUDA context, cuBLAS workspaces, attention backward buffers, allocator; "
+        "zero with --device cpu), fits (max_seq_len, a multiple of 1024)",
     )
     pl.add_argument(
         "--sequence-parallel-size",
@@ -238,6 +240,8 @@ def run(args: argparse.Namespace) -> int:
         )
         for stack, entry in result["model"].items():
             parts = ", ".join(f"{k} {v:,.0f}" for k, v in entry["breakdown_mib"].items() if v)
+            if entry["device_overhead_mib"]:
+                parts += f"; + device overhead {entry['device_overhead_mib']:,.0f}"
             fits = (
                 f"; fits {args.memory_gb} GiB up to {entry['max_seq_len']:,} tokens"
                 if "max_seq_len" in entry

@@ -51,6 +51,7 @@ from tiledmlp.ops.offload import ActivationOffloader
 from tiledmlp.ops.policy import assume_device
 from tiledmlp.patching.detect import norms_of
 from tiledmlp.patching.offloading import before_forward, enable_checkpointing
+from tiledmlp.plan.device_overhead import DeviceOverhead, device_overhead
 from tiledmlp.plan.fake_memory import StorageTracker
 from tiledmlp.plan.layer import _dense_mlp, cut_config
 from tiledmlp.sequence_parallel.attention import kv_repeat
@@ -387,6 +388,7 @@ def max_seq_len(
     upper: int = 1 << 24,
     hint: int | None = None,
     extra_bytes_per_token: float = 0.0,
+    overhead: DeviceOverhead | None = None,
     **options: Any,
 ) -> int:
     """The longest sequence (a multiple of `granularity`, at most `upper`) whose step fits
@@ -396,7 +398,9 @@ def max_seq_len(
     the search extrapolates along the line through its last two estimates until it has a length
     that does not fit, then interpolates inside that bracket; every answer is verified (it fits,
     one more granule does not). `hint` (tokens) is a first guess, e.g. a length already planned.
-    `extra_bytes_per_token` adds memory the simulation does not see (the all-to-all's buffers).
+    `extra_bytes_per_token` adds memory the simulation does not see (the all-to-all's buffers);
+    `overhead` adds the device's own (plan/device_overhead.py: CUDA context, workspaces,
+    attention backward buffers, allocator), so that the step fits a card of `budget_bytes`.
     """
     cache: dict[int, int] = {}
 
@@ -404,7 +408,8 @@ def max_seq_len(
         if n not in cache:
             tokens = n * granularity
             step = estimate_step(config, seq_len=tokens, stack=stack, **options).peak
-            cache[n] = step + int(extra_bytes_per_token * tokens)
+            step += int(extra_bytes_per_token * tokens)
+            cache[n] = step + (overhead.total(step, tokens) if overhead is not None else 0)
         return cache[n]
 
     limit = max(1, upper // granularity)
@@ -450,8 +455,14 @@ def plan_model(
     per GPU for a sequence of `seq_len` tokens split over P GPUs (module docstring), and
     "max_seq_len" is the whole sequence's length (a multiple of P x granularity).
 
+    "peak_mib" is tensor-level; "device_overhead_mib" is what the process holds on the device
+    beside the tensors (plan/device_overhead.py, per term in "device_overhead_breakdown_mib";
+    zero on the CPU). `budget_bytes` is the card's memory: a stack fits when its peak plus its
+    overhead does.
+
     Returns:
-        {stack: {"peak_mib", "breakdown_mib", "gradient_checkpointing"[, "max_seq_len"]}}.
+        {stack: {"peak_mib", "breakdown_mib", "gradient_checkpointing", "device_overhead_mib",
+        "device_overhead_breakdown_mib"[, "max_seq_len"]}}.
 
     Raises:
         ValueError: seq_len not divisible by sequence_parallel_size, or heads that Ulysses
@@ -475,6 +486,7 @@ def plan_model(
     }
     out: dict[str, Any] = {}
     local = seq_len // p
+    overhead = device_overhead(config, device_type)
     for stack in stacks:
         est = estimate_step(config, seq_len=local, stack=stack, **options)
         if p > 1:
@@ -482,7 +494,7 @@ def plan_model(
             est = StepEstimate(
                 est.peak + extra, {**est.breakdown, "all_to_all": extra}, est.checkpointing
             )
-        entry = est.as_json()
+        entry = {**est.as_json(), **overhead.as_json(est.peak, local)}
         if budget_bytes is not None:
             entry["max_seq_len"] = p * max_seq_len(
                 config,
@@ -491,6 +503,7 @@ def plan_model(
                 granularity=granularity,
                 hint=local,
                 extra_bytes_per_token=per_token,
+                overhead=overhead,
                 **options,
             )
         out[stack] = entry

@@ -1,0 +1,107 @@
+"""What a training process holds on its device beyond the step's tensors: the device overhead.
+
+The planner's peaks (plan/model.py) are tensor-level: every storage the step creates, exactly.
+A CUDA process also holds memory no tensor accounts for. Each term, with its source:
+
+- "cuda_context": the CUDA context and the kernels loaded into it. With lazy module loading
+  (PyTorch sets CUDA_MODULE_LOADING=LAZY since 1.13) PyTorch measured 287,047,680 bytes for the
+  context against 666,632,192 loaded eagerly (pytorch/pytorch#86509); cuBLAS, cuDNN and the
+  attention kernels a training step loads add to it: 512 MiB.
+- "cublas_workspace": PyTorch gives each cuBLAS handle and stream a workspace of
+  CUBLAS_WORKSPACE_CONFIG's default 8.125 MiB (the 8,519,680-byte block every matmul user sees
+  in a memory snapshot) and cuBLASLt 32 MiB on Hopper (4 MiB on Ampere cards of 24 GB and more;
+  pytorch/pytorch#120925, after the cuBLAS guide's recommendation): 40.125 MiB, Hopper's.
+- "attention_backward": the flash-attention backward (PyTorch's SDPA flash kernel) allocates a
+  float32 accumulator for dq, (tokens, heads, head_dim), and a float32 (heads, tokens) row-sum
+  inside the kernel call (flash-attention's mha_bwd), invisible to a tensor-level trace:
+  tokens x heads x (head_dim + 1) x 4 bytes, one layer at a time.
+- "allocator": PyTorch's caching allocator rounds every block up (512 bytes; large blocks come
+  from 2 MiB-granular segments) and cannot always reuse freed blocks for differently sized
+  requests (fragmentation: reserved minus allocated). Modelled as a fraction of the peak
+  (tensors plus the attention buffers). The fraction comes from the one data point measured on
+  an H100 80GB (79.2 GiB as torch reports it): an untiled 8B-shaped step at 32K tokens whose
+  tensors summed to about 72.6 GiB did not fit, so the overhead exceeded 6.6 GiB, i.e. at least
+  7.6% of the peak beyond the three terms above; 10% keeps a margin.
+  `python -m tiledmlp.bench.suite` records max_memory_reserved / max_memory_allocated per step
+  to refine it.
+
+On the CPU none of these terms exists (no context or workspaces are reserved from a device, the
+allocator is the system's): the overhead is zero, and `--memory-gb` there is the memory the
+step's tensors may use.
+
+Invariant: the overhead is a non-negative affine function of the tensor-level peak and the
+tokens per GPU; it is zero on the CPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["DeviceOverhead", "device_overhead"]
+
+MiB = 2**20
+_CONTEXT = 512 * MiB
+_CUBLAS = int(8.125 * MiB) + 32 * MiB
+_ALLOCATOR_FRACTION = 0.10
+
+
+@dataclass(frozen=True)
+class DeviceOverhead:
+    """A device's overhead beyond the step's tensors.
+
+    Attributes:
+        fixed: bytes per term that do not depend on the step ("cuda_context", ...).
+        per_token: bytes per token (per GPU) of the largest transient buffer no tensor shows
+            ("attention_backward").
+        fraction: allocator rounding and fragmentation, as a fraction of the peak.
+    """
+
+    fixed: dict[str, int]
+    per_token: float
+    fraction: float
+
+    def terms(self, peak: int, tokens: int) -> dict[str, int]:
+        """Each term in bytes, for a step whose tensors peak at `peak` bytes over `tokens`
+        tokens per GPU."""
+        attention = int(self.per_token * tokens)
+        return {
+            **self.fixed,
+            "attention_backward": attention,
+            "allocator": int(self.fraction * (peak + attention)),
+        }
+
+    def total(self, peak: int, tokens: int) -> int:
+        """The whole overhead in bytes (see `terms`)."""
+        return sum(self.terms(peak, tokens).values())
+
+    def as_json(self, peak: int, tokens: int) -> dict[str, Any]:
+        """{"device_overhead_mib", "device_overhead_breakdown_mib"} for a plan's JSON."""
+        terms = self.terms(peak, tokens)
+        return {
+            "device_overhead_mib": round(sum(terms.values()) / MiB, 1),
+            "device_overhead_breakdown_mib": {k: round(v / MiB, 1) for k, v in terms.items()},
+        }
+
+
+def device_overhead(config: Any, device_type: str) -> DeviceOverhead:
+    """The overhead of a training process for the model `config` on `device_type`.
+
+    Args:
+        config: a transformers config (its text config's attention heads and head size).
+        device_type: "cuda" (any accelerator is planned as a CUDA GPU) or "cpu".
+
+    Returns:
+        A DeviceOverhead; all zero on the CPU.
+    """
+    if device_type == "cpu":
+        return DeviceOverhead(fixed={"cuda_context": 0, "cublas_workspace": 0}, per_token=0.0,
+                              fraction=0.0)  # fmt: skip
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = int(text.num_attention_heads)
+    head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // heads)
+    return DeviceOverhead(
+        fixed={"cuda_context": _CONTEXT, "cublas_workspace": _CUBLAS},
+        per_token=float(heads * (head_dim + 1) * 4),
+        fraction=_ALLOCATOR_FRACTION,
+    )
