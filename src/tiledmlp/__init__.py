@@ -13,6 +13,22 @@ from tiledmlp.patching import PatchReport, patch_from_args, patch_model, unpatch
 
 __version__ = "0.1.0"
 
+
+def enable(**patch_kwargs: object) -> None:
+    """Patches every causal LM transformers builds from now on (see
+    tiledmlp.integrations.hf.enable); `disable()` undoes it."""
+    from tiledmlp.integrations.hf import enable as _enable
+
+    _enable(**patch_kwargs)
+
+
+def disable() -> None:
+    """Undoes enable() (see tiledmlp.integrations.hf.disable)."""
+    from tiledmlp.integrations.hf import disable as _disable
+
+    _disable()
+
+
 __all__ = [
     "CrossEntropyOutput",
     "PatchReport",
@@ -21,6 +37,8 @@ __all__ = [
     "TiledMLPConfig",
     "TiledMLPFunction",
     "__version__",
+    "disable",
+    "enable",
     "patch_from_args",
     "patch_model",
     "tiled_cross_entropy",

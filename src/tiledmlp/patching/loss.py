@@ -49,6 +49,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 _STATE = "_tiledmlp_loss_patch"
+_TOLD: list[bool] = []  # the evaluation note is logged once per process
 
 #: serves model(..., fused_lm_head=True): server(model, args, kwargs, num_tiles) -> output
 _FUSED_SERVER: list[Callable[..., Any]] = []
@@ -126,6 +127,9 @@ def _loss_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     hidden = outputs[0]
     head = self.get_output_embeddings()  # type: ignore[operator]
     config = getattr(self, "config", None)
+    # Evaluation (eval mode, no gradient): the argmax of every position's logits comes out of
+    # the same tiles, as `predictions` (what compute_metrics gets instead of logits).
+    evaluating = not self.training and not torch.is_grad_enabled()
     loss = tiled_cross_entropy(
         hidden,
         head.weight,
@@ -135,7 +139,11 @@ def _loss_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         shift=shifted is None,
         softcap=softcap_of(config),
         reduction="mean" if num_items is None else "sum",
+        return_aux=evaluating,
     )
+    predictions = None
+    if evaluating:
+        loss, predictions = loss.loss, loss.predictions
     if num_items is not None:
         loss = loss / num_items
     if not _wants_dict(config, return_dict):
@@ -145,13 +153,26 @@ def _loss_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         return (loss, None, *rest)
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
-    return CausalLMOutputWithPast(
+    result = CausalLMOutputWithPast(
         loss=loss,
         logits=None,
         past_key_values=getattr(outputs, "past_key_values", None),
         hidden_states=getattr(outputs, "hidden_states", None),
         attentions=getattr(outputs, "attentions", None),
     )
+    if predictions is not None:
+        # an extra key: the Trainer's prediction loop hands every non-loss output to
+        # compute_metrics, so EvalPrediction.predictions are these token ids
+        result["predictions"] = predictions
+        if not _TOLD:
+            _TOLD.append(True)
+            logger.warning(
+                "tiled loss: evaluation outputs carry `predictions` (the argmax token of every "
+                "position, labels' shape, int64) instead of logits, which are never formed; "
+                "compute_metrics receives those as EvalPrediction.predictions (no argmax "
+                "needed, no preprocess_logits_for_metrics)"
+            )
+    return result
 
 
 def softcap_of(config: Any) -> float | None:
