@@ -5,6 +5,19 @@ state_dict keys and values are untouched; unpatch_model restores the original fo
 """
 
 from tiledmlp.patching.args import patch_from_args
-from tiledmlp.patching.patch import PatchReport, patch_model, tile_counts, unpatch_model
+from tiledmlp.patching.patch import (
+    PatchReport,
+    patch_model,
+    patch_report,
+    tile_counts,
+    unpatch_model,
+)
 
-__all__ = ["PatchReport", "patch_from_args", "patch_model", "tile_counts", "unpatch_model"]
+__all__ = [
+    "PatchReport",
+    "patch_from_args",
+    "patch_model",
+    "patch_report",
+    "tile_counts",
+    "unpatch_model",
+]

@@ -36,7 +36,12 @@ __all__ = [
 ]
 
 _STATE = "_tiledmlp_offload"
-_HOW = "model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False})"
+_HOW = (
+    "model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': "
+    "False}); with the Hugging Face Trainer, TrainingArguments(gradient_checkpointing=True, "
+    "gradient_checkpointing_kwargs={'use_reentrant': False}) (the Trainer turns it on itself, "
+    "reentrant unless told otherwise)"
+)
 
 
 class OffloadingCheckpoint:

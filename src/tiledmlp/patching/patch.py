@@ -22,19 +22,28 @@ from torch import nn
 from tiledmlp.config import TiledMLPConfig
 from tiledmlp.ops.functional import tiled_mlp
 from tiledmlp.ops.loss import loss_policy
+from tiledmlp.ops.structure import recognise
 from tiledmlp.ops.tiles import TileCount
+from tiledmlp.ops.untiled import UntiledCall
 from tiledmlp.patching.agreement import StepTokens, install_agreement
 from tiledmlp.patching.bound import BoundForward, bind
 from tiledmlp.patching.checks import backend_for, run_checks
 from tiledmlp.patching.detect import Candidate, detect_mlps, hidden_size_of, norms_of
-from tiledmlp.patching.loss import patch_loss, unpatch_loss
-from tiledmlp.patching.offloading import install_offloading, remove_offloading
+from tiledmlp.patching.loss import loss_patched, patch_loss, unpatch_loss
+from tiledmlp.patching.offloading import install_offloading, offloader_of, remove_offloading
 from tiledmlp.sequence_parallel.attention import install as install_sp
 from tiledmlp.sequence_parallel.attention import installed_groups as sp_installed
 from tiledmlp.sequence_parallel.attention import remove as remove_sp
 from tiledmlp.sequence_parallel.groups import SequenceParallelGroups, make_groups
 
-__all__ = ["PatchReport", "original_forward", "patch_model", "tile_counts", "unpatch_model"]
+__all__ = [
+    "PatchReport",
+    "original_forward",
+    "patch_model",
+    "patch_report",
+    "tile_counts",
+    "unpatch_model",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +64,9 @@ class _PatchState:
 
 @dataclass(frozen=True)
 class PatchReport:
-    """What patch_model did.
+    """What patch_model did: a snapshot, taken when it ran. A model changed since (PEFT
+    adapters injected into its MLPs, say, which move them to the generic path at their next
+    call) is described as it is now by patch_report(model).
 
     Attributes:
         patched: qualified names of the modules now tiled (including ones already patched).
@@ -78,7 +89,9 @@ class PatchReport:
     sequence_parallel: str | None = None
 
     def __str__(self) -> str:
-        lines = [f"tiled {len(self.patched)} MLP(s) with {self.config}"]
+        norms = sum(1 for name in self.patched if self.paths[name] == "generic: norm")
+        what = f"{len(self.patched) - norms} MLP(s)" + (f" and {norms} norm(s)" if norms else "")
+        lines = [f"tiled {what} with {self.config}"]
         lines += [f"  {name}: {self.paths[name]}" for name in self.patched]
         lines += [f"  skipped {name}: {why}" for name, why in self.skipped]
         if self.loss is not None:
@@ -88,6 +101,34 @@ class PatchReport:
         if self.sequence_parallel is not None:
             lines.append(f"  sequence parallelism: {self.sequence_parallel}")
         return "\n".join(lines)
+
+
+def patch_report(model: nn.Module) -> PatchReport | None:
+    """The PatchReport of `model` as it is now (None when nothing is patched): each tiled
+    module's path re-derived from its current children (PEFT adapters injected after patching
+    show as the generic path they now take), the loss, offloading and sequence parallelism as
+    installed now."""
+    paths: dict[str, str] = {}
+    config = None
+    for name, module in model.named_modules():
+        state = module.__dict__.get(_STATE)
+        if state is None:
+            continue
+        config = state.config
+        if (
+            state.path == "fast"
+            and recognise(module, UntiledCall(module, original_forward(module))) is None
+        ):
+            paths[name] = "generic: changed since patching (e.g. adapters injected)"
+        else:
+            paths[name] = f"{state.path}: {state.kind}"
+    loss = "tiled" if loss_patched(model) else None
+    offloading = "on" if offloader_of(model) is not None else None
+    groups = sp_installed(model)
+    sp = None if groups is None else f"Ulysses over {groups.sp_size} ranks"
+    if not paths and loss is None and offloading is None and sp is None:
+        return None
+    return PatchReport(sorted(paths), paths, [], config or TiledMLPConfig(), loss, offloading, sp)
 
 
 def original_forward(module: nn.Module) -> Callable[..., Any]:
