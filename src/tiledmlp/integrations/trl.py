@@ -119,9 +119,9 @@ def settings_of(model: nn.Module) -> HeadSettings | None:
     """TRL's settings for the fused head of `model` (read from the forward TRL installed below
     the tiled loss), or None when TRL's head is not there."""
     below = replaced_forward(model)
-    func = getattr(below, "__func__", None)
+    func: Any = getattr(below, "__func__", None)
     code = getattr(func, "__code__", None)
-    if code is None or code not in _trl_forward_code():
+    if func is None or code is None or code not in _trl_forward_code():
         return None
     cells = dict(zip(code.co_freevars, (c.cell_contents for c in func.__closure__ or ())))
     missing = [n for n in ("temperature", "outputs", "cast_lm_head_to_fp32") if n not in cells]
@@ -154,7 +154,7 @@ def _serve(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], num_
         raise ValueError(
             f"{type(model).__name__}(..., fused_lm_head=True) needs labels (or shift_labels)"
         )
-    config = getattr(model, "config", None)
+    config: Any = getattr(model, "config", None)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     if kwargs.get("output_router_logits") or getattr(text, "output_router_logits", False):
         raise NotImplementedError(

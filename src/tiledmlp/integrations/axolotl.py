@@ -1,0 +1,155 @@
+"""axolotl: a plugin that tiles a model from its YAML config.
+
+    plugins:
+      - tiledmlp.integrations.axolotl.TiledMLPPlugin
+    tiledmlp: true
+    tiledmlp_tiled_loss: true       # optional: tiledmlp_num_tiles, tiledmlp_tile_tokens,
+                                    # tiledmlp_tiled_norms, tiledmlp_activation_offloading,
+                                    # tiledmlp_sequence_parallel_size
+
+The keys are namespaced `tiledmlp*`, so they never collide with axolotl's own `tiled_mlp*`
+(DeepSpeed's TiledMLP port, which axolotl applies by class). The plugin runs patch_model on
+the loaded model (after any LoRA adapter; `post_model_load`) and, when the installed TRL gives
+its trainers a fused LM head, lets the tiled loss serve it once the trainer is built
+(`post_trainer_create`). With axolotl's context parallelism on (`context_parallel_size` > 1)
+the attention is left to axolotl.
+
+The validators refuse, each with a one-line reason, what would make two libraries replace the
+same forward or leave a key without effect: axolotl's `tiled_mlp`, Liger's GLU kernel or fused
+linear cross-entropy, cut cross-entropy, axolotl's LoRA MLP kernels (which it turns on by
+itself for LoRA: the plugin turns them off instead, with a note), `tiledmlp_*` keys without
+`tiledmlp: true`, unknown `tiledmlp*` keys (the closest valid key named), and
+`tiledmlp_sequence_parallel_size` together with axolotl's context parallelism.
+
+axolotl discovers plugins by the dotted names under `plugins:` only (its one entry-point group,
+`axolotl.cli_commands`, adds CLI commands), so that name is the way in.
+
+Invariant: with `tiledmlp: true` and a config the validators accept, the model axolotl trains is
+patched exactly as patch_model(model, **options) would patch it; nothing set is ignored.
+"""
+
+from __future__ import annotations
+
+import difflib
+import logging
+from typing import Any
+
+from axolotl.integrations.base import BasePlugin
+from pydantic import BaseModel, model_validator
+
+__all__ = ["TiledMLPArgs", "TiledMLPPlugin", "patch_options"]
+
+logger = logging.getLogger(__name__)
+
+_PREFIX = "tiledmlp_"
+
+
+class TiledMLPArgs(BaseModel):
+    """The plugin's keys (merged into axolotl's config schema)."""
+
+    tiledmlp: bool | None = None
+    tiledmlp_num_tiles: int | str | None = None
+    tiledmlp_tile_tokens: int | None = None
+    tiledmlp_tiled_loss: bool | None = None
+    tiledmlp_tiled_norms: bool | None = None
+    tiledmlp_activation_offloading: bool | None = None
+    tiledmlp_sequence_parallel_size: int | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_contradictions(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        known = set(cls.model_fields)
+        for key in data:
+            if str(key).startswith("tiledmlp") and key not in known:
+                close = difflib.get_close_matches(str(key), sorted(known), n=1, cutoff=0.5)
+                hint = f"; did you mean `{close[0]}`?" if close else ""
+                raise ValueError(f"tiledmlp: unknown key `{key}`{hint}")
+        options = [k for k in known if k != "tiledmlp" and data.get(k) is not None]
+        if not data.get("tiledmlp"):
+            if options:
+                raise ValueError(
+                    f"tiledmlp: {sorted(options)} set without `tiledmlp: true`, so they would "
+                    "do nothing; add `tiledmlp: true` or remove them"
+                )
+            return data
+        why = _contradiction(data)
+        if why is not None:
+            raise ValueError(f"tiledmlp: {why}")
+        if data.get("adapter") in ("lora", "qlora") and data.get("lora_mlp_kernel") is None:
+            # axolotl turns its LoRA MLP kernels on by itself for LoRA; they replace the MLP
+            # forward that tiledmlp tiles
+            data["lora_mlp_kernel"] = False
+            logger.info("tiledmlp: lora_mlp_kernel set to false (it replaces the tiled MLP)")
+        return data
+
+
+def _contradiction(data: dict[str, Any]) -> str | None:
+    """The first setting that contradicts `tiledmlp: true`, as a one-line reason, or None."""
+    loss = bool(data.get("tiledmlp_tiled_loss"))
+    if data.get("tiled_mlp"):
+        return (
+            "`tiled_mlp` (axolotl's own tiled MLP) and `tiledmlp` both tile the MLPs; "
+            "keep one (remove `tiled_mlp`)"
+        )
+    if data.get("liger_glu_activation") or data.get("liger_swiglu"):
+        return "Liger's GLU kernel replaces the MLP forward that tiledmlp tiles; keep one"
+    if data.get("lora_mlp_kernel"):
+        return "`lora_mlp_kernel` replaces the MLP forward that tiledmlp tiles; set it to false"
+    if loss and data.get("liger_fused_linear_cross_entropy"):
+        return (
+            "`tiledmlp_tiled_loss` and Liger's fused linear cross-entropy both replace the "
+            "loss; keep one"
+        )
+    if loss and data.get("cut_cross_entropy"):
+        return "`tiledmlp_tiled_loss` and cut cross-entropy both replace the loss; keep one"
+    sp = data.get("tiledmlp_sequence_parallel_size")
+    cp = data.get("context_parallel_size") or data.get("sequence_parallel_degree") or 1
+    if sp not in (None, 1) and cp > 1:
+        return (
+            "`tiledmlp_sequence_parallel_size` and axolotl's `context_parallel_size` both split "
+            "the attention over ranks; keep one (axolotl's is used when both are wanted)"
+        )
+    return None
+
+
+def patch_options(cfg: Any) -> dict[str, Any]:
+    """patch_model's keyword arguments for an axolotl config (a DictDefault or a dict)."""
+    get = cfg.get if hasattr(cfg, "get") else lambda k, d=None: getattr(cfg, k, d)
+    options: dict[str, Any] = {}
+    for field in TiledMLPArgs.model_fields:
+        value = get(field, None)
+        if field != "tiledmlp" and value is not None:
+            options[field[len(_PREFIX) :]] = value
+    if (get("context_parallel_size", None) or 1) > 1:
+        options.pop("sequence_parallel_size", None)  # the attention is axolotl's
+    return options
+
+
+class TiledMLPPlugin(BasePlugin):  # type: ignore[misc]
+    """axolotl plugin: patch_model after the model loads, the TRL step after the trainer is
+    built. `report` holds the PatchReport."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.report: Any = None
+
+    def get_input_args(self) -> str:
+        return "tiledmlp.integrations.axolotl.TiledMLPArgs"
+
+    def post_model_load(self, cfg: Any, model: Any) -> None:
+        if not cfg.get("tiledmlp"):
+            return
+        from tiledmlp.patching.patch import patch_model
+
+        self.report = patch_model(model, **patch_options(cfg))
+        logger.info("tiledmlp: %s", self.report)
+
+    def post_trainer_create(self, cfg: Any, trainer: Any) -> None:
+        if not (cfg.get("tiledmlp") and cfg.get("tiledmlp_tiled_loss")):
+            return
+        from tiledmlp.integrations.trl import install, ready
+
+        if ready():  # the installed TRL has a fused LM head for the tiled loss to serve
+            install(trainer, **patch_options(cfg))

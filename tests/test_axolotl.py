@@ -1,0 +1,135 @@
+"""axolotl: the plugin trains a tiny model from a YAML config with the real axolotl.
+
+axolotl pins its own transformers / TRL / PEFT versions, so it lives in its own environment;
+these tests are skipped where axolotl is not installed (the default dev install).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("axolotl")
+os.environ.setdefault("AXOLOTL_DO_NOT_TRACK", "1")
+
+import tiledmlp
+from tiledmlp.integrations import hf
+from tiledmlp.train.tokenizer import byte_tokenizer
+
+_YAML = """\
+base_model: {model}
+datasets:
+  - path: {data}
+    ds_type: json
+    type: completion
+sequence_len: 32
+micro_batch_size: 4
+gradient_accumulation_steps: 1
+max_steps: 3
+learning_rate: 0.1
+optimizer: sgd
+lr_scheduler: constant
+output_dir: {out}
+dataset_prepared_path: {out}/prepared
+val_set_size: 0
+save_strategy: "no"
+logging_steps: 1
+bf16: false
+fp32: true
+seed: 0
+"""
+_PLUGIN = """\
+plugins:
+  - tiledmlp.integrations.axolotl.TiledMLPPlugin
+"""
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    import transformers as tr
+
+    root = tmp_path_factory.mktemp("axolotl")
+    torch.manual_seed(0)
+    cfg = tr.LlamaConfig(
+        vocab_size=258, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, pad_token_id=0, bos_token_id=256,
+        eos_token_id=257,
+    )  # fmt: skip
+    tr.LlamaForCausalLM(cfg).save_pretrained(root / "model")
+    byte_tokenizer().save_pretrained(root / "model")
+    with open(root / "data.jsonl", "w") as f:
+        for i in range(32):
+            f.write(json.dumps({"text": f"the quick brown fox {i} jumps over the lazy dog"}) + "\n")
+    return root
+
+
+def _config(assets: Path, name: str, extra: str) -> Path:
+    out = assets / name
+    out.mkdir(exist_ok=True)
+    text = _YAML.format(model=assets / "model", data=assets / "data.jsonl", out=out) + extra
+    path = out / "config.yml"
+    path.write_text(text)
+    return path
+
+
+def _train(path: Path) -> tuple[list[float], Any, Any]:
+    from axolotl.cli.config import load_cfg
+    from axolotl.common.datasets import load_datasets
+    from axolotl.integrations.base import PluginManager
+    from axolotl.train import train
+
+    cfg = load_cfg(str(path))
+    model, _, trainer = train(cfg=cfg, dataset_meta=load_datasets(cfg=cfg))
+    plugins = list(PluginManager.get_instance().plugins.values())
+    losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
+    return losses, model, plugins
+
+
+def test_plugin_trains_a_tiny_model_from_yaml(assets: Path) -> None:
+    ref_losses, ref_model, _ = _train(_config(assets, "plain", ""))
+    plugin_yaml = _PLUGIN + "tiledmlp: true\ntiledmlp_tiled_loss: true\ntiledmlp_num_tiles: 2\n"
+    losses, model, plugins = _train(_config(assets, "tiled", plugin_yaml))
+    (plugin,) = [p for p in plugins if type(p).__name__ == "TiledMLPPlugin"]
+    assert plugin.report is not None and plugin.report.loss == "tiled"
+    assert hf.is_patched(model)
+    counts = tiledmlp.patching.tile_counts(model)
+    assert counts and all(c.last == 2 for c in counts.values())  # the MLPs ran in 2 tiles
+    assert len(losses) == len(ref_losses) == 3
+    for step, (a, b) in enumerate(zip(losses, ref_losses)):
+        assert abs(a - b) <= 1e-5 * abs(b), f"step {step + 1}: {a} != {b} (without the plugin)"
+    for (name, p), q in zip(model.named_parameters(), ref_model.parameters()):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ("tiledmlp: true\ntiled_mlp: true\n", "axolotl's own tiled MLP"),
+        ("tiledmlp: true\ntiledmlp_tiled_los: true\n", "did you mean `tiledmlp_tiled_loss`"),
+        ("tiledmlp_tiled_loss: true\n", "without `tiledmlp: true`"),
+        ("tiledmlp: true\nlora_mlp_kernel: true\n", "`lora_mlp_kernel` replaces the MLP"),
+        (
+            "tiledmlp: true\ntiledmlp_tiled_loss: true\ncut_cross_entropy: true\n",
+            "both replace the loss",
+        ),
+    ],
+)
+def test_contradictions_refused_with_the_reason(assets: Path, extra: str, message: str) -> None:
+    from axolotl.cli.config import load_cfg
+
+    with pytest.raises(ValueError, match=message):
+        load_cfg(str(_config(assets, "bad", _PLUGIN + extra)))
+
+
+def test_patch_options_leave_attention_to_axolotl_context_parallelism() -> None:
+    from tiledmlp.integrations.axolotl import patch_options
+
+    cfg = {"tiledmlp": True, "tiledmlp_tiled_norms": True, "context_parallel_size": 2}
+    assert patch_options(cfg) == {"tiled_norms": True}
+    cfg = {"tiledmlp": True, "tiledmlp_sequence_parallel_size": 2}
+    assert patch_options(cfg) == {"sequence_parallel_size": 2}
