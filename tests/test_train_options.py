@@ -26,6 +26,7 @@ def test_aliases_spellings_and_dtype_names() -> None:
     assert (o.max_steps, o.learning_rate, o.per_device_train_batch_size) == (4, 1e-3, 2)
     assert o.dtype == "bfloat16" and options_from({"dtype": "fp32"}).dtype == "float32"
     assert options_from({"deepspeed_config": __file__}).deepspeed == Path(__file__)
+    assert options_from({}).kernels is True and options_from({"kernels": "false"}).kernels is False
     with pytest.raises(ValueError, match="max_steps given twice"):
         options_from({"steps": 3, "max_steps": 4})
     with pytest.raises(ValueError, match=r"unknown option 'max_step'; known: .*max_steps"):

@@ -92,6 +92,8 @@ def add_parser(sub: Any) -> None:
     switch("--activation-offloading", help="keep the checkpointed layers' inputs in host memory "
            "between forward and recompute (needs --gradient-checkpointing)")  # fmt: skip
     switch("--tiled-norms", help="also tile the LayerNorm/RMSNorm layers (with tiled MLPs)")
+    flag("--kernels", metavar="true|false", help="use the fused Triton elementwise kernels for "
+         "gated MLPs on CUDA (default: true; false: PyTorch only)")  # fmt: skip
     flag("--dtype", metavar="|".join(DTYPES), help="weights and activations: float32/fp32, "
          "bfloat16/bf16 (pure bf16 weights; DeepSpeed keeps fp32 masters), float16/fp16 (mixed "
          "precision with loss scaling, CUDA only) (default: float32)")  # fmt: skip

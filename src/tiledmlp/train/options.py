@@ -101,6 +101,7 @@ class TrainOptions:
     gradient_checkpointing: bool = False
     activation_offloading: bool = False
     tiled_norms: bool = False
+    kernels: bool = True
     dtype: str = "float32"
     engine: str = "auto"
     deepspeed: Path | None = None

@@ -365,6 +365,7 @@ def run(opts: TrainOptions) -> dict[str, Any]:
             activation_offloading=opts.activation_offloading,
             tiled_norms=opts.tiled_norms,
             sequence_parallel_size=sp,
+            kernels=opts.kernels,
         )
     else:
         if opts.activation_offloading:
@@ -465,6 +466,7 @@ def run(opts: TrainOptions) -> dict[str, Any]:
         "gradient_checkpointing": opts.gradient_checkpointing,
         "activation_offloading": opts.activation_offloading,
         "tiled_norms": opts.tiled_norms,
+        "kernels": opts.kernels,
         "offloaded_mib": _offloaded_mib(model),
         "tiled_modules": report.patched if report else [],
         "losses": losses.losses,
