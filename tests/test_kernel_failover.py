@@ -25,13 +25,36 @@ tl: Any = None  # triton.language, bound in the interpreted process before the k
 _REAL: Any = None  # the genuine kernels, kept while broken ones are installed
 
 
-def _broken_kernel(g_ptr, u_ptr, h_ptr, n_cols, g_rs, u_rs, h_rs, ACT, BLOCK, BF16_BY_HAND):  # type: ignore[no-untyped-def]
+def _broken_kernel(  # type: ignore[no-untyped-def]
+    g_ptr,
+    u_ptr,
+    h_ptr,
+    n_cols,
+    g_rs,
+    u_rs,
+    h_rs,
+    ACT: tl.constexpr,
+    BLOCK: tl.constexpr,
+    BF16_BY_HAND: tl.constexpr,
+):
     """Does not compile: triton.language has no such function."""
     tl.no_such_function(g_ptr)
 
 
 def _broken_backward(  # type: ignore[no-untyped-def]
-    g_ptr, u_ptr, dh_ptr, h_ptr, n_cols, g_rs, u_rs, dh_rs, h_rs, ACT, BLOCK, BF16_BY_HAND, WRITE_H
+    g_ptr,
+    u_ptr,
+    dh_ptr,
+    h_ptr,
+    n_cols,
+    g_rs,
+    u_rs,
+    dh_rs,
+    h_rs,
+    ACT: tl.constexpr,
+    BLOCK: tl.constexpr,
+    BF16_BY_HAND: tl.constexpr,
+    WRITE_H: tl.constexpr,
 ):
     tl.no_such_function(g_ptr)
 
