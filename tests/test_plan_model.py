@@ -227,13 +227,13 @@ def test_device_overhead_terms_and_max_seq_len_on_a_card() -> None:
         "cuda_context": 512 * MiB,
         "cublas_workspace": int(40.125 * MiB),
         "attention_backward": attention,
-        "allocator": int(0.10 * (1000 * MiB + attention)),
+        "allocator": int(0.11 * (1000 * MiB + attention)),
     }
     assert device_overhead(cfg, "cpu").total(peak=1000 * MiB, tokens=2048) == 0
-    # The H100 data point: tensors of 72.6 GiB at 32K tokens did not fit 79.2 GiB; with an
-    # 8B model's 32 heads of 128 the overhead says so.
+    # The H100 observation: an untiled 8B-shaped step at 32K tokens (70.9 GiB of tensors as
+    # planned) did not fit 79.2 GiB; with an 8B model's 32 heads of 128 the overhead says so.
     llama8b = _config(num_attention_heads=32, hidden_size=4096)
-    peak = int(72.6 * 2**30)
+    peak = int(70.94 * 2**30)
     assert peak + device_overhead(llama8b, "cuda").total(peak, 32768) > 79.2 * 2**30
 
     kw: dict[str, Any] = {"stack": "tiled_mlp_loss_offload", "num_tiles": TILES}
