@@ -7,6 +7,7 @@ these tests are skipped where axolotl is not installed (the default dev install)
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -124,6 +125,20 @@ def test_contradictions_refused_with_the_reason(assets: Path, extra: str, messag
 
     with pytest.raises(ValueError, match=message):
         load_cfg(str(_config(assets, "bad", _PLUGIN + extra)))
+
+
+def test_the_example_config_trains(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """examples/axolotl: make_tiny.py, then tiny.yml as it is."""
+    import runpy
+    import shutil
+
+    example = Path(__file__).resolve().parents[1] / "examples" / "axolotl"
+    monkeypatch.chdir(tmp_path)
+    runpy.run_path(str(example / "make_tiny.py"), run_name="__main__")
+    shutil.copy(example / "tiny.yml", tmp_path / "tiny.yml")
+    losses, model, _ = _train(tmp_path / "tiny.yml")
+    assert len(losses) == 3 and all(math.isfinite(x) for x in losses)
+    assert hf.is_patched(model)
 
 
 def test_patch_options_leave_attention_to_axolotl_context_parallelism() -> None:
