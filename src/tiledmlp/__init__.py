@@ -8,7 +8,13 @@ from tiledmlp import integrations  # noqa: F401  (registers the engines' checks)
 from tiledmlp.config import TiledMLPConfig
 from tiledmlp.module import TiledMLP
 from tiledmlp.ops import TiledMLPFunction, TilePlan, tiled_mlp
-from tiledmlp.ops.loss import CrossEntropyOutput, tiled_cross_entropy, tiled_token_logprobs
+from tiledmlp.ops.loss import (
+    CrossEntropyOutput,
+    TokenStats,
+    tiled_cross_entropy,
+    tiled_token_logprobs,
+    tiled_token_stats,
+)
 from tiledmlp.patching import PatchReport, patch_from_args, patch_model, unpatch_model
 
 __version__ = "0.1.0"
@@ -36,6 +42,7 @@ __all__ = [
     "TiledMLP",
     "TiledMLPConfig",
     "TiledMLPFunction",
+    "TokenStats",
     "__version__",
     "disable",
     "enable",
@@ -44,5 +51,6 @@ __all__ = [
     "tiled_cross_entropy",
     "tiled_mlp",
     "tiled_token_logprobs",
+    "tiled_token_stats",
     "unpatch_model",
 ]

@@ -380,9 +380,10 @@ def tiled_token_stats(
     output. Costs as tiled_token_logprobs: the statistics are read from the same tile of
     logits, the backward recomputes each tile (4L FLOPs in all, 1L without gradients).
 
+    The arguments shared with tiled_token_logprobs (hidden_states, lm_head_weight, tokens,
+    bias, temperature, softcap, shift, mask, ignore_index, num_tiles, tile_tokens) mean the same.
+
     Args:
-        hidden_states, lm_head_weight, tokens, bias, temperature, softcap, shift, mask,
-            ignore_index, num_tiles, tile_tokens: as tiled_token_logprobs.
         logit_scale: multiplies the logits before soft-capping; 1.0 for none.
         entropy: also return the per-token entropy (differentiable).
         stats: any of "log_sum_sq_probs", "mean_logits", "is_top1" (no gradient).
