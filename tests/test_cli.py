@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -63,7 +64,47 @@ def test_bench_in_process_with_deepspeed_column(tmp_path: Path) -> None:
     assert by["deepspeed"]["flops"] == 12 * 2 * 96 * 32 * 64
     assert by["tiled"]["isolated"] is False and by["tiled"]["process_peak_mib"] is not None
     assert "DeepSpeed (ms) | DeepSpeed (MB)" in (out / "bench.md").read_text()
+    # DeepSpeed's own warnings go to stderr: stdout is the table, then the files written
+    assert res.stdout.startswith("| Seq Length |") and "WARNING" not in res.stdout, res.stdout
     assert not (out / "bench.png").exists()
+
+
+def _without(tmp_path: Path, *packages: str) -> dict[str, str]:
+    """An environment in which importing `packages` fails, as when they are not installed."""
+    hide = tmp_path / "hide"
+    hide.mkdir()
+    for name in packages:
+        (hide / f"{name}.py").write_text(f"raise ImportError('No module named {name}')\n")
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(hide), src])}
+
+
+def test_bench_without_matplotlib_or_deepspeed_keeps_the_table(tmp_path: Path) -> None:
+    # The README's main install has neither: the table and the records are still written,
+    # one note says what was left out and which extras add it, and the exit status is 0.
+    out = tmp_path / "b"
+    res = subprocess.run(
+        [sys.executable, "-m", "tiledmlp", "bench", "--hidden", "32", "--intermediate", "64",
+         "--seq-lens", "96", "--num-tiles", "3", "--repeats", "1", "--isolate", "off",
+         "--out", str(out)],
+        capture_output=True, text=True, timeout=600, env=_without(tmp_path, "matplotlib", "deepspeed"),
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    notes = [line for line in res.stderr.splitlines() if "note:" in line]
+    assert len(notes) == 1, res.stderr
+    assert "the DeepSpeed column" in notes[0] and "the plot" in notes[0]
+    assert "-e '.[deepspeed,bench]'" in notes[0]
+    assert res.stdout.startswith("| Seq Length |"), res.stdout  # the table, nothing before it
+    assert (out / "bench.jsonl").is_file() and (out / "bench.md").is_file()
+    assert not (out / "bench.png").exists()
+    # The extras named in the note exist.
+    import tomllib
+
+    extras = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())[
+        "project"
+    ]["optional-dependencies"]
+    assert {"deepspeed", "bench"} <= set(extras)
+    assert any(d.startswith("matplotlib") for d in extras["bench"])
 
 
 def test_env_lists_versions() -> None:
@@ -106,3 +147,47 @@ def test_every_flag_of_every_subcommand_has_help() -> None:
             assert action.help and len(action.help) > 10, (name, action.option_strings)
     res = run("bench", "--help")
     assert res.returncode == 0 and "--isolate" in res.stdout and "(default" in res.stdout
+
+
+def test_train_help_is_grouped_with_one_flag_per_option_and_every_spelling_is_documented() -> None:
+    import argparse
+
+    from tiledmlp.cli import _build_parser
+
+    parser = _build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    train = sub.choices["train"]
+    titles = {g.title for g in train._action_groups}
+    assert {"model", "data", "tiling", "long context", "training", "output"} <= titles
+    assert "distributed (under torchrun)" in titles
+    listed = train.format_help().split("Other accepted spellings")[0]
+    for alias in ("--steps", "--lr ", "--batch-size", "--deepspeed-config", "--tiled-mlp ",
+                  "--tiled-mlp-num-shards", "--tile-budget-gb"):  # fmt: skip
+        assert f"  {alias}" not in listed and f", {alias}" not in listed, alias
+    # every spelling of every subcommand is in the command line reference
+    reference = (Path(__file__).resolve().parents[1] / "docs" / "reference" / "cli.md").read_text()
+    for name, child in sub.choices.items():
+        for action in child._actions:
+            for flag in action.option_strings:
+                if flag not in ("-h", "--help", "-v", "--verbose"):
+                    assert f"`{flag}" in reference, f"tiledmlp {name} {flag} is not in cli.md"
+    # and the other spellings still work
+    args = parser.parse_args(["train", "--steps", "3", "--lr", "1e-3", "--batch-size", "2",
+                              "--tiled-mlp-num-shards", "4", "--tile-budget-gb", "1"])  # fmt: skip
+    assert (args.max_steps, args.learning_rate, args.per_device_train_batch_size) == (
+        "3",
+        "1e-3",
+        "2",
+    )
+
+
+def test_cli_errors_do_not_wait_for_the_trainer_imports() -> None:
+    # A bad option is reported before transformers' Trainer is imported.
+    code = (
+        "import sys; from tiledmlp.cli import main; rc = main(['train', '--max-steps', '0']); "
+        "assert rc == 2, rc; bad = [m for m in ('transformers', 'accelerate', 'deepspeed') "
+        "if m in sys.modules]; assert not bad, bad"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert "--max-steps must be >= 1" in res.stderr

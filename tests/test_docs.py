@@ -105,7 +105,8 @@ def test_readme_is_short() -> None:
 
 # Words about how the product was made, not about the product.
 _DEVELOPMENT_WORDS = re.compile(
-    r"\bthe seeds\b|\bseeds'|\bseed's|\blent\b|\bissue \d+|\bissue's\b", re.I
+    r"\bthe seeds\b|\bseeds'|\bseed's|_seeds_|seed_option|seed_flags|\blent\b|\bissue \d+|\bissue's\b",
+    re.I,
 )
 # In prose, also "session" (in code it names a step's offloading session).
 _PROSE_WORDS = re.compile(r"\bsessions?\b", re.I)

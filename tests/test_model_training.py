@@ -12,6 +12,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from hf_models import VOCAB, tiny_causal_lm
 from test_patching import assert_same_training_step
 from tiledmlp import patch_from_args, patch_model
+from tiledmlp.patching.offloading import enable_checkpointing
 
 from conftest import assert_close_rel
 
@@ -21,7 +22,7 @@ pytest.importorskip("transformers")
 def _with_checkpointing(family: str, reentrant: bool) -> torch.nn.Module:
     model = tiny_causal_lm(family)
     model.config.use_cache = False
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    enable_checkpointing(model, reentrant=reentrant)
     return model
 
 

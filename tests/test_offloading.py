@@ -13,7 +13,7 @@ from torch import nn
 
 from hf_models import BASE, VOCAB
 from tiledmlp import patch_model, unpatch_model
-from tiledmlp.patching.offloading import install_offloading, offloader_of
+from tiledmlp.patching.offloading import enable_checkpointing, install_offloading, offloader_of
 
 NON_REENTRANT = {"use_reentrant": False}
 LAYERS = 4
@@ -28,7 +28,7 @@ def _llama(layers: int = LAYERS, seed: int = 0) -> nn.Module:
 
 
 def _checkpointed(model: nn.Module) -> nn.Module:
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=NON_REENTRANT)
+    enable_checkpointing(model)
     return model
 
 
@@ -190,7 +190,7 @@ def test_checkpointing_off_is_a_clear_error_in_training_only() -> None:
 
 def test_reentrant_checkpointing_is_a_clear_error() -> None:
     model = _llama()
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    enable_checkpointing(model, reentrant=True)
     patch_model(model, num_tiles=2, activation_offloading=True)
     ids = _ids()
     with pytest.raises(ValueError, match=r"reentrant checkpointing.*offloading would do nothing"):

@@ -177,7 +177,7 @@ def test_peft_lora_on_mlp_projections_exact() -> None:
         assert_close_rel(grads[n], ref_grads[n], n)
 
 
-def test_seed_option_names() -> None:
+def test_other_frameworks_option_names() -> None:
     model = tiny_causal_lm("llama")
     assert patch_from_args(model, {"use_tiled_mlp": False}) is None
     assert patch_from_args(model, {}) is None
@@ -238,3 +238,16 @@ def test_meta_device_weights_are_skipped_not_probed() -> None:
         model = nn.Sequential(nn.Embedding(10, 16), GatedMLP(16, 24))
     with pytest.raises(ValueError, match=r"found no MLP.*skipped 1: weights on the meta device"):
         patch_model(model)
+
+
+def test_tile_counts_count_the_models_calls_not_patch_models_probes() -> None:
+    from tiledmlp.patching import tile_counts
+
+    model = tiny_causal_lm("llama")
+    report = patch_model(model, num_tiles=3, tiled_loss=True, tiled_norms=True)
+    counts = tile_counts(model)
+    assert set(counts) == set(report.patched) and report.loss == "tiled"
+    assert all(c.calls == 0 and c.tiles == 0 for c in counts.values()), counts
+    ids = torch.randint(0, VOCAB, (2, 23))
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert all(c.calls == 1 and c.last == 3 for c in tile_counts(model).values())

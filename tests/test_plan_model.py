@@ -15,6 +15,7 @@ import torch
 from hf_models import BASE
 from tiledmlp import patch_model
 from tiledmlp.bench.memory import peak_bytes, tensor_bytes
+from tiledmlp.patching.offloading import enable_checkpointing
 from tiledmlp.plan.model import STACKS, estimate_step, max_seq_len
 
 pytest.importorskip("transformers")
@@ -55,7 +56,7 @@ def _real_peak(stack: str, seq: int, checkpointing: bool, optimizer: str) -> int
     ).train()
     offload = "offload" in stack
     if checkpointing or offload:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_checkpointing(model)
     if stack != "untiled":
         patch_model(
             model,
@@ -180,6 +181,32 @@ def test_cli_json_has_every_stack_and_max_seq_len(tmp_path) -> None:
         > out["model"]["untiled"]["max_seq_len"]
     )
     assert out["regular_mib"] > 0 and out["layer_tiled_mib"] > 0  # the MLP and layer estimates
+
+
+def test_cli_text_states_its_assumptions_in_aligned_gib_rows_with_progress(tmp_path) -> None:
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"model_type": "llama", **SMALL, "num_hidden_layers": 2}))
+    res = subprocess.run(
+        [sys.executable, "-m", "tiledmlp", "plan", "--model", str(config), "--seq-len", "2048",
+         "--memory-gb", "0.05", "--num-tiles", "2"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    # progress on stderr while it works: each stack, then the sequence-length search
+    assert "tiledmlp plan: untiled (1 of 5): one step at 2,048 tokens" in res.stderr
+    assert "tiledmlp plan: tiled_mlp_loss_offload_norms: searching the longest" in res.stderr
+    lines = res.stdout.splitlines()
+    head = next(line for line in lines if line.startswith("one training step"))
+    assert "no optimizer state" in head and "checkpointing off, except" in head
+    assert "none optimizer" not in res.stdout
+    rows = [line for line in lines if line.startswith("  ")]
+    assert [r.split()[0] for r in rows] == list(STACKS)
+    assert len({r.index(" GiB") for r in rows}) == 1, rows  # one column for every stack
+    assert all("fits 0.05 GiB up to" in r for r in rows)
+    help_ = subprocess.run(
+        [sys.executable, "-m", "tiledmlp", "plan", "--help"], capture_output=True, text=True
+    ).stdout
+    assert "whole training step" in help_ and "the whole training step (with --model):" in help_
 
 
 def test_whole_model_options_need_a_model() -> None:

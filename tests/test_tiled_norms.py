@@ -10,6 +10,7 @@ import torch
 
 from hf_models import VOCAB, tiny_causal_lm
 from tiledmlp import patch_model, unpatch_model
+from tiledmlp.patching.offloading import enable_checkpointing
 
 from conftest import assert_same_sgd_steps
 
@@ -36,7 +37,7 @@ def test_tiled_norms_with_checkpointing_and_offloading_are_exact() -> None:
     model = tiny_causal_lm("llama")
     ref = copy.deepcopy(model)
     for m in (model, ref):
-        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_checkpointing(m)
     patch_model(model, num_tiles=3, tiled_loss=True, activation_offloading=True, tiled_norms=True)
     assert_same_sgd_steps(model, ref, _ids())
 

@@ -33,7 +33,7 @@ STEADY_MALLOC = {"MALLOC_MMAP_THRESHOLD_": "65536"}
 def summary(*args: str, env: dict[str, str] | None = None) -> dict:
     res = train(*args, "--json", env=env)
     assert res.returncode == 0, res.stderr[-3000:]
-    return json.loads(res.stdout.strip().splitlines()[-1])
+    return json.loads(res.stdout)  # stdout is the JSON object and nothing else
 
 
 def test_default_run_learns_saves_and_the_output_dir_is_a_model(tmp_path: Path) -> None:
@@ -67,6 +67,33 @@ def test_resume_equals_uninterrupted(tmp_path: Path) -> None:
     resumed = summary(*args, "--resume-from-checkpoint", str(out / "checkpoint-2"))
     assert resumed["resumed_from_step"] == 2 and resumed["global_step"] == 4
     assert resumed["losses"] == pytest.approx(full["losses"][2:], rel=0, abs=1e-6)
+    # Fewer steps than planned: the same schedule and data, stopped early; the summary says so.
+    shorter = train(*args[:2], "--max-steps", "3", *args[4:], "--resume-from-checkpoint",
+                    str(out / "checkpoint-2"))  # fmt: skip
+    assert shorter.returncode == 0, shorter.stderr[-3000:]
+    assert "for 1 step of 128 tokens (resumed from step 2)" in shorter.stdout, shorter.stdout
+    assert "saved to" in shorter.stdout and "Writing model shards" not in shorter.stderr
+    assert "\x1b[A" not in shorter.stderr  # no other progress bar fighting ours
+    # More steps than planned: the schedule ended at step 4; refused before any work.
+    longer = train(*args[:2], "--max-steps", "6", *args[4:], "--resume-from-checkpoint", "latest")
+    assert longer.returncode == 2, longer.stderr
+    assert "planned for --max-steps 4, this one asks for 6" in longer.stderr
+    assert "loading" not in longer.stderr and "Traceback" not in longer.stderr
+
+
+def test_resume_stopping_early_equals_the_planned_run(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    args = ("--seq-len", "128", "--output-dir", str(out))
+    full = summary(*args, "--max-steps", "4", "--save-steps", "1")
+    early = summary(
+        *args, "--max-steps", "3", "--resume-from-checkpoint", str(out / "checkpoint-1")
+    )
+    assert early["resumed_from_step"] == 1 and early["global_step"] == 3
+    assert early["losses"] == pytest.approx(full["losses"][1:3], rel=0, abs=1e-6)
+    logged = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    lrs = [(m["step"], m["learning_rate"]) for m in logged if "learning_rate" in m]
+    # the resumed steps run at the planned run's learning rates (its schedule, not a new one)
+    assert lrs[4:] == lrs[1:3] and len(lrs) == 6, lrs
 
 
 def test_the_small_preset_learns_at_its_default_learning_rate() -> None:
@@ -82,7 +109,7 @@ def test_gradient_accumulation_equals_the_bigger_batch() -> None:
     assert accumulated["losses"] == pytest.approx(big["losses"], rel=1e-5)
 
 
-def test_config_file_with_the_seeds_keys_and_flags_overriding_it(tmp_path: Path) -> None:
+def test_config_file_with_other_frameworks_keys_and_flags_overriding_it(tmp_path: Path) -> None:
     config = tmp_path / "axolotl-style.yaml"
     config.write_text(
         "seq_len: 128\nmax_steps: 5\ntiled_mlp: true\ntiled_mlp_num_shards: 3\n"
@@ -98,7 +125,7 @@ def test_config_file_with_the_seeds_keys_and_flags_overriding_it(tmp_path: Path)
     assert not off["use_tiled_mlp"] and off["tiled_modules"] == []
 
 
-def test_seed_flags_and_local_jsonl(tmp_path: Path) -> None:
+def test_other_frameworks_flags_and_local_jsonl(tmp_path: Path) -> None:
     data = tmp_path / "d.jsonl"
     data.write_text("\n".join(json.dumps({"text": "hello tiled world " * 40}) for _ in range(20)))
     s = summary(
@@ -160,6 +187,7 @@ def _bad_files(tmp: Path) -> dict[str, str]:
     (tmp / "no-text.csv").write_text("body,id\nhello,1\n")
     (tmp / "bad.yaml").write_text("seq_len: 64\nmax_step: 3\n")
     (tmp / "list.yaml").write_text("- 1\n")
+    (tmp / "bad.jsonl").write_text('{"text": "fine"}\n{"text": "cut\n')
     (tmp / "no-tokenizer").mkdir()
     (tmp / "no-tokenizer" / "config.json").write_text('{"model_type": "llama"}')
     return {"TMP": str(tmp)}
@@ -174,7 +202,7 @@ def _bad_files(tmp: Path) -> dict[str, str]:
         (["--data", "TMP/no-text.csv"], 'no-text.csv has no "text" column'),
         (["--model", "no-such-model"], "neither a preset"),
         (["--model", "TMP/no-tokenizer"], "its tokenizer could not be loaded"),
-        (["--config", "TMP/bad.yaml"], "unknown key 'max_step'"),
+        (["--config", "TMP/bad.yaml"], "unknown key 'max_step'; did you mean 'max_steps'?"),
         (["--config", "TMP/list.yaml"], "must hold a mapping"),
         (["--config", "TMP/none.yaml"], "is not a file"),
         (["--engine", "deepspeed"], "needs --deepspeed CONFIG"),
@@ -184,6 +212,12 @@ def _bad_files(tmp: Path) -> dict[str, str]:
         (["--max-steps", "0"], "--max-steps must be >= 1, got 0"),
         (["--learning-rate", "fast"], "--learning-rate expected a number"),
         (["--save-steps", "2"], "add --output-dir"),
+        (["--output-dir", "TMP/list.yaml"], "list.yaml is a file; expected a directory"),
+        (
+            ["--data", "TMP/bad.jsonl"],
+            "bad.jsonl:2 is not valid JSON (Invalid control character"
+            " at column 14); each line must be one JSON object",
+        ),
         (["--resume-from-checkpoint", "TMP/none"], "is not a directory"),
         (["--engine", "ddp"], "needs a launcher"),
         (["--sequence-parallel-size", "2"], "must divide the number of processes (1)"),

@@ -50,11 +50,11 @@ def test_aliases_spellings_and_dtype_names() -> None:
         ({}, False, "auto"),
     ],
 )
-def test_the_seeds_keys(keys: dict, enabled: bool, policy: int | str) -> None:
+def test_other_frameworks_keys(keys: dict, enabled: bool, policy: int | str) -> None:
     assert tiling_from_args(keys) == (enabled, policy)
 
 
-def test_the_seeds_keys_refuse_contradictions() -> None:
+def test_other_frameworks_keys_refuse_contradictions() -> None:
     with pytest.raises(ValueError, match="disagree"):
         tiling_from_args({"use_tiled_mlp": True, "tiled_mlp": False})
     with pytest.raises(ValueError, match="disagree"):
@@ -71,7 +71,7 @@ def test_the_seeds_keys_refuse_contradictions() -> None:
     assert options_from({"tile_budget_gb": "0.25"}).num_tiles == "target:0.25"
 
 
-def test_patch_from_args_takes_each_seeds_recipe() -> None:
+def test_patch_from_args_takes_each_frameworks_recipe() -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from hf_models import BASE

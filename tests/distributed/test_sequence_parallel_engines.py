@@ -29,6 +29,7 @@ from distributed.test_sequence_parallel import (
     tiny_model,
 )
 from tiledmlp import patch_model, unpatch_model
+from tiledmlp.patching.offloading import enable_checkpointing
 from tiledmlp.patching.patch import tile_counts
 from tiledmlp.sequence_parallel import (
     count_tokens,
@@ -181,7 +182,7 @@ def _offloaded() -> dict[str, Any]:
     from tiledmlp.patching.offloading import offloader_of
 
     model = tiny_model()
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    enable_checkpointing(model)
     patch_model(
         model,
         num_tiles=3,

@@ -14,6 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hf_models import VOCAB, tiny_causal_lm
 from tiledmlp import patch_model
+from tiledmlp.patching.offloading import enable_checkpointing
 
 from generic_modules import with_mlp_lora
 
@@ -110,7 +111,7 @@ def engine_worker(
     activation offloading on top of the tiling (the result's "offloaded" counts the inputs moved)."""
     model = freeze(build(family).to(dtype), frozen)
     if offload:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_checkpointing(model)
         patch_model(
             model, num_tiles=3, tiled_loss=True, activation_offloading=True, tiled_norms=True
         )

@@ -22,6 +22,7 @@ import torch
 
 from tiledmlp.bench.memory import peak_bytes, tensor_bytes
 from tiledmlp.patching import patch_model
+from tiledmlp.patching.offloading import enable_checkpointing
 
 __all__ = ["measure_model_step"]
 
@@ -67,9 +68,7 @@ def measure_model_step(
         for tiled, tiled_loss in variants:
             model = copy.deepcopy(base)
             if checkpointing:
-                model.gradient_checkpointing_enable(
-                    gradient_checkpointing_kwargs={"use_reentrant": False}
-                )
+                enable_checkpointing(model)
             if tiled:
                 patch_model(model, num_tiles=num_tiles, tiled_loss=tiled_loss)
                 model(input_ids=ids[:, :8])  # one-time structure probes outside the step

@@ -24,6 +24,19 @@ def _tokens(n: int) -> str:
     return f"{n // 1024}K" if n >= 1024 and n % 1024 == 0 else str(n)
 
 
+# The `bench` extra, from a checkout of tiledmlp (as the package is installed).
+INSTALL_HINT = "pip install -c constraints.txt -e '.[bench]' (or pip install matplotlib)"
+
+
+def matplotlib_available() -> bool:
+    """Whether plot_records can draw (matplotlib importable)."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def plot_records(records: Sequence[dict[str, Any]], path: Path, title: str) -> Path:
     """Writes the two-panel plot of `records` to `path` (PNG).
 
@@ -36,10 +49,7 @@ def plot_records(records: Sequence[dict[str, Any]], path: Path, title: str) -> P
         matplotlib.use("Agg")  # files only, no display needed
         import matplotlib.pyplot as plt
     except ImportError:
-        raise ValueError(
-            "the plot needs matplotlib: pip install -c constraints.txt 'tiledmlp[bench]' "
-            "(or pass --no-plot)"
-        ) from None
+        raise ValueError(f"the plot needs matplotlib: {INSTALL_HINT}") from None
     variants = [v for v in LABELS if any(r["variant"] == v for r in records)]
     lengths = sorted({r["seq_len"] for r in records})
     fig, (ax_mem, ax_time) = plt.subplots(1, 2, figsize=(11, 4.2))

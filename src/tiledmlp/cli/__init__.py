@@ -11,12 +11,14 @@ sees it; values are never touched.
 from __future__ import annotations
 
 import argparse
+import difflib
 import logging
 import sys
 from collections.abc import Sequence
 
 from tiledmlp.cli import bench, env, plan, train
 from tiledmlp.cli.common import UsageError
+from tiledmlp.cli.output import results_only
 
 __all__ = ["main"]
 
@@ -61,10 +63,28 @@ def normalise_argv(argv: Sequence[str]) -> list[str]:
     return out
 
 
+def _unknown_message(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, unknown: list[str]
+) -> str:
+    """'unrecognized argument --max-step; did you mean --max-steps?' (the closest flag of the
+    subcommand, when one is close)."""
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    flags = sorted(sub.choices[args.command]._option_string_actions)
+    first = unknown[0].split("=")[0]
+    close = difflib.get_close_matches(first, flags, n=1) if first.startswith("-") else []
+    hint = f"; did you mean {close[0]}?" if close else f"; see tiledmlp {args.command} --help"
+    plural = "s" if len(unknown) > 1 else ""
+    return f"unrecognized argument{plural} {' '.join(unknown)}{hint}"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `tiledmlp` console command."""
     parser = _build_parser()
-    args = parser.parse_args(normalise_argv(sys.argv[1:] if argv is None else argv))
+    args, unknown = parser.parse_known_args(normalise_argv(sys.argv[1:] if argv is None else argv))
+    if unknown:
+        print(f"tiledmlp {args.command}: error: {_unknown_message(parser, args, unknown)}",
+              file=sys.stderr)  # fmt: skip
+        return 2
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",
@@ -74,7 +94,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         # an optional kernel package is missing; nothing here uses it.
         logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
     try:
-        return int(_COMMANDS[args.command].run(args))
+        with results_only():
+            return int(_COMMANDS[args.command].run(args))
     except (UsageError, ValueError) as e:
         print(f"tiledmlp {args.command}: error: {e}", file=sys.stderr)
         return 2

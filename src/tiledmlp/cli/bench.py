@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from tiledmlp.cli.common import DTYPE_CHOICES, UsageError, dtype_name, positive_int, seq_lens, tiles
+from tiledmlp.cli.output import show
 
 __all__ = ["add_parser", "run"]
 
@@ -109,7 +110,9 @@ def add_parser(sub: Any) -> None:
         "longest sequence and write it to FILE (open it at https://pytorch.org/memory_viz)",
     )
     bench.add_argument(
-        "--no-plot", action="store_true", help="do not write bench.png (needs matplotlib)"
+        "--no-plot",
+        action="store_true",
+        help="do not draw bench.png (without matplotlib it is left out, with a note)",
     )
     bench.add_argument(
         "--out",
@@ -125,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
 
     from tiledmlp.bench.device import resolve_device
     from tiledmlp.bench.harness import BenchConfig, run_sweep
-    from tiledmlp.bench.plot import plot_records
+    from tiledmlp.bench.plot import matplotlib_available, plot_records
     from tiledmlp.bench.report import markdown_table
     from tiledmlp.bench.variants import deepspeed_available, liger_available, make_variant
     from tiledmlp.ops.tiles import arctic_num_tiles
@@ -153,7 +156,8 @@ def run(args: argparse.Namespace) -> int:
     use_ds = args.deepspeed == "on" or (args.deepspeed == "auto" and ds_ok)
     if args.deepspeed == "on" and not ds_ok:
         raise UsageError(
-            "--deepspeed on, but deepspeed is not importable; pip install 'tiledmlp[deepspeed]'"
+            "--deepspeed on, but deepspeed is not importable; install it with pip install -c "
+            "constraints.txt -e '.[deepspeed]' (DS_BUILD_OPS=0 to skip compiling its ops)"
         )
 
     liger_ok = args.liger != "off" and accel and liger_available()
@@ -162,6 +166,25 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(
             "--liger on, but liger-kernel's tiled MLP is not importable on this device (it "
             "needs Triton and a GPU); pip install liger-kernel on a GPU machine"
+        )
+
+    # Optional parts that are missing leave their part out, said once, before the sweep.
+    plot = not args.no_plot and matplotlib_available()
+    left_out = [
+        *(["the DeepSpeed column (deepspeed is not installed)"] if args.deepspeed == "auto"
+          and not ds_ok else []),
+        *(["the plot (matplotlib is not installed)"] if not args.no_plot and not plot else []),
+    ]  # fmt: skip
+    if left_out:
+        extras = ",".join(
+            e for e, part in (("deepspeed", "DeepSpeed"), ("bench", "plot"))
+            if any(part in x for x in left_out)
+        )  # fmt: skip
+        print(
+            f"tiledmlp bench: note: leaving out {' and '.join(left_out)}; pip install -c "
+            f"constraints.txt -e '.[{extras}]' adds {'them' if len(left_out) > 1 else 'it'}",
+            file=sys.stderr,
+            flush=True,
         )
 
     def variants(seq: int) -> list:
@@ -214,8 +237,8 @@ def run(args: argparse.Namespace) -> int:
             num_tiles=args.num_tiles,
         )
         written.append(Path(memory_snapshot(job, str(args.memory_snapshot))))
-    if not args.no_plot:
+    if plot:
         written.append(plot_records(records, args.out / "bench.png", title))
-    print(table, end="")
-    print(f"wrote {', '.join(map(str, written))}")
+    show(table, end="")
+    show(f"wrote {', '.join(map(str, written))}")
     return 0

@@ -6,6 +6,7 @@ import argparse
 from typing import Any
 
 from tiledmlp.cli.common import UsageError
+from tiledmlp.cli.output import show
 
 __all__ = ["add_parser", "run"]
 
@@ -56,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
             lines.append(f"cuda:{i} {props.name} {props.total_memory / 2**30:.1f} GiB")
     else:
         lines.append("cuda not available")
-    print("\n".join(lines))
+    show("\n".join(lines))
     return 0
 
 
@@ -80,5 +81,5 @@ def _compile_kernels(targets: str) -> int:
             file=sys.stderr,
         )
         return 1
-    print(report.summary())
+    show(report.summary())
     return 0

@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
+import sys
 from typing import Any
 
 from tiledmlp.cli.common import DTYPE_CHOICES, UsageError, dtype_name, positive_int, tiles
+from tiledmlp.cli.output import show
 
 __all__ = ["add_parser", "run"]
 
@@ -19,16 +22,23 @@ def add_parser(sub: Any) -> None:
     """Adds `plan` to the subcommands."""
     pl = sub.add_parser(
         "plan",
-        help="estimate MLP (and decoder layer) peak memory untiled vs tiled, without a GPU",
+        help="estimate peak memory untiled vs tiled (an MLP, a decoder layer, a whole training "
+        "step), without a GPU",
         description=(
-            "Estimates the peak memory of a SwiGLU MLP's forward + backward (weights, grads, "
-            "input, output and their gradients included) on fake tensors: nothing is allocated. "
-            "With --model, also of one decoder layer of that model (SDPA attention, O(seq) "
-            "memory like flash attention), with its MLP untiled and tiled. With --budget-gb, "
-            "recommends the fewest tiles (powers of two) that fit."
+            "Estimates peak device memory on fake tensors (nothing is allocated, nothing "
+            "downloaded): of one SwiGLU MLP's forward + backward, untiled and tiled; with "
+            "--model, also of one decoder layer and of a whole training step (forward, loss, "
+            "backward, optimizer step) for each stack: untiled, tiled_mlp, tiled_mlp_loss, "
+            "tiled_mlp_loss_offload and tiled_mlp_loss_offload_norms. With --memory-gb, the "
+            "longest sequence each stack fits (minutes for a large model: progress on stderr). "
+            "With --budget-gb, the fewest tiles with which the MLP alone fits."
         ),
     )
-    pl.add_argument(
+    what = pl.add_argument_group("what to plan")
+    tiling = pl.add_argument_group("tiling")
+    whole = pl.add_argument_group("the whole training step (with --model)")
+    output = pl.add_argument_group("output")
+    what.add_argument(
         "--model",
         default=None,
         metavar="NAME_OR_PATH",
@@ -36,29 +46,31 @@ def add_parser(sub: Any) -> None:
         "holding one): take the MLP shape from it and also estimate one decoder layer; "
         "nothing is downloaded",
     )
-    pl.add_argument(
+    what.add_argument(
         "--hidden",
         type=positive_int,
         default=None,
         help="hidden size (default: 4096; not with --model)",
     )
-    pl.add_argument(
+    what.add_argument(
         "--intermediate",
         type=positive_int,
         default=None,
         help="intermediate size (default: 14336, Llama-3-8B; not with --model)",
     )
-    pl.add_argument("--seq-len", type=positive_int, default=131072, help="tokens (default: 131072)")
-    pl.add_argument(
+    what.add_argument(
+        "--seq-len", type=positive_int, default=131072, help="tokens (default: 131072)"
+    )
+    what.add_argument(
         "--dtype", choices=DTYPE_CHOICES, default="bfloat16", help="dtype (default: bfloat16)"
     )
-    pl.add_argument(
+    tiling.add_argument(
         "--num-tiles",
         type=tiles,
         default="auto",
         help="tile policy to estimate: an int, 'auto' or 'arctic' (default: auto)",
     )
-    pl.add_argument(
+    tiling.add_argument(
         "--tile-budget-gb",
         type=float,
         default=None,
@@ -66,55 +78,70 @@ def add_parser(sub: Any) -> None:
         help="estimate the memory-target policy: each MLP's working memory within GB GiB (the "
         "same as --num-tiles target:<GB>)",
     )
-    pl.add_argument(
+    tiling.add_argument(
         "--device",
         choices=("cuda", "cpu"),
         default="cuda",
         help="the device to plan for: 'auto' picks fewer, larger tiles on a GPU than on the "
         "CPU (default: cuda)",
     )
-    pl.add_argument(
+    tiling.add_argument(
         "--budget-gb",
         type=float,
         default=None,
-        help="memory budget in GiB: recommend the fewest tiles with which the MLP alone fits "
-        "(also with --model: the recommendation is for the MLP, not the layer)",
+        help="a memory budget in GiB for the MLP alone: recommend the fewest tiles that fit it "
+        "(for a whole model's limit use --memory-gb)",
     )
-    pl.add_argument(
+    whole.add_argument(
         "--gradient-checkpointing",
         action="store_true",
-        help="with --model: the whole-model step uses the model's own non-reentrant "
-        "checkpointing (the offloading stack always does)",
+        help="the model's own non-reentrant checkpointing for every stack (default: only the "
+        "offloading stacks, which need it)",
     )
-    pl.add_argument(
+    whole.add_argument(
         "--optimizer",
         choices=("none", "adamw", "cpu-offload"),
         default="none",
-        help="with --model: optimizer state on the device: none, adamw (two states per "
-        "parameter, in its dtype), cpu-offload (states on the host) (default: none)",
+        help="optimizer state counted on the device: none (not counted), adamw (two states per "
+        "parameter, in its dtype), cpu-offload (states on the host, gradients on the device) "
+        "(default: none)",
     )
-    pl.add_argument(
+    whole.add_argument(
         "--memory-gb",
         type=float,
         default=None,
-        help="with --model: the card's memory in GiB (e.g. 79.2 for an H100 80GB, as torch "
-        "reports it); report each stack's longest sequence whose step, with the device "
-        "overhead (CUDA context, cuBLAS workspaces, attention backward buffers, allocator; "
-        "zero with --device cpu), fits (max_seq_len, a multiple of 1024)",
+        help="the card's memory in GiB (e.g. 79.2 for an H100 80GB, as torch reports it); "
+        "report each stack's longest sequence whose step, with the device overhead (CUDA "
+        "context, cuBLAS workspaces, attention backward buffers, allocator; zero with --device "
+        "cpu), fits (max_seq_len, a multiple of 1024)",
     )
-    pl.add_argument(
+    whole.add_argument(
         "--sequence-parallel-size",
         type=positive_int,
         default=1,
         metavar="P",
-        help="with --model: the sequence split over P GPUs (Ulysses); figures per GPU, "
-        "max_seq_len for the whole sequence (default: 1)",
+        help="the sequence split over P GPUs (Ulysses); figures per GPU, max_seq_len for the "
+        "whole sequence (default: 1)",
     )
-    pl.add_argument("--json", action="store_true", help="print one JSON object")
+    output.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _progress_on_stderr() -> None:
+    """The planner's progress (logged at INFO by plan/model.py) as `tiledmlp plan: ...` lines on
+    stderr, with or without -v: a whole-model plan with --memory-gb takes minutes."""
+    log = logging.getLogger("tiledmlp.plan")
+    if not any(getattr(h, "_tiledmlp_plan", False) for h in log.handlers):
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("tiledmlp plan: %(message)s"))
+        handler._tiledmlp_plan = True  # type: ignore[attr-defined]
+        log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    log.propagate = False
 
 
 def run(args: argparse.Namespace) -> int:
     """Runs `tiledmlp plan`."""
+    _progress_on_stderr()
     import torch
 
     from tiledmlp.plan.mlp import plan_mlp
@@ -213,51 +240,78 @@ def run(args: argparse.Namespace) -> int:
             layer_saving=layer["saving"],
         )
     if args.json:
-        print(json.dumps(result))
+        show(json.dumps(result))
         return 0
-    print(
+    show(
         f"SwiGLU MLP hidden {hidden}, intermediate {intermediate}, {args.seq_len} tokens, "
-        f"{args.dtype}: untiled {result['regular_mib']:,.1f} MiB, tiled ({args.num_tiles}: "
-        f"{result['tiles']} tiles) {result['tiled_mib']:,.1f} MiB ({100 * result['saving']:.1f}% less)"
+        f"{args.dtype}: untiled {result['regular_mib']:,.1f} MiB, tiled "
+        f"({_tiles(args.num_tiles, result['tiles'])}) {result['tiled_mib']:,.1f} MiB "
+        f"({100 * result['saving']:.1f}% less)"
     )
     if config is not None:
-        print(
+        show(
             f"one decoder layer of {args.model} ({result['model_type']}, SDPA attention): "
-            f"untiled {result['layer_regular_mib']:,.1f} MiB, MLP tiled ({args.num_tiles}: "
-            f"{result['layer_tiles']} tiles) {result['layer_tiled_mib']:,.1f} MiB "
+            f"untiled {result['layer_regular_mib']:,.1f} MiB, MLP tiled "
+            f"({_tiles(args.num_tiles, result['layer_tiles'])}) "
+            f"{result['layer_tiled_mib']:,.1f} MiB "
             f"({100 * result['layer_saving']:.1f}% less)"
         )
-        print(
-            f"one training step of the whole model ({args.optimizer} optimizer"
-            + (", checkpointing" if args.gradient_checkpointing else "")
-            + (
-                f", the sequence split over {args.sequence_parallel_size} GPUs"
-                if args.sequence_parallel_size > 1
-                else ""
-            )
-            + "), peak device MiB"
-            + (" per GPU:" if args.sequence_parallel_size > 1 else ":")
-        )
-        for stack, entry in result["model"].items():
-            parts = ", ".join(f"{k} {v:,.0f}" for k, v in entry["breakdown_mib"].items() if v)
-            if entry["device_overhead_mib"]:
-                parts += f"; + device overhead {entry['device_overhead_mib']:,.0f}"
-            fits = (
-                f"; fits {args.memory_gb} GiB up to {entry['max_seq_len']:,} tokens"
-                if "max_seq_len" in entry
-                else ""
-            )
-            print(f"  {stack:24s} {entry['peak_mib']:>12,.0f}  ({parts}){fits}")
+        _show_model(args, result["model"])
     if args.budget_gb is not None:
         k = result["recommended_num_tiles"]
         if k is None:
-            print(
+            show(
                 f"no tile count fits {args.budget_gb} GiB (the weights, input and gradients alone may not)"
             )
         elif k == 0:
-            print(f"fits {args.budget_gb} GiB untiled")
+            show(f"fits {args.budget_gb} GiB untiled")
         else:
-            print(
+            show(
                 f"fits {args.budget_gb} GiB with --num-tiles {k} ({result['recommended_mib']:,.1f} MiB)"
             )
     return 0
+
+
+def _tiles(policy: object, tiles: int) -> str:
+    """'auto: 10 tiles', or 'auto: untiled at this length' when the policy leaves it whole."""
+    return f"{policy}: {tiles} tiles" if tiles else f"{policy}: untiled at this length"
+
+
+_OPTIMIZER_TEXT = {
+    "none": "no optimizer state (--optimizer adamw or cpu-offload counts it)",
+    "adamw": "AdamW's two states per parameter on the device",
+    "cpu-offload": "optimizer state on the host, gradients on the device",
+}
+
+
+def _show_model(args: argparse.Namespace, stacks: dict[str, Any]) -> None:
+    """The whole-model table: its assumptions first, then one aligned row per stack, in GiB."""
+    gib = 1024.0  # MiB per GiB
+    per_gpu = args.sequence_parallel_size > 1
+    checkpointing = (
+        "on for every stack"
+        if args.gradient_checkpointing
+        else "off, except for the two offloading stacks, which need it (--gradient-checkpointing "
+        "turns it on for all)"
+    )
+    show(
+        f"one training step of the whole model, peak device memory in GiB"
+        f"{' per GPU' if per_gpu else ''}; assumes: batch 1 of {args.seq_len:,} tokens"
+        + (f" split over {args.sequence_parallel_size} GPUs" if per_gpu else "")
+        + f"; {_OPTIMIZER_TEXT[args.optimizer]}; weights and gradients whole on the device (no "
+        f"ZeRO/FSDP sharding); checkpointing {checkpointing}; the peak counts tensors, the device "
+        "overhead (CUDA context, workspaces, allocator) is given beside it"
+    )
+    width = max(len(stack) for stack in stacks)
+    for stack, entry in stacks.items():
+        parts = ", ".join(
+            f"{k} {v / gib:,.2f}" for k, v in entry["breakdown_mib"].items() if v >= 0.005 * gib
+        )
+        fits = (
+            f"; fits {args.memory_gb:g} GiB up to {entry['max_seq_len']:,} tokens"
+            if "max_seq_len" in entry
+            else ""
+        )
+        if entry.get("device_overhead_mib"):
+            parts += f"; + device overhead {entry['device_overhead_mib'] / gib:,.2f}"
+        show(f"  {stack:<{width}}  {entry['peak_mib'] / gib:>9,.2f} GiB  ({parts}){fits}")

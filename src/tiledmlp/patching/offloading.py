@@ -37,8 +37,9 @@ __all__ = [
 
 _STATE = "_tiledmlp_offload"
 _HOW = (
+    "model.activation_checkpointing_enable({'use_reentrant': False}) (transformers 4.x: "
     "model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': "
-    "False}); with the Hugging Face Trainer, TrainingArguments(gradient_checkpointing=True, "
+    "False})); with the Hugging Face Trainer, TrainingArguments(gradient_checkpointing=True, "
     "gradient_checkpointing_kwargs={'use_reentrant': False}) (the Trainer turns it on itself, "
     "reentrant unless told otherwise)"
 )
@@ -64,10 +65,10 @@ class OffloadingCheckpoint:
             return self.inner(function, *args, **kwargs)
 
 
-def enable_checkpointing(model: Any) -> None:
-    """Turns on a Hugging Face model's own non-reentrant checkpointing (the current
+def enable_checkpointing(model: Any, *, reentrant: bool = False) -> None:
+    """Turns on a Hugging Face model's own checkpointing, non-reentrant by default (the current
     transformers name first, the deprecated one on older versions)."""
-    kwargs = {"use_reentrant": False}
+    kwargs = {"use_reentrant": reentrant}
     if hasattr(model, "activation_checkpointing_enable"):
         model.activation_checkpointing_enable(kwargs)
     else:

@@ -303,6 +303,11 @@ def patch_model(
         sequence_parallel = (
             f"Ulysses over {sp_groups.sp_size} ranks (data-parallel size {sp_groups.dp_size})"
         )
+    # The probes above ran the patched modules; tile_counts counts the model's own calls only.
+    for module in model.modules():
+        state = module.__dict__.get(_STATE)
+        if state is not None:
+            state.count.calls = state.count.tiles = state.count.last = 0
     paths = {c.name: f"{c.path}: {c.kind}" for c in candidates}
     report = PatchReport(sorted(paths), paths, skipped, config, loss, offloading, sequence_parallel)
     logger.info("%s", report)
@@ -386,8 +391,9 @@ def _step_agreement(model: nn.Module) -> StepTokens:
 
 
 def tile_counts(model: nn.Module) -> dict[str, TileCount]:
-    """How many tiles each patched MLP of `model` ran so far, by qualified name (an untiled
-    call counts 1 tile; `last` is the latest call's count)."""
+    """How many tiles each patched module of `model` ran since it was patched (the MLPs, and
+    the norms with tiled_norms), by qualified name (an untiled call counts 1 tile; `last` is
+    the latest call's count). Calls made by patch_model's own probes are not counted."""
     return {
         name: module.__dict__[_STATE].count
         for name, module in model.named_modules()

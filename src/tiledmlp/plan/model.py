@@ -38,6 +38,7 @@ the stack and its options; no weights are read or downloaded.
 from __future__ import annotations
 
 import functools
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,6 +56,8 @@ from tiledmlp.plan.device_overhead import DeviceOverhead, device_overhead
 from tiledmlp.plan.fake_memory import StorageTracker
 from tiledmlp.plan.layer import _dense_mlp, cut_config
 from tiledmlp.sequence_parallel.attention import kv_repeat
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["OPTIMIZERS", "STACKS", "StepEstimate", "estimate_step", "max_seq_len", "plan_model"]
 
@@ -410,6 +413,7 @@ def max_seq_len(
             step = estimate_step(config, seq_len=tokens, stack=stack, **options).peak
             step += int(extra_bytes_per_token * tokens)
             cache[n] = step + (overhead.total(step, tokens) if overhead is not None else 0)
+            logger.info("  %s tokens: %.1f GiB", f"{tokens:,}", cache[n] / 2**30)
         return cache[n]
 
     limit = max(1, upper // granularity)
@@ -487,7 +491,8 @@ def plan_model(
     out: dict[str, Any] = {}
     local = seq_len // p
     overhead = device_overhead(config, device_type)
-    for stack in stacks:
+    for i, stack in enumerate(stacks, 1):
+        logger.info("%s (%d of %d): one step at %s tokens", stack, i, len(stacks), f"{local:,}")
         est = estimate_step(config, seq_len=local, stack=stack, **options)
         if p > 1:
             extra = int(per_token * local)
@@ -496,6 +501,9 @@ def plan_model(
             )
         entry = {**est.as_json(), **overhead.as_json(est.peak, local)}
         if budget_bytes is not None:
+            logger.info(
+                "%s: searching the longest sequence within %.1f GiB", stack, budget_bytes / 2**30
+            )
             entry["max_seq_len"] = p * max_seq_len(
                 config,
                 budget_bytes,

@@ -70,15 +70,16 @@ class Progress(TrainerCallback):
     """A tqdm bar on stderr (main process), created when training begins, so it shows before
     the first step ends; the latest loss and learning rate as its postfix."""
 
-    def __init__(self) -> None:
+    def __init__(self, total: int | None = None) -> None:
         self.bar: Any = None
+        self.total = total  # default: the Trainer's max_steps
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if state.is_world_process_zero:
             from tqdm.auto import tqdm
 
             self.bar = tqdm(
-                total=state.max_steps,
+                total=self.total or state.max_steps,
                 initial=state.global_step,
                 desc="train",
                 unit="step",
@@ -99,6 +100,18 @@ class Progress(TrainerCallback):
         if self.bar is not None:
             self.bar.close()
             self.bar = None
+
+
+class StopAtStep(TrainerCallback):
+    """Ends training after optimizer step `step`: a resumed run that stops before the end the
+    checkpoint's run was planned for (its schedule and data order stay the planned run's)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if state.global_step >= self.step:
+            control.should_training_stop = True
 
 
 class InterruptToSave(TrainerCallback):

@@ -67,7 +67,11 @@ def _read(path: Path, max_bytes: int) -> Iterator[str]:
                 try:
                     record: Any = json.loads(line)
                 except json.JSONDecodeError as e:
-                    raise ValueError(f"--data: {path}:{n} is not valid JSON ({e.msg})") from None
+                    what = e.msg.removesuffix(" at")  # "Invalid control character at"
+                    raise ValueError(
+                        f"--data: {path}:{n} is not valid JSON ({what} at column {e.colno}); "
+                        'each line must be one JSON object with a "text" field'
+                    ) from None
                 if not isinstance(record, dict) or not isinstance(record.get("text"), str):
                     raise ValueError(f'--data: {path}:{n} has no string field "text"')
                 yield record["text"]

@@ -171,6 +171,11 @@ class TrainOptions:
             raise ValueError("give --fsdp or --deepspeed, not both")
         if self.save_steps is not None and self.output_dir is None:
             raise ValueError("--save-steps writes OUTPUT_DIR/checkpoint-N: add --output-dir")
+        if self.output_dir is not None and Path(self.output_dir).is_file():
+            raise ValueError(
+                f"--output-dir: {self.output_dir} is a file; expected a directory (created when "
+                "missing)"
+            )
         if (
             self.resume_from_checkpoint is not None
             and self.resume_from_checkpoint != "latest"

@@ -18,6 +18,7 @@ tiling changes memory, not losses.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -34,7 +35,7 @@ import torch.distributed as dist
 from tiledmlp.bench.memory import proc_status_bytes
 from tiledmlp.patching import patch_model, tile_counts
 from tiledmlp.patching.offloading import enable_checkpointing, install_offloading, offloader_of
-from tiledmlp.train.callbacks import InterruptToSave, MetricsFile, Progress, StepLosses
+from tiledmlp.train.callbacks import InterruptToSave, MetricsFile, Progress, StepLosses, StopAtStep
 from tiledmlp.train.data import PackedDataset, default_corpus, pack, read_corpus
 from tiledmlp.train.options import TrainOptions
 from tiledmlp.train.presets import PRESETS, build_preset, default_learning_rate
@@ -61,6 +62,49 @@ def _peak_mib(device: torch.device) -> float:
     if hwm is not None:
         return hwm / MiB
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _checkpoint_to_resume(opts: TrainOptions) -> Path | None:
+    """The checkpoint directory --resume-from-checkpoint names ('latest': the newest
+    OUTPUT_DIR/checkpoint-N), or None when not resuming."""
+    if opts.resume_from_checkpoint is None:
+        return None
+    if opts.resume_from_checkpoint != "latest":
+        return Path(opts.resume_from_checkpoint)
+    out = Path(opts.output_dir) if opts.output_dir is not None else None
+    found = [] if out is None or not out.is_dir() else list(out.glob("checkpoint-*"))
+    numbered = [(int(p.name.split("-")[1]), p) for p in found if p.name.split("-")[1].isdigit()]
+    if not numbered:
+        raise ValueError(f"--resume-from-checkpoint latest: no checkpoint-N in {out}")
+    return max(numbered)[1]
+
+
+def _planned_steps(opts: TrainOptions) -> int | None:
+    """The --max-steps of the run a resumed checkpoint belongs to (None when not resuming);
+    refuses, before any work, a resume that asks for more steps than that run was planned for.
+
+    A resumed run continues the checkpoint's run exactly: its learning-rate schedule (built for
+    the original --max-steps: a decaying schedule reaches its end there) and its data order
+    (the packed data set and its shuffle depend on the number of steps). So it is built for the
+    planned length and may stop earlier (a smaller --max-steps: the same losses as the planned
+    run up to that step), but cannot go beyond it: that is refused with the ways that work.
+    """
+    checkpoint = _checkpoint_to_resume(opts)
+    state_file = None if checkpoint is None else checkpoint / "trainer_state.json"
+    if state_file is None or not state_file.is_file():
+        return None
+    planned = json.loads(state_file.read_text()).get("max_steps")
+    if not planned:
+        return None
+    if opts.max_steps > planned:
+        raise ValueError(
+            f"--resume-from-checkpoint {checkpoint}: that run was planned for --max-steps "
+            f"{planned}, this one asks for {opts.max_steps}; a resumed run continues the same "
+            f"learning-rate schedule and data order, which end at step {planned}. Resume with "
+            f"--max-steps {planned} (or fewer), or train the saved model further with a new "
+            f"schedule: --model {checkpoint} --max-steps N (the optimizer state starts afresh)"
+        )
+    return int(planned)
 
 
 def _load(opts: TrainOptions) -> tuple[Any, Any]:
@@ -351,9 +395,12 @@ def run(opts: TrainOptions) -> dict[str, Any]:
     if sp > 1 and not dist.is_initialized():
         # sequence parallelism builds its groups before the Trainer starts (it reuses them)
         dist.init_process_group("nccl" if cuda else "gloo")
+    planned = _planned_steps(opts)
+    stop_early = planned is not None and planned > opts.max_steps
+    build = dataclasses.replace(opts, max_steps=planned) if stop_early else opts
     _say(f"loading {opts.model} and packing {opts.seq_len}-token sequences ...")
     model, tokenizer = _load(opts)
-    train_set, eval_set = _sequences(opts, tokenizer, world // sp)
+    train_set, eval_set = _sequences(build, tokenizer, world // sp)
     if opts.gradient_checkpointing:
         enable_checkpointing(model)
     report = None
@@ -377,7 +424,7 @@ def run(opts: TrainOptions) -> dict[str, Any]:
     if opts.output_dir is None:
         scratch = tempfile.TemporaryDirectory(prefix="tiledmlp-train-")
     output_dir = Path(opts.output_dir) if opts.output_dir is not None else Path(scratch.name)  # type: ignore[union-attr]
-    args = _training_arguments(opts, engine, output_dir, own_fsdp, model, cuda)
+    args = _training_arguments(build, engine, output_dir, own_fsdp, model, cuda)
     if own_fsdp:
         if not dist.is_initialized():
             dist.init_process_group("gloo")
@@ -386,7 +433,9 @@ def run(opts: TrainOptions) -> dict[str, Any]:
         model = model.to(device)
     losses = StepLosses()
     interrupt = InterruptToSave(can_save=opts.output_dir is not None)
-    callbacks: list[Any] = [losses, Progress(), interrupt]
+    callbacks: list[Any] = [losses, Progress(opts.max_steps), interrupt]
+    if stop_early:
+        callbacks.append(StopAtStep(opts.max_steps))
     if opts.output_dir is not None:
         callbacks.append(MetricsFile(Path(opts.output_dir) / METRICS_FILE))
     try:
@@ -404,6 +453,11 @@ def run(opts: TrainOptions) -> dict[str, Any]:
             raise ValueError(f"--report-to {opts.report_to}: {e}") from None
         raise
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
+    from transformers.utils import logging as hf_logging
+
+    # One progress bar (ours, on stderr); transformers' own bars (e.g. "Writing model shards"
+    # when saving) would interleave with it and leave cursor-movement codes in logs.
+    hf_logging.disable_progress_bar()
 
     trainer.remove_callback(PrinterCallback)
     trainer.remove_callback(ProgressCallback)
@@ -442,6 +496,7 @@ def run(opts: TrainOptions) -> dict[str, Any]:
     )
     evals = [h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h]
     counts = tile_counts(model)
+    norms = {n for n, how in (report.paths.items() if report else ()) if how.endswith(": norm")}
     summary: dict[str, Any] = {
         "model": opts.model,
         "engine": engine,
@@ -462,7 +517,8 @@ def run(opts: TrainOptions) -> dict[str, Any]:
         "use_tiled_mlp": opts.use_tiled_mlp,
         "tiled_loss": opts.use_tiled_mlp and opts.tiled_loss,
         "num_tiles": opts.num_tiles if opts.use_tiled_mlp else None,
-        "tiles_per_mlp": {name: c.last for name, c in counts.items()},
+        "tiles_per_mlp": {n: c.last for n, c in counts.items() if n not in norms},
+        "tiles_per_norm": {n: c.last for n, c in counts.items() if n in norms},
         "gradient_checkpointing": opts.gradient_checkpointing,
         "activation_offloading": opts.activation_offloading,
         "tiled_norms": opts.tiled_norms,
