@@ -156,7 +156,55 @@ def _grpo(out: str, patch: str, lora: bool) -> tuple[list[dict], Any]:
     return trainer.state.log_history, trainer
 
 
-_RUNS = {"sft": _sft, "dpo": _dpo, "grpo": _grpo}
+def _kto(out: str, patch: str, lora: bool) -> tuple[list[dict], Any]:
+    from trl import KTOConfig, KTOTrainer
+
+    model = _model()
+    ref = None if lora else _model()
+    if patch == "before":
+        tiledmlp.patch_model(model, tiled_loss=True)
+        if ref is not None:
+            tiledmlp.patch_model(ref, tiled_mlp=False, tiled_loss=True)
+    ds = datasets.Dataset.from_dict(
+        {
+            "prompt": [f"question {i}: " for i in range(12)],
+            "completion": [f"answer {i}" if i % 2 else f"{i} wrong" for i in range(12)],
+            "label": [bool(i % 2) for i in range(12)],
+        }
+    )
+    args = KTOConfig(max_length=32, **_common(out))
+    trainer = KTOTrainer(
+        model=model, ref_model=ref, args=args, train_dataset=ds, processing_class=byte_tokenizer(),
+        peft_config=_lora() if lora else None,
+    )  # fmt: skip
+    if patch == "after":
+        trl_integration.install(trainer)
+    trainer.train()
+    return trainer.state.log_history, trainer
+
+
+def _rloo(out: str, patch: str, lora: bool) -> tuple[list[dict], Any]:
+    from trl import RLOOConfig, RLOOTrainer
+
+    model = _model()
+    if patch == "before":
+        tiledmlp.patch_model(model, tiled_loss=True)
+    ds = datasets.Dataset.from_dict({"prompt": [f"count {i}:" for i in range(12)]})
+    args = RLOOConfig(
+        num_generations=2, max_completion_length=6, temperature=0.9, beta=0.1 if lora else 0.0,
+        generation_batch_size=4, **_common(out),
+    )  # fmt: skip
+    trainer = RLOOTrainer(
+        model=model, reward_funcs=_reward, args=args, train_dataset=ds,
+        processing_class=byte_tokenizer(), peft_config=_lora() if lora else None,
+    )  # fmt: skip
+    if patch == "after":
+        trl_integration.install(trainer)
+    trainer.train()
+    return trainer.state.log_history, trainer
+
+
+_RUNS = {"sft": _sft, "dpo": _dpo, "grpo": _grpo, "kto": _kto, "rloo": _rloo}
 
 
 def _assert_same_run(got: tuple[list[dict], Any], ref: tuple[list[dict], Any]) -> None:
@@ -193,6 +241,8 @@ _SLOW = pytest.mark.slow  # three trainers built and run 3 steps each: 20-45 s o
         pytest.param("dpo", True, id="dpo-lora", marks=_SLOW),
         pytest.param("grpo", False, id="grpo-full", marks=_SLOW),
         pytest.param("grpo", True, id="grpo-lora", marks=_SLOW),
+        pytest.param("kto", False, id="kto-full", marks=_SLOW),
+        pytest.param("rloo", True, id="rloo-lora", marks=_SLOW),
     ],
 )
 def test_tiled_head_serves_trl_with_its_numbers(
