@@ -230,7 +230,11 @@ def ready() -> bool:
         return True
     if importlib.util.find_spec("trl") is None:
         return False
-    utils = importlib.import_module("trl.trainer.utils")
+    try:
+        utils = importlib.import_module("trl.trainer.utils")
+    except Exception as e:  # a TRL that cannot import cannot build a trainer either
+        logger.debug("TRL is installed but does not import (%s): no fused LM head to serve", e)
+        return False
     original = getattr(utils, "add_fused_lm_head", None)
     if original is None:
         return False
@@ -256,8 +260,7 @@ def _wrapper() -> Any:
 
 
 def _on_loss_patch(model: nn.Module) -> None:
-    if "trl" in sys.modules or importlib.util.find_spec("trl") is not None:
-        ready()
+    ready()
 
 
 def install(trainer: Any, **patch_kwargs: Any) -> Any:
