@@ -107,6 +107,21 @@ def test_plugin_trains_a_tiny_model_from_yaml(assets: Path) -> None:
         torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-5, atol=1e-6, msg=name)
 
 
+def test_plugin_with_lora_turns_axolotls_lora_mlp_kernels_off(assets: Path) -> None:
+    """axolotl turns its LoRA MLP kernels on by itself for LoRA; they replace the MLP forward,
+    so the plugin turns them off before axolotl validates the config."""
+    from axolotl.cli.config import load_cfg
+
+    lora = "adapter: lora\nlora_r: 4\nlora_alpha: 8\nlora_target_modules: [q_proj, gate_proj]\n"
+    path = _config(assets, "lora", _PLUGIN + "tiledmlp: true\ntiledmlp_tiled_loss: true\n" + lora)
+    assert load_cfg(str(path)).lora_mlp_kernel is False
+    losses, model, _ = _train(path)
+    assert len(losses) == 3 and all(math.isfinite(x) for x in losses)
+    report = tiledmlp.patching.patch_report(model)
+    assert report is not None and report.loss == "tiled"
+    assert report.paths["base_model.model.model.layers.0.mlp"] == "generic: lora-wrapped MLP"
+
+
 @pytest.mark.parametrize(
     ("extra", "message"),
     [

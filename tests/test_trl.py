@@ -22,6 +22,7 @@ datasets = pytest.importorskip("datasets")
 
 import tiledmlp  # noqa: E402
 from tiledmlp.integrations import trl as trl_integration  # noqa: E402
+from tiledmlp.integrations.hf import TiledMLPCallback  # noqa: E402
 from tiledmlp.ops.loss import tiled_token_stats  # noqa: E402
 from tiledmlp.train.tokenizer import byte_tokenizer  # noqa: E402
 
@@ -91,9 +92,10 @@ def _sft(out: str, patch: str, lora: bool) -> tuple[list[dict], Any]:
         {"text": [f"hello world, sample number {i}" for i in range(12)]}
     )
     args = SFTConfig(max_length=32, **_common(out))
+    callbacks = [TiledMLPCallback(tiled_loss=True)] if patch == "callback" else None
     trainer = SFTTrainer(
         model=model, args=args, train_dataset=ds, processing_class=byte_tokenizer(),
-        peft_config=_lora() if lora else None,
+        peft_config=_lora() if lora else None, callbacks=callbacks,
     )  # fmt: skip
     if patch == "after":
         report = tiledmlp.patch_model(trainer.model, tiled_loss=True)
@@ -251,7 +253,9 @@ def test_tiled_head_serves_trl_with_its_numbers(
     run = _RUNS[trainer]
     ref = run(str(tmp_path / "ref"), "none", lora)
     assert trl_calls["trl"] > 0 and trl_calls["ours"] == 0
-    for patch in ("before", "after"):
+    # the Trainer callback patches at the end of Trainer.__init__, before TRL adds its head
+    ways = ("callback", "before", "after") if trainer == "sft" else ("before", "after")
+    for patch in ways:
         trl_calls["trl"] = trl_calls["ours"] = 0
         got = run(str(tmp_path / patch), patch, lora)
         assert trl_calls["trl"] == 0, f"{patch}: TRL's chunked head ran {trl_calls['trl']} times"

@@ -77,11 +77,6 @@ class TiledMLPArgs(BaseModel):
         why = _contradiction(data)
         if why is not None:
             raise ValueError(f"tiledmlp: {why}")
-        if data.get("adapter") in ("lora", "qlora") and data.get("lora_mlp_kernel") is None:
-            # axolotl turns its LoRA MLP kernels on by itself for LoRA; they replace the MLP
-            # forward that tiledmlp tiles
-            data["lora_mlp_kernel"] = False
-            logger.info("tiledmlp: lora_mlp_kernel set to false (it replaces the tiled MLP)")
         return data
 
 
@@ -134,6 +129,15 @@ class TiledMLPPlugin(BasePlugin):  # type: ignore[misc]
     def __init__(self) -> None:
         super().__init__()
         self.report: Any = None
+
+    def register(self, cfg: Any) -> None:
+        """Called with the config as written, before axolotl validates it: axolotl turns its
+        LoRA MLP kernels on by itself for LoRA adapters, and they replace the MLP forward
+        that tiledmlp tiles, so an unset `lora_mlp_kernel` becomes false here (a `true`
+        written in the config is refused by the validator)."""
+        if cfg.get("tiledmlp") and cfg.get("lora_mlp_kernel") is None:
+            cfg["lora_mlp_kernel"] = False
+            logger.info("tiledmlp: lora_mlp_kernel set to false (it replaces the tiled MLP)")
 
     def get_input_args(self) -> str:
         return "tiledmlp.integrations.axolotl.TiledMLPArgs"
