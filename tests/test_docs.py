@@ -160,3 +160,27 @@ def test_named_tests_exist() -> None:
             elif name and f"def {name}" not in path.read_text():
                 missing.append(f"{page.name}: {file}::{name}")
     assert not missing, "the documentation cites tests that do not exist:\n" + "\n".join(missing)
+
+
+def test_install_hints_name_extras_that_exist() -> None:
+    """tiledmlp installs from a checkout (`pip install -e ".[extra]"`); a hint naming
+    `tiledmlp[extra]` points at a package index entry that does not exist."""
+    import tomllib
+
+    extras = set(
+        tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    )
+    bad = []
+    for path in _text_files():
+        text = path.read_text()
+        bad += [
+            f"{path.relative_to(ROOT)}: tiledmlp[{m}]"
+            for m in re.findall(r"tiledmlp\[([\w,]+)\]", text)
+        ]
+        for group in re.findall(r"-e ['\"]?\.\[([\w,-]+)\]", text):
+            bad += [
+                f"{path.relative_to(ROOT)}: unknown extra {e}"
+                for e in group.split(",")
+                if e not in extras
+            ]
+    assert not bad, "install hints that do not work:\n" + "\n".join(bad)

@@ -235,7 +235,8 @@ def _import_triton() -> Any:
     except ImportError as e:
         raise RuntimeError(
             f"cannot compile the kernels: Triton does not import ({e}); install it with "
-            "pip install 'tiledmlp[kernels]'"
+            "pip install -c constraints.txt -e '.[kernels]' in a checkout of tiledmlp (or pip "
+            "install triton)"
         ) from None
     return triton
 
