@@ -184,3 +184,25 @@ def test_install_hints_name_extras_that_exist() -> None:
                 if e not in extras
             ]
     assert not bad, "install hints that do not work:\n" + "\n".join(bad)
+
+
+def test_the_documented_patch_model_signature_is_the_real_one() -> None:
+    import ast
+    import inspect
+
+    import tiledmlp
+
+    text = (ROOT / "docs" / "guides" / "patching.md").read_text()
+    block = next(c for _, c, _ in code_blocks(ROOT / "docs" / "guides" / "patching.md", "text"))
+    assert block.startswith("patch_model("), block
+    call = ast.parse(block.split(" -> ")[0].replace("*, ", ""), mode="eval").body
+    documented = {k.arg: ast.literal_eval(k.value) for k in call.keywords}
+    real = {
+        name: p.default
+        for name, p in inspect.signature(tiledmlp.patch_model).parameters.items()
+        if p.default is not inspect.Parameter.empty
+    }
+    assert documented == real, (
+        f"docs/guides/patching.md documents {documented}, the code has {real}"
+    )
+    assert all(f"`{name}`" in text for name in real), "every option has a row in the table"
