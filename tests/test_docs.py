@@ -206,3 +206,27 @@ def test_the_documented_patch_model_signature_is_the_real_one() -> None:
         f"docs/guides/patching.md documents {documented}, the code has {real}"
     )
     assert all(f"`{name}`" in text for name in real), "every option has a row in the table"
+
+
+def test_every_documented_command_line_parses() -> None:
+    """Each `tiledmlp ...` line of a bash block in the README and docs/ names flags that exist
+    (parsed as the CLI parses it; nothing runs)."""
+    import shlex
+
+    from tiledmlp.cli import _build_parser, normalise_argv
+
+    parser = _build_parser()
+    bad = []
+    for page in PAGES:
+        for line_no, code, _ in code_blocks(page, "bash"):
+            for line in code.replace("\\\n", " ").splitlines():
+                words = shlex.split(line.split("#")[0])
+                if not words or words[0] != "tiledmlp":
+                    continue
+                try:
+                    _, unknown = parser.parse_known_args(normalise_argv(words[1:]))
+                except SystemExit:
+                    unknown = ["(a value argparse refused)"]
+                if unknown:
+                    bad.append(f"{page.relative_to(ROOT)}:{line_no}: {line.strip()} -> {unknown}")
+    assert not bad, "documented commands that do not parse:\n" + "\n".join(bad)
