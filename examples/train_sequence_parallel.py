@@ -24,12 +24,7 @@ import torch.distributed as dist
 import transformers
 
 import tiledmlp
-from tiledmlp.sequence_parallel import (
-    count_tokens,
-    installed_groups,
-    sequence_parallel_loss_from_mean,
-    shard_batch,
-)
+from tiledmlp.sequence_parallel import installed_groups, shard_batch
 
 
 def packed_batch(step: int, replica: int, seq_len: int, batch: int) -> dict[str, torch.Tensor]:
@@ -84,10 +79,7 @@ def main() -> None:
             loss = torch.stack(losses).mean()  # the mean of the replicas' losses, as DDP's
         else:
             shard = shard_batch(packed_batch(step, replica, args.seq_len, 1), groups)
-            out = engine(**shard)
-            loss = sequence_parallel_loss_from_mean(
-                out.loss, count_tokens(shard["shift_labels"]), groups
-            )
+            loss = engine(**shard).loss  # exact over the whole sequences
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)

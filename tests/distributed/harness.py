@@ -1,5 +1,9 @@
 """Running a function in real processes (gloo on CPU; 2 unless told) with a deadline.
 
+The ranks meet through a file store in the run's own temporary directory, not a TCP port: two
+test suites on one machine (or anything else listening) can never take each other's rendezvous.
+Gloo's own connections use ports the system assigns.
+
 Invariant: every worker either returns its result (pickled into a file) or the run fails with
 the worker's traceback; a run past its deadline is killed and reported as a timeout (a deadlock
 never hangs the test suite).
@@ -14,6 +18,7 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -36,8 +41,16 @@ def _free_port() -> int:
 
 
 def _worker(
-    rank: int, fn: Callable[..., Any], port: int, out_dir: str, args: tuple, world: int = WORLD
+    rank: int,
+    fn: Callable[..., Any],
+    port: int,
+    out_dir: str,
+    args: tuple,
+    world: int = WORLD,
+    pg_timeout: float | None = None,
+    peers_may_exit: bool = False,
 ) -> None:
+    # MASTER_* for libraries that read them; the rendezvous itself is the file store.
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -49,24 +62,37 @@ def _worker(
     torch.set_num_threads(1)
     result: Any
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world)
+        store = dist.FileStore(os.path.join(out_dir, "store"), world)
+        timeout = {} if pg_timeout is None else {"timeout": timedelta(seconds=pg_timeout)}
+        dist.init_process_group("gloo", rank=rank, world_size=world, store=store, **timeout)
         result = ("ok", fn(rank, *args))
-        dist.barrier()
+        if not peers_may_exit:  # a closing barrier with a rank that left would fail
+            dist.barrier()
     except BaseException:
         result = ("error", traceback.format_exc())
     # The result is on disk before any teardown: gloo's threads can abort the process while the
     # process group or the interpreter shuts down, after the work itself has finished.
     with open(os.path.join(out_dir, f"{rank}.pkl"), "wb") as f:
         pickle.dump(result, f)
-    if dist.is_initialized():
+    if dist.is_initialized() and not peers_may_exit:
         dist.destroy_process_group()
     os._exit(0)  # skip interpreter teardown (thread destructors), the result is written
 
 
 def run_distributed(
-    fn: Callable[..., Any], *args: Any, timeout: float = 240.0, world: int = WORLD
+    fn: Callable[..., Any],
+    *args: Any,
+    timeout: float = 240.0,
+    world: int = WORLD,
+    pg_timeout: float | None = None,
+    may_exit: frozenset[int] = frozenset(),
 ) -> list[Any]:
     """Runs fn(rank, *args) on `world` ranks (2 by default); returns the per-rank results.
+
+    Args:
+        pg_timeout: the process group's timeout in seconds (torch's default when None).
+        may_exit: ranks that may leave without a result (a test of a rank that dies): None
+            in their place.
 
     Raises:
         DeadlineExceeded: not done within `timeout` seconds.
@@ -75,7 +101,7 @@ def run_distributed(
     out_dir = tempfile.mkdtemp(prefix="tiledmlp-dist-")
     ctx = mp.start_processes(
         _worker,
-        args=(fn, _free_port(), out_dir, args, world),
+        args=(fn, _free_port(), out_dir, args, world, pg_timeout, bool(may_exit)),
         nprocs=world,
         join=False,
         start_method="spawn",
@@ -98,6 +124,9 @@ def run_distributed(
     results = []
     for rank in range(world):
         path = os.path.join(out_dir, f"{rank}.pkl")
+        if not os.path.exists(path) and rank in may_exit:
+            results.append(None)
+            continue
         if not os.path.exists(path):
             raise AssertionError(f"rank {rank} wrote no result ({abnormal or 'no error reported'})")
         with open(path, "rb") as f:

@@ -149,10 +149,8 @@ def _train(sp: int, packed: bool, kv_heads: int, sum_form: bool) -> dict[str, An
                 logits.flatten(0, 1), shard["shift_labels"].flatten(), reduction="sum"
             )
             loss = sequence_parallel_loss(local, count, groups)
-        else:  # Hugging Face's loss with shift_labels: a local mean
-            loss = sequence_parallel_loss_from_mean(
-                ddp(**shard, use_cache=False).loss, count, groups
-            )
+        else:  # the model's own loss: exact over the whole sequences, as it is
+            loss = ddp(**shard, use_cache=False).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -184,9 +182,7 @@ def _eval(family: str, packed: bool, kv_heads: int) -> dict[str, torch.Tensor]:
     with torch.no_grad():
         shard = shard_batch(batch, groups)
         out = model(**shard, use_cache=False)
-        loss = sequence_parallel_loss_from_mean(
-            out.loss, count_tokens(shard["shift_labels"]), groups
-        )
+        loss = out.loss  # exact over the whole sequences
         parts = [torch.empty_like(out.logits) for _ in range(groups.sp_size)]
         dist.all_gather(parts, out.logits.contiguous(), group=groups.sp_group)
     return {"logits": torch.cat(parts, dim=1), "loss": loss}
@@ -336,9 +332,43 @@ def test_loss_is_exact_and_scaled_for_world_averaging() -> None:
     loss = sequence_parallel_loss_from_mean(mean, torch.tensor(4), _fake_groups(1))
     loss.backward()
     assert loss.item() == 1.5 and mean.grad is not None and mean.grad.item() == 1.0
-    # A local mean over no token is NaN (0 / 0): it adds nothing; no token at all is refused.
-    with pytest.raises(ValueError, match="no counted token"):
-        sequence_parallel_loss_from_mean(torch.tensor(float("nan")), 0, _fake_groups(1))
+    # A local mean over no token is NaN (0 / 0): it adds nothing; with no token in the whole
+    # group the loss is 0 with a zero gradient (the same step on every rank, no error).
+    nan = torch.tensor(float("nan"), requires_grad=True)
+    loss = sequence_parallel_loss_from_mean(nan, 0, _fake_groups(1))
+    loss.backward()
+    assert loss.item() == 0.0 and nan.grad is not None and nan.grad.item() == 0.0
+    # A given denominator (num_items_in_batch): the group's sum over it.
+    x = torch.tensor(6.0, requires_grad=True)
+    loss = sequence_parallel_loss(x, 4, _fake_groups(1), denominator=8)
+    loss.backward()
+    assert loss.item() == 0.75 and x.grad is not None and x.grad.item() == 0.125
+    # Reducing an exact loss again is refused (its gradient would be scaled by P once more).
+    with pytest.raises(ValueError, match="already exact"):
+        sequence_parallel_loss(loss * 2.0, 4, _fake_groups(1))
+    with torch.no_grad():
+        frozen = sequence_parallel_loss(torch.tensor(6.0), 4, _fake_groups(1))
+    with pytest.raises(ValueError, match="already exact"):
+        sequence_parallel_loss_from_mean(frozen, 4, _fake_groups(1))
+
+
+def test_model_loss_is_exact_with_one_rank_and_refuses_unshifted_labels() -> None:
+    # P=1 (no process group): the model's loss through the hook equals Hugging Face's own loss
+    # on the same shift_labels, is marked exact, and plain labels are refused.
+    from tiledmlp.sequence_parallel import is_exact_loss
+
+    model, untouched = tiny_model(), tiny_model()
+    install(model, _fake_groups(1))
+    shard = shard_batch(global_batches(1, packed=True)[0], _fake_groups(1))
+    out = model(**shard, use_cache=False)
+    want = untouched(**shard, use_cache=False).loss
+    assert is_exact_loss(out.loss) and not is_exact_loss(want)
+    assert_close_rel(out.loss, want, "loss")
+    as_tuple = model(**shard, use_cache=False, return_dict=False)
+    assert is_exact_loss(as_tuple[0])
+    with pytest.raises(ValueError, match="labels without shift_labels"):
+        model(input_ids=shard["input_ids"], position_ids=shard["position_ids"],
+              labels=shard["labels"])  # fmt: skip
 
 
 def test_remove_restores_the_model_bit_for_bit() -> None:
@@ -349,7 +379,7 @@ def test_remove_restores_the_model_bit_for_bit() -> None:
     assert report.original == "sdpa" and report.checked == ("LlamaForCausalLM", "LlamaModel")
     assert remove(model) and not remove(model)
     assert model.config._attn_implementation == "sdpa"
-    assert all(not m._forward_pre_hooks for m in model.modules())
+    assert all(not m._forward_pre_hooks and not m._forward_hooks for m in model.modules())
     ids = global_batches(1, packed=False)[0]["input_ids"]
     with torch.no_grad():
         assert torch.equal(model(input_ids=ids).logits, untouched(input_ids=ids).logits)

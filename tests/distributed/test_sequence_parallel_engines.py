@@ -6,8 +6,9 @@ processes (gloo) train exactly like one process on the unsplit batch.
 Every case runs in one launch of 2 processes (the imports cost more than the cases); each test
 checks its own case. References: one process, untouched model, Hugging Face's loss on the whole
 sequences (see test_sequence_parallel.py), SGD; an optimizer invariant to the gradient's scale
-(Adam) would hide a missing factor P. The SP runs use sequence_parallel_loss_from_mean over the
-local mean loss, whose gradient carries the factor P that the engines' world averaging removes.
+(Adam) would hide a missing factor P. The SP runs use the model's own loss as it is: exact over
+the whole sequences, its gradient carrying the factor P that the engines' world averaging
+removes.
 """
 
 from __future__ import annotations
@@ -31,12 +32,7 @@ from distributed.test_sequence_parallel import (
 from tiledmlp import patch_model, unpatch_model
 from tiledmlp.patching.offloading import enable_checkpointing
 from tiledmlp.patching.patch import tile_counts
-from tiledmlp.sequence_parallel import (
-    count_tokens,
-    installed_groups,
-    sequence_parallel_loss_from_mean,
-    shard_batch,
-)
+from tiledmlp.sequence_parallel import installed_groups, shard_batch
 
 from conftest import assert_close_rel
 
@@ -131,10 +127,7 @@ def _train(
     losses = []
     for batch in global_batches(1, packed):
         shard = shard_batch(batch, groups)
-        out = runner(**shard, use_cache=False)
-        loss = sequence_parallel_loss_from_mean(
-            out.loss, count_tokens(shard["shift_labels"]), groups
-        )
+        loss = runner(**shard, use_cache=False).loss  # exact over the whole sequences
         if ds_engine is not None:
             ds_engine.backward(loss)
             ds_engine.step()
@@ -212,10 +205,7 @@ def _eval() -> dict[str, Any]:
     with torch.no_grad():
         shard = shard_batch(global_batches(1, packed=True)[0], groups)
         out = model(**shard, use_cache=False)
-        loss = sequence_parallel_loss_from_mean(
-            out.loss, count_tokens(shard["shift_labels"]), groups
-        )
-    return {"loss": loss, "logits": out.logits}
+    return {"loss": out.loss, "logits": out.logits}
 
 
 def _unpatch() -> dict[str, Any]:
@@ -226,9 +216,7 @@ def _unpatch() -> dict[str, Any]:
     assert groups is not None
     batch = global_batches(1, packed=False)[0]
     shard = shard_batch(batch, groups)
-    sequence_parallel_loss_from_mean(
-        model(**shard, use_cache=False).loss, count_tokens(shard["shift_labels"]), groups
-    ).backward()
+    model(**shard, use_cache=False).loss.backward()
     try:  # SP is in place: a forward without position_ids is refused (before any collective)
         model(input_ids=batch["input_ids"], use_cache=False)
         refused = "no error"
@@ -242,7 +230,7 @@ def _unpatch() -> dict[str, Any]:
         "refused": refused,
         "restored": restored,
         "attn": model.config._attn_implementation,
-        "hooks": sum(len(m._forward_pre_hooks) for m in model.modules()),
+        "hooks": sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules()),
         "same logits": torch.equal(got.logits, want.logits),
         "same loss": torch.equal(got.loss, want.loss),
     }

@@ -21,6 +21,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from tiledmlp.sequence_parallel.collectives import guarded
+
 __all__ = ["StepTokens", "agree", "install_agreement"]
 
 
@@ -51,7 +53,8 @@ def agree(
     if dist.get_backend() == "nccl":
         device = torch.device("cuda", torch.cuda.current_device())
     t = torch.tensor([n], dtype=torch.int64, device=device or torch.device("cpu"))
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    with guarded("the per-step token agreement (tiled MLPs)"):
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
     step.value = int(t.item())
 
 

@@ -232,9 +232,11 @@ def patch_model(
         sequence_parallel_size: P > 1 makes the attention sequence-parallel (Ulysses) over P
             ranks of the initialised process group (consecutive ranks form a group; see
             tiledmlp.sequence_parallel): every forward then takes this rank's shard of each
-            sequence with its position_ids (tiledmlp.sequence_parallel.shard_batch) and the
-            loss over the whole sequences comes from sequence_parallel_loss_from_mean. Call it
-            on every rank before an engine wraps the model. 1 or None: no change.
+            sequence with its position_ids (tiledmlp.sequence_parallel.shard_batch), and the
+            model's loss (given the shard's shift_labels) is the exact token-weighted loss
+            over the whole sequences, gradients scaled for engines that average over the
+            world. Call it on every rank before an engine wraps the model. 1 or None: no
+            change.
         sequence_parallel_group: a process group of P ranks to use instead of the consecutive
             ones (every rank passes its own group).
         kernels: let the fast path use the fused Triton elementwise kernels where they can run

@@ -18,6 +18,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tiledmlp.sequence_parallel.collectives import guarded
+
 __all__ = ["AllToAllFunction", "all_to_all", "heads_to_sequence", "sequence_to_heads"]
 
 
@@ -35,7 +37,8 @@ def _exchange(x: torch.Tensor, group: Any, scatter_dim: int, gather_dim: int) ->
     # (P, ..., n/P at scatter_dim, ...): chunk j is row j, as all_to_all_single sends it.
     send = x.unflatten(scatter_dim, (p, n // p)).movedim(scatter_dim, 0).contiguous()
     recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=group)
+    with guarded("the sequence-parallel all-to-all", group):
+        dist.all_to_all_single(recv, send, group=group)
     # recv[j] is rank j's chunk: put the rank index just before gather_dim and merge the two.
     return recv.movedim(0, gather_dim).flatten(gather_dim, gather_dim + 1)
 

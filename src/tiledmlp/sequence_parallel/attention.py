@@ -32,7 +32,9 @@ import torch.distributed as dist
 from torch import nn
 
 from tiledmlp.sequence_parallel.all_to_all import heads_to_sequence, sequence_to_heads
+from tiledmlp.sequence_parallel.collectives import guarded
 from tiledmlp.sequence_parallel.groups import SequenceParallelGroups
+from tiledmlp.sequence_parallel.model_loss import exact_output, refuse_unshifted_labels
 
 __all__ = ["SUPPORTED_ATTENTION", "UlyssesAttention", "UlyssesReport", "install", "remove"]
 
@@ -225,7 +227,8 @@ class UlyssesAttention:
         else:
             header = torch.tensor([batch, tokens], device=local.device, dtype=torch.long)
             headers = [torch.empty_like(header) for _ in range(p)]
-            dist.all_gather(headers, header, group=group)
+            with guarded("the sequence-parallel position-id gather", group):
+                dist.all_gather(headers, header, group=group)
             shapes = [tuple(int(v) for v in h.tolist()) for h in headers]
             if len(set(shapes)) != 1:
                 # Every rank gathered the same shapes, so every rank raises here.
@@ -236,7 +239,8 @@ class UlyssesAttention:
                     "batch, with seq divisible by P"
                 )
             parts = [torch.empty_like(local) for _ in range(p)]
-            dist.all_gather(parts, local, group=group)
+            with guarded("the sequence-parallel position-id gather", group):
+                dist.all_gather(parts, local, group=group)
             positions = torch.cat(parts, dim=1)
         self._cached = _FullPositions(given, given._version, positions)
         return self._cached
@@ -400,8 +404,10 @@ def install(model: nn.Module, groups: SequenceParallelGroups) -> UlyssesReport:
 
     Call it on every rank before wrapping the model in an engine (DDP, FSDP, DeepSpeed); the
     wrapper does not care which. Afterwards every forward must get this rank's shard of each
-    sequence, with position_ids, e.g. model(**shard_batch(batch, groups)); the loss over the
-    whole sequences comes from tiledmlp.sequence_parallel.sequence_parallel_loss.
+    sequence, with position_ids, e.g. model(**shard_batch(batch, groups)); the model's loss
+    (`out.loss`, when shift_labels are given) is then the exact loss over the whole sequences
+    (see model_loss.py): use it as it is. Inputs are checked before any collective the forward
+    runs (the hooks go first, also before patch_model's per-step token agreement).
 
     Args:
         model: a Hugging Face causal LM (or a PEFT wrapper of one) whose decoder uses sdpa or
@@ -444,8 +450,12 @@ def install(model: nn.Module, groups: SequenceParallelGroups) -> UlyssesReport:
     for m in base.modules():
         cfg = getattr(m, "config", None)
         if any(cfg is c for c in configs) and _takes_position_ids(m):
-            m.register_forward_pre_hook(_check_inputs, with_kwargs=True)
+            m.register_forward_pre_hook(_check_inputs, with_kwargs=True, prepend=True)
             checked.append(type(m).__name__)
+    if model is not base:  # a PEFT wrapper: the module the user (and the engine) calls
+        model.register_forward_pre_hook(_check_inputs, with_kwargs=True, prepend=True)
+        checked.insert(0, type(model).__name__)
+    model.register_forward_hook(_exact_loss, with_kwargs=True)
     base.__dict__[_STATE] = _Installed(name, [(c, c._attn_implementation) for c in configs], groups)
     for c in configs:
         _set_implementation(c, name)
@@ -464,13 +474,17 @@ def _takes_position_ids(module: nn.Module) -> bool:
         return False
 
 
-def _check_inputs(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
-    """Forward pre-hook: refuses missing position_ids and padding masks before any
-    collective."""
-    params = inspect.signature(module.forward).parameters
-    names = list(params)
-    given = dict(zip(names, args))
+def _given(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The forward's arguments by name (positional ones named by the forward's signature)."""
+    given = dict(zip(inspect.signature(module.forward).parameters, args))
     given.update(kwargs)
+    return given
+
+
+def _check_inputs(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+    """Forward pre-hook (registered to run before every other pre-hook): refuses missing
+    position_ids, padding masks and unshifted labels before any collective."""
+    given = _given(module, args, kwargs)
     fn = _REGISTERED.get(getattr(getattr(module, "config", None), "_attn_implementation", ""))
     if fn is not None:
         fn.forget()
@@ -481,6 +495,16 @@ def _check_inputs(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> Non
             "model(**tiledmlp.sequence_parallel.shard_batch(batch, groups))"
         )
     _refuse_padding(given.get("attention_mask"))
+    refuse_unshifted_labels(given)
+
+
+def _exact_loss(module: nn.Module, args: tuple, kwargs: dict[str, Any], output: Any) -> Any:
+    """Forward hook on the model the user calls: its loss becomes the exact loss over the SP
+    group's whole sequences (model_loss.py)."""
+    groups = installed_groups(module)
+    if groups is None:
+        return None
+    return exact_output(output, _given(module, args, kwargs), groups)
 
 
 def installed_groups(model: nn.Module) -> SequenceParallelGroups | None:
@@ -497,9 +521,14 @@ def remove(model: nn.Module) -> bool:
         return False
     for config, original in state.originals:
         _set_implementation(config, original)
-    for m in base.modules():
+    for m in model.modules():  # a PEFT wrapper's modules include its base model's
         for key, hook in list(m._forward_pre_hooks.items()):
             if hook is _check_inputs:
                 del m._forward_pre_hooks[key]
                 m._forward_pre_hooks_with_kwargs.pop(key, None)
+        for key, hook in list(m._forward_hooks.items()):
+            if hook is _exact_loss:
+                del m._forward_hooks[key]
+                m._forward_hooks_with_kwargs.pop(key, None)
+                m._forward_hooks_always_called.pop(key, None)
     return True

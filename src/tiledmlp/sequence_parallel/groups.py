@@ -16,6 +16,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from tiledmlp.sequence_parallel.collectives import default_timeout
+
 __all__ = ["SequenceParallelGroups", "make_groups"]
 
 
@@ -106,9 +108,12 @@ def make_groups(sequence_parallel_size: int, group: Any = None) -> SequenceParal
             dp_rank=_replica_of(sorted(dist.get_process_group_ranks(group)), world),
         )
     mine: Any = None
+    # The default group's timeout bounds the SP collectives too (new_group's own default is 30
+    # minutes, whatever init_process_group was given).
+    timeout = default_timeout()
     # new_group is collective over the world: every rank creates every group, in this order.
     for start in range(0, world, p):
-        created = dist.new_group(list(range(start, start + p)))
+        created = dist.new_group(list(range(start, start + p)), timeout=timeout)
         if start <= rank < start + p:
             mine = created
     return SequenceParallelGroups(
