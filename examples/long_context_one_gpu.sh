@@ -18,7 +18,7 @@ if [ "${CPU_SIZED:-0}" = 1 ]; then
   MODEL="${MODEL:-tiny}" SEQ_LEN="${SEQ_LEN:-512}" DTYPE="${DTYPE:-float32}"
   LR="${LR:-1e-3}" DS_CONFIG="${DS_CONFIG:-examples/ds_zero3_offload_cpu.json}"
 fi
-"${PYTHON:-python}" -m torch.distributed.run --nproc_per_node 1 -m tiledmlp train \
+"${PYTHON:-python}" -m torch.distributed.run --standalone --nproc_per_node 1 -m tiledmlp train \
   --model "${MODEL:-llama3-8b}" --seq-len "${SEQ_LEN:-524288}" --dtype "${DTYPE:-bfloat16}" \
   --max-steps "${STEPS:-4}" --learning-rate "${LR:-1e-5}" \
   --gradient-checkpointing --activation-offloading --tiled-norms \

@@ -3,5 +3,5 @@
 # (a multiple of SP; the rest is data parallelism), tiled MLPs + tiled loss, DDP.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-"${PYTHON:-python}" -m torch.distributed.run --nproc_per_node "${NPROC:-2}" -m tiledmlp train \
+"${PYTHON:-python}" -m torch.distributed.run --standalone --nproc_per_node "${NPROC:-2}" -m tiledmlp train \
   --sequence-parallel-size "${SP:-2}" --seq-len "${SEQ_LEN:-2048}" "$@"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -14,6 +15,11 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("transformers")
+
+
+# --standalone: the rendezvous takes a port the system assigns (torchrun's default, 29500, is
+# shared by every suite and program on the machine)
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
 
 
 def train(
@@ -160,6 +166,60 @@ def test_ctrl_c_saves_a_checkpoint_and_exits_cleanly(tmp_path: Path) -> None:
     assert more["resumed_from_step"] == step and more["steps"] == 1
 
 
+# Runs `tiledmlp train` with the process killed (SIGKILL, as the OOM killer or a preempted node
+# does) in the middle of saving checkpoint-4: after the model and optimizer, before the RNG
+# states and the trainer state.
+KILLED_DURING_SAVE = """
+import os, signal, sys
+import transformers
+original = transformers.Trainer._save_rng_state
+def killed(self, output_dir):
+    if self.state.global_step == 4:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return original(self, output_dir)
+transformers.Trainer._save_rng_state = killed
+from tiledmlp.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.slow
+def test_a_kill_during_a_save_resumes_from_the_last_complete_checkpoint(tmp_path: Path) -> None:
+    args = ("--seq-len", "64", "--max-steps", "6", "--save-steps", "2")
+    full = summary(*args, "--output-dir", str(tmp_path / "full"))
+    out = tmp_path / "run"
+    killed = subprocess.run(
+        [sys.executable, "-c", KILLED_DURING_SAVE, "train", *args, "--output-dir", str(out)],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    # checkpoint-4 was never published; checkpoint-2 is whole
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2"]
+    assert (out / "checkpoint-2" / "trainer_state.json").is_file()
+    res = train(*args, "--output-dir", str(out), "--resume-from-checkpoint", "latest", "--json")
+    assert res.returncode == 0, res.stderr[-3000:]
+    notes = [line for line in res.stderr.splitlines() if "skipping" in line]
+    assert len(notes) == 1 and "checkpoint-4: its save did not finish" in notes[0], res.stderr
+    resumed = json.loads(res.stdout.strip().splitlines()[-1])
+    assert resumed["resumed_from_step"] == 2 and resumed["global_step"] == 6
+    assert resumed["losses"] == pytest.approx(full["losses"][2:], rel=0, abs=1e-6)
+    assert not (out / ".incomplete").exists()  # the unfinished save was cleared
+    # A checkpoint of an older, non-atomic save (no trainer_state.json) is skipped by `latest`
+    # with a note; a damaged file is named, in one line.
+    shutil.copytree(out / "checkpoint-6", out / "checkpoint-8")
+    (out / "checkpoint-8" / "trainer_state.json").unlink()
+    optimizer = out / "checkpoint-6" / "optimizer.pt"
+    optimizer.write_bytes(optimizer.read_bytes()[:1000])
+    for spec in ("latest", str(out / "checkpoint-6")):
+        bad = train(*args, "--max-steps", "8", "--output-dir", str(out),
+                    "--resume-from-checkpoint", spec)  # fmt: skip
+        assert bad.returncode == 2 and "Traceback" not in bad.stderr, bad.stderr[-3000:]
+        last = bad.stderr.strip().splitlines()[-1]
+        assert f"{optimizer} is damaged" in last, bad.stderr[-3000:]
+        if spec == "latest":
+            assert "skipping" in bad.stderr and "checkpoint-8: no trainer_state.json" in bad.stderr
+
+
 @pytest.mark.slow
 def test_tiling_keeps_the_losses_and_lowers_peak_memory() -> None:
     tiled = summary("--seq-len", "8192", "--steps", "2", env=STEADY_MALLOC)
@@ -254,7 +314,7 @@ def test_under_torchrun_every_engine_matches_one_process(
     # consecutive batches to the ranks); fp32 losses agree to rounding.
     if engine == "deepspeed":
         pytest.importorskip("deepspeed")
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m"]
+    launcher = [*TORCHRUN, "--nproc_per_node", "2", "-m"]
     extra = {
         "ddp": [],
         "fsdp2": ["--fsdp", "full_shard"],
@@ -283,7 +343,7 @@ def test_sequence_parallel_under_torchrun_matches_one_process(tmp_path: Path) ->
     pytest.importorskip("deepspeed")
     ga = ("--gradient-accumulation-steps", "2")  # micro-batch means averaged, as one process's
     one = summary("--seq-len", "128", "--max-steps", "3", "--eval-steps", "3", *ga)
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m"]
+    launcher = [*TORCHRUN, "--nproc_per_node", "2", "-m"]
     config = tmp_path / "ds.json"  # the example's ZeRO-3 config, batch sizes from the Trainer
     ds = json.loads((Path(__file__).parents[1] / "examples" / "ds_zero3.json").read_text())
     ds.update(train_micro_batch_size_per_gpu="auto", gradient_accumulation_steps="auto")
@@ -297,3 +357,45 @@ def test_sequence_parallel_under_torchrun_matches_one_process(tmp_path: Path) ->
     assert s["sequence_parallel_size"] == 2 and s["engine"] == "deepspeed"
     assert s["losses"] == pytest.approx(one["losses"], rel=1e-5)
     assert s["eval_loss"] == pytest.approx(one["eval_loss"], rel=1e-5)  # evaluation splits too
+
+
+# Rank 1 leaves (exit status 0, so torchrun does not stop the others) as step 3 begins.
+RANK_1_LEAVES = """
+import os, sys
+import tiledmlp.train.callbacks as callbacks
+def leave(self, args, state, control, **kwargs):
+    if state.global_step == 2 and os.environ.get("RANK") == "1":
+        os._exit(0)
+callbacks.Progress.on_step_begin = leave
+from tiledmlp.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.distributed
+def test_a_rank_that_leaves_mid_run_is_named_and_nothing_hangs(tmp_path: Path) -> None:
+    # Under torchrun, with torchrun's default port held by another program (as a second test
+    # suite would): the launch still works, and when rank 1 leaves, rank 0 stops within
+    # seconds with one line naming it instead of a transport error or a wait.
+    import socket
+
+    script = tmp_path / "leaves.py"
+    script.write_text(RANK_1_LEAVES)
+    with socket.socket() as other:
+        try:
+            other.bind(("127.0.0.1", 29500))
+            other.listen()
+        except OSError:
+            pass  # already taken by someone else: the same situation
+        start = time.monotonic()
+        res = subprocess.run(
+            [*TORCHRUN, "--nproc_per_node", "2", str(script), "train", "--seq-len", "64",
+             "--max-steps", "6", "--ddp-timeout", "60"],
+            capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        elapsed = time.monotonic() - start
+    assert res.returncode != 0, res.stderr[-3000:]
+    named = [line for line in res.stderr.splitlines() if "rank 1 stopped answering" in line]
+    assert named and named[0].startswith("tiledmlp train: error: tiledmlp: "), res.stderr[-3000:]
+    assert "failed on rank 0" in named[0]
+    assert elapsed < 240, elapsed

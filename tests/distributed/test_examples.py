@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def _run(engine: str, *extra: str) -> list[float]:
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
         str(ROOT / "examples" / "train_distributed.py"), "--engine", engine,
         "--seq-len", "128", "--steps", "2", *extra,
     ]  # fmt: skip
@@ -57,7 +57,7 @@ def test_long_context_recipe_runs_cpu_sized() -> None:
     assert summary["tiled_loss"] and summary["tiled_norms"] and summary["offloaded_mib"] > 0
     # The same run without offloading gives bit-identical losses.
     plain = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "-m",
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1", "-m",
          "tiledmlp", "train", "--model", "tiny", "--seq-len", "512", "--dtype", "float32",
          "--steps", "2", "--lr", "1e-3", "--gradient-checkpointing", "--tiled-norms",
          "--engine", "deepspeed",
@@ -80,7 +80,7 @@ def test_sequence_parallel_examples_match_one_process() -> None:
         assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
         return [float(x) for x in re.findall(r"step \d+: loss ([0-9.]+)", res.stdout)]
 
-    split = losses(sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2")
+    split = losses(sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2")
     one = losses(sys.executable)
     assert len(split) == 3 and split == pytest.approx(one, rel=1e-5)
     # The CLI example: tiledmlp train --sequence-parallel-size 2 under torchrun.

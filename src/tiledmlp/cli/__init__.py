@@ -13,12 +13,14 @@ from __future__ import annotations
 import argparse
 import difflib
 import logging
+import os
 import sys
 from collections.abc import Sequence
 
 from tiledmlp.cli import bench, env, plan, train
 from tiledmlp.cli.common import UsageError
 from tiledmlp.cli.output import results_only
+from tiledmlp.sequence_parallel.collectives import CollectiveError
 
 __all__ = ["main"]
 
@@ -99,6 +101,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (UsageError, ValueError) as e:
         print(f"tiledmlp {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except CollectiveError as e:
+        # Another rank stopped answering: one line naming it, then leave at once (tearing down
+        # a process group with a dead peer can hang or abort).
+        print(f"tiledmlp {args.command}: error: {e}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(1)
     except KeyboardInterrupt:
         print(f"tiledmlp {args.command}: interrupted", file=sys.stderr)
         return 130

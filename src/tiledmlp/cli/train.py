@@ -101,6 +101,9 @@ def add_parser(sub: Any) -> None:
          "--fsdp; on CPU-only machines tiledmlp shards the model itself)")  # fmt: skip
     dist("--fsdp-config", metavar="FILE", help="JSON of the Trainer's fsdp_config keys, over "
          "tiledmlp's (fsdp_version 2, the decoder layer class to wrap); GPUs only")  # fmt: skip
+    dist("--ddp-timeout", metavar="SECONDS", help="how long a collective waits for the other "
+         "ranks before every survivor stops naming the rank that stopped answering (the "
+         "Trainer's ddp_timeout) (default: 1800)")  # fmt: skip
     dist("--engine", choices=ENGINES, metavar="NAME", help=f"{', '.join(ENGINES)}; auto: "
          "DeepSpeed with --deepspeed, FSDP2 with --fsdp, DDP under torchrun with several "
          "processes, else one process (default: auto)")  # fmt: skip

@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 from transformers import TrainerCallback
 
+from tiledmlp.sequence_parallel.collectives import guarded
+
 __all__ = ["InterruptToSave", "MetricsFile", "Progress", "StepLosses"]
 
 
@@ -46,7 +48,8 @@ class StepLosses(TrainerCallback):
         if _distributed():
             backend_device = "cuda" if dist.get_backend() == "nccl" else "cpu"
             total = total.to(backend_device)
-            dist.all_reduce(total)
+            with guarded("the per-step loss all-reduce"):
+                dist.all_reduce(total)
             total = total / dist.get_world_size()
         self.losses.append(float(total))
 
@@ -135,7 +138,8 @@ class InterruptToSave(TrainerCallback):
         flag = torch.tensor(1.0 if self.requested else 0.0)
         if _distributed():
             flag = flag.to("cuda" if dist.get_backend() == "nccl" else "cpu")
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            with guarded("the per-step stop-request all-reduce"):
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         if float(flag) > 0:
             self.stopped_at = state.global_step
             control.should_training_stop = True

@@ -110,6 +110,7 @@ class TrainOptions:
     seed: int = 0
     max_data_bytes: int = 4_000_000
     sequence_parallel_size: int = 1
+    ddp_timeout: int = 1800
 
     def __post_init__(self) -> None:
         _check_positive("sequence_parallel_size", self.sequence_parallel_size)
@@ -122,7 +123,12 @@ class TrainOptions:
             )
         for name in ("seq_len", "per_device_train_batch_size", "max_steps", "logging_steps"):
             _check_positive(name, getattr(self, name))
-        for name in ("gradient_accumulation_steps", "eval_sequences", "max_data_bytes"):
+        for name in (
+            "gradient_accumulation_steps",
+            "eval_sequences",
+            "max_data_bytes",
+            "ddp_timeout",
+        ):
             _check_positive(name, getattr(self, name))
         for name in ("eval_steps", "save_steps", "save_total_limit"):
             if getattr(self, name) is not None:

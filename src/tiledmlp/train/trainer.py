@@ -23,9 +23,11 @@ import json
 import logging
 import os
 import resource
+import shutil
 import sys
 import tempfile
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +37,9 @@ import torch.distributed as dist
 from tiledmlp.bench.memory import proc_status_bytes
 from tiledmlp.patching import patch_model, tile_counts
 from tiledmlp.patching.offloading import enable_checkpointing, install_offloading, offloader_of
+from tiledmlp.sequence_parallel.collectives import guarded
 from tiledmlp.train.callbacks import InterruptToSave, MetricsFile, Progress, StepLosses, StopAtStep
+from tiledmlp.train.checkpoints import STAGING, publish, resolve_resume
 from tiledmlp.train.data import PackedDataset, default_corpus, pack, read_corpus
 from tiledmlp.train.options import TrainOptions
 from tiledmlp.train.presets import PRESETS, build_preset, default_learning_rate
@@ -235,6 +239,7 @@ def _training_arguments(
         "remove_unused_columns": False,
         "dataloader_num_workers": 0,
         "ddp_find_unused_parameters": False,
+        "ddp_timeout": opts.ddp_timeout,
     }
     if engine == "deepspeed":
         kwargs["deepspeed"] = _deepspeed_config(opts)
@@ -262,6 +267,51 @@ def _trainer_class() -> Any:
         step_losses: StepLosses
         own_fsdp: bool = False
         sp_groups: Any = None
+        _staging: bool = False
+
+        def _get_output_dir(self, trial: Any) -> Any:
+            out = super()._get_output_dir(trial)
+            return os.path.join(out, STAGING) if self._staging else out
+
+        def _save_checkpoint(self, model: Any, trial: Any) -> None:
+            # Every rank writes into OUTPUT_DIR/.incomplete/checkpoint-N; once all are done the
+            # main process renames it into place (train/checkpoints.py): a kill mid-save never
+            # leaves a checkpoint-N that a resume would take.
+            run_dir = Path(super()._get_output_dir(trial))
+            name = f"checkpoint-{self.state.global_step}"
+            self._staging = True
+            try:
+                super()._save_checkpoint(model, trial)
+            finally:
+                self._staging = False
+            distributed = dist.is_initialized() and dist.get_world_size() > 1
+            if distributed:
+                with guarded("the barrier after saving a checkpoint"):
+                    dist.barrier()
+            if self.args.should_save:
+                publish(run_dir / STAGING / name, run_dir / name)
+                self._rotate(run_dir)
+            if distributed:
+                with guarded("the barrier after publishing a checkpoint"):
+                    dist.barrier()
+
+        def _rotate(self, run_dir: Path) -> None:
+            """--save-total-limit over the published checkpoints (the Trainer's own rotation
+            ran in the staging directory)."""
+            if not self.args.save_total_limit:
+                return
+            own = getattr(super(), "_rotate_checkpoints", None)
+            if callable(own):  # transformers 4.x
+                own(use_mtime=True, output_dir=str(run_dir))
+                return
+            from transformers.trainer_utils import rotate_checkpoints
+
+            rotate_checkpoints(
+                output_dir=str(run_dir),
+                save_total_limit=self.args.save_total_limit,
+                best_model_checkpoint=self.state.best_model_checkpoint,
+                use_mtime=True,
+            )
 
         def _sp_loader(self, dataset: Any, shuffle: bool) -> Any:
             from torch.utils.data import DataLoader, DistributedSampler
@@ -299,11 +349,7 @@ def _trainer_class() -> Any:
         ) -> Any:
             if self.sp_groups is None:
                 return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-            from tiledmlp.sequence_parallel import (
-                count_tokens,
-                sequence_parallel_loss_from_mean,
-                shard_batch,
-            )
+            from tiledmlp.sequence_parallel import shard_batch
 
             batch = dict(inputs)
             mask = batch.pop("attention_mask", None)  # the collator's; packed rows are all ones
@@ -314,8 +360,7 @@ def _trainer_class() -> Any:
                 )
             shard = shard_batch(batch, self.sp_groups)
             outputs = model(**shard, use_cache=False)
-            count = count_tokens(shard["shift_labels"])
-            loss = sequence_parallel_loss_from_mean(outputs.loss, count, self.sp_groups)
+            loss = outputs.loss  # exact over the whole sequences (sequence_parallel/model_loss.py)
             return (loss, outputs) if return_outputs else loss
 
         def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> Any:
@@ -394,7 +439,9 @@ def run(opts: TrainOptions) -> dict[str, Any]:
         )
     if sp > 1 and not dist.is_initialized():
         # sequence parallelism builds its groups before the Trainer starts (it reuses them)
-        dist.init_process_group("nccl" if cuda else "gloo")
+        dist.init_process_group(
+            "nccl" if cuda else "gloo", timeout=timedelta(seconds=opts.ddp_timeout)
+        )
     planned = _planned_steps(opts)
     stop_early = planned is not None and planned > opts.max_steps
     build = dataclasses.replace(opts, max_steps=planned) if stop_early else opts
@@ -427,7 +474,7 @@ def run(opts: TrainOptions) -> dict[str, Any]:
     args = _training_arguments(build, engine, output_dir, own_fsdp, model, cuda)
     if own_fsdp:
         if not dist.is_initialized():
-            dist.init_process_group("gloo")
+            dist.init_process_group("gloo", timeout=timedelta(seconds=opts.ddp_timeout))
         _shard_fsdp2(model, device)
     elif not cuda and engine != "deepspeed":
         model = model.to(device)
@@ -471,13 +518,22 @@ def run(opts: TrainOptions) -> dict[str, Any]:
         # transformers versions with and without loss_is_scaled_for_ga)
         trainer.loss_is_scaled_for_ga = False
         trainer.model_accepts_loss_kwargs = False
-    resume: str | bool | None = opts.resume_from_checkpoint
-    if resume == "latest":
-        resume = True
+    resume: str | None = None
+    if opts.resume_from_checkpoint is not None:
+        found = resolve_resume(opts.resume_from_checkpoint, output_dir, _say)
+        if found is None:
+            raise ValueError(
+                f"--resume-from-checkpoint latest: no complete checkpoint-N in {output_dir}"
+            )
+        resume = str(found)
     rank = args.process_index
+    if rank == 0 and opts.output_dir is not None:
+        shutil.rmtree(output_dir / STAGING, ignore_errors=True)  # saves a kill interrupted
     start = time.perf_counter()
     try:
-        trainer.train(resume_from_checkpoint=resume)
+        # a rank that dies or hangs: every survivor stops naming it (not a transport error)
+        with guarded("a collective of the training step"):
+            trainer.train(resume_from_checkpoint=resume)
     except ValueError as e:
         if "No valid checkpoint" in str(e):
             raise ValueError(
