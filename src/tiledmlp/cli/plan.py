@@ -300,7 +300,8 @@ def _show_model(args: argparse.Namespace, stacks: dict[str, Any]) -> None:
         + (f" split over {args.sequence_parallel_size} GPUs" if per_gpu else "")
         + f"; {_OPTIMIZER_TEXT[args.optimizer]}; weights and gradients whole on the device (no "
         f"ZeRO/FSDP sharding); checkpointing {checkpointing}; the peak counts tensors, the device "
-        "overhead (CUDA context, workspaces, allocator) is given beside it"
+        "overhead (CUDA context, workspaces, allocator) is given beside it, and the host memory "
+        "a stack keeps (offloaded layer inputs, host optimizer states) after it"
     )
     width = max(len(stack) for stack in stacks)
     for stack, entry in stacks.items():
@@ -314,4 +315,8 @@ def _show_model(args: argparse.Namespace, stacks: dict[str, Any]) -> None:
         )
         if entry.get("device_overhead_mib"):
             parts += f"; + device overhead {entry['device_overhead_mib'] / gib:,.2f}"
-        show(f"  {stack:<{width}}  {entry['peak_mib'] / gib:>9,.2f} GiB  ({parts}){fits}")
+        host = entry.get("host_peak_mib", 0.0)
+        host_text = f"; host {host / gib:,.2f} GiB" if host else ""
+        show(
+            f"  {stack:<{width}}  {entry['peak_mib'] / gib:>9,.2f} GiB  ({parts}){fits}{host_text}"
+        )

@@ -150,6 +150,8 @@ class ActivationOffloader:
         self._session = _Session(step=0)
         self._stream: Any = None
         self._hidden: torch.Tensor | None = None
+        #: the largest step (in tokens) whose host memory was checked (patching/offloading.py)
+        self.host_checked_tokens = 0
 
     def __getstate__(self) -> dict[str, Any]:
         # A copy (deepcopy, pickle) starts with its own empty pool and no device stream.

@@ -24,6 +24,7 @@ import torch
 import torch.utils.checkpoint
 from torch import nn
 
+from tiledmlp.ops.host_memory import check_host_memory, offload_bytes
 from tiledmlp.ops.offload import ActivationOffloader
 
 __all__ = [
@@ -106,10 +107,15 @@ def _check_inner(func: Any, layer: nn.Module) -> None:
 
 
 def before_forward(
-    offloader: ActivationOffloader, layers: list[nn.Module], module: nn.Module, args: Any
+    offloader: ActivationOffloader,
+    layers: list[nn.Module],
+    module: nn.Module,
+    args: Any,
+    kwargs: dict[str, Any] | None = None,
 ) -> None:
-    """The root's forward pre-hook: checks checkpointing and wraps new checkpoint functions."""
-    del args
+    """The root's forward pre-hook: checks checkpointing, wraps new checkpoint functions, and
+    before a step longer than any before, checks that its offloaded inputs fit in host memory
+    (ops/host_memory.py)."""
     if not (module.training and torch.is_grad_enabled()):
         return  # evaluation: nothing is saved, nothing to offload
     on = [m for m in layers if m.gradient_checkpointing]
@@ -127,7 +133,41 @@ def before_forward(
         _check_inner(func, layer)
         assert func is not None  # checked above
         layer.__dict__["_gradient_checkpointing_func"] = OffloadingCheckpoint(func, offloader)
+    _check_host(offloader, len(on), module, args, kwargs or {})
     offloader.begin_step()
+
+
+def _tokens(args: Any, kwargs: dict[str, Any]) -> int | None:
+    for t in (kwargs.get("input_ids"), kwargs.get("inputs_embeds"), *(args or ())[:1]):
+        if isinstance(t, torch.Tensor) and t.dim() > 0:
+            return t.numel() // t.shape[-1] if t.is_floating_point() else t.numel()
+    return None
+
+
+def _check_host(
+    offloader: ActivationOffloader, checkpointed: int, module: nn.Module, args: Any, kwargs: Any
+) -> None:
+    """Stops before a step whose offloaded layer inputs cannot fit in host memory. Only for
+    devices other than the host: on the CPU the host copy replaces the device copy, and the
+    planner's pool holds no data."""
+    param = next(module.parameters(), None)
+    if param is None or param.device.type in ("cpu", "meta"):
+        return
+    if offloader.pool.device.type == "meta":
+        return
+    tokens = _tokens(args, kwargs)
+    getter = getattr(module, "get_input_embeddings", None)
+    weight = getattr(getter() if callable(getter) else None, "weight", None)
+    if tokens is None or tokens <= offloader.host_checked_tokens or weight is None:
+        return
+    hidden, elem = int(weight.shape[-1]), weight.element_size()
+    need = offload_bytes(checkpointed, tokens, hidden, elem)
+    check_host_memory(
+        need,
+        f"a step of {tokens} tokens ({checkpointed - 1} checkpointed layer inputs of {tokens} x "
+        f"{hidden} x {elem} bytes)",
+    )
+    offloader.host_checked_tokens = tokens
 
 
 def install_offloading(model: nn.Module) -> ActivationOffloader:
@@ -151,7 +191,9 @@ def install_offloading(model: nn.Module) -> ActivationOffloader:
             "attribute); expected a transformers model that supports gradient checkpointing"
         )
     offloader = ActivationOffloader()
-    handle = model.register_forward_pre_hook(functools.partial(before_forward, offloader, layers))
+    handle = model.register_forward_pre_hook(
+        functools.partial(before_forward, offloader, layers), with_kwargs=True
+    )
     model.__dict__[_STATE] = (offloader, handle)
     return offloader
 

@@ -9,7 +9,7 @@ an optimizer, its step; storages are tracked as in fake_memory.py. Stacks:
 - "tiled_mlp": every decoder MLP through tiled_mlp;
 - "tiled_mlp_loss": also the loss through tiled_cross_entropy (logits never exist at once);
 - "tiled_mlp_loss_offload": also activation offloading (always with checkpointing, which it
-  needs): the checkpointed layers' inputs live in host memory, which is not counted;
+  needs): the checkpointed layers' inputs live in host memory, counted apart ("host");
 - "tiled_mlp_loss_offload_norms": also the normalisation layers tiled (patch_model's
   tiled_norms): their float32 intermediates exist one tile at a time.
 
@@ -31,6 +31,12 @@ and value, key/value heads repeated up to P when there are fewer): "all_to_all" 
 breakdown. Weights, gradients and optimizer states are counted whole on every GPU (replicated,
 as under DDP); ZeRO-3 or FSDP sharding would lower them further.
 
+Host memory ("host_peak_mib"): what a stack keeps on the host for one GPU's step: with
+offloading, the inputs of every checkpointed layer but the last, pinned (ops/host_memory.py,
+what the offloader moves and what patch_model checks before the first offloaded step); with the
+"cpu-offload" optimizer, its two states per parameter in the parameters' dtype (the figure the
+"adamw" optimizer counts on the device; DeepSpeed's CPU Adam also keeps float32 master weights).
+
 Invariant: the estimate depends only on the config's shapes, the sequence length, the dtype,
 the stack and its options; no weights are read or downloaded.
 """
@@ -47,6 +53,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from tiledmlp.ops.functional import tiled_mlp
+from tiledmlp.ops.host_memory import offload_bytes
 from tiledmlp.ops.loss import loss_policy, tiled_cross_entropy
 from tiledmlp.ops.offload import ActivationOffloader
 from tiledmlp.ops.policy import assume_device
@@ -466,7 +473,8 @@ def plan_model(
 
     Returns:
         {stack: {"peak_mib", "breakdown_mib", "gradient_checkpointing", "device_overhead_mib",
-        "device_overhead_breakdown_mib"[, "max_seq_len"]}}.
+        "device_overhead_breakdown_mib", "host_peak_mib"[, "max_seq_len"]}} ("host_peak_mib":
+        host memory of one GPU's step, module docstring).
 
     Raises:
         ValueError: seq_len not divisible by sequence_parallel_size, or heads that Ulysses
@@ -491,6 +499,7 @@ def plan_model(
     out: dict[str, Any] = {}
     local = seq_len // p
     overhead = device_overhead(config, device_type)
+    num_params = count_params(config, dtype) if optimizer == "cpu-offload" else None
     for i, stack in enumerate(stacks, 1):
         logger.info("%s (%d of %d): one step at %s tokens", stack, i, len(stacks), f"{local:,}")
         est = estimate_step(config, seq_len=local, stack=stack, **options)
@@ -500,6 +509,11 @@ def plan_model(
                 est.peak + extra, {**est.breakdown, "all_to_all": extra}, est.checkpointing
             )
         entry = {**est.as_json(), **overhead.as_json(est.peak, local)}
+        host = host_bytes(
+            config, seq_len=local, stack=stack, dtype=dtype, optimizer=optimizer,
+            num_params=num_params,
+        )  # fmt: skip
+        entry["host_peak_mib"] = round(host / MiB, 1)
         if budget_bytes is not None:
             logger.info(
                 "%s: searching the longest sequence within %.1f GiB", stack, budget_bytes / 2**30
@@ -516,6 +530,34 @@ def plan_model(
             )
         out[stack] = entry
     return out
+
+
+def host_bytes(
+    config: Any,
+    *,
+    seq_len: int,
+    stack: str,
+    dtype: torch.dtype,
+    optimizer: str,
+    num_params: int | None = None,
+) -> int:
+    """Host bytes of one GPU's step at `seq_len` local tokens (module docstring, "host");
+    `num_params` spares building the model again for "cpu-offload"."""
+    text = config.get_text_config()
+    elem = torch.empty((), dtype=dtype).element_size()
+    total = 0
+    if "offload" in stack:
+        total += offload_bytes(int(text.num_hidden_layers), seq_len, int(text.hidden_size), elem)
+    if optimizer == "cpu-offload":
+        total += 2 * (num_params if num_params is not None else count_params(config, dtype)) * elem
+    return total
+
+
+def count_params(config: Any, dtype: torch.dtype) -> int:
+    """The model's parameters (tied ones once), counted on fake tensors."""
+    with FakeTensorMode():
+        model = _build(config, dtype, int(config.get_text_config().num_hidden_layers))
+        return sum(p.numel() for p in model.parameters())
 
 
 def _all_to_all_bytes_per_token(config: Any, p: int, dtype: torch.dtype) -> float:
