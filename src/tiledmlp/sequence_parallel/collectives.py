@@ -20,7 +20,6 @@ never waits longer than the process group's timeout plus the grace period.
 from __future__ import annotations
 
 import contextlib
-import logging
 import time
 from collections.abc import Iterator
 from datetime import timedelta
@@ -30,8 +29,6 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["CollectiveError", "default_timeout", "guarded", "missing_ranks"]
-
-logger = logging.getLogger(__name__)
 
 #: seconds a survivor waits for the other ranks to report themselves after a failure
 GRACE_S = 5.0
@@ -151,5 +148,4 @@ def guarded(what: str, group: Any = None) -> Iterator[None]:
             f"its own output says why); this rank stops too instead of waiting. Transport: "
             f"{first[:300]}"
         )
-        logger.error("%s", message)
         raise CollectiveError(message, missing) from e
