@@ -80,7 +80,9 @@ def test_sequence_parallel_examples_match_one_process() -> None:
         assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
         return [float(x) for x in re.findall(r"step \d+: loss ([0-9.]+)", res.stdout)]
 
-    split = losses(sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2")
+    split = losses(
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"
+    )
     one = losses(sys.executable)
     assert len(split) == 3 and split == pytest.approx(one, rel=1e-5)
     # The CLI example: tiledmlp train --sequence-parallel-size 2 under torchrun.
