@@ -396,6 +396,7 @@ def test_a_rank_that_leaves_mid_run_is_named_and_nothing_hangs(tmp_path: Path) -
         elapsed = time.monotonic() - start
     assert res.returncode != 0, res.stderr[-3000:]
     named = [line for line in res.stderr.splitlines() if "rank 1 stopped answering" in line]
-    assert named and named[0].startswith("tiledmlp train: error: tiledmlp: "), res.stderr[-3000:]
+    # (the progress bar's last refresh may share the line: it ends without a newline)
+    assert named and "tiledmlp train: error: tiledmlp: " in named[0], res.stderr[-3000:]
     assert "failed on rank 0" in named[0]
     assert elapsed < 240, elapsed

@@ -124,7 +124,11 @@ def guarded(what: str, group: Any = None) -> Iterator[None]:
     try:
         yield
     except RuntimeError as e:
-        if isinstance(e, CollectiveError) or not _is_transport_failure(e):
+        if (
+            isinstance(e, CollectiveError)
+            or not _is_transport_failure(e)
+            or not (dist.is_available() and dist.is_initialized())
+        ):
             raise
         missing = missing_ranks(group)
         me = dist.get_rank()
