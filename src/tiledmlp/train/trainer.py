@@ -69,21 +69,19 @@ def _peak_mib(device: torch.device) -> float:
 
 
 def _checkpoint_to_resume(opts: TrainOptions) -> Path | None:
-    """The checkpoint directory --resume-from-checkpoint names ('latest': the newest
-    OUTPUT_DIR/checkpoint-N), or None when not resuming."""
+    """The checkpoint directory --resume-from-checkpoint names ('latest': the newest complete
+    OUTPUT_DIR/checkpoint-N, with a note for each one skipped), or None when not resuming;
+    incomplete or damaged checkpoints are refused here, before any work (train/checkpoints.py)."""
     if opts.resume_from_checkpoint is None:
         return None
-    if opts.resume_from_checkpoint != "latest":
-        return Path(opts.resume_from_checkpoint)
-    out = Path(opts.output_dir) if opts.output_dir is not None else None
-    found = [] if out is None or not out.is_dir() else list(out.glob("checkpoint-*"))
-    numbered = [(int(p.name.split("-")[1]), p) for p in found if p.name.split("-")[1].isdigit()]
-    if not numbered:
-        raise ValueError(f"--resume-from-checkpoint latest: no checkpoint-N in {out}")
-    return max(numbered)[1]
+    out = Path(opts.output_dir) if opts.output_dir is not None else Path(".")
+    found = resolve_resume(opts.resume_from_checkpoint, out, _say)
+    if found is None:
+        raise ValueError(f"--resume-from-checkpoint latest: no complete checkpoint-N in {out}")
+    return found
 
 
-def _planned_steps(opts: TrainOptions) -> int | None:
+def _planned_steps(opts: TrainOptions, checkpoint: Path | None) -> int | None:
     """The --max-steps of the run a resumed checkpoint belongs to (None when not resuming);
     refuses, before any work, a resume that asks for more steps than that run was planned for.
 
@@ -93,7 +91,6 @@ def _planned_steps(opts: TrainOptions) -> int | None:
     planned length and may stop earlier (a smaller --max-steps: the same losses as the planned
     run up to that step), but cannot go beyond it: that is refused with the ways that work.
     """
-    checkpoint = _checkpoint_to_resume(opts)
     state_file = None if checkpoint is None else checkpoint / "trainer_state.json"
     if state_file is None or not state_file.is_file():
         return None
@@ -442,9 +439,10 @@ def run(opts: TrainOptions) -> dict[str, Any]:
         dist.init_process_group(
             "nccl" if cuda else "gloo", timeout=timedelta(seconds=opts.ddp_timeout)
         )
-    planned = _planned_steps(opts)
+    checkpoint = _checkpoint_to_resume(opts)
+    planned = _planned_steps(opts, checkpoint)
     stop_early = planned is not None and planned > opts.max_steps
-    build = dataclasses.replace(opts, max_steps=planned) if stop_early else opts
+    build = dataclasses.replace(opts, max_steps=planned) if stop_early and planned else opts
     _say(f"loading {opts.model} and packing {opts.seq_len}-token sequences ...")
     model, tokenizer = _load(opts)
     train_set, eval_set = _sequences(build, tokenizer, world // sp)
@@ -518,14 +516,7 @@ def run(opts: TrainOptions) -> dict[str, Any]:
         # transformers versions with and without loss_is_scaled_for_ga)
         trainer.loss_is_scaled_for_ga = False
         trainer.model_accepts_loss_kwargs = False
-    resume: str | None = None
-    if opts.resume_from_checkpoint is not None:
-        found = resolve_resume(opts.resume_from_checkpoint, output_dir, _say)
-        if found is None:
-            raise ValueError(
-                f"--resume-from-checkpoint latest: no complete checkpoint-N in {output_dir}"
-            )
-        resume = str(found)
+    resume = None if checkpoint is None else str(checkpoint)
     rank = args.process_index
     if rank == 0 and opts.output_dir is not None:
         shutil.rmtree(output_dir / STAGING, ignore_errors=True)  # saves a kill interrupted
