@@ -36,6 +36,7 @@ def test_variants_cover_every_selectable_case() -> None:
             assert specialization(ops[1])[1] == "" and "D" not in hints[len(ops) :], v.name
 
 
+@pytest.mark.slow  # 108 compiles: 11-32 s on 2 cores
 def test_env_compile_kernels_for_sm80_and_sm90(capsys: pytest.CaptureFixture[str]) -> None:
     triton = pytest.importorskip("triton", reason="triton is not installed")
     assert main(["env", "--compile-kernels", "sm_80,sm_90"]) == 0
