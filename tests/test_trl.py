@@ -373,3 +373,22 @@ def test_token_stats_equal_trl_chunked_head(
     assert torch.equal(got.is_top1, ref[4])
     for name, a, b in zip(("d hidden", "d weight", "d bias"), grads, ref_grads):
         assert_close_rel(a, b, name)
+
+
+@pytest.mark.parametrize("trl_head", [False, True], ids=["alone", "over-trl-head"])
+def test_fused_lm_head_never_reaches_the_decoder(trl_head: bool) -> None:
+    model = _model()
+    tiledmlp.patch_model(model, tiled_loss=True)
+    if trl_head:
+        import trl.trainer.utils as trl_utils
+
+        trl_utils.add_fused_lm_head(model, outputs=("log_probs", "entropy"))
+    seen: list[dict[str, Any]] = []
+    model.model.register_forward_pre_hook(
+        lambda module, args, kwargs: seen.append(dict(kwargs)), with_kwargs=True
+    )
+    ids = torch.randint(3, 258, (2, 9))
+    for fused in (True, False):
+        out = model(input_ids=ids, labels=ids, fused_lm_head=fused)
+        assert (out.log_probs is not None) if fused else (out.loss is not None)
+    assert len(seen) == 2 and not any("fused_lm_head" in kwargs for kwargs in seen)
