@@ -28,7 +28,7 @@ def test_bad_target_budget(bad: str) -> None:
 
 @pytest.mark.parametrize("bad", [0, -1, 2.0, False])
 def test_bad_tile_tokens(bad: object) -> None:
-    with pytest.raises(ValueError, match="tile_tokens must be a positive int"):
+    with pytest.raises(ValueError, match="tile_tokens must be an integer >= 1"):
         tiled_mlp(make_mlp("swiglu"), torch.randn(4, 16), tile_tokens=bad)  # type: ignore[arg-type]
 
 

@@ -40,7 +40,11 @@ def _tiles_run(model: torch.nn.Module, ids: torch.Tensor) -> list[int]:
         from tiledmlp.ops.functional import tile_plan
 
         plan = tile_plan(
-            mlp, x, num_tiles=kw["num_tiles"], tile_tokens=kw["tile_tokens"], forward=kw["forward"]
+            mlp,
+            x,
+            num_tiles=kw["num_tiles"],
+            tile_tokens=kw.get("tile_tokens"),
+            forward=kw["forward"],
         )
         counts.append(0 if plan is None else plan.num_tiles)
         return real(mlp, x, *args, **kw)

@@ -1,5 +1,5 @@
 """patch_model on real Hugging Face models: exact loss and grads per family, reversibility,
-state_dict, idempotence, errors, PEFT LoRA, ms-swift, axolotl and unsloth option names."""
+state_dict, idempotence, errors, PEFT LoRA, other frameworks' option names."""
 
 from __future__ import annotations
 

@@ -268,7 +268,7 @@ def _bad_files(tmp: Path) -> dict[str, str]:
         (["--use_tiled_mlp", "maybe"], "must be true or false"),
         (["--tiled_mlp", "target:lots"], "expected 'target:<GB>'"),
         (["--dtype", "fp8"], "--dtype must be one of"),
-        (["--max-steps", "0"], "--max-steps must be >= 1, got 0"),
+        (["--max-steps", "0"], "--max-steps must be an integer >= 1, got 0"),
         (["--learning-rate", "fast"], "--learning-rate expected a number"),
         (["--save-steps", "2"], "add --output-dir"),
         (["--output-dir", "TMP/list.yaml"], "list.yaml is a file; expected a directory"),

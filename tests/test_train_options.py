@@ -1,5 +1,5 @@
 """The options of `tiledmlp train` (in process, no training): spellings, aliases, config files,
-ms-swift, axolotl and unsloth tiling keys in patch_from_args, the "target:<GB>" policy, the byte tokenizer and the
+other frameworks' tiling keys in patch_from_args, the "target:<GB>" policy, the byte tokenizer and the
 CLI conventions."""
 
 from __future__ import annotations

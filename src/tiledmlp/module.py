@@ -33,10 +33,7 @@ class TiledMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> Any:
         """x: (batch, seq, hidden) or (tokens, hidden); returns what mlp(x) returns."""
-        cfg = self.config
-        return tiled_mlp(
-            self.mlp, x, num_tiles=cfg.num_tiles, tile_tokens=cfg.tile_tokens, kernels=cfg.kernels
-        )
+        return tiled_mlp(self.mlp, x, num_tiles=self.config.policy, kernels=self.config.kernels)
 
     def extra_repr(self) -> str:
         extra = "" if self.config.kernels else ", kernels=False"

@@ -90,7 +90,7 @@ def measure_whole_step(job: StepJob) -> dict[str, Any]:
     enable_checkpointing(model)
     options = _PATCH[job.stack]
     if options is not None:
-        patch_model(model, **options)
+        patch_model(model, None, **options)
     ids = torch.randint(0, cfg.vocab_size, (1, job.seq_len), device=device)
     cuda = device.type == "cuda"
 

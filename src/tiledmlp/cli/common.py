@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import argparse
 
+from tiledmlp.config.values import DTYPES, parse_bool, parse_dtype, parse_int, parse_tile_policy
+
 __all__ = [
     "DTYPE_CHOICES",
     "UsageError",
@@ -18,8 +20,7 @@ __all__ = [
 ]
 
 # --dtype spellings accepted everywhere (aliases as in Hugging Face and DeepSpeed configs)
-DTYPE_CHOICES = ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
-_CANONICAL = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+DTYPE_CHOICES = tuple(DTYPES)
 
 
 class UsageError(Exception):
@@ -28,24 +29,19 @@ class UsageError(Exception):
 
 def dtype_name(text: str) -> str:
     """The torch dtype name of a --dtype spelling (bf16 -> bfloat16, ...)."""
-    return _CANONICAL.get(text, text)
+    return parse_dtype(text, "--dtype")
 
 
 def positive_int(text: str) -> int:
     try:
-        value = int(text)
+        return parse_int(text, "value")
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
 
 
 def tiles(text: str) -> int | str:
-    from tiledmlp.patching.args import parse_tiles
-
     try:
-        return parse_tiles(text)
+        return parse_tile_policy(text).num_tiles
     except ValueError:
         raise argparse.ArgumentTypeError(
             f"expected a positive integer, 'auto', 'arctic' or 'target:<GB>', got {text!r}"
@@ -62,8 +58,6 @@ def seq_lens(text: str) -> tuple[int, ...]:
 
 
 def bool_value(text: str) -> bool:
-    from tiledmlp.patching.args import parse_bool
-
     try:
         return parse_bool(text)
     except ValueError:

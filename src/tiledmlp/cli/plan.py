@@ -151,18 +151,16 @@ def run(args: argparse.Namespace) -> int:
     if args.memory_gb is not None and args.memory_gb <= 0:
         raise UsageError(f"--memory-gb must be positive, got {args.memory_gb}")
     if args.tile_budget_gb is not None:
-        from tiledmlp.patching.args import parse_budget_gb
+        from tiledmlp.config.keys import read_keys
 
+        keys = {"--tile-budget-gb": args.tile_budget_gb}
+        if args.num_tiles != "auto":
+            keys["--num-tiles"] = args.num_tiles
         try:
-            target = parse_budget_gb(args.tile_budget_gb, "--tile-budget-gb")
+            tiles = read_keys(keys)
         except ValueError as e:
             raise UsageError(str(e)) from None
-        if args.num_tiles not in ("auto", target):
-            raise UsageError(
-                f"give --num-tiles {args.num_tiles} or --tile-budget-gb {args.tile_budget_gb}, "
-                "not both"
-            )
-        args.num_tiles = target
+        args.num_tiles = tiles["tiles"].value.num_tiles
     whole = (
         ("--gradient-checkpointing", args.gradient_checkpointing),
         (

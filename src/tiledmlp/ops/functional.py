@@ -19,7 +19,8 @@ from tiledmlp.ops.backend import LOCAL, ParamBackend
 from tiledmlp.ops.fast import FastEngine
 from tiledmlp.ops.function import TiledMLPFunction, TiledRun, anchor_input
 from tiledmlp.ops.generic import GenericEngine
-from tiledmlp.ops.policy import MemoryModel, resolve_plan, validate_policy
+from tiledmlp.ops.memory_model import MemoryModel
+from tiledmlp.ops.policy import TilePolicy
 from tiledmlp.ops.state import AutocastState
 from tiledmlp.ops.structure import MLPStructure, recognise
 from tiledmlp.ops.tiles import TileCount, TilePlan, split_even
@@ -38,7 +39,7 @@ def tiled_mlp(
     mlp: nn.Module,
     x: torch.Tensor,
     *args: torch.Tensor,
-    num_tiles: int | str = "auto",
+    num_tiles: int | str | TilePolicy = "auto",
     tile_tokens: int | None = None,
     forward: Callable[..., Any] | None = None,
     backend: ParamBackend | None = None,
@@ -67,7 +68,8 @@ def tiled_mlp(
         num_tiles: a positive int; "auto" (default): a memory-budget rule that never uses more
             memory than the untiled module and runs it untiled when tiling would not save memory;
             "arctic": ceil(tokens / hidden) tiles as in Arctic Long Sequence Training;
-            "target:<GB>": the fewest tiles whose working memory fits <GB> GiB (ops/policy.py).
+            "target:<GB>": the fewest tiles whose working memory fits <GB> GiB (ops/policy.py);
+            or a TilePolicy (checked once where it was built, not again per call).
         tile_tokens: tokens per tile (the last tile takes the remainder), instead of num_tiles.
         forward: the module's untiled computation, used for the structure probe, the generic
             path's tiles and untiled runs; default: the module itself. A module whose forward
@@ -91,7 +93,7 @@ def tiled_mlp(
         ValueError: bad num_tiles / tile_tokens, x not 2-D or 3-D, x's last dim is not the MLP's
             hidden size, or the module changes the number of tokens.
     """
-    validate_policy(num_tiles, tile_tokens)
+    policy = TilePolicy.of(num_tiles, tile_tokens)
     _check_x(x)
     _check_args(x, args)
     call = UntiledCall(mlp, forward)
@@ -100,9 +102,7 @@ def tiled_mlp(
     backend = backend if backend is not None else LOCAL
     structure = None if args else recognise(mlp, call, ignore_hooks=backend.engine_hooks)
     with nullcontext() if backend is LOCAL else backend.gathered(list(mlp.parameters())):
-        out, plan = _run(
-            mlp, x, args, structure, call, backend, num_tiles, tile_tokens, plan_tokens, kernels
-        )
+        out, plan = _run(mlp, x, args, structure, call, backend, policy, plan_tokens, kernels)
     if count is not None:
         count.add(1 if plan is None else max(1, plan.num_tiles))
     return out
@@ -115,15 +115,12 @@ def _run(
     structure: MLPStructure | None,
     call: UntiledCall,
     backend: ParamBackend,
-    num_tiles: int | str,
-    tile_tokens: int | None,
+    policy: TilePolicy,
     plan_tokens: int | None,
     kernels: bool = True,
 ) -> tuple[Any, TilePlan | None]:
     """The module's result and the plan that ran (None: untiled)."""
-    engine, plan = _prepare(
-        mlp, x, num_tiles, tile_tokens, call, structure, backend, plan_tokens, kernels
-    )
+    engine, plan = _prepare(mlp, x, policy, call, structure, backend, plan_tokens, kernels)
     if (plan is None or plan.num_tiles == 0) and backend.engine_hooks and x.numel():
         # An engine that fetches parameters in the children's hooks (ZeRO-3) would record
         # those fetches and prefetch them in later steps, where the tiled op gathers them
@@ -168,15 +165,15 @@ def tile_plan(
     mlp: nn.Module,
     x: torch.Tensor,
     *,
-    num_tiles: int | str = "auto",
+    num_tiles: int | str | TilePolicy = "auto",
     tile_tokens: int | None = None,
     forward: Callable[[torch.Tensor], Any] | None = None,
 ) -> TilePlan | None:
     """The tile plan tiled_mlp(mlp, x, ...) would use; None when it would run untiled."""
-    validate_policy(num_tiles, tile_tokens)
+    policy = TilePolicy.of(num_tiles, tile_tokens)
     _check_x(x)
     call = UntiledCall(mlp, forward)
-    plan = _prepare(mlp, x, num_tiles, tile_tokens, call, recognise(mlp, call))[1]
+    plan = _prepare(mlp, x, policy, call, recognise(mlp, call))[1]
     return plan if plan is not None and plan.num_tiles > 0 else None
 
 
@@ -209,8 +206,7 @@ def _check_args(x: torch.Tensor, args: tuple[torch.Tensor, ...]) -> None:
 def _prepare(
     mlp: nn.Module,
     x: torch.Tensor,
-    num_tiles: int | str,
-    tile_tokens: int | None,
+    policy: TilePolicy,
     call: UntiledCall,
     structure: MLPStructure | None,
     backend: ParamBackend = LOCAL,
@@ -237,10 +233,10 @@ def _prepare(
     num_tokens = x.numel() // hidden if hidden else 0
     elem = x.element_size()
     if plan_tokens is None or plan_tokens <= num_tokens:
-        return engine, resolve_plan(num_tiles, tile_tokens, num_tokens, hidden, model, elem)
+        return engine, policy.resolve(num_tokens, hidden, model, elem)
     # Ranks agreed on the largest token count: resolve the policy for it, so that every rank
     # runs the same number of tiles, then split this rank's tokens into that many.
-    agreed = resolve_plan(num_tiles, tile_tokens, plan_tokens, hidden, model, elem)
+    agreed = policy.resolve(plan_tokens, hidden, model, elem)
     if agreed is None:
         return engine, None
     return engine, split_even(num_tokens, agreed.num_tiles)

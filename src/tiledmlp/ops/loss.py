@@ -26,7 +26,7 @@ import torch
 
 from tiledmlp.ops.lm_head import HeadRun, run_head
 from tiledmlp.ops.loss_math import STATS, CrossEntropyMath, LogprobMath
-from tiledmlp.ops.policy import target_bytes, validate_policy
+from tiledmlp.ops.policy import TilePolicy
 from tiledmlp.ops.probe import absent
 from tiledmlp.ops.state import AutocastState
 from tiledmlp.ops.tiles import TilePlan, split_by_tile_tokens, split_even
@@ -76,26 +76,25 @@ def _shift(t: torch.Tensor, fill: int | bool) -> torch.Tensor:
     return torch.cat([t[..., 1:], pad], dim=-1)
 
 
-def loss_policy(num_tiles: int | str, tile_tokens: int | None = None) -> int | str:
-    """The loss's tile policy for an MLP tile policy: the same tile count, or "auto" for the
-    MLP-only policies ("arctic", "target:<GB>") and for tokens-per-tile (what
-    patch_model(tiled_loss=True) and the planner give the loss)."""
-    return num_tiles if isinstance(num_tiles, int) and tile_tokens is None else "auto"
+def loss_policy(num_tiles: int | str | TilePolicy, tile_tokens: int | None = None) -> int | str:
+    """The loss's tile policy for an MLP tile policy, as num_tiles (TilePolicy.for_loss)."""
+    return TilePolicy.of(num_tiles, tile_tokens).for_loss().num_tiles
 
 
 def _plan(num_tokens: int, hidden: int, elem: int, num_tiles: Any, tile_tokens: Any) -> TilePlan:
-    validate_policy(num_tiles, tile_tokens)
-    if num_tiles == "arctic" or target_bytes(num_tiles) is not None:
+    policy = TilePolicy.of(num_tiles, tile_tokens)
+    if policy.rule in ("arctic", "target"):
         raise ValueError(
-            f"num_tiles={num_tiles!r} is an MLP policy; give the loss an int or 'auto'"
+            f"num_tiles={policy.num_tiles!r} is an MLP policy; give the loss an int or 'auto' "
+            "(TilePolicy.for_loss() derives one)"
         )
-    if tile_tokens is not None:
-        return split_by_tile_tokens(num_tokens, tile_tokens)
-    if num_tiles == "auto":
+    if policy.rule == "auto":
         # a tile's float32 logits (n x V x 4 bytes) about the size of the LM-head weight
         per_tile = max(1, hidden * elem // 4)
         return split_even(num_tokens, max(1, math.ceil(num_tokens / per_tile)))
-    return split_even(num_tokens, int(num_tiles))
+    if policy.rule == "tokens":
+        return split_by_tile_tokens(num_tokens, int(policy.amount))
+    return split_even(num_tokens, int(policy.amount))
 
 
 def _check_inputs(
@@ -172,7 +171,7 @@ def tiled_cross_entropy(
     labels: torch.Tensor,
     *,
     bias: torch.Tensor | None = None,
-    num_tiles: int | str = "auto",
+    num_tiles: int | str | TilePolicy = "auto",
     tile_tokens: int | None = None,
     ignore_index: int = -100,
     reduction: str = "mean",
@@ -198,8 +197,8 @@ def tiled_cross_entropy(
         labels: (batch, seq) or (tokens,) class indices of any integer dtype (int64, int32,
             uint8, ...); ignore_index marks tokens without a target.
         bias: (vocab,) or None.
-        num_tiles: a positive int, or "auto" (tiles of hidden * elem / 4 tokens: their float32
-            logits are about the size of the LM-head weight).
+        num_tiles: a positive int, "auto" (tiles of hidden * elem / 4 tokens: their float32
+            logits are about the size of the LM-head weight), or a TilePolicy of either.
         tile_tokens: tokens per tile, instead of num_tiles.
         ignore_index: label value that contributes nothing.
         reduction: "mean" over the counted tokens of the whole input (weighted by their class
@@ -297,7 +296,7 @@ def tiled_token_logprobs(
     shift: bool = False,
     mask: torch.Tensor | None = None,
     ignore_index: int = -100,
-    num_tiles: int | str = "auto",
+    num_tiles: int | str | TilePolicy = "auto",
     tile_tokens: int | None = None,
 ) -> Any:
     """Per-token log-probabilities of given tokens (and the entropy) under the LM head, without
@@ -369,7 +368,7 @@ def tiled_token_stats(
     shift: bool = False,
     mask: torch.Tensor | None = None,
     ignore_index: int = -100,
-    num_tiles: int | str = "auto",
+    num_tiles: int | str | TilePolicy = "auto",
     tile_tokens: int | None = None,
 ) -> TokenStats:
     """tiled_token_logprobs with a logit scale and the statistics RL trainers log.
@@ -415,7 +414,7 @@ def _token_head(
     shift: bool,
     mask: torch.Tensor | None,
     ignore_index: int,
-    num_tiles: int | str,
+    num_tiles: int | str | TilePolicy,
     tile_tokens: int | None,
     op: str,
 ) -> TokenStats:

@@ -4,7 +4,7 @@ Forms: a positive int (number of tiles), "arctic" (ceil(tokens / hidden), the pa
 "auto" (a memory-budget rule, below), "target:<GB>" (a memory target, below), or a
 tokens-per-tile count.
 
-"target:<GB>" (unsloth's memory-target mode): the fewest tiles whose working memory (the tile's
+"target:<GB>" (the memory-target mode of other frameworks' keys): the fewest tiles whose working memory (the tile's
 intermediates plus the float32 gradient accumulators, by the memory model) fits <GB> GiB;
 untiled when the untiled module's intermediates fit. Tiles are never smaller than one token.
 Modules without a fast path have no memory model: their intermediates are taken as those of a
@@ -30,44 +30,197 @@ tokens, 2 tiles at 16K, 4 at 32K, 10 at 128K (13K-token tiles), 31 at 512K (2 Gi
 For modules without a fast path "auto" uses the paper's rule beyond two tiles' worth of tokens
 and runs untiled below.
 
+A policy is a frozen `TilePolicy`, valid by construction: `TilePolicy.of(num_tiles, tile_tokens)`
+is the one place the Python spellings (an int, "auto", "arctic", "target:<GB>", tokens per tile)
+are checked; `TilePolicy.budget(gb)` builds the memory target from a number of GiB. Edges that
+read text (command lines, config files, other frameworks' keys) normalise it in tiledmlp.config
+and build the same objects; ops take a TilePolicy and never re-validate it per call.
+
 Invariant: the resolution depends only on the token count, the module's shapes, dtypes and device
 type, and the policy; never on free memory, so every rank with the same inputs gets the same
-plan. The planner resolves for an accelerator on fake CPU tensors with `assume_device`.
+plan. The planner resolves for an accelerator on fake CPU tensors with `assume_device`
+(ops/memory_model.py).
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Literal
 
-import torch
-
-from tiledmlp.ops.grads import fp32_epilogue
-from tiledmlp.ops.structure import MLPKind, MLPStructure
+from tiledmlp.ops.memory_model import (
+    ACCELERATOR_MAX_TILE_BYTES,
+    ACCELERATOR_MIN_TILE_TOKENS,
+    ACCELERATOR_SAVING,
+    GENERIC_WIDTH,
+    MemoryModel,
+    assume_device,
+)
 from tiledmlp.ops.tiles import TilePlan, arctic_num_tiles, split_by_tile_tokens, split_even
+from tiledmlp.ops.values import check_int, is_int, positive_number
 
-__all__ = ["MemoryModel", "assume_device", "resolve_plan", "validate_policy"]
+__all__ = [
+    "ACCELERATOR_MAX_TILE_BYTES",
+    "ACCELERATOR_MIN_TILE_TOKENS",
+    "ACCELERATOR_SAVING",
+    "GENERIC_WIDTH",
+    "MemoryModel",
+    "TilePolicy",
+    "assume_device",
+    "resolve_plan",
+    "target_bytes",
+    "validate_policy",
+]
 
-_NAMED = ("auto", "arctic")
+Rule = Literal["auto", "arctic", "count", "tokens", "target"]
 _TARGET = "target:"
-GENERIC_WIDTH = 4  # intermediate / hidden assumed for "target:<GB>" without a memory model
-ACCELERATOR_MIN_TILE_TOKENS = 8192
-ACCELERATOR_MAX_TILE_BYTES = 2 * 2**30
-ACCELERATOR_SAVING = 0.9
-_ASSUMED: list[str] = []  # device types set by assume_device, innermost last
+_POLICIES = "a positive int, 'auto', 'arctic' or 'target:<GB>'"
 
 
-@contextlib.contextmanager
-def assume_device(device_type: str) -> Iterator[None]:
-    """Within the block, "auto" resolves as on `device_type` whatever device the tensors are on
-    (the planner estimates a GPU's step on fake CPU tensors)."""
-    _ASSUMED.append(device_type)
+@dataclass(frozen=True)
+class TilePolicy:
+    """How a run of tokens is cut into tiles; valid by construction.
+
+    Build one with `TilePolicy.of(num_tiles, tile_tokens)` (the Python spellings) or
+    `TilePolicy.budget(gb)`; the fields are its canonical form.
+
+    Attributes:
+        rule: "auto", "arctic", "count" (a number of tiles), "tokens" (tokens per tile) or
+            "target" (a memory target, module docstring).
+        amount: the number of tiles ("count"), tokens per tile ("tokens") or GiB ("target");
+            0 for "auto" and "arctic".
+    """
+
+    rule: Rule = "auto"
+    amount: float = 0
+
+    def __post_init__(self) -> None:
+        if self.rule in ("auto", "arctic"):
+            ok = self.amount == 0
+        elif self.rule in ("count", "tokens"):
+            ok = is_int(self.amount)
+        else:
+            ok = self.rule == "target" and positive_number(self.amount) is not None
+        if not ok:
+            raise ValueError(
+                f"TilePolicy(rule={self.rule!r}, amount={self.amount!r}): expected rule 'auto' "
+                "or 'arctic' with amount 0, 'count' or 'tokens' with a positive int, or "
+                "'target' with a positive number of GiB; build it with TilePolicy.of(...)"
+            )
+
+    @classmethod
+    def of(
+        cls,
+        num_tiles: int | str | TilePolicy = "auto",
+        tile_tokens: int | None = None,
+        *,
+        name: str = "num_tiles",
+    ) -> TilePolicy:
+        """The policy of tiled_mlp's (num_tiles, tile_tokens) pair.
+
+        Args:
+            num_tiles: a positive int, "auto", "arctic", "target:<GB>" or a TilePolicy.
+            tile_tokens: tokens per tile instead of num_tiles (which must stay "auto").
+            name: what to call num_tiles in the message of a bad value.
+
+        Raises:
+            ValueError: a value of the wrong kind, or both num_tiles and tile_tokens.
+        """
+        if tile_tokens is not None:
+            check_int("tile_tokens", tile_tokens)
+            if num_tiles != "auto" and num_tiles != cls():
+                raise ValueError(
+                    f"give either num_tiles or tile_tokens, not both (got num_tiles="
+                    f"{num_tiles!r}, tile_tokens={tile_tokens!r}); leave num_tiles at its "
+                    "default 'auto'."
+                )
+            return cls("tokens", tile_tokens)
+        if isinstance(num_tiles, TilePolicy):
+            return num_tiles
+        if num_tiles == "auto":
+            return cls("auto")
+        if num_tiles == "arctic":
+            return cls("arctic")
+        if isinstance(num_tiles, str) and num_tiles.startswith(_TARGET):
+            return cls("target", _gib(num_tiles, name))
+        if is_int(num_tiles):
+            return cls("count", num_tiles)
+        raise ValueError(f"{name} must be {_POLICIES}, got {num_tiles!r}")
+
+    @classmethod
+    def budget(cls, gb: float) -> TilePolicy:
+        """The memory target of `gb` GiB per MLP (a positive number)."""
+        return cls("target", gb)
+
+    @property
+    def num_tiles(self) -> int | str:
+        """The policy as tiled_mlp's num_tiles: an int, "auto", "arctic" or "target:<GB>"
+        ("auto" for tokens per tile, which is `tile_tokens`)."""
+        if self.rule == "count":
+            return int(self.amount)
+        if self.rule == "target":
+            return f"{_TARGET}{self.amount:g}"
+        return "arctic" if self.rule == "arctic" else "auto"
+
+    @property
+    def tile_tokens(self) -> int | None:
+        """Tokens per tile, or None for the other rules."""
+        return int(self.amount) if self.rule == "tokens" else None
+
+    @property
+    def target_bytes(self) -> float | None:
+        """The byte budget of a memory target, or None for the other rules."""
+        return self.amount * 2**30 if self.rule == "target" else None
+
+    def for_loss(self) -> TilePolicy:
+        """The tiled loss's policy: the same number of tiles, else "auto" (the MLP-only rules
+        "arctic", "target:<GB>" and tokens per tile have no meaning for the LM head)."""
+        return self if self.rule == "count" else TilePolicy()
+
+    def resolve(
+        self,
+        num_tokens: int,
+        hidden_size: int,
+        model: MemoryModel | None,
+        element_size: int = 4,
+    ) -> TilePlan | None:
+        """The tile plan for a call, or None to run the module untiled ("auto" and "target").
+
+        Args:
+            num_tokens: flattened tokens of the input.
+            hidden_size: last dim of the input.
+            model: memory model of a recognised MLP, or None for the generic path.
+            element_size: bytes per element of the input (the generic path's "target").
+        """
+        if self.rule == "target":
+            budget = self.amount * 2**30
+            return _target_plan(budget, num_tokens, hidden_size, model, element_size)
+        if self.rule == "tokens":
+            return split_by_tile_tokens(num_tokens, int(self.amount))
+        if self.rule == "count":
+            return split_even(num_tokens, int(self.amount))
+        if self.rule == "arctic":
+            return split_even(num_tokens, arctic_num_tiles(num_tokens, hidden_size))
+        return _auto_plan(num_tokens, hidden_size, model)
+
+    def __str__(self) -> str:
+        if self.rule == "tokens":
+            return f"tile_tokens={int(self.amount)}"
+        return str(self.num_tiles)
+
+
+def _gib(text: str, name: str) -> float:
+    """The GiB of a "target:<GB>" string."""
     try:
-        yield
-    finally:
-        _ASSUMED.pop()
+        gb = float(text[len(_TARGET) :])
+    except ValueError:
+        gb = -1.0
+    if not math.isfinite(gb) or gb <= 0:
+        raise ValueError(
+            f"{name} {text!r}: expected 'target:<GB>' with a positive number of GiB, "
+            "e.g. 'target:2' or 'target:0.5'"
+        )
+    return gb
 
 
 def target_bytes(num_tiles: object) -> float | None:
@@ -78,149 +231,31 @@ def target_bytes(num_tiles: object) -> float | None:
     """
     if not isinstance(num_tiles, str) or not num_tiles.startswith(_TARGET):
         return None
-    text = num_tiles[len(_TARGET) :]
-    try:
-        gb = float(text)
-    except ValueError:
-        gb = -1.0
-    if not math.isfinite(gb) or gb <= 0:
-        raise ValueError(
-            f"num_tiles {num_tiles!r}: expected 'target:<GB>' with a positive number of GiB, "
-            "e.g. 'target:2' or 'target:0.5'"
-        )
-    return gb * 2**30
+    return _gib(num_tiles, "num_tiles") * 2**30
 
 
 def validate_policy(num_tiles: object, tile_tokens: object) -> None:
-    """Raises ValueError unless (num_tiles, tile_tokens) is an allowed combination."""
-    if tile_tokens is not None:
-        if isinstance(tile_tokens, bool) or not isinstance(tile_tokens, int) or tile_tokens < 1:
-            raise ValueError(f"tile_tokens must be a positive int or None, got {tile_tokens!r}")
-        if num_tiles != "auto":
-            raise ValueError(
-                f"give either num_tiles or tile_tokens, not both (got num_tiles={num_tiles!r}, "
-                f"tile_tokens={tile_tokens!r}); leave num_tiles at its default 'auto'."
-            )
-        return
-    if isinstance(num_tiles, str) and (num_tiles in _NAMED or target_bytes(num_tiles)):
-        return
-    if isinstance(num_tiles, bool) or not isinstance(num_tiles, int) or num_tiles < 1:
-        raise ValueError(
-            "num_tiles must be a positive int, 'auto', 'arctic' or 'target:<GB>', got "
-            f"{num_tiles!r}"
-        )
-
-
-@dataclass(frozen=True)
-class MemoryModel:
-    """Bytes a recognised MLP needs beyond weights, grads, input, output and their gradients.
-
-    Coefficients count (tokens, intermediate) tensors alive at the peak; measured with the
-    torch.profiler memory timeline (tests/test_memory.py holds them to it).
-    """
-
-    structure: MLPStructure
-    compute_dtype: torch.dtype
-    # The structure's parameters as the op uses them (weight, bias per linear, None where no
-    # bias); default: read from the structure. The op passes the tensors it already holds, so a
-    # parametrized weight (spectral_norm) is evaluated once per call, as in the untiled module.
-    params: tuple[torch.Tensor | None, ...] | None = None
-
-    def _params(self) -> list[torch.Tensor]:
-        params = self.params if self.params is not None else self.structure.params()
-        return [p for p in params if p is not None]
-
-    # (tokens, intermediate) tensors above weights/grads/x/y/dy/dx at the peak of a step,
-    # measured at long sequences (fp32, h256/m768): untiled SwiGLU 5.5, untiled plain 2.6;
-    # tiled per tile 5 (gated) and 4 (plain), see fast.py.
-    UNTILED_GATED = 5.5
-    UNTILED_PLAIN = 2.5
-    TILED_GATED = 5.0
-    TILED_PLAIN = 4.0
-    # Tile only where the model predicts at most half the untiled intermediates: at short
-    # sequences the untiled peak overlaps less with the gradients and sits below the model.
-    MARGIN = 0.5
-
-    @property
-    def _elem(self) -> int:
-        return torch.empty((), dtype=self.compute_dtype).element_size()
-
-    def untiled_bytes(self, tokens: int) -> float:
-        c = self.UNTILED_PLAIN if self.structure.kind is MLPKind.PLAIN else self.UNTILED_GATED
-        return c * tokens * self.structure.intermediate_size * self._elem
-
-    def tiled_bytes(self, tile_tokens: int) -> float:
-        c = self.TILED_PLAIN if self.structure.kind is MLPKind.PLAIN else self.TILED_GATED
-        return c * tile_tokens * self.structure.intermediate_size * self._elem + self._acc_bytes()
-
-    def _acc_bytes(self) -> float:
-        """Extra bytes of grads.GradSlot: a float32 accumulator beside the final low-precision
-        gradient for every parameter whose gradient is not summed in place, and one shared
-        scratch in the compute dtype where the GEMM cannot accumulate in float32 (see
-        grads.py)."""
-        wide = (torch.float32, torch.float64)
-        params = self._params()
-        indirect = [p for p in params if not (p.dtype == self.compute_dtype and p.dtype in wide)]
-        if not indirect:
-            return 0.0
-        acc = sum(4 * p.numel() for p in indirect if p.dtype not in wide)
-        if fp32_epilogue(indirect[0].device, self.compute_dtype):
-            return acc  # tile products accumulate in the GEMM: no scratch
-        return acc + max(p.numel() for p in indirect) * self._elem
-
-    def weight_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self._params())
-
-    @property
-    def on_accelerator(self) -> bool:
-        """Whether the "auto" rule is the accelerator's (module docstring)."""
-        if _ASSUMED:
-            return _ASSUMED[-1] != "cpu"
-        params = self._params()
-        return bool(params) and params[0].device.type not in ("cpu", "meta")
-
-    def accelerator_tile_tokens(self, num_tokens: int) -> int:
-        """The accelerator's "auto" tile size for `num_tokens` tokens (module docstring)."""
-        fixed = self.tiled_bytes(0)
-        per_token = self.tiled_bytes(1) - fixed
-        reachable = self.untiled_bytes(num_tokens) - fixed
-        keep = int((1 - ACCELERATOR_SAVING) * reachable // per_token) if per_token > 0 else 0
-        cap = int(ACCELERATOR_MAX_TILE_BYTES // per_token) if per_token > 0 else keep
-        return max(ACCELERATOR_MIN_TILE_TOKENS, min(keep, cap))
-
-    def auto_tile_tokens(self) -> int:
-        c = self.TILED_PLAIN if self.structure.kind is MLPKind.PLAIN else self.TILED_GATED
-        per_token = c * self.structure.intermediate_size * self._elem
-        return max(1, int(self.weight_bytes() // per_token))
+    """Raises ValueError unless (num_tiles, tile_tokens) is an allowed combination (see
+    TilePolicy.of)."""
+    TilePolicy.of(num_tiles, tile_tokens)  # type: ignore[arg-type]
 
 
 def resolve_plan(
-    num_tiles: int | str,
+    num_tiles: int | str | TilePolicy,
     tile_tokens: int | None,
     num_tokens: int,
     hidden_size: int,
     model: MemoryModel | None,
     element_size: int = 4,
 ) -> TilePlan | None:
-    """The tile plan for a call, or None to run the module untiled ("auto" and "target:<GB>").
+    """TilePolicy.of(num_tiles, tile_tokens).resolve(...): the tile plan for a call, or None to
+    run the module untiled."""
+    policy = TilePolicy.of(num_tiles, tile_tokens)
+    return policy.resolve(num_tokens, hidden_size, model, element_size)
 
-    Args:
-        num_tiles: int, "auto", "arctic" or "target:<GB>" (validated by validate_policy).
-        tile_tokens: tokens per tile, or None.
-        num_tokens: flattened tokens of the input.
-        hidden_size: last dim of the input.
-        model: memory model of a recognised MLP, or None for the generic path.
-        element_size: bytes per element of the input (the generic path's "target:<GB>").
-    """
-    budget = target_bytes(num_tiles)
-    if budget is not None:
-        return _target_plan(budget, num_tokens, hidden_size, model, element_size)
-    if tile_tokens is not None:
-        return split_by_tile_tokens(num_tokens, tile_tokens)
-    if isinstance(num_tiles, int):
-        return split_even(num_tokens, num_tiles)
-    if num_tiles == "arctic":
-        return split_even(num_tokens, arctic_num_tiles(num_tokens, hidden_size))
+
+def _auto_plan(num_tokens: int, hidden_size: int, model: MemoryModel | None) -> TilePlan | None:
+    """The "auto" rule (module docstring): CPU, accelerator, or without a memory model."""
     if model is None:
         if num_tokens < 2 * hidden_size:
             return None

@@ -12,6 +12,8 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from tiledmlp.ops.values import check_int
+
 __all__ = ["TileCount", "TilePlan", "arctic_num_tiles", "split_by_tile_tokens", "split_even"]
 
 
@@ -84,8 +86,7 @@ def arctic_num_tiles(num_tokens: int, hidden_size: int) -> int:
 
 
 def _check_count(name: str, value: int, *, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+    check_int(name, value, minimum=minimum)
 
 
 @dataclass

@@ -34,6 +34,7 @@ from torch import nn
 from tiledmlp.ops.probe import stand_ins
 from tiledmlp.ops.structure import recognise
 from tiledmlp.ops.untiled import UntiledCall
+from tiledmlp.patching.state import original_forward
 
 __all__ = ["Candidate", "Detection", "detect_mlps", "hidden_size_of", "norms_of"]
 
@@ -224,7 +225,7 @@ def _token_wise_everywhere(m: nn.Module, inputs: list[torch.Tensor], hidden: int
     a whole model or a decoder layer, which need other inputs) and then at independent random
     weights (at its own, a zero-initialised output projection makes any module look
     token-wise). Buffers are clones in both runs."""
-    call = UntiledCall(m, _original_forward(m))
+    call = UntiledCall(m, original_forward(m))
     recorded = [_recorded(t) for t in inputs]
     for random_params in (False, True):
         with probing(m), stand_ins(m, random_params=random_params), _as_training_records():
@@ -242,12 +243,6 @@ def _as_training_records() -> contextlib.AbstractContextManager[object]:
 
 def _recorded(t: torch.Tensor) -> torch.Tensor:
     return t.detach().requires_grad_(t.is_floating_point())
-
-
-def _original_forward(m: nn.Module) -> Any:
-    from tiledmlp.patching.patch import original_forward
-
-    return original_forward(m)
 
 
 def _experts_count(m: nn.Module) -> int | None:
@@ -350,7 +345,7 @@ def detect_mlps(model: nn.Module, hidden: int) -> Detection:
                     )
                 )
             continue
-        structure = recognise(m, UntiledCall(m, _original_forward(m)))
+        structure = recognise(m, UntiledCall(m, original_forward(m)))
         if structure is not None:
             candidates.append(Candidate(name, m, "fast", structure.kind.value))
             chosen.append(name)

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from tiledmlp.ops.loss import tiled_cross_entropy
+from tiledmlp.ops.policy import TilePolicy
 from tiledmlp.ops.probe import stand_ins
 from tiledmlp.patching.bound import BoundForward, bind
 from tiledmlp.patching.detect import probing, text_config
@@ -71,7 +72,7 @@ def register_on_loss_patch(hook: Callable[[nn.Module], None]) -> None:
 @dataclass
 class _LossState:
     saved: Any  # replaced instance-level forward, or None
-    num_tiles: int | str
+    num_tiles: TilePolicy
     # False once unpatched while another forward sat over ours: ours stays in that forward's
     # chain as a pure pass-through to `saved`
     active: bool = True
@@ -299,8 +300,9 @@ def _large_logits(model: nn.Module, head: nn.Module, ids: torch.Tensor) -> Itera
         head._parameters["weight"] = weight
 
 
-def patch_loss(model: nn.Module, num_tiles: int | str = "auto") -> str | None:
-    """Routes the training loss of `model` through tiled_cross_entropy.
+def patch_loss(model: nn.Module, num_tiles: TilePolicy) -> str | None:
+    """Routes the training loss of `model` through tiled_cross_entropy, with the tile policy
+    `num_tiles` (a loss policy: a count, tokens per tile or "auto"; PatchConfig.loss_policy).
 
     A PEFT model (PeftModel and kin, which call their base model's forward with the labels) has
     the causal LM it wraps patched.

@@ -11,17 +11,18 @@ gradients; calling patch_model again is idempotent (same arguments) or updates t
 
 from __future__ import annotations
 
+import inspect
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
-from tiledmlp.config import TiledMLPConfig
+from tiledmlp.config.patch import PatchConfig
+from tiledmlp.config.tiled import TiledMLPConfig
 from tiledmlp.ops.functional import tiled_mlp
-from tiledmlp.ops.loss import loss_policy
+from tiledmlp.ops.policy import TilePolicy
 from tiledmlp.ops.structure import recognise
 from tiledmlp.ops.tiles import TileCount
 from tiledmlp.ops.untiled import UntiledCall
@@ -31,6 +32,7 @@ from tiledmlp.patching.checks import backend_for, run_checks
 from tiledmlp.patching.detect import Candidate, detect_mlps, hidden_size_of, norms_of
 from tiledmlp.patching.loss import loss_patched, patch_loss, unpatch_loss
 from tiledmlp.patching.offloading import install_offloading, offloader_of, remove_offloading
+from tiledmlp.patching.state import STATE, PatchState, original_forward
 from tiledmlp.sequence_parallel.attention import install as install_sp
 from tiledmlp.sequence_parallel.attention import installed_groups as sp_installed
 from tiledmlp.sequence_parallel.attention import remove as remove_sp
@@ -42,24 +44,13 @@ __all__ = [
     "patch_model",
     "patch_report",
     "tile_counts",
+    "tiled_forward",
     "unpatch_model",
 ]
 
 logger = logging.getLogger(__name__)
 
-_STATE = "_tiledmlp_patch"
 _AGREEMENT = "_tiledmlp_agreement"
-
-
-@dataclass
-class _PatchState:
-    saved: Any  # the instance-level forward that was replaced; None when the class's was in use
-    config: TiledMLPConfig
-    path: str
-    kind: str
-    per_token_args: int
-    step: StepTokens
-    count: TileCount = field(default_factory=TileCount)
 
 
 @dataclass(frozen=True)
@@ -111,7 +102,7 @@ def patch_report(model: nn.Module) -> PatchReport | None:
     paths: dict[str, str] = {}
     config = None
     for name, module in model.named_modules():
-        state = module.__dict__.get(_STATE)
+        state = module.__dict__.get(STATE)
         if state is None:
             continue
         config = state.config
@@ -131,68 +122,58 @@ def patch_report(model: nn.Module) -> PatchReport | None:
     return PatchReport(sorted(paths), paths, [], config or TiledMLPConfig(), loss, offloading, sp)
 
 
-def original_forward(module: nn.Module) -> Callable[..., Any]:
-    """The module's forward as it was before patching (bound), or its current forward."""
-    state = module.__dict__.get(_STATE)
-    if state is None:
-        return module.forward
-    if state.saved is None:
-        return type(module).forward.__get__(module)
-    return state.saved  # type: ignore[no-any-return]
-
-
-def forward(self: nn.Module, x: Any, *args: Any, **kwargs: Any) -> Any:
+def tiled_forward(self: nn.Module, x: Any, *args: Any, **kwargs: Any) -> Any:
     """The tiled forward installed on patched modules (bound to the instance with
     patching.bound.bind, so a deepcopy or an unpickled copy of a patched model runs its own
     weights)."""
-    state: _PatchState = self.__dict__[_STATE]
+    state: PatchState = self.__dict__[STATE]
     orig = original_forward(self)
     if kwargs or len(args) != state.per_token_args or not isinstance(x, torch.Tensor):
         return orig(x, *args, **kwargs)  # an unexpected call shape: leave it untiled
     run_checks(self)
-    cfg = state.config
     return tiled_mlp(
         self,
         x,
         *args,
-        num_tiles=cfg.num_tiles,
-        tile_tokens=cfg.tile_tokens,
+        num_tiles=state.config.policy,
         forward=orig,
         backend=backend_for(self),
         plan_tokens=state.step.value,
         count=state.count,
-        kernels=cfg.kernels,
+        kernels=state.config.kernels,
     )
 
 
 def _ours_on_top(module: nn.Module) -> bool:
     fwd = module.__dict__.get("forward")
-    return isinstance(fwd, BoundForward) and fwd.func is forward and fwd.module is module
+    return isinstance(fwd, BoundForward) and fwd.func is tiled_forward and fwd.module is module
 
 
 def _patch_one(
     module: nn.Module, cand: Candidate, config: TiledMLPConfig, step: StepTokens
 ) -> None:
-    existing = module.__dict__.get(_STATE)
+    existing = module.__dict__.get(STATE)
     if existing is not None:
         existing.config = config  # idempotent; a new policy replaces the old one
         existing.step = step
         return
-    state = _PatchState(
+    state = PatchState(
         module.__dict__.get("forward"), config, cand.path, cand.kind, cand.per_token_args, step
     )
-    module.__dict__[_STATE] = state
-    module.forward = bind(forward, module, original_forward)  # type: ignore[method-assign]
+    module.__dict__[STATE] = state
+    module.forward = bind(tiled_forward, module, original_forward)  # type: ignore[method-assign]
 
 
 def patch_model(
     model: nn.Module,
+    config: PatchConfig | None = None,
     *,
-    num_tiles: int | str = "auto",
+    num_tiles: int | str | TilePolicy = "auto",
     tile_tokens: int | None = None,
     generic: bool = False,
     hidden_size: int | None = None,
     tiled_loss: bool = False,
+    loss_num_tiles: int | str | None = None,
     activation_offloading: bool = False,
     tiled_norms: bool = False,
     tiled_mlp: bool = True,
@@ -209,94 +190,87 @@ def patch_model(
 
     Args:
         model: a Hugging Face causal LM or any nn.Module containing MLPs.
-        num_tiles: a positive int, "auto", "arctic" or "target:<GB>" (see tiled_mlp).
-        tile_tokens: tokens per tile, instead of num_tiles.
-        generic: also tile token-wise MLP-like modules whose structure is not recognised, with
-            the generic path (otherwise they are an error).
-        hidden_size: the hidden size of the MLPs; default: model.config.hidden_size or the
-            embedding dimension.
-        tiled_loss: also compute the training loss (when labels are given) with
-            tiled_cross_entropy, so the logits never exist at once (see patching/loss.py);
-            outputs without labels are unchanged.
-        activation_offloading: also keep the inputs of the model's checkpointed layers in host
-            memory between the forward and their recompute (see patching/offloading.py);
-            needs the model's own non-reentrant gradient checkpointing, checked at each
-            training forward (it may be enabled after this call).
-        tiled_norms: also tile the model's normalisation layers (LayerNorm / RMSNorm over the
-            hidden size, the final norm included) with the generic path: their float32
-            intermediates (several tokens x hidden x 4 bytes each, the largest part of a
-            checkpointed layer's recompute once the MLP is tiled) then exist one tile at a
-            time.
-        tiled_mlp: False leaves the MLPs alone (e.g. `tiled_mlp=False, tiled_loss=True`: the
-            tiled loss only); then an option that cannot be applied is an error, not a note.
-        sequence_parallel_size: P > 1 makes the attention sequence-parallel (Ulysses) over P
-            ranks of the initialised process group (consecutive ranks form a group; see
-            tiledmlp.sequence_parallel): every forward then takes this rank's shard of each
-            sequence with its position_ids (tiledmlp.sequence_parallel.shard_batch), and the
-            model's loss (given the shard's shift_labels) is the exact token-weighted loss
-            over the whole sequences, gradients scaled for engines that average over the
-            world. Call it on every rank before an engine wraps the model. 1 or None: no
-            change.
-        sequence_parallel_group: a process group of P ranks to use instead of the consecutive
-            ones (every rank passes its own group).
-        kernels: let the fast path use the fused Triton elementwise kernels where they can run
-            (CUDA; see tiled_mlp). False: PyTorch only.
+        config: a PatchConfig (tiledmlp.PatchConfig), instead of the keyword arguments, which
+            are its fields (the tile policy as num_tiles / tile_tokens, the loss's as
+            loss_num_tiles):
+
+            - num_tiles: a positive int, "auto", "arctic" or "target:<GB>" (see tiled_mlp), or
+              a TilePolicy.
+            - tile_tokens: tokens per tile, instead of num_tiles.
+            - generic: also tile token-wise MLP-like modules whose structure is not
+              recognised, with the generic path (otherwise they are an error).
+            - hidden_size: the hidden size of the MLPs; default: model.config.hidden_size or
+              the embedding dimension.
+            - tiled_loss: also compute the training loss (when labels are given) with
+              tiled_cross_entropy, so the logits never exist at once (see
+              patching/loss.py); outputs without labels are unchanged.
+            - loss_num_tiles: the loss's tiles (an int or "auto"); default: the MLPs' count,
+              or "auto" for the MLP-only policies.
+            - activation_offloading: also keep the inputs of the model's checkpointed layers
+              in host memory between the forward and their recompute (see
+              patching/offloading.py); needs the model's own non-reentrant gradient
+              checkpointing, checked at each training forward (it may be enabled later).
+            - tiled_norms: also tile the model's normalisation layers (LayerNorm / RMSNorm over
+              the hidden size, the final norm included) with the generic path: their float32
+              intermediates (several tokens x hidden x 4 bytes each, the largest part of a
+              checkpointed layer's recompute once the MLP is tiled) then exist one tile at a
+              time.
+            - tiled_mlp: False leaves the MLPs alone (e.g. `tiled_mlp=False, tiled_loss=True`:
+              the tiled loss only); then an option that cannot be applied is an error.
+            - sequence_parallel_size: P > 1 makes the attention sequence-parallel (Ulysses)
+              over P ranks of the initialised process group (consecutive ranks form a group;
+              see tiledmlp.sequence_parallel): every forward then takes this rank's shard of
+              each sequence with its position_ids (tiledmlp.sequence_parallel.shard_batch),
+              and the model's loss (given the shard's shift_labels) is the exact
+              token-weighted loss over the whole sequences, gradients scaled for engines that
+              average over the world. Call it on every rank before an engine wraps the model.
+              1 or None: no change.
+            - sequence_parallel_group: a process group of P ranks to use instead of the
+              consecutive ones (every rank passes its own group).
+            - kernels: let the fast path use the fused Triton elementwise kernels where they
+              can run (CUDA; see tiled_mlp). False: PyTorch only.
 
     Returns:
         A PatchReport.
 
     Raises:
+        TypeError: an unknown keyword argument, or both a config and keyword arguments.
         ValueError: no MLP was found, a module looks like an MLP but is not understood (and
-            generic is False), the hidden size cannot be determined, or a bad tile policy;
+            generic is False), the hidden size cannot be determined, or a bad option value;
             with sequence parallelism, sizes or heads that do not divide, no process group,
             an attention implementation other than sdpa / flash attention (before any
             collective runs).
     """
-    config = TiledMLPConfig(num_tiles=num_tiles, tile_tokens=tile_tokens, kernels=kernels)
-    sp = sequence_parallel_size not in (None, 1) or sequence_parallel_group is not None
-    if not (tiled_mlp or tiled_loss or tiled_norms or activation_offloading or sp):
-        raise ValueError(
-            "patch_model: nothing to do with tiled_mlp=False; ask for tiled_loss=True, "
-            "tiled_norms=True, activation_offloading=True or sequence_parallel_size=P"
-        )
-    sp_groups = _sequence_parallel_groups(model, sequence_parallel_size, sequence_parallel_group)
-    candidates: list[Candidate] = []
-    skipped: list[tuple[str, str]] = []
-    hidden = hidden_size if hidden_size is not None else hidden_size_of(model)
-    if hidden is None and (tiled_mlp or tiled_norms):
-        raise ValueError(
-            f"patch_model: cannot tell the hidden size of {type(model).__name__} (no "
-            "config.hidden_size and no nn.Embedding); pass hidden_size=..."
-        )
-    if tiled_mlp:
-        assert hidden is not None
-        candidates, skipped = _mlp_candidates(model, hidden, generic)
+    options = {
+        "num_tiles": num_tiles,
+        "tile_tokens": tile_tokens,
+        "generic": generic,
+        "hidden_size": hidden_size,
+        "tiled_loss": tiled_loss,
+        "loss_num_tiles": loss_num_tiles,
+        "activation_offloading": activation_offloading,
+        "tiled_norms": tiled_norms,
+        "tiled_mlp": tiled_mlp,
+        "sequence_parallel_size": sequence_parallel_size,
+        "sequence_parallel_group": sequence_parallel_group,
+        "kernels": kernels,
+    }
+    config = _config(config, options)
+    sp_groups = _sequence_parallel_groups(
+        model, config.sequence_parallel_size, config.sequence_parallel_group
+    )
+    candidates, skipped = _candidates(model, config)
     offloading = None
-    if activation_offloading:
+    if config.activation_offloading:
         install_offloading(model)
         offloading = "checkpointed layer inputs to host memory (all but the last layer's)"
-    if tiled_norms:
-        assert hidden is not None
-        taken = {id(c.module) for c in candidates}
-        candidates += [c for c in norms_of(model, hidden) if id(c.module) not in taken]
     if candidates:
         step = _step_agreement(model)
         for cand in candidates:
-            _patch_one(cand.module, cand, config, step)
+            _patch_one(cand.module, cand, config.mlp_config, step)
     loss = None
-    if tiled_loss:
-        # The loss probe runs the model on a few tokens without position_ids: never through
-        # the sequence-parallel attention (taken off for the probe, put back below).
-        current = sp_installed(model)
-        if current is not None:
-            remove_sp(model)
-            sp_groups = sp_groups or current
-        why = patch_loss(model, loss_policy(num_tiles, tile_tokens))
-        if why is not None and not tiled_mlp:
-            raise ValueError(
-                f"patch_model: the loss of {type(model).__name__} cannot be tiled: {why}"
-            )
-        loss = why or "tiled"
+    if config.tiled_loss:
+        loss, sp_groups = _patch_loss(model, config, sp_groups)
     sequence_parallel = None
     if sp_groups is not None:
         if sp_installed(model) is None:
@@ -307,26 +281,89 @@ def patch_model(
         )
     # The probes above ran the patched modules; tile_counts counts the model's own calls only.
     for module in model.modules():
-        state = module.__dict__.get(_STATE)
+        state = module.__dict__.get(STATE)
         if state is not None:
             state.count.calls = state.count.tiles = state.count.last = 0
     paths = {c.name: f"{c.path}: {c.kind}" for c in candidates}
-    report = PatchReport(sorted(paths), paths, skipped, config, loss, offloading, sequence_parallel)
+    report = PatchReport(
+        sorted(paths), paths, skipped, config.mlp_config, loss, offloading, sequence_parallel
+    )
     logger.info("%s", report)
     return report
+
+
+def _config(config: PatchConfig | None, options: dict[str, Any]) -> PatchConfig:
+    """patch_model's PatchConfig: the one given, or the keyword arguments'."""
+    if config is None:
+        return PatchConfig.from_kwargs(options)
+    if not isinstance(config, PatchConfig):
+        raise TypeError(
+            f"patch_model: config must be a PatchConfig, got {type(config).__name__}; pass "
+            "options by keyword (patch_model(model, num_tiles=4))"
+        )
+    given = sorted(k for k, v in options.items() if v is not _DEFAULTS[k] and v != _DEFAULTS[k])
+    if given:
+        raise TypeError(
+            f"patch_model: give a PatchConfig or keyword arguments, not both (got "
+            f"{', '.join(given)} beside config)"
+        )
+    return config
+
+
+_DEFAULTS = {
+    name: p.default
+    for name, p in inspect.signature(patch_model).parameters.items()
+    if p.kind is inspect.Parameter.KEYWORD_ONLY
+}
+
+
+def _candidates(
+    model: nn.Module, config: PatchConfig
+) -> tuple[list[Candidate], list[tuple[str, str]]]:
+    """The MLPs (and norms) to tile and the skipped candidates."""
+    if not (config.tiled_mlp or config.tiled_norms):
+        return [], []
+    hidden = config.hidden_size if config.hidden_size is not None else hidden_size_of(model)
+    if hidden is None:
+        raise ValueError(
+            f"patch_model: cannot tell the hidden size of {type(model).__name__} (no "
+            "config.hidden_size and no nn.Embedding); pass hidden_size=..."
+        )
+    candidates: list[Candidate] = []
+    skipped: list[tuple[str, str]] = []
+    if config.tiled_mlp:
+        candidates, skipped = _mlp_candidates(model, hidden, config.generic)
+    if config.tiled_norms:
+        taken = {id(c.module) for c in candidates}
+        candidates += [c for c in norms_of(model, hidden) if id(c.module) not in taken]
+    return candidates, skipped
+
+
+def _patch_loss(
+    model: nn.Module, config: PatchConfig, sp_groups: SequenceParallelGroups | None
+) -> tuple[str, SequenceParallelGroups | None]:
+    """Patches the loss; returns what the report says and the sequence-parallel groups to
+    (re)install."""
+    # The loss probe runs the model on a few tokens without position_ids: never through the
+    # sequence-parallel attention (taken off for the probe, put back by the caller).
+    current = sp_installed(model)
+    if current is not None:
+        remove_sp(model)
+        sp_groups = sp_groups or current
+    why = patch_loss(model, config.loss_policy)
+    if why is not None and not config.tiled_mlp:
+        raise ValueError(f"patch_model: the loss of {type(model).__name__} cannot be tiled: {why}")
+    return why or "tiled", sp_groups
 
 
 def _sequence_parallel_groups(
     model: nn.Module, size: int | None, group: Any
 ) -> SequenceParallelGroups | None:
     """The groups to install (None: no sequence parallelism asked); checks before any
-    collective that a model already sequence-parallel is asked for the same size."""
+    collective that a model already sequence-parallel is asked for the same size (`size` was
+    checked by PatchConfig)."""
     if size is None and group is None:
         return None
-    if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
-        raise ValueError(
-            f"patch_model: sequence_parallel_size must be a positive int, got {size!r}"
-        )
     current = sp_installed(model)
     if current is not None:
         if size is not None and size != current.sp_size:
@@ -397,9 +434,9 @@ def tile_counts(model: nn.Module) -> dict[str, TileCount]:
     the norms with tiled_norms), by qualified name (an untiled call counts 1 tile; `last` is
     the latest call's count). Calls made by patch_model's own probes are not counted."""
     return {
-        name: module.__dict__[_STATE].count
+        name: module.__dict__[STATE].count
         for name, module in model.named_modules()
-        if _STATE in module.__dict__
+        if STATE in module.__dict__
     }
 
 
@@ -425,7 +462,7 @@ def unpatch_model(model: nn.Module) -> list[str]:
         "installed over the tiled one, and removing ours would remove it too. Remove that one "
         "first (or leave the model patched)"
         for name, module in model.named_modules()
-        if _STATE in module.__dict__ and not _ours_on_top(module)
+        if STATE in module.__dict__ and not _ours_on_top(module)
     ]
     if covered:
         raise RuntimeError(f"unpatch_model: {covered[0]}")
@@ -440,7 +477,7 @@ def unpatch_model(model: nn.Module) -> list[str]:
     if remove_offloading(model):
         restored.append("<activation offloading>")
     for name, module in model.named_modules():
-        state = module.__dict__.pop(_STATE, None)
+        state = module.__dict__.pop(STATE, None)
         if state is None:
             continue
         if state.saved is None:

@@ -54,9 +54,10 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from tiledmlp.ops.functional import tiled_mlp
 from tiledmlp.ops.host_memory import offload_bytes
-from tiledmlp.ops.loss import loss_policy, tiled_cross_entropy
+from tiledmlp.ops.loss import tiled_cross_entropy
 from tiledmlp.ops.offload import ActivationOffloader
-from tiledmlp.ops.policy import assume_device
+from tiledmlp.ops.policy import TilePolicy, assume_device
+from tiledmlp.ops.values import check_int
 from tiledmlp.patching.detect import norms_of
 from tiledmlp.patching.offloading import before_forward, enable_checkpointing
 from tiledmlp.plan.device_overhead import DeviceOverhead, device_overhead
@@ -330,7 +331,7 @@ def _simulate(
                     head.weight,
                     ids,
                     bias=head.bias,
-                    num_tiles=loss_policy(num_tiles),
+                    num_tiles=TilePolicy.of(num_tiles).for_loss(),
                     shift=True,
                 )
             del hidden
@@ -481,8 +482,7 @@ def plan_model(
             cannot split over it.
     """
     p = sequence_parallel_size
-    if isinstance(p, bool) or not isinstance(p, int) or p < 1:
-        raise ValueError(f"sequence_parallel_size must be a positive int, got {p!r}")
+    check_int("sequence_parallel_size", p)
     if seq_len % p:
         raise ValueError(
             f"seq_len {seq_len} must be divisible by the sequence-parallel size {p} (each GPU "

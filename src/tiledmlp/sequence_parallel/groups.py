@@ -16,6 +16,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from tiledmlp.ops.values import check_int
 from tiledmlp.sequence_parallel.collectives import default_timeout
 
 __all__ = ["SequenceParallelGroups", "make_groups"]
@@ -74,11 +75,9 @@ def make_groups(sequence_parallel_size: int, group: Any = None) -> SequenceParal
             before any collective.
     """
     p = sequence_parallel_size
-    if isinstance(p, bool) or not isinstance(p, int) or p < 1:
-        raise ValueError(
-            f"tiledmlp: sequence_parallel_size must be an integer >= 1, got {p!r}; "
-            "use 1 to switch sequence parallelism off"
-        )
+    check_int(
+        "tiledmlp: sequence_parallel_size", p, hint="; use 1 to switch sequence parallelism off"
+    )
     if not dist.is_available() or not dist.is_initialized():
         raise ValueError(
             "tiledmlp: sequence parallelism needs a default process group, and none is "

@@ -3,13 +3,13 @@
 One name per option, the Hugging Face TrainingArguments name where one exists (max_steps,
 learning_rate, per_device_train_batch_size, ...). `options_from` accepts the same keys from any
 source, with dashes or underscores, today's short names (steps, lr, batch_size,
-deepspeed_config) and other frameworks' tiling keys (ms-swift's use_tiled_mlp / tiled_mlp_num_shards,
-axolotl's tiled_mlp: true, unsloth's tiled_mlp: "arctic" | "target:<GB>"; see
-patching/args.py). A config file is YAML (.yaml/.yml) or JSON holding those keys; command-line
-flags override it.
+deepspeed_config) and other frameworks' keys for tiledmlp's features (ms-swift's use_tiled_mlp
+/ tiled_mlp_num_shards, axolotl's tiled_mlp: true, unsloth's tiled_mlp: "arctic" |
+"target:<GB>", ...), read by tiledmlp.config.read_keys (the key table is in config/keys.py). A
+config file is YAML (.yaml/.yml) or JSON holding those keys; command-line flags override it.
 
-Invariant: every value is checked here, once, with a message naming the option, what was
-expected and how to fix it; nothing later re-interprets an option.
+Invariant: every value is parsed here, once, by the parsers of tiledmlp.config, with a message
+naming the option, what was expected and how to fix it; nothing later re-interprets an option.
 """
 
 from __future__ import annotations
@@ -22,7 +22,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tiledmlp.patching.args import parse_bool, parse_tiles, tiling_from_args
+from tiledmlp.config.keys import KEYS, PREFIX, read_keys
+from tiledmlp.config.patch import PatchConfig
+from tiledmlp.config.values import DTYPES, parse_bool, parse_dtype
+from tiledmlp.ops.policy import TilePolicy
+from tiledmlp.ops.values import check_int
 from tiledmlp.train.presets import PRESETS
 
 __all__ = [
@@ -42,17 +46,6 @@ ALIASES = {
     "batch_size": "per_device_train_batch_size",
     "deepspeed_config": "deepspeed",
 }
-# spelling -> dtype name
-DTYPES = {
-    "float32": "float32",
-    "fp32": "float32",
-    "float": "float32",
-    "bfloat16": "bfloat16",
-    "bf16": "bfloat16",
-    "float16": "float16",
-    "fp16": "float16",
-    "half": "float16",
-}
 ENGINES = ("auto", "single", "ddp", "fsdp2", "deepspeed")
 SCHEDULES = (
     "linear",
@@ -64,7 +57,16 @@ SCHEDULES = (
     "inverse_sqrt",
     "warmup_stable_decay",
 )
-_SEED_KEYS = ("use_tiled_mlp", "tiled_mlp", "tiled_mlp_num_shards", "tile_budget_gb")
+# PatchConfig field (config/keys.py) -> TrainOptions field, for the keys read by read_keys
+_FEATURE_FIELDS = {
+    "tiled_mlp": "use_tiled_mlp",
+    "tiles": "num_tiles",
+    "tiled_loss": "tiled_loss",
+    "tiled_norms": "tiled_norms",
+    "activation_offloading": "activation_offloading",
+    "sequence_parallel_size": "sequence_parallel_size",
+}
+_FEATURE_KEYS = tuple(k for k, spec in KEYS.items() if spec.field in _FEATURE_FIELDS)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -113,6 +115,7 @@ class TrainOptions:
     ddp_timeout: int = 1800
 
     def __post_init__(self) -> None:
+        TilePolicy.of(self.num_tiles, name="--num-tiles")
         _check_positive("sequence_parallel_size", self.sequence_parallel_size)
         if self.seq_len % self.sequence_parallel_size:
             p = self.sequence_parallel_size
@@ -141,7 +144,7 @@ class TrainOptions:
             raise ValueError(
                 f"--max-grad-norm must be >= 0 (0: no clipping), got {self.max_grad_norm}"
             )
-        if self.dtype not in ("float32", "bfloat16", "float16"):
+        if self.dtype not in set(DTYPES.values()):
             raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.engine not in ENGINES:
             raise ValueError(f"--engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
@@ -203,6 +206,22 @@ class TrainOptions:
                 "model directory (save_pretrained output, e.g. a previous --output-dir)"
             )
 
+    def patch_config(self) -> PatchConfig | None:
+        """What patch_model applies for this run (None: nothing): the tiled MLPs with their
+        loss and norms when --use-tiled-mlp, offloading and sequence parallelism either way."""
+        tiled = self.use_tiled_mlp
+        if not (tiled or self.activation_offloading or self.sequence_parallel_size > 1):
+            return None
+        return PatchConfig(
+            tiles=TilePolicy.of(self.num_tiles),
+            tiled_mlp=tiled,
+            tiled_loss=tiled and self.tiled_loss,
+            tiled_norms=tiled and self.tiled_norms,
+            activation_offloading=self.activation_offloading,
+            sequence_parallel_size=self.sequence_parallel_size,
+            kernels=self.kernels,
+        )
+
     def resolved_engine(self, world_size: int) -> str:
         """single, ddp, fsdp2 or deepspeed, from --engine, --deepspeed, --fsdp and the world."""
         if self.engine != "auto":
@@ -215,8 +234,7 @@ class TrainOptions:
 
 
 def _check_positive(name: str, value: int) -> None:
-    if value < 1:
-        raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    check_int(f"--{name.replace('_', '-')}", value)
 
 
 def read_config_file(path: Path) -> dict[str, Any]:
@@ -249,13 +267,15 @@ def read_config_file(path: Path) -> dict[str, Any]:
 
 
 def known_keys() -> set[str]:
-    """Every canonical option name, and other frameworks' tiling keys."""
-    return {f.name for f in dataclasses.fields(TrainOptions)} | set(_SEED_KEYS)
+    """Every canonical option name, and other frameworks' keys for the same options (also
+    with the prefix tiledmlp_)."""
+    features = {*_FEATURE_KEYS, *(PREFIX + k for k in _FEATURE_KEYS)}
+    return {f.name for f in dataclasses.fields(TrainOptions)} | features
 
 
 def canonical_key(raw: str) -> str:
     """An option's canonical name from any spelling (dashes, leading --, aliases); other
-    frameworks' tiling keys are kept as they are."""
+    frameworks' keys are kept as they are (read_keys maps them)."""
     key = str(raw).strip().lstrip("-").replace("-", "_")
     return ALIASES.get(key, key)
 
@@ -273,30 +293,23 @@ def options_from(values: Mapping[str, Any], source: str = "option") -> TrainOpti
     """
     fields = {f.name: f for f in dataclasses.fields(TrainOptions)}
     canonical: dict[str, Any] = {}
-    seeds: dict[str, Any] = {}
+    features: dict[str, Any] = {}
     for raw, value in values.items():
         key = canonical_key(raw)
-        if key in _SEED_KEYS:
-            seeds[key] = value
+        if key.removeprefix(PREFIX) in _FEATURE_KEYS:
+            if key in features and features[key] != value:
+                raise ValueError(f"{source} {key} given twice with different values")
+            features[key] = value
             continue
         if key not in fields:
-            known = sorted({*fields, *ALIASES, *_SEED_KEYS})
+            known = sorted({*fields, *ALIASES, *_FEATURE_KEYS})
             raise ValueError(f"unknown {source} {raw!r}; known: {', '.join(known)}")
         converted = _convert(key, value, fields[key].type)
         if key in canonical and canonical[key] != converted:
             raise ValueError(f"{source} {key} given twice with different values")
         canonical[key] = converted
-    if seeds:
-        enabled, policy = tiling_from_args(seeds)
-        if "use_tiled_mlp" in seeds or "tiled_mlp" in seeds:
-            canonical["use_tiled_mlp"] = enabled
-        if policy != "auto":
-            if canonical.get("num_tiles", policy) != policy:
-                raise ValueError(
-                    f"give the tile policy once: num_tiles {canonical['num_tiles']!r} and the "
-                    f"ms-swift / axolotl / unsloth keys tiled_mlp / tiled_mlp_num_shards / tile_budget_gb {policy!r} disagree"
-                )
-            canonical["num_tiles"] = policy
+    for field, kv in read_keys(features, only=tuple(_FEATURE_FIELDS), what=source).items():
+        canonical[_FEATURE_FIELDS[field]] = kv.value.num_tiles if field == "tiles" else kv.value
     return TrainOptions(**canonical)
 
 
@@ -307,13 +320,8 @@ def _convert(key: str, value: Any, kind: Any) -> Any:
         if "None" in text:
             return None
         raise ValueError(f"{name} needs a value")
-    if key == "num_tiles":
-        return parse_tiles(value, name)
     if key == "dtype":
-        spelled = str(value).strip().lower().removeprefix("torch.")
-        if spelled not in DTYPES:
-            raise ValueError(f"{name} must be one of {', '.join(DTYPES)}, got {value!r}")
-        return DTYPES[spelled]
+        return parse_dtype(value, name)
     if key == "report_to" and isinstance(value, list | tuple):
         return ",".join(map(str, value)) or "none"
     base = text.replace(" | None", "")

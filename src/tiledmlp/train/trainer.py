@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from tiledmlp.bench.memory import proc_status_bytes
 from tiledmlp.patching import patch_model, tile_counts
-from tiledmlp.patching.offloading import enable_checkpointing, install_offloading, offloader_of
+from tiledmlp.patching.offloading import enable_checkpointing, offloader_of
 from tiledmlp.sequence_parallel.collectives import guarded
 from tiledmlp.train.callbacks import InterruptToSave, MetricsFile, Progress, StepLosses, StopAtStep
 from tiledmlp.train.checkpoints import STAGING, publish, resolve_resume
@@ -448,22 +448,8 @@ def run(opts: TrainOptions) -> dict[str, Any]:
     train_set, eval_set = _sequences(build, tokenizer, world // sp)
     if opts.gradient_checkpointing:
         enable_checkpointing(model)
-    report = None
-    if opts.use_tiled_mlp:
-        report = patch_model(
-            model,
-            num_tiles=opts.num_tiles,
-            tiled_loss=opts.tiled_loss,
-            activation_offloading=opts.activation_offloading,
-            tiled_norms=opts.tiled_norms,
-            sequence_parallel_size=sp,
-            kernels=opts.kernels,
-        )
-    else:
-        if opts.activation_offloading:
-            install_offloading(model)
-        if sp > 1:
-            patch_model(model, tiled_mlp=False, sequence_parallel_size=sp)
+    config = opts.patch_config()
+    report = patch_model(model, config) if config is not None else None
 
     scratch = None
     if opts.output_dir is None:

@@ -1,0 +1,42 @@
+"""Typed configuration, parsed once at the edge.
+
+- `TilePolicy` (ops/policy.py): how tokens are cut into tiles; `TilePolicy.of(num_tiles,
+  tile_tokens)`, `TilePolicy.budget(gb)`; resolves to a plan from shapes; `for_loss()`.
+- `PatchConfig` (config/patch.py): everything patch_model does (MLPs, loss, norms, offloading,
+  sequence parallelism, the generic path); `PatchConfig.from_kwargs(kwargs)` is patch_model's.
+- `TiledMLPConfig` (config/tiled.py): the tile policy of one TiledMLP module.
+- `read_keys` (config/keys.py): our keys and other frameworks' (ms-swift / axolotl / unsloth)
+  from a dict, a Namespace, a config file's mapping or a training-arguments object, each
+  parsed once by the value parsers of config/values.py (flags, tile policies, GiB budgets,
+  counts, dtypes).
+
+Invariant: every check lives once, at construction; the layers below take these objects and
+never parse or validate them again.
+"""
+
+from tiledmlp.config.keys import KEYS, read_keys
+from tiledmlp.config.patch import PatchConfig
+from tiledmlp.config.tiled import TiledMLPConfig
+from tiledmlp.config.values import (
+    DTYPES,
+    parse_bool,
+    parse_budget_gb,
+    parse_dtype,
+    parse_int,
+    parse_tile_policy,
+)
+from tiledmlp.ops.policy import TilePolicy
+
+__all__ = [
+    "DTYPES",
+    "KEYS",
+    "PatchConfig",
+    "TiledMLPConfig",
+    "TilePolicy",
+    "parse_bool",
+    "parse_budget_gb",
+    "parse_dtype",
+    "parse_int",
+    "parse_tile_policy",
+    "read_keys",
+]

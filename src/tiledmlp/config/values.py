@@ -1,0 +1,108 @@
+"""Values as the edges spell them: flags, tile policies, GiB budgets, counts and dtypes from text
+(command lines, config files, other frameworks' keys) or from typed values.
+
+Each parser is the only place its value is read from text and raises ValueError with one
+message naming the option, what was expected and what was got. The typed objects they return
+(TilePolicy, bool, int, canonical dtype names) are what every layer below takes.
+
+Invariant: parsing an already canonical value returns it unchanged; below this module nothing
+reads these values from text again.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tiledmlp.ops.policy import TilePolicy
+from tiledmlp.ops.values import check_int, positive_number
+
+__all__ = [
+    "DTYPES",
+    "is_bool_text",
+    "parse_bool",
+    "parse_budget_gb",
+    "parse_dtype",
+    "parse_int",
+    "parse_tile_policy",
+]
+
+_TRUE = {"true", "1", "yes", "on"}
+_FALSE = {"false", "0", "no", "off", ""}
+
+# spelling -> torch dtype name (Hugging Face, DeepSpeed and torch spellings)
+DTYPES = {
+    "float32": "float32",
+    "fp32": "float32",
+    "float": "float32",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "fp16": "float16",
+    "half": "float16",
+}
+
+
+def parse_bool(value: Any, name: str = "use_tiled_mlp") -> bool:
+    """A flag: a bool, None (false) or true/false text (yes/no, on/off, 1/0)."""
+    if isinstance(value, bool) or value is None:
+        return bool(value)
+    if isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
+        return value.strip().lower() in _TRUE
+    raise ValueError(f"{name} must be true or false, got {value!r}")
+
+
+def is_bool_text(value: Any) -> bool:
+    """Whether parse_bool takes `value`."""
+    return isinstance(value, bool) or (
+        isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE
+    )
+
+
+def parse_tile_policy(value: Any, name: str = "num_tiles") -> TilePolicy:
+    """A tile policy: a TilePolicy, a positive int, "auto", "arctic", "target:<GB>" (also
+    "target: 2GB"), their text in any case, or None ("auto")."""
+    if value is None:
+        return TilePolicy()
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text.isdigit():
+            value = int(text)
+        elif text.startswith("target:"):
+            value = "target:" + text.removeprefix("target:").strip().removesuffix("gb").strip()
+        elif text in ("auto", "arctic"):
+            value = text
+    return TilePolicy.of(value, name=name)
+
+
+def parse_budget_gb(value: Any, name: str = "tile_budget_gb") -> TilePolicy:
+    """The memory-target policy of a budget in GiB: a positive number, or its text ("2",
+    "0.5gb")."""
+    number: Any = value
+    if isinstance(value, str):
+        try:
+            number = float(value.strip().lower().removesuffix("gb"))
+        except ValueError:
+            number = None
+    gb = positive_number(number)
+    if gb is None:
+        raise ValueError(
+            f"{name} must be a positive number of GiB (each MLP's working memory budget, e.g. "
+            f"2 or 0.5), got {value!r}"
+        )
+    return TilePolicy.budget(gb)
+
+
+def parse_int(value: Any, name: str, minimum: int = 1) -> int:
+    """An int >= `minimum` from an int or its text (a float or a bool is refused)."""
+    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+        value = int(value.strip())
+    return check_int(name, value, minimum=minimum)
+
+
+def parse_dtype(value: Any, name: str = "dtype") -> str:
+    """The torch dtype name ("float32", "bfloat16", "float16") of any spelling in DTYPES (also
+    "torch.bfloat16", any case)."""
+    spelled = str(value).strip().lower().removeprefix("torch.")
+    if spelled not in DTYPES:
+        raise ValueError(f"{name} must be one of {', '.join(DTYPES)}, got {value!r}")
+    return DTYPES[spelled]
