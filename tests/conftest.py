@@ -17,6 +17,17 @@ from torch import nn
 from tiledmlp.bench.models import FusedGatedMLP, GatedMLP, PlainMLP
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The one place the `gpu` marker meets its skip: without a CUDA device every gpu-marked
+    test is skipped, with the reason."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="gpu: needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
 def assert_close_rel(got: torch.Tensor, ref: torch.Tensor, name: str, rtol: float = 1e-5) -> None:
     """float32 parity rule: rtol, and atol = rtol x the reference's largest magnitude."""
     assert got.shape == ref.shape, f"{name}: shape {tuple(got.shape)} != {tuple(ref.shape)}"

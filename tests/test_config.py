@@ -85,7 +85,7 @@ def test_edge_spellings_parse_to_the_same_objects() -> None:
 
 def test_patch_config_checks_once_with_one_message() -> None:
     with pytest.raises(
-        TypeError, match="unexpected keyword argument 'num_tile'; did you mean 'num_tiles'"
+        TypeError, match="unknown option 'num_tile' for patch_model; did you mean 'num_tiles'"
     ):
         PatchConfig.from_kwargs({"num_tile": 4})
     with pytest.raises(ValueError, match="nothing to do with tiled_mlp=False"):

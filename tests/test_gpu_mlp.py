@@ -17,10 +17,7 @@ from tiledmlp.ops import recognise
 from tiledmlp.ops.grads import fp32_epilogue
 from tiledmlp.ops.policy import MemoryModel
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-]
+pytestmark = pytest.mark.gpu
 
 
 def _grads(mlp: torch.nn.Module, x: torch.Tensor, dy: torch.Tensor, fn) -> list[torch.Tensor]:

@@ -272,7 +272,6 @@ def test_offload_benchmark_runs_and_its_pool_does_not_grow() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_offloading_is_bit_identical_and_prefetched() -> None:
     # Pinned host buffers, a side stream for the copies, events before use.
     ids = _ids().cuda()

@@ -5,7 +5,7 @@ and recomputes only what it must, tile by tile, in the backward.
 """
 
 from tiledmlp import integrations  # noqa: F401  (registers the engines' checks)
-from tiledmlp.config import TiledMLPConfig
+from tiledmlp.config import PatchConfig, TiledMLPConfig, TilePolicy
 from tiledmlp.module import TiledMLP
 from tiledmlp.ops import TiledMLPFunction, TilePlan, tiled_mlp
 from tiledmlp.ops.loss import (
@@ -37,8 +37,10 @@ def disable() -> None:
 
 __all__ = [
     "CrossEntropyOutput",
+    "PatchConfig",
     "PatchReport",
     "TilePlan",
+    "TilePolicy",
     "TiledMLP",
     "TiledMLPConfig",
     "TiledMLPFunction",

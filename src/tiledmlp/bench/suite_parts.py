@@ -181,7 +181,7 @@ def grad_error(sizes: Sizes, device: torch.device, out: Path) -> list[Record]:
     ref = GatedMLP(sizes.mlp_hidden, sizes.mlp_intermediate).to(device)
     x = torch.randn(1, sizes.error_tokens, sizes.mlp_hidden, device=device)
     dy = torch.randn_like(x)
-    from tiledmlp import tiled_mlp
+    from tiledmlp.ops.functional import tiled_mlp
 
     def grads(mlp: GatedMLP, fn: Callable[[torch.Tensor], torch.Tensor], dt: Any) -> dict:
         mlp.zero_grad(set_to_none=True)

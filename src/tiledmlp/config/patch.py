@@ -133,7 +133,7 @@ class PatchConfig:
                 close = difflib.get_close_matches(key, known, n=1)
                 hint = f"; did you mean {close[0]!r}?" if close else ""
                 raise TypeError(
-                    f"patch_model() got an unexpected keyword argument {key!r}{hint} (known: "
+                    f"unknown option {key!r} for patch_model{hint} (known: "
                     f"{', '.join(sorted(known))})"
                 )
         pair = {k: values.pop(k) for k in ("num_tiles", "tile_tokens") if k in values}

@@ -103,20 +103,17 @@ def enable(**patch_kwargs: Any) -> None:
             activation_offloading, ...); checked now, so a typo fails here and not at load.
 
     Raises:
-        TypeError: an option patch_model does not take.
+        TypeError: an option patch_model does not take (with the closest one it does).
+        ValueError: a bad option value (see tiledmlp.PatchConfig).
     """
-    import inspect
-
     from transformers import PreTrainedModel
 
-    from tiledmlp.patching.patch import patch_model
+    from tiledmlp.config.patch import PatchConfig
 
-    known = set(inspect.signature(patch_model).parameters) - {"model"}
-    unknown = sorted(set(patch_kwargs) - known)
-    if unknown:
-        raise TypeError(
-            f"tiledmlp.enable: unknown option(s) {unknown}; expected any of {sorted(known)}"
-        )
+    try:
+        PatchConfig.from_kwargs(patch_kwargs)
+    except TypeError as e:
+        raise TypeError(f"tiledmlp.enable: {e}") from None
     _ENABLED["kwargs"] = dict(patch_kwargs)
     if "saved" not in _ENABLED:
         saved = {

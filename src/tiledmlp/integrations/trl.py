@@ -45,6 +45,7 @@ import torch
 from torch import nn
 
 from tiledmlp.ops.loss import tiled_token_stats
+from tiledmlp.patching.detect import text_config
 from tiledmlp.patching.loss import (
     decoder_of,
     lifted,
@@ -155,7 +156,7 @@ def _serve(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], num_
             f"{type(model).__name__}(..., fused_lm_head=True) needs labels (or shift_labels)"
         )
     config: Any = getattr(model, "config", None)
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = text_config(config)
     if kwargs.get("output_router_logits") or getattr(text, "output_router_logits", False):
         raise NotImplementedError(
             "tiled loss: the fused LM head with MoE router logits (an auxiliary loss) is not "

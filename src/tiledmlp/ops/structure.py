@@ -19,7 +19,7 @@ import logging
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from enum import Enum
+from enum import StrEnum
 from typing import Any
 
 import torch
@@ -34,7 +34,7 @@ logger = logging.getLogger(__name__)
 _PROBE_TOKENS = 5
 
 
-class MLPKind(str, Enum):
+class MLPKind(StrEnum):
     """The MLP shapes with a fast path."""
 
     GATED = (
