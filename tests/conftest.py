@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from tiledmlp.bench.models import FusedGatedMLP, GatedMLP, PlainMLP
+from tiledmlp.models.mlps import FusedGatedMLP, GatedMLP, PlainMLP
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -122,7 +122,7 @@ def with_mlp_lora(model: nn.Module) -> nn.Module:
 
 def lora_wrapped(hidden: int, intermediate: int) -> nn.Module:
     """A SwiGLU MLP with real PEFT LoRA adapters on all three projections (base frozen)."""
-    from tiledmlp.bench.models import GatedMLP
+    from tiledmlp.models.mlps import GatedMLP
 
     torch.manual_seed(7)
     return with_mlp_lora(GatedMLP(hidden, intermediate))

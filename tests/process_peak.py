@@ -13,7 +13,7 @@ import sys
 import torch
 
 from tiledmlp.bench.memory import process_peak_bytes, tensor_bytes
-from tiledmlp.bench.models import GatedMLP
+from tiledmlp.models.mlps import GatedMLP
 
 
 def main() -> None:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tiledmlp import tiled_mlp
-from tiledmlp.bench.models import GatedMLP
+from tiledmlp.models.mlps import GatedMLP
 from tiledmlp.ops import recognise
 from tiledmlp.ops.grads import fp32_epilogue
 from tiledmlp.ops.policy import MemoryModel

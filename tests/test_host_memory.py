@@ -82,7 +82,7 @@ import json, sys, torch, transformers as tr
 sys.path.insert(0, sys.argv[1])
 from hf_models import BASE
 from tiledmlp import patch_model
-from tiledmlp.bench.memory import proc_status_bytes
+from tiledmlp.process_memory import proc_status_bytes
 from tiledmlp.patching.offloading import offloader_of
 torch.manual_seed(0)
 torch.set_num_threads(1)
@@ -127,7 +127,7 @@ def test_200_offloaded_steps_keep_resident_memory_flat() -> None:
 
 def _soak_sequence_parallel(rank: int) -> dict[str, Any]:
     from distributed.test_sequence_parallel import global_batches, tiny_model
-    from tiledmlp.bench.memory import proc_status_bytes
+    from tiledmlp.process_memory import proc_status_bytes
     from tiledmlp.sequence_parallel import installed_groups, shard_batch
 
     model = tiny_model()

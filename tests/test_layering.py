@@ -36,7 +36,7 @@ def test_look_alike_takes_generic_path_and_stays_exact() -> None:
 
 
 def test_swapped_children_are_re_recognised() -> None:
-    from tiledmlp.bench.models import GatedMLP
+    from tiledmlp.models.mlps import GatedMLP
 
     mlp = GatedMLP(16, 24)
     assert recognise(mlp) is not None

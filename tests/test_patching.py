@@ -219,7 +219,7 @@ class _MixesTokens(nn.Module):
 
 
 def test_mlp_shaped_but_not_token_wise_is_skipped_with_a_reason() -> None:
-    from tiledmlp.bench.models import GatedMLP
+    from tiledmlp.models.mlps import GatedMLP
 
     model = nn.Sequential(
         nn.Embedding(10, 16), _MixesTokens(16), GatedMLP(16, 24), nn.Linear(16, 10)
@@ -232,7 +232,7 @@ def test_mlp_shaped_but_not_token_wise_is_skipped_with_a_reason() -> None:
 
 
 def test_meta_device_weights_are_skipped_not_probed() -> None:
-    from tiledmlp.bench.models import GatedMLP
+    from tiledmlp.models.mlps import GatedMLP
 
     with torch.device("meta"):
         model = nn.Sequential(nn.Embedding(10, 16), GatedMLP(16, 24))

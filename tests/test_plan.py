@@ -13,7 +13,7 @@ import torch
 
 from tiledmlp import tiled_mlp
 from tiledmlp.bench.memory import peak_bytes, tensor_bytes
-from tiledmlp.bench.models import GatedMLP
+from tiledmlp.models.mlps import GatedMLP
 from tiledmlp.plan.mlp import plan_mlp
 
 MiB = 2**20

@@ -15,8 +15,8 @@ import torch
 
 from tiledmlp import patch_model
 from tiledmlp.bench.memory import peak_bytes, tensor_bytes
+from tiledmlp.models.presets import PRESETS
 from tiledmlp.plan.layer import load_config, plan_layer
-from tiledmlp.train.presets import PRESETS
 
 MiB = 2**20
 SMALL = {

@@ -9,7 +9,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from tiledmlp import tiled_mlp
 from tiledmlp.bench.memory import peak_bytes, tensor_bytes
-from tiledmlp.bench.models import GatedMLP
+from tiledmlp.models.mlps import GatedMLP
 from tiledmlp.ops import recognise
 from tiledmlp.ops.policy import MemoryModel, assume_device, resolve_plan
 from tiledmlp.ops.structure import MLPKind, MLPStructure

@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from tiledmlp.bench.models import GatedMLP
 from tiledmlp.cli import main, normalise_argv
+from tiledmlp.models.mlps import GatedMLP
+from tiledmlp.models.presets import default_learning_rate
 from tiledmlp.ops import recognise
 from tiledmlp.ops.policy import MemoryModel, resolve_plan, target_bytes
 from tiledmlp.patching.args import patch_from_args, tiling_from_args
 from tiledmlp.train.options import options_from, read_config_file
-from tiledmlp.train.presets import default_learning_rate
 
 pytest.importorskip("transformers")
 

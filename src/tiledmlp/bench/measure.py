@@ -29,9 +29,10 @@ from typing import Any
 import torch
 
 from tiledmlp.bench.flops import count_flops
-from tiledmlp.bench.memory import peak_bytes, process_peak_bytes, tensor_bytes
-from tiledmlp.bench.models import GatedMLP
+from tiledmlp.bench.memory import peak_bytes, tensor_bytes
 from tiledmlp.bench.variants import Variant, make_variant
+from tiledmlp.models.mlps import GatedMLP
+from tiledmlp.process_memory import process_peak_bytes
 
 __all__ = ["Job", "measure", "measure_in_subprocess", "memory_snapshot"]
 

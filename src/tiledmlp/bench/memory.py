@@ -21,6 +21,8 @@ from collections.abc import Callable
 
 import torch
 
+from tiledmlp.process_memory import proc_status_bytes, process_peak_bytes
+
 __all__ = ["peak_bytes", "proc_status_bytes", "process_peak_bytes", "tensor_bytes"]
 
 
@@ -72,31 +74,3 @@ def peak_bytes(step: Callable[[], object], alive_before: int, device: torch.devi
     if not totals:
         return alive_before
     return max(totals) - min(totals) + alive_before
-
-
-def proc_status_bytes(field: str) -> int | None:
-    """A memory field of /proc/self/status ("VmRSS", "VmHWM", ...) in bytes; None off Linux."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
-def process_peak_bytes(step: Callable[[], object], alive_before: int) -> int | None:
-    """(VmHWM during `step` - RSS before it) + `alive_before`: the process-level peak, comparable
-    with tensor-level figures; None where /proc is not available."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # resets VmHWM to the current RSS
-    except OSError:
-        return None
-    before = proc_status_bytes("VmRSS")
-    step()
-    hwm = proc_status_bytes("VmHWM")
-    if before is None or hwm is None:
-        return None
-    return hwm - before + alive_before

@@ -26,9 +26,9 @@ from typing import Any
 
 import torch
 
-from tiledmlp.bench.memory import proc_status_bytes
 from tiledmlp.patching import patch_model
 from tiledmlp.patching.offloading import enable_checkpointing, offloader_of
+from tiledmlp.process_memory import proc_status_bytes
 
 __all__ = ["measure_offload"]
 

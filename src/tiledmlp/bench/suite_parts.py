@@ -26,9 +26,9 @@ from typing import Any
 import torch
 
 from tiledmlp.bench.harness import BenchConfig, run_sweep
-from tiledmlp.bench.models import GatedMLP
 from tiledmlp.bench.variants import Variant, deepspeed_available, liger_available, make_variant
 from tiledmlp.bench.whole_step import StepJob, job_json
+from tiledmlp.models.mlps import GatedMLP
 from tiledmlp.ops import glu_kernels
 from tiledmlp.ops.tiles import arctic_num_tiles
 

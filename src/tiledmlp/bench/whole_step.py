@@ -27,9 +27,9 @@ from typing import Any
 
 import torch
 
-from tiledmlp.bench.memory import proc_status_bytes
 from tiledmlp.patching import patch_model
 from tiledmlp.patching.offloading import enable_checkpointing
+from tiledmlp.process_memory import proc_status_bytes
 
 __all__ = ["STACKS", "StepJob", "measure_whole_step"]
 

@@ -30,8 +30,8 @@ _NOT_OPTIONS = ("config", "json", "verbose", "command")
 def add_parser(sub: Any) -> None:
     """Adds `train` to the subcommands (every option defaults to 'not given', so that a config
     file's value is overridden only by a flag that was typed)."""
+    from tiledmlp.models.presets import PRESETS
     from tiledmlp.train.options import DTYPES, ENGINES, SCHEDULES
-    from tiledmlp.train.presets import PRESETS
 
     t = sub.add_parser(
         "train",

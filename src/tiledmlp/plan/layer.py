@@ -38,14 +38,14 @@ from tiledmlp.ops.structure import recognise
 from tiledmlp.plan.fake_memory import fake_peak_bytes
 from tiledmlp.plan.mlp import estimate_fields
 
-__all__ = ["load_config", "mlp_shape", "plan_layer"]
+__all__ = ["cut_config", "dense_mlp", "load_config", "mlp_shape", "plan_layer"]
 
 
 def load_config(name_or_path: str) -> Any:
     """A `transformers` config from a built-in preset name or a local config file.
 
     Args:
-        name_or_path: a preset of tiledmlp.train.presets.PRESETS (a Llama shape), a Hugging Face
+        name_or_path: a preset of tiledmlp.models.presets.PRESETS (a Llama shape), a Hugging Face
             `config.json` file, or a directory containing one. Nothing is downloaded.
 
     Returns:
@@ -57,7 +57,7 @@ def load_config(name_or_path: str) -> Any:
     """
     import transformers
 
-    from tiledmlp.train.presets import PRESETS
+    from tiledmlp.models.presets import PRESETS
 
     if name_or_path in PRESETS:
         return transformers.LlamaConfig(**PRESETS[name_or_path])
@@ -131,7 +131,7 @@ def _first_layer(model: nn.Module) -> nn.Module:
     )
 
 
-def _dense_mlp(layer: nn.Module, hidden: int) -> nn.Module:
+def dense_mlp(layer: nn.Module, hidden: int) -> nn.Module:
     """The layer's MLP (at `.mlp`), checked to be one tiled_mlp's fast path understands."""
     mlp = getattr(layer, "mlp", None)
     if not isinstance(mlp, nn.Module):
@@ -198,7 +198,7 @@ def _estimate(
         )
         layer = _first_layer(model)
         layer.train()  # a training step (dropout, if any, as in training)
-        mlp = _dense_mlp(layer, cfg.hidden_size)
+        mlp = dense_mlp(layer, cfg.hidden_size)
         x = torch.empty(1, seq_len, cfg.hidden_size, dtype=dtype, requires_grad=True)
         dy = torch.empty(1, seq_len, cfg.hidden_size, dtype=dtype)
         args, kwargs = _layer_inputs(model, layer, x.detach())

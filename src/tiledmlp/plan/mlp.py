@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from tiledmlp.bench.models import GatedMLP
+from tiledmlp.models.mlps import GatedMLP
 from tiledmlp.ops.functional import tile_plan, tiled_mlp
 from tiledmlp.ops.policy import assume_device
 from tiledmlp.plan.fake_memory import fake_peak_bytes

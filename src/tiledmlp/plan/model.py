@@ -62,7 +62,7 @@ from tiledmlp.patching.detect import norms_of
 from tiledmlp.patching.offloading import before_forward, enable_checkpointing
 from tiledmlp.plan.device_overhead import DeviceOverhead, device_overhead
 from tiledmlp.plan.fake_memory import StorageTracker
-from tiledmlp.plan.layer import _dense_mlp, cut_config
+from tiledmlp.plan.layer import cut_config, dense_mlp
 from tiledmlp.sequence_parallel.attention import kv_repeat
 
 logger = logging.getLogger(__name__)
@@ -153,7 +153,7 @@ def _build(config: Any, dtype: torch.dtype, layers: int) -> Any:
 def _tile(model: nn.Module, hidden: int, num_tiles: int | str, norms: bool) -> None:
     """Every decoder MLP (and with `norms` every norm over the hidden size) through tiled_mlp,
     as patch_model does; patch_model's detection probes values, which fake tensors lack."""
-    modules = [_dense_mlp(layer, hidden) for layer in _layers(model)]
+    modules = [dense_mlp(layer, hidden) for layer in _layers(model)]
     if norms:
         modules += [c.module for c in norms_of(model, hidden)]
     for module in modules:

@@ -25,9 +25,9 @@ from typing import Any
 from tiledmlp.config.keys import KEYS, PREFIX, read_keys
 from tiledmlp.config.patch import PatchConfig
 from tiledmlp.config.values import DTYPES, parse_bool, parse_dtype
+from tiledmlp.models.presets import PRESETS
 from tiledmlp.ops.policy import TilePolicy
 from tiledmlp.ops.values import check_int
-from tiledmlp.train.presets import PRESETS
 
 __all__ = [
     "ALIASES",

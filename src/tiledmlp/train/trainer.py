@@ -34,15 +34,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tiledmlp.bench.memory import proc_status_bytes
+from tiledmlp.models.presets import PRESETS, build_preset, default_learning_rate
 from tiledmlp.patching import patch_model, tile_counts
 from tiledmlp.patching.offloading import enable_checkpointing, offloader_of
+from tiledmlp.process_memory import proc_status_bytes
 from tiledmlp.sequence_parallel.collectives import guarded
 from tiledmlp.train.callbacks import InterruptToSave, MetricsFile, Progress, StepLosses, StopAtStep
 from tiledmlp.train.checkpoints import STAGING, publish, resolve_resume
 from tiledmlp.train.data import PackedDataset, default_corpus, pack, read_corpus
 from tiledmlp.train.options import TrainOptions
-from tiledmlp.train.presets import PRESETS, build_preset, default_learning_rate
 from tiledmlp.train.tokenizer import VOCAB_SIZE, byte_tokenizer
 
 __all__ = ["METRICS_FILE", "run"]

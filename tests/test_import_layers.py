@@ -1,0 +1,200 @@
+"""The layering contract, read from the source: every import in src/ goes down the layer map,
+siblings never import each other, and no import circle exists (imports inside functions
+count too).
+
+The map (lowest first; see the README's layout section):
+
+    ops, then sequence_parallel        torch only (and optional kernels)
+    config, models, process_memory     typed configuration; built-in models; process memory
+    module, patching                   TiledMLP; finding and patching MLPs of a model
+    integrations                       engines and frameworks
+    plan | bench | train               siblings: they share what lies below, never each other
+    the package facade (__init__)      re-exports the public API
+    cli, __main__                      on top; nothing imports them
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+PACKAGE = "tiledmlp"
+
+# top-level part of tiledmlp -> layer; a part may import only parts of a lower layer
+LAYERS = {
+    "ops": 0,
+    "sequence_parallel": 1,
+    "config": 2,
+    "models": 2,
+    "process_memory": 2,
+    "module": 3,
+    "patching": 3,
+    "integrations": 4,
+    "plan": 5,
+    "bench": 5,
+    "train": 5,
+    "": 6,  # the package facade, tiledmlp/__init__.py
+    "cli": 7,
+    "__main__": 8,
+}
+# the bottom layers import no third-party package but these (each lazily where optional)
+BOTTOM = {"ops", "sequence_parallel"}
+BOTTOM_THIRD_PARTY = {"torch", "triton", "numpy"}
+# (module, imported top-level package) known to break the rule, each with its reason; the test
+# fails when one is no longer needed, so the list only shrinks.
+ALLOWED = {
+    # the attention wrapper registers itself in transformers' AttentionInterface and reads its
+    # mask helpers, lazily, beside the exchange it wraps
+    ("tiledmlp.sequence_parallel.attention", "transformers"),
+}
+
+
+def _modules(root: Path) -> dict[str, Path]:
+    out = {}
+    for path in sorted((root / PACKAGE).rglob("*.py")):
+        parts = list(path.relative_to(root).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        out[".".join(parts)] = path
+    return out
+
+
+def _imports(name: str, path: Path, modules: dict[str, Path]) -> list[tuple[str, int]]:
+    """(imported name, line) of every import in the file; a `from package import submodule`
+    names the submodule, not the package."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: list[tuple[str, int]] = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found += [(alias.name, node.lineno) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            subs = [f"{target}.{a.name}" for a in node.names if f"{target}.{a.name}" in modules]
+            found += [(s, node.lineno) for s in subs]
+            if len(subs) < len(node.names):
+                found.append((target, node.lineno))
+    return found
+
+
+def _part(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def _graph(root: Path) -> tuple[dict[str, set[str]], list[str]]:
+    """The import graph between tiledmlp's modules, and the violations of the layer map."""
+    modules = _modules(root)
+    graph: dict[str, set[str]] = defaultdict(set)
+    errors = []
+    used = set()
+    for name, path in modules.items():
+        src = _part(name)
+        for target, line in _imports(name, path, modules):
+            where = f"{path.relative_to(root)}:{line}"
+            top = target.split(".")[0]
+            if top != PACKAGE:
+                if src in BOTTOM and top not in BOTTOM_THIRD_PARTY and top not in _STDLIB:
+                    if (name, top) in ALLOWED:
+                        used.add((name, top))
+                    else:
+                        errors.append(f"{where}: {name} ({src}) imports {target}: torch only here")
+                continue
+            if target not in modules or target == name:
+                continue
+            graph[name].add(target)
+            dst = _part(target)
+            if src != dst and LAYERS[dst] >= LAYERS[src]:
+                errors.append(
+                    f"{where}: {name} (layer {src or 'facade'}) imports {target} (layer "
+                    f"{dst or 'facade'}): only lower layers may be imported"
+                )
+    if root == SRC:
+        errors += [
+            f"ALLOWED holds {pair}, which no import needs any more" for pair in ALLOWED - used
+        ]
+    return graph, errors
+
+
+_STDLIB = set(sys.stdlib_module_names) | {"__future__"}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_every_part_of_the_package_has_a_layer() -> None:
+    parts = {_part(m) for m in _modules(SRC)}
+    assert parts <= LAYERS.keys(), f"add {sorted(parts - LAYERS.keys())} to LAYERS"
+
+
+def test_imports_go_down_the_layer_map() -> None:
+    _, errors = _graph(SRC)
+    assert not errors, "\n".join(errors)
+
+
+def test_no_import_circle() -> None:
+    graph, _ = _graph(SRC)
+    cycles = _cycles(graph)
+    assert not cycles, "import circles: " + "; ".join(" -> ".join(c) for c in cycles)
+
+
+@pytest.mark.parametrize(
+    ("files", "expected"),
+    [
+        ({"ops/a.py": "from tiledmlp.patching import b\n", "patching/b.py": ""}, "layer ops"),
+        ({"plan/a.py": "from tiledmlp.bench.b import x\n", "bench/b.py": ""}, "layer plan"),
+        ({"ops/a.py": "def f():\n    import transformers\n"}, "torch only here"),
+        ({"ops/a.py": "from tiledmlp.ops import b\n", "ops/b.py": "from . import a\n"}, "circle"),
+    ],
+)
+def test_the_contract_catches_what_it_forbids(
+    tmp_path: Path, files: dict[str, str], expected: str
+) -> None:
+    for rel, text in {"__init__.py": "", **files}.items():
+        path = tmp_path / PACKAGE / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        (path.parent / "__init__.py").touch()
+        path.write_text(text)
+    graph, errors = _graph(tmp_path)
+    found = errors + [f"circle {c}" for c in _cycles(graph)]
+    assert any(expected in e for e in found), found
