@@ -21,6 +21,7 @@ def _mlp(kind: str) -> nn.Module:
     return make_mlp(kind, 6, 10).double()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["swiglu", "fused_bias", "plain", "relu_inplace", "normed"])
 def test_double_backward_is_exact(kind: str) -> None:
     # create_graph=True through the tiled MLP: second-order gradients by finite differences.

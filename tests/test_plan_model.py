@@ -82,6 +82,7 @@ def _real_peak(stack: str, seq: int, checkpointing: bool, optimizer: str) -> int
     return peak_bytes(step, alive, torch.device("cpu"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stack", STACKS)
 @pytest.mark.parametrize(("checkpointing", "optimizer"), [(True, "adamw"), (False, "none")])
 def test_estimate_matches_the_real_tensor_level_peak(

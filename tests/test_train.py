@@ -42,6 +42,7 @@ def summary(*args: str, env: dict[str, str] | None = None) -> dict:
     return json.loads(res.stdout)  # stdout is the JSON object and nothing else
 
 
+@pytest.mark.slow
 def test_default_run_learns_saves_and_the_output_dir_is_a_model(tmp_path: Path) -> None:
     out = tmp_path / "model"
     s = summary("--seq-len", "512", "--max-steps", "8", "--output-dir", str(out))
@@ -65,6 +66,7 @@ def test_default_run_learns_saves_and_the_output_dir_is_a_model(tmp_path: Path) 
     assert again["first_loss"] < s["first_loss"] - 1.0  # it starts from the trained weights
 
 
+@pytest.mark.slow
 def test_resume_equals_uninterrupted(tmp_path: Path) -> None:
     out = tmp_path / "run"
     args = ("--seq-len", "128", "--max-steps", "4", "--output-dir", str(out))
@@ -87,6 +89,7 @@ def test_resume_equals_uninterrupted(tmp_path: Path) -> None:
     assert "loading" not in longer.stderr and "Traceback" not in longer.stderr
 
 
+@pytest.mark.slow
 def test_resume_stopping_early_equals_the_planned_run(tmp_path: Path) -> None:
     out = tmp_path / "run"
     args = ("--seq-len", "128", "--output-dir", str(out))
@@ -102,12 +105,14 @@ def test_resume_stopping_early_equals_the_planned_run(tmp_path: Path) -> None:
     assert lrs[4:] == lrs[1:3] and len(lrs) == 6, lrs
 
 
+@pytest.mark.slow
 def test_the_small_preset_learns_at_its_default_learning_rate() -> None:
     s = summary("--model", "small", "--seq-len", "256", "--max-steps", "6")
     assert s["learning_rate"] == pytest.approx(1e-3)  # 2e-3 x 256 / hidden 512
     assert s["last_loss"] < s["first_loss"] - 1.0
 
 
+@pytest.mark.slow
 def test_gradient_accumulation_equals_the_bigger_batch() -> None:
     args = ("--seq-len", "128", "--max-steps", "3")
     big = summary(*args, "--batch-size", "2")
@@ -115,6 +120,7 @@ def test_gradient_accumulation_equals_the_bigger_batch() -> None:
     assert accumulated["losses"] == pytest.approx(big["losses"], rel=1e-5)
 
 
+@pytest.mark.slow
 def test_config_file_with_other_frameworks_keys_and_flags_overriding_it(tmp_path: Path) -> None:
     config = tmp_path / "axolotl-style.yaml"
     config.write_text(
@@ -131,6 +137,7 @@ def test_config_file_with_other_frameworks_keys_and_flags_overriding_it(tmp_path
     assert not off["use_tiled_mlp"] and off["tiled_modules"] == []
 
 
+@pytest.mark.slow
 def test_other_frameworks_flags_and_local_jsonl(tmp_path: Path) -> None:
     data = tmp_path / "d.jsonl"
     data.write_text("\n".join(json.dumps({"text": "hello tiled world " * 40}) for _ in range(20)))
@@ -143,6 +150,7 @@ def test_other_frameworks_flags_and_local_jsonl(tmp_path: Path) -> None:
     assert set(arctic["tiles_per_mlp"].values()) == {4}  # ceil(1024 / hidden 256)
 
 
+@pytest.mark.slow
 def test_ctrl_c_saves_a_checkpoint_and_exits_cleanly(tmp_path: Path) -> None:
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "tiledmlp", "train", "--seq-len", "64", "--max-steps", "100000",
@@ -231,6 +239,7 @@ def test_tiling_keeps_the_losses_and_lowers_peak_memory() -> None:
     assert untiled["peak_mib"] > tiled["peak_mib"] + 250
 
 
+@pytest.mark.slow
 def test_activation_offloading_keeps_the_losses_exactly() -> None:
     args = ("--seq-len", "256", "--steps", "3", "--gradient-checkpointing")
     plain = summary(*args)

@@ -392,53 +392,9 @@ def _trainer_class() -> Any:
 
 def run(opts: TrainOptions) -> dict[str, Any]:
     """Trains and returns the summary (also written to OUTPUT_DIR/summary.json)."""
-    launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
-    world = int(os.environ.get("WORLD_SIZE", "1")) if launched else 1
-    engine = opts.resolved_engine(world)
-    if engine != "single" and not launched:
-        raise ValueError(
-            f"--engine {engine} needs a launcher: torchrun --nproc_per_node N -m tiledmlp train ..."
-        )
-    if engine == "single" and world > 1:
-        raise ValueError(f"--engine single runs one process, but WORLD_SIZE is {world}")
-    cuda = torch.cuda.is_available()
-    if opts.dtype == "float16" and not cuda:
-        raise ValueError(
-            "--dtype float16 trains with loss scaling on a CUDA GPU; on the CPU use --dtype bf16 "
-            "or fp32"
-        )
-    own_fsdp = engine == "fsdp2" and not cuda
-    if own_fsdp and opts.fsdp_config is not None:
-        raise ValueError(
-            "--fsdp-config on a CPU-only machine: the Trainer cannot run FSDP there, so tiledmlp "
-            "shards the model itself (one unit per decoder layer, then the root) and reads no "
-            "FSDP config; drop --fsdp-config or run on GPUs"
-        )
-    if own_fsdp and opts.resume_from_checkpoint is not None:
-        raise ValueError(
-            "--resume-from-checkpoint with FSDP2 on a CPU-only machine: the Trainer cannot run "
-            "FSDP there, so tiledmlp shards the model itself and its checkpoints hold the model "
-            "only (no optimizer state); resume on GPUs or with DDP/DeepSpeed"
-        )
-    device = (
-        torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        if cuda
-        else torch.device("cpu")
-    )
-    if cuda:
-        torch.cuda.set_device(device)
-        torch.cuda.reset_peak_memory_stats(device)
-    sp = opts.sequence_parallel_size
-    if sp > 1 and world % sp:
-        raise ValueError(
-            f"--sequence-parallel-size {sp} must divide the number of processes ({world}); "
-            f"run under torchrun --nproc_per_node {sp} (or a multiple of {sp})"
-        )
-    if sp > 1 and not dist.is_initialized():
-        # sequence parallelism builds its groups before the Trainer starts (it reuses them)
-        dist.init_process_group(
-            "nccl" if cuda else "gloo", timeout=timedelta(seconds=opts.ddp_timeout)
-        )
+    world, engine, cuda, own_fsdp = _launch(opts)
+    device = _device(cuda)
+    sp = _start_sequence_parallel(opts, world, cuda)
     checkpoint = _checkpoint_to_resume(opts)
     planned = _planned_steps(opts, checkpoint)
     stop_early = planned is not None and planned > opts.max_steps
@@ -469,6 +425,125 @@ def run(opts: TrainOptions) -> dict[str, Any]:
         callbacks.append(StopAtStep(opts.max_steps))
     if opts.output_dir is not None:
         callbacks.append(MetricsFile(Path(opts.output_dir) / METRICS_FILE))
+    trainer = _trainer(opts, model, args, (train_set, eval_set), tokenizer, callbacks)
+    trainer.step_losses = losses
+    trainer.own_fsdp = own_fsdp
+    if sp > 1:
+        _sequence_parallel_trainer(trainer, model)
+    resume = None if checkpoint is None else str(checkpoint)
+    rank = args.process_index
+    if rank == 0 and opts.output_dir is not None:
+        shutil.rmtree(output_dir / STAGING, ignore_errors=True)  # saves a kill interrupted
+    start = time.perf_counter()
+    try:
+        # a rank that dies or hangs: every survivor stops naming it (not a transport error)
+        with guarded("a collective of the training step"):
+            trainer.train(resume_from_checkpoint=resume)
+    except ValueError as e:
+        if "No valid checkpoint" in str(e):
+            raise ValueError(
+                f"--resume-from-checkpoint latest: no checkpoint-N in {output_dir}"
+            ) from None
+        raise
+    elapsed = time.perf_counter() - start
+    facts = {
+        "resumed_from_step": trainer.state.global_step - len(losses.losses) if resume else None,
+        "elapsed": elapsed,
+        "peak_mib": round(_peak_mib(device), 1),
+        "device": device.type,
+        "interrupted": interrupt.stopped_at is not None,
+    }
+    summary = _summary(opts, engine, world, trainer, args, losses, report, model, facts)
+    if interrupt.stopped_at is not None and opts.output_dir is not None:
+        summary["checkpoint"] = str(Path(opts.output_dir) / f"checkpoint-{interrupt.stopped_at}")
+    elif opts.output_dir is not None:
+        trainer.save_model(str(opts.output_dir))
+    if opts.output_dir is not None and rank == 0:
+        Path(opts.output_dir).mkdir(parents=True, exist_ok=True)
+        (Path(opts.output_dir) / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    if dist.is_initialized():
+        dist.barrier()
+        # Without this, gloo's threads are torn down at interpreter exit and the process aborts.
+        dist.destroy_process_group()
+    if scratch is not None:
+        scratch.cleanup()
+    return summary
+
+
+def _launch(opts: TrainOptions) -> tuple[int, str, bool, bool]:
+    """(world size, engine, CUDA available, tiledmlp shards FSDP2 itself), checked against the
+    launcher and the device before any work."""
+    launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    world = int(os.environ.get("WORLD_SIZE", "1")) if launched else 1
+    engine = opts.resolved_engine(world)
+    if engine != "single" and not launched:
+        raise ValueError(
+            f"--engine {engine} needs a launcher: torchrun --nproc_per_node N -m tiledmlp train ..."
+        )
+    if engine == "single" and world > 1:
+        raise ValueError(f"--engine single runs one process, but WORLD_SIZE is {world}")
+    cuda = torch.cuda.is_available()
+    if opts.dtype == "float16" and not cuda:
+        raise ValueError(
+            "--dtype float16 trains with loss scaling on a CUDA GPU; on the CPU use --dtype bf16 "
+            "or fp32"
+        )
+    own_fsdp = engine == "fsdp2" and not cuda
+    if own_fsdp and opts.fsdp_config is not None:
+        raise ValueError(
+            "--fsdp-config on a CPU-only machine: the Trainer cannot run FSDP there, so tiledmlp "
+            "shards the model itself (one unit per decoder layer, then the root) and reads no "
+            "FSDP config; drop --fsdp-config or run on GPUs"
+        )
+    if own_fsdp and opts.resume_from_checkpoint is not None:
+        raise ValueError(
+            "--resume-from-checkpoint with FSDP2 on a CPU-only machine: the Trainer cannot run "
+            "FSDP there, so tiledmlp shards the model itself and its checkpoints hold the model "
+            "only (no optimizer state); resume on GPUs or with DDP/DeepSpeed"
+        )
+    return world, engine, cuda, own_fsdp
+
+
+def _device(cuda: bool) -> torch.device:
+    """This rank's device (its CUDA device, peak memory statistics reset), or the CPU."""
+    device = (
+        torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        if cuda
+        else torch.device("cpu")
+    )
+    if cuda:
+        torch.cuda.set_device(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    return device
+
+
+def _start_sequence_parallel(opts: TrainOptions, world: int, cuda: bool) -> int:
+    """P, checked against the world; the process group started for it (sequence parallelism
+    builds its groups before the Trainer starts, which reuses them)."""
+    sp = opts.sequence_parallel_size
+    if sp > 1 and world % sp:
+        raise ValueError(
+            f"--sequence-parallel-size {sp} must divide the number of processes ({world}); "
+            f"run under torchrun --nproc_per_node {sp} (or a multiple of {sp})"
+        )
+    if sp > 1 and not dist.is_initialized():
+        # sequence parallelism builds its groups before the Trainer starts (it reuses them)
+        dist.init_process_group(
+            "nccl" if cuda else "gloo", timeout=timedelta(seconds=opts.ddp_timeout)
+        )
+    return sp
+
+
+def _trainer(
+    opts: TrainOptions,
+    model: Any,
+    args: Any,
+    datasets: tuple[Any, Any],
+    tokenizer: Any,
+    callbacks: list[Any],
+) -> Any:
+    """The Trainer, with our progress bar instead of transformers' own."""
+    train_set, eval_set = datasets
     try:
         trainer = _trainer_class()(
             model=model,
@@ -492,33 +567,34 @@ def run(opts: TrainOptions) -> dict[str, Any]:
 
     trainer.remove_callback(PrinterCallback)
     trainer.remove_callback(ProgressCallback)
-    trainer.step_losses = losses
-    trainer.own_fsdp = own_fsdp
-    if sp > 1:
-        from tiledmlp.sequence_parallel import installed_groups
+    return trainer
 
-        trainer.sp_groups = installed_groups(model)
-        # a mean per micro-batch: the Trainer divides by the accumulation steps (both names, for
-        # transformers versions with and without loss_is_scaled_for_ga)
-        trainer.loss_is_scaled_for_ga = False
-        trainer.model_accepts_loss_kwargs = False
-    resume = None if checkpoint is None else str(checkpoint)
-    rank = args.process_index
-    if rank == 0 and opts.output_dir is not None:
-        shutil.rmtree(output_dir / STAGING, ignore_errors=True)  # saves a kill interrupted
-    start = time.perf_counter()
-    try:
-        # a rank that dies or hangs: every survivor stops naming it (not a transport error)
-        with guarded("a collective of the training step"):
-            trainer.train(resume_from_checkpoint=resume)
-    except ValueError as e:
-        if "No valid checkpoint" in str(e):
-            raise ValueError(
-                f"--resume-from-checkpoint latest: no checkpoint-N in {output_dir}"
-            ) from None
-        raise
-    elapsed = time.perf_counter() - start
-    start_step = trainer.state.global_step - len(losses.losses)
+
+def _sequence_parallel_trainer(trainer: Any, model: Any) -> None:
+    """The Trainer settings sequence parallelism needs (its groups; a mean per micro-batch)."""
+    from tiledmlp.sequence_parallel import installed_groups
+
+    trainer.sp_groups = installed_groups(model)
+    # a mean per micro-batch: the Trainer divides by the accumulation steps (both names, for
+    # transformers versions with and without loss_is_scaled_for_ga)
+    trainer.loss_is_scaled_for_ga = False
+    trainer.model_accepts_loss_kwargs = False
+
+
+def _summary(
+    opts: TrainOptions,
+    engine: str,
+    world: int,
+    trainer: Any,
+    args: Any,
+    losses: StepLosses,
+    report: Any,
+    model: Any,
+    facts: dict[str, Any],
+) -> dict[str, Any]:
+    """The run's summary (the keys of --json), from the options, the finished Trainer and what
+    the run measured (`facts`: resumed_from_step, elapsed, peak_mib, device, interrupted)."""
+    elapsed = facts["elapsed"]
     ran = len(losses.losses)
     tokens = (
         ran
@@ -540,7 +616,7 @@ def run(opts: TrainOptions) -> dict[str, Any]:
         "steps": ran,
         "global_step": trainer.state.global_step,
         "max_steps": opts.max_steps,
-        "resumed_from_step": start_step if resume else None,
+        "resumed_from_step": facts["resumed_from_step"],
         "dtype": opts.dtype,
         "learning_rate": args.learning_rate,
         "lr_scheduler_type": opts.lr_scheduler_type,
@@ -564,27 +640,14 @@ def run(opts: TrainOptions) -> dict[str, Any]:
         "eval_loss": evals[-1] if evals else None,
         "tokens_per_s": round(tokens / elapsed, 1) if elapsed > 0 else None,
         "seconds": round(elapsed, 2),
-        "peak_mib": round(_peak_mib(device), 1),
-        "peak_kind": "max_memory_allocated" if device.type == "cuda" else "process max RSS",
-        "device": device.type,
+        "peak_mib": facts["peak_mib"],
+        "peak_kind": "max_memory_allocated" if facts["device"] == "cuda" else "process max RSS",
+        "device": facts["device"],
         "torch": torch.__version__,
-        "interrupted": interrupt.stopped_at is not None,
+        "interrupted": facts["interrupted"],
         "checkpoint": None,
         "output_dir": str(opts.output_dir) if opts.output_dir is not None else None,
     }
-    if interrupt.stopped_at is not None and opts.output_dir is not None:
-        summary["checkpoint"] = str(Path(opts.output_dir) / f"checkpoint-{interrupt.stopped_at}")
-    elif opts.output_dir is not None:
-        trainer.save_model(str(opts.output_dir))
-    if opts.output_dir is not None and rank == 0:
-        Path(opts.output_dir).mkdir(parents=True, exist_ok=True)
-        (Path(opts.output_dir) / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    if dist.is_initialized():
-        dist.barrier()
-        # Without this, gloo's threads are torn down at interpreter exit and the process aborts.
-        dist.destroy_process_group()
-    if scratch is not None:
-        scratch.cleanup()
     return summary
 
 
