@@ -146,6 +146,31 @@ def run(args: argparse.Namespace) -> int:
 
     from tiledmlp.plan.mlp import plan_mlp
 
+    _check_flags(args)
+    args.dtype = dtype_name(args.dtype)
+    dtype = getattr(torch, args.dtype)
+    config, hidden, intermediate = _shape(args)
+    result = plan_mlp(
+        hidden=hidden,
+        intermediate=intermediate,
+        seq_len=args.seq_len,
+        dtype=dtype,
+        num_tiles=args.num_tiles,
+        budget_bytes=None if args.budget_gb is None else int(args.budget_gb * 2**30),
+        device_type=args.device,
+    )
+    if config is not None:
+        result.update(_plan_model(args, config, dtype))
+    if args.json:
+        show(json.dumps(result))
+        return 0
+    _show_text(args, result, hidden, intermediate, whole_model=config is not None)
+    return 0
+
+
+def _check_flags(args: argparse.Namespace) -> None:
+    """Refuses flag values and combinations `plan` cannot use; settles --tile-budget-gb into
+    --num-tiles (one tile policy)."""
     if args.budget_gb is not None and args.budget_gb <= 0:
         raise UsageError(f"--budget-gb must be positive, got {args.budget_gb}")
     if args.memory_gb is not None and args.memory_gb <= 0:
@@ -173,8 +198,11 @@ def run(args: argparse.Namespace) -> int:
     if args.model is None and any(on for _, on in whole):
         names = " and ".join(n for n, on in whole if on)
         raise UsageError(f"{names} plan a whole model: add --model NAME_OR_PATH")
-    args.dtype = dtype_name(args.dtype)
-    dtype = getattr(torch, args.dtype)
+
+
+def _shape(args: argparse.Namespace) -> tuple[Any, int, int]:
+    """(the model's config or None, hidden, intermediate) from --model or --hidden and
+    --intermediate."""
     config = None
     if args.model is None:
         hidden = 4096 if args.hidden is None else args.hidden
@@ -191,62 +219,64 @@ def run(args: argparse.Namespace) -> int:
             )
         config = load_config(args.model)
         hidden, intermediate = mlp_shape(config)
-    result = plan_mlp(
-        hidden=hidden,
-        intermediate=intermediate,
+    return config, hidden, intermediate
+
+
+def _plan_model(args: argparse.Namespace, config: Any, dtype: Any) -> dict[str, Any]:
+    """The decoder layer's and the whole model's figures (the keys --model adds to the JSON)."""
+    from tiledmlp.plan.layer import plan_layer
+
+    layer = plan_layer(
+        config,
         seq_len=args.seq_len,
         dtype=dtype,
         num_tiles=args.num_tiles,
-        budget_bytes=None if args.budget_gb is None else int(args.budget_gb * 2**30),
         device_type=args.device,
     )
-    if config is not None:
-        from tiledmlp.plan.layer import plan_layer
+    from tiledmlp.plan.model import plan_model
 
-        layer = plan_layer(
-            config,
-            seq_len=args.seq_len,
-            dtype=dtype,
-            num_tiles=args.num_tiles,
-            device_type=args.device,
-        )
-        from tiledmlp.plan.model import plan_model
+    stacks = plan_model(
+        config,
+        seq_len=args.seq_len,
+        dtype=dtype,
+        checkpointing=args.gradient_checkpointing,
+        optimizer=args.optimizer,
+        num_tiles=args.num_tiles,
+        budget_bytes=None if args.memory_gb is None else int(args.memory_gb * 2**30),
+        device_type=args.device,
+        sequence_parallel_size=args.sequence_parallel_size,
+    )
+    return dict(
+        model_name=args.model,
+        model=stacks,
+        optimizer=args.optimizer,
+        gradient_checkpointing=args.gradient_checkpointing,
+        memory_gb=args.memory_gb,
+        device=args.device,
+        sequence_parallel_size=args.sequence_parallel_size,
+        model_type=layer["model_type"],
+        layer_tiles=layer["tiles"],
+        layer_regular_mib=layer["regular_mib"],
+        layer_tiled_mib=layer["tiled_mib"],
+        layer_saving=layer["saving"],
+    )
 
-        stacks = plan_model(
-            config,
-            seq_len=args.seq_len,
-            dtype=dtype,
-            checkpointing=args.gradient_checkpointing,
-            optimizer=args.optimizer,
-            num_tiles=args.num_tiles,
-            budget_bytes=None if args.memory_gb is None else int(args.memory_gb * 2**30),
-            device_type=args.device,
-            sequence_parallel_size=args.sequence_parallel_size,
-        )
-        result.update(
-            model_name=args.model,
-            model=stacks,
-            optimizer=args.optimizer,
-            gradient_checkpointing=args.gradient_checkpointing,
-            memory_gb=args.memory_gb,
-            device=args.device,
-            sequence_parallel_size=args.sequence_parallel_size,
-            model_type=layer["model_type"],
-            layer_tiles=layer["tiles"],
-            layer_regular_mib=layer["regular_mib"],
-            layer_tiled_mib=layer["tiled_mib"],
-            layer_saving=layer["saving"],
-        )
-    if args.json:
-        show(json.dumps(result))
-        return 0
+
+def _show_text(
+    args: argparse.Namespace,
+    result: dict[str, Any],
+    hidden: int,
+    intermediate: int,
+    whole_model: bool,
+) -> None:
+    """The human-readable report of `result`."""
     show(
         f"SwiGLU MLP hidden {hidden}, intermediate {intermediate}, {args.seq_len} tokens, "
         f"{args.dtype}: untiled {result['regular_mib']:,.1f} MiB, tiled "
         f"({_tiles(args.num_tiles, result['tiles'])}) {result['tiled_mib']:,.1f} MiB "
         f"({100 * result['saving']:.1f}% less)"
     )
-    if config is not None:
+    if whole_model:
         show(
             f"one decoder layer of {args.model} ({result['model_type']}, SDPA attention): "
             f"untiled {result['layer_regular_mib']:,.1f} MiB, MLP tiled "
@@ -267,7 +297,6 @@ def run(args: argparse.Namespace) -> int:
             show(
                 f"fits {args.budget_gb} GiB with --num-tiles {k} ({result['recommended_mib']:,.1f} MiB)"
             )
-    return 0
 
 
 def _tiles(policy: object, tiles: int) -> str:
