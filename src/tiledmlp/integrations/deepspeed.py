@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from tiledmlp.ops.backend import ParamBackend
-from tiledmlp.patching.checks import register_backend
+from tiledmlp.patching.engine_registry import register_backend
 
 __all__ = ["Zero3Backend", "backend_for"]
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from tiledmlp.patching.checks import register_check
+from tiledmlp.patching.engine_registry import register_check
 
 __all__ = ["check_mlp"]
 

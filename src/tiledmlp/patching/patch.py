@@ -28,8 +28,8 @@ from tiledmlp.ops.tiles import TileCount
 from tiledmlp.ops.untiled import UntiledCall
 from tiledmlp.patching.agreement import StepTokens, install_agreement
 from tiledmlp.patching.bound import BoundForward, bind
-from tiledmlp.patching.checks import backend_for, run_checks
 from tiledmlp.patching.detect import Candidate, detect_mlps, hidden_size_of, norms_of
+from tiledmlp.patching.engine_registry import backend_for, run_checks
 from tiledmlp.patching.loss import loss_patched, patch_loss, unpatch_loss
 from tiledmlp.patching.offloading import install_offloading, offloader_of, remove_offloading
 from tiledmlp.patching.state import STATE, PatchState, original_forward
