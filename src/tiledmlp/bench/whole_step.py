@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from tiledmlp.config.stacks import STACK_OPTIONS, STACKS
 from tiledmlp.patching import patch_model
 from tiledmlp.patching.offloading import enable_checkpointing
 from tiledmlp.process_memory import proc_status_bytes
@@ -34,24 +35,6 @@ from tiledmlp.process_memory import proc_status_bytes
 __all__ = ["STACKS", "StepJob", "measure_whole_step"]
 
 MiB = 2**20
-STACKS = (
-    "untiled",
-    "tiled_mlp",
-    "tiled_mlp_loss",
-    "tiled_mlp_loss_offload",
-    "tiled_mlp_loss_offload_norms",
-)
-_PATCH = {
-    "untiled": None,
-    "tiled_mlp": {},
-    "tiled_mlp_loss": {"tiled_loss": True},
-    "tiled_mlp_loss_offload": {"tiled_loss": True, "activation_offloading": True},
-    "tiled_mlp_loss_offload_norms": {
-        "tiled_loss": True,
-        "activation_offloading": True,
-        "tiled_norms": True,
-    },
-}
 
 
 @dataclass(frozen=True)
@@ -79,7 +62,7 @@ def measure_whole_step(job: StepJob) -> dict[str, Any]:
     """Measures `job` in this process; returns its record."""
     import transformers as tr
 
-    if job.stack not in _PATCH:
+    if job.stack not in STACK_OPTIONS:
         raise ValueError(f"unknown stack {job.stack!r}; expected one of {STACKS}")
     device = torch.device(job.device)
     dtype = getattr(torch, job.dtype)
@@ -88,7 +71,7 @@ def measure_whole_step(job: StepJob) -> dict[str, Any]:
     model = tr.LlamaForCausalLM._from_config(cfg, attn_implementation="sdpa", dtype=dtype)
     model = model.to(device).train()
     enable_checkpointing(model)
-    options = _PATCH[job.stack]
+    options = STACK_OPTIONS[job.stack]
     if options is not None:
         patch_model(model, None, **options)
     ids = torch.randint(0, cfg.vocab_size, (1, job.seq_len), device=device)

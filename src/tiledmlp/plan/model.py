@@ -52,6 +52,7 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from tiledmlp.config.stacks import STACKS
 from tiledmlp.ops.functional import tiled_mlp
 from tiledmlp.ops.host_memory import offload_bytes
 from tiledmlp.ops.loss import tiled_cross_entropy
@@ -70,13 +71,6 @@ logger = logging.getLogger(__name__)
 __all__ = ["OPTIMIZERS", "STACKS", "StepEstimate", "estimate_step", "max_seq_len", "plan_model"]
 
 MiB = 2**20
-STACKS = (
-    "untiled",
-    "tiled_mlp",
-    "tiled_mlp_loss",
-    "tiled_mlp_loss_offload",
-    "tiled_mlp_loss_offload_norms",
-)
 OPTIMIZERS = ("none", "adamw", "cpu-offload")
 _SHORT = 4  # the extrapolation simulates 4 and 5 layers
 CATEGORIES = ("weights", "grads", "optimizer", "checkpoints", "activations", "loss", "recompute")

@@ -1,0 +1,27 @@
+"""The named stacks of features that the planner predicts and the measurement suite measures.
+
+Each stack adds one feature to the one before it; `STACK_OPTIONS` holds the `patch_model`
+keywords that turn a stack on (None: the model is left unpatched).
+
+Invariant: the planner and the suite use these names and options alone, so a prediction and its
+measurement always describe the same model.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["STACKS", "STACK_OPTIONS"]
+
+STACK_OPTIONS: dict[str, dict[str, Any] | None] = {
+    "untiled": None,
+    "tiled_mlp": {},
+    "tiled_mlp_loss": {"tiled_loss": True},
+    "tiled_mlp_loss_offload": {"tiled_loss": True, "activation_offloading": True},
+    "tiled_mlp_loss_offload_norms": {
+        "tiled_loss": True,
+        "activation_offloading": True,
+        "tiled_norms": True,
+    },
+}
+STACKS: tuple[str, ...] = tuple(STACK_OPTIONS)
