@@ -103,15 +103,20 @@ class FastEngine:
         casts (it keeps the cast copy). Changing a kept tensor in place before the backward makes
         the untiled module raise too; changing one it does not keep leaves its gradients exact
         for the forward that ran (the tiled backward, which recomputes from it, must refuse)."""
-        first = [p for lin in self.structure.first for p in (lin.weight, lin.bias) if p is not None]
+        # The tensors this engine captured (_slots: weight, bias per linear, the down projection
+        # last), never `lin.weight` again: a parametrized weight (spectral norm in training)
+        # would run its parametrization, and its power iteration, once more.
+        pairs = list(zip(self._slots[0::2], self._slots[1::2], strict=True))
+        first = [p for pair in pairs[:-1] for p in pair if p is not None]
         x_grad = x.requires_grad and torch.is_grad_enabled()
         hidden_grad = x_grad or any(p.requires_grad for p in first)
         keeps = {id(p): False for p in self.params}
-        for lin in self.structure.linears:
-            cast = self.autocast.compute_dtype(x.dtype, lin.weight.dtype)
-            copied = cast is not None and cast != lin.weight.dtype
-            input_grad = hidden_grad if lin is self.structure.down else x_grad
-            keeps[id(lin.weight)] = input_grad and not copied
+        for i, (weight, _) in enumerate(pairs):
+            assert weight is not None  # every linear has a weight
+            cast = self.autocast.compute_dtype(x.dtype, weight.dtype)
+            copied = cast is not None and cast != weight.dtype
+            input_grad = hidden_grad if i == len(pairs) - 1 else x_grad
+            keeps[id(weight)] = input_grad and not copied
         return keeps
 
     def _cast(self, dtype: torch.dtype) -> list[torch.Tensor | None]:
