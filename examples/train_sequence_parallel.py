@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -94,6 +95,11 @@ def main() -> None:
     if launched:
         dist.barrier()
         dist.destroy_process_group()
+        # Everything is done; on CPUs, threads gloo leaves behind can block the interpreter's
+        # shutdown (a rank that never exits, seen under load), so leave without it.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 if __name__ == "__main__":
