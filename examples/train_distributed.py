@@ -100,13 +100,12 @@ def main() -> None:
             print(f"step {step}: loss {loss.item():.4f}", flush=True)
     dist.barrier()
     dist.destroy_process_group()
-    if a.engine == "deepspeed":
-        # On CPUs, threads that DeepSpeed's communication ops leave behind can abort the
-        # interpreter's shutdown after all the work is done ("terminate called without an active
-        # exception", seen once in a CI run): nothing is left to do, so leave now.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+    # On CPUs, threads that gloo and DeepSpeed's communication ops leave behind can abort or block
+    # the interpreter's shutdown after all the work is done ("terminate called without an active
+    # exception"; a rank that never exits, seen under load): nothing is left to do, so leave now.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
