@@ -135,20 +135,23 @@ def _reward(completions: list[str], **_: Any) -> list[float]:
     return [float(len(set(c))) for c in completions]
 
 
-def _grpo(out: str, patch: str, lora: bool) -> tuple[list[dict], Any]:
-    from trl import GRPOConfig, GRPOTrainer
+def _online(
+    config_name: str, trainer_name: str, out: str, patch: str, lora: bool
+) -> tuple[list[dict], Any]:
+    """GRPO and RLOO: generations scored by `_reward`, the same arguments for both."""
+    import trl
 
     model = _model()
     if patch == "before":
         tiledmlp.patch_model(model, tiled_loss=True)
     ds = datasets.Dataset.from_dict({"prompt": [f"count {i}:" for i in range(12)]})
-    args = GRPOConfig(
+    args = getattr(trl, config_name)(
         # beta > 0 needs a reference model: with LoRA, the adapters disabled; without, TRL would
         # load one from the hub (offline here), so the KL term is tested with LoRA only
         num_generations=2, max_completion_length=6, temperature=0.9, beta=0.1 if lora else 0.0,
         generation_batch_size=4, **_common(out),
     )  # fmt: skip
-    trainer = GRPOTrainer(
+    trainer = getattr(trl, trainer_name)(
         model=model, reward_funcs=_reward, args=args, train_dataset=ds,
         processing_class=byte_tokenizer(), peft_config=_lora() if lora else None,
     )  # fmt: skip
@@ -156,6 +159,10 @@ def _grpo(out: str, patch: str, lora: bool) -> tuple[list[dict], Any]:
         trl_integration.install(trainer)
     trainer.train()
     return trainer.state.log_history, trainer
+
+
+def _grpo(out: str, patch: str, lora: bool) -> tuple[list[dict], Any]:
+    return _online("GRPOConfig", "GRPOTrainer", out, patch, lora)
 
 
 def _kto(out: str, patch: str, lora: bool) -> tuple[list[dict], Any]:
@@ -186,24 +193,7 @@ def _kto(out: str, patch: str, lora: bool) -> tuple[list[dict], Any]:
 
 
 def _rloo(out: str, patch: str, lora: bool) -> tuple[list[dict], Any]:
-    from trl import RLOOConfig, RLOOTrainer
-
-    model = _model()
-    if patch == "before":
-        tiledmlp.patch_model(model, tiled_loss=True)
-    ds = datasets.Dataset.from_dict({"prompt": [f"count {i}:" for i in range(12)]})
-    args = RLOOConfig(
-        num_generations=2, max_completion_length=6, temperature=0.9, beta=0.1 if lora else 0.0,
-        generation_batch_size=4, **_common(out),
-    )  # fmt: skip
-    trainer = RLOOTrainer(
-        model=model, reward_funcs=_reward, args=args, train_dataset=ds,
-        processing_class=byte_tokenizer(), peft_config=_lora() if lora else None,
-    )  # fmt: skip
-    if patch == "after":
-        trl_integration.install(trainer)
-    trainer.train()
-    return trainer.state.log_history, trainer
+    return _online("RLOOConfig", "RLOOTrainer", out, patch, lora)
 
 
 _RUNS = {"sft": _sft, "dpo": _dpo, "grpo": _grpo, "kto": _kto, "rloo": _rloo}
