@@ -104,15 +104,22 @@ def _sft(out: str, patch: str, lora: bool) -> tuple[list[dict], Any]:
     return trainer.state.log_history, trainer
 
 
-def _dpo(out: str, patch: str, lora: bool) -> tuple[list[dict], Any]:
-    from trl import DPOConfig, DPOTrainer
-
+def _with_reference(patch: str, lora: bool) -> tuple[Any, Any]:
+    """DPO and KTO: the policy and its reference model (None with LoRA: the adapters disabled),
+    both patched when the test patches before the trainer."""
     model = _model()
     ref = None if lora else _model()
     if patch == "before":
         tiledmlp.patch_model(model, tiled_loss=True)
         if ref is not None:
             tiledmlp.patch_model(ref, tiled_mlp=False, tiled_loss=True)
+    return model, ref
+
+
+def _dpo(out: str, patch: str, lora: bool) -> tuple[list[dict], Any]:
+    from trl import DPOConfig, DPOTrainer
+
+    model, ref = _with_reference(patch, lora)
     ds = datasets.Dataset.from_dict(
         {
             "prompt": [f"question {i}: " for i in range(12)],
@@ -168,12 +175,7 @@ def _grpo(out: str, patch: str, lora: bool) -> tuple[list[dict], Any]:
 def _kto(out: str, patch: str, lora: bool) -> tuple[list[dict], Any]:
     from trl import KTOConfig, KTOTrainer
 
-    model = _model()
-    ref = None if lora else _model()
-    if patch == "before":
-        tiledmlp.patch_model(model, tiled_loss=True)
-        if ref is not None:
-            tiledmlp.patch_model(ref, tiled_mlp=False, tiled_loss=True)
+    model, ref = _with_reference(patch, lora)
     ds = datasets.Dataset.from_dict(
         {
             "prompt": [f"question {i}: " for i in range(12)],
