@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from tiledmlp.ops import glu_kernels as glu
+from tiledmlp.ops import glu_triton
 from tiledmlp.ops.glu_kernels import (
     ACT_KINDS,
     activation_kind,
@@ -275,7 +276,7 @@ def interpreted_cases() -> dict[str, float]:
     assert torch.equal(got.isnan(), nan), "nan in one and not the other"
     same = got.view(torch.int16) == want.view(torch.int16)
     assert same[~nan].all(), f"{int((~same & ~nan).sum())} bfloat16 roundings differ"
-    assert glu._BUILT is not None and glu._BUILT.interpret, "the kernels did not run"
+    assert glu_triton._BUILT is not None and glu_triton._BUILT.interpret, "the kernels did not run"
     # Zero rows launch nothing.
     empty = torch.empty(0, 8)
     glu_backward(empty, empty.clone(), empty.clone(), "silu")
@@ -441,19 +442,28 @@ def test_fused_halves_reference_path_in_place() -> None:
 
 
 def test_glu_kernels_imports_no_triton_or_transformers() -> None:
-    # The module loaded on its own: importing `tiledmlp.ops` already loads Triton through
+    # The glu modules loaded without tiledmlp's and tiledmlp.ops' __init__ (bare packages whose
+    # __path__ finds the submodules): importing `tiledmlp.ops` already loads Triton through
     # torch._dynamo (ops/functional.py's @torch.compiler.disable, torch 2.13), which would hide
     # an eager import here. Checked after the reference path and the recognisers ran too.
-    path = Path(glu.__file__)
+    ops = Path(glu.__file__).parent
     code = (
-        "import importlib.util, sys, torch; "
-        f"spec = importlib.util.spec_from_file_location('glu_alone', {str(path)!r}); "
-        "k = importlib.util.module_from_spec(spec); sys.modules['glu_alone'] = k; "
-        "spec.loader.exec_module(k); "
+        "import sys, types, torch; "
+        "pkg = types.ModuleType('tiledmlp'); "
+        f"pkg.__path__ = [{str(ops.parent)!r}]; "
+        "sub = types.ModuleType('tiledmlp.ops'); "
+        f"sub.__path__ = [{str(ops)!r}]; "
+        "pkg.ops = sub; "
+        "sys.modules.update({'tiledmlp': pkg, 'tiledmlp.ops': sub}); "
+        "import tiledmlp.ops.glu_kernels as k; "
+        "import tiledmlp.ops.glu_compile; "
         "assert not k.kernels_available('cpu'); "
         "k.glu_forward(torch.ones(2, 3), torch.ones(2, 3), 'silu'); "
         "k.glu_backward(torch.ones(2, 3), torch.ones(2, 3), torch.ones(2, 3), 'gelu'); "
         "assert k.activation_kind(torch.nn.SiLU()) == 'silu'; "
+        "mods = sorted(m for m in sys.modules if m.startswith('tiledmlp.ops.')); "
+        "assert {'tiledmlp.ops.glu_triton', 'tiledmlp.ops.glu_activation'} <= set(mods), mods; "
+        "assert all(m.startswith('tiledmlp.ops.glu_') for m in mods), mods; "
         "bad = [m for m in ('triton', 'transformers') if m in sys.modules]; "
         "assert not bad, bad"
     )

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from tiledmlp import TiledMLP, TiledMLPConfig, patch_model, tiled_mlp
-from tiledmlp.ops import glu_kernels
+from tiledmlp.ops import glu_kernels, glu_triton
 
 from conftest import assert_same_grads, grads_of, make_mlp, run_interpreted
 
@@ -76,9 +76,9 @@ def _break(forward: bool, backward: bool) -> None:
 
     tl = triton.language
     if _REAL is None:
-        _REAL = glu_kernels.compiled_kernels()
+        _REAL = glu_triton.compiled_kernels()
     real = _REAL
-    glu_kernels._BUILT = glu_kernels._Kernels(
+    glu_triton._BUILT = glu_triton._Kernels(
         forward=triton.jit(_broken_kernel) if forward else real.forward,
         backward=triton.jit(_broken_backward) if backward else real.backward,
         interpret=real.interpret,
@@ -92,13 +92,13 @@ def failover_cases() -> dict[str, int]:
     logging.getLogger("tiledmlp").addHandler(logs)
     counts: dict[str, int] = {}
     launches = {"n": 0}
-    launch = glu_kernels._launch
+    launch = glu_triton.launch
 
     def counted(*args: Any, **kwargs: Any) -> None:
         launches["n"] += 1
         launch(*args, **kwargs)
 
-    glu_kernels._launch = counted  # type: ignore[assignment]
+    glu_triton.launch = counted  # type: ignore[assignment]
 
     # 1. The elementwise entry points: one warning, the reference's exact result, then the
     # reference for good on that device.
@@ -143,7 +143,7 @@ def failover_cases() -> dict[str, int]:
     assert counts["tiled op"] == 2, logs.messages  # once per fresh failure
 
     # 3. kernels=False: no launch at all, same gradients.
-    glu_kernels._BUILT = _REAL
+    glu_triton._BUILT = _REAL
     glu_kernels._FAILED.clear()
     mlp = make_mlp("geglu", 16, 40)
     x = torch.randn(2, 13, 16, requires_grad=True)

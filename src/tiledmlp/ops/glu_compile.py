@@ -18,7 +18,7 @@ divisible, an int equal to 1 becomes a constant, ints of 2^31 and above are 64-b
   least aligned operands the op passes.
 
 Invariant: each variant is compiled from the same kernel functions, with the same launch
-constants, that glu_kernels launches (`glu_kernels.launch_config`); Triton is imported only
+constants, that glu_kernels launches (`glu_triton.launch_config`); Triton is imported only
 when compiling.
 """
 
@@ -35,8 +35,8 @@ from typing import Any, Literal
 
 import torch
 
-from tiledmlp.ops import glu_kernels
-from tiledmlp.ops.glu_kernels import ACT_KINDS, ActKind
+from tiledmlp.ops import glu_triton
+from tiledmlp.ops.glu_activation import ACT_KINDS, ActKind
 
 __all__ = [
     "CompileReport",
@@ -186,7 +186,7 @@ def compile_variants(
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    kernels = glu_kernels.compiled_kernels()
+    kernels = glu_triton.compiled_kernels()
     if kernels.interpret:
         raise RuntimeError(
             "cannot compile the kernels with Triton's interpreter on; unset TRITON_INTERPRET"
@@ -203,7 +203,7 @@ def compile_variants(
             for v in chosen:
                 fn = kernels.forward if v.kernel == "forward" else kernels.backward
                 write_h = {} if v.kernel == "forward" else {"WRITE_H": v.kernel == "backward_h"}
-                args, constexprs = glu_kernels.launch_config(v.operands(), v.act, **write_h)
+                args, constexprs = glu_triton.launch_config(v.operands(), v.act, **write_h)
                 # Triton prints a failed compile's whole PTX to stderr: keep it off the
                 # caller's terminal; the error's first lines name what failed.
                 quiet = io.StringIO()
