@@ -150,18 +150,20 @@ def assert_same_sgd_steps(
 
 
 def run_interpreted(module: str, function: str) -> Any:
-    """Calls tests/<module>.py's `function()` in a fresh process with Triton's interpreter on
+    """Calls tests/**/<module>.py's `function()` in a fresh process with Triton's interpreter on
     (TRITON_INTERPRET=1: Triton kernels run on CPU tensors; triton.jit reads it when kernels are
     built, so it cannot be switched on inside this process) and returns its JSON result.
     Skips when triton is not installed; fails with the process's output when it fails."""
     pytest.importorskip("triton", reason="triton is not installed")
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONWARNINGS": "ignore"}
+    tests = Path(__file__).resolve().parent
+    (path,) = tests.rglob(f"{module}.py")  # test file names are unique across tests/
     code = (
-        f"import json, sys; sys.path.insert(0, sys.argv[1]); import {module} as t; "
-        f"print('RESULT ' + json.dumps(t.{function}()))"
+        "import json, sys; sys.path[:0] = sys.argv[1:]; "
+        f"import {module} as t; print('RESULT ' + json.dumps(t.{function}()))"
     )
     proc = subprocess.run(
-        [sys.executable, "-c", code, str(Path(__file__).parent)],
+        [sys.executable, "-c", code, str(tests), str(path.parent)],
         env=env,
         capture_output=True,
         text=True,

@@ -22,7 +22,7 @@ Whatever the order:
 
 TRL's settings for a model (temperature, outputs asked for, cast_lm_head_to_fp32, logit scale)
 are read from the forward TRL installed (its closure: private to TRL, hence the version guard;
-tests/test_trl.py fails loudly when it moves). TRL versions outside TESTED are refused with the
+tests/integrations/test_trl.py fails loudly when it moves). TRL versions outside TESTED are refused with the
 reason, at the call that would otherwise bypass the tiled loss.
 
 Invariant: on a loss-patched model, no call with `fused_lm_head=True` reaches TRL's chunked

@@ -4,7 +4,7 @@ Builds a SwiGLU MLP of the given shape under torch's FakeTensorMode (nothing is 
 the untiled module and tiled_mlp on (1, seq_len, hidden) fake tokens, and tracks storages
 (fake_memory.py). Counts weights, their gradients, the input, the output, the upstream gradient
 and the input gradient, like the tensor-level measurements on real tensors
-(tests/test_plan.py compares both).
+(tests/plan/test_plan.py compares both).
 
 Invariant: the estimate depends only on shapes, dtype and the tile policy.
 """

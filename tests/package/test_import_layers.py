@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-SRC = Path(__file__).resolve().parents[1] / "src"
+SRC = Path(__file__).resolve().parents[2] / "src"
 PACKAGE = "tiledmlp"
 
 # top-level part of tiledmlp -> layer; a part may import only parts of a lower layer

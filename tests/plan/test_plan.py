@@ -48,7 +48,7 @@ def test_fake_estimate_equals_real_tensor_level_peak(tiles: int | str) -> None:
 def test_untiled_estimate_within_10_percent_of_process_peak() -> None:
     h, m, n = 512, 2048, 8192
     est = plan_mlp(hidden=h, intermediate=m, seq_len=n, dtype=torch.float32)
-    script = Path(__file__).with_name("process_peak.py")
+    script = Path(__file__).resolve().parents[1] / "process_peak.py"
     res = subprocess.run(
         [sys.executable, str(script), str(h), str(m), str(n)],
         capture_output=True,

@@ -16,6 +16,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 # --standalone: the rendezvous takes a port the system assigns (torchrun's default, 29500, is
 # shared by every suite and program on the machine)
@@ -326,7 +327,7 @@ def test_under_torchrun_every_engine_matches_one_process(
     extra = {
         "ddp": [],
         "fsdp2": ["--fsdp", "full_shard"],
-        "deepspeed": ["--deepspeed", str(Path(__file__).parents[1] / "examples" / "ds_zero3.json")],
+        "deepspeed": ["--deepspeed", str(EXAMPLES / "ds_zero3.json")],
     }[engine]
     out = tmp_path / "out"
     res = train(
@@ -353,7 +354,7 @@ def test_sequence_parallel_under_torchrun_matches_one_process(tmp_path: Path) ->
     one = summary("--seq-len", "128", "--max-steps", "3", "--eval-steps", "3", *ga)
     launcher = [*TORCHRUN, "--nproc_per_node", "2", "-m"]
     config = tmp_path / "ds.json"  # the example's ZeRO-3 config, batch sizes from the Trainer
-    ds = json.loads((Path(__file__).parents[1] / "examples" / "ds_zero3.json").read_text())
+    ds = json.loads((EXAMPLES / "ds_zero3.json").read_text())
     ds.update(train_micro_batch_size_per_gpu="auto", gradient_accumulation_steps="auto")
     config.write_text(json.dumps(ds))
     res = train(

@@ -147,7 +147,7 @@ def test_the_example_config_trains(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     import runpy
     import shutil
 
-    example = Path(__file__).resolve().parents[1] / "examples" / "axolotl"
+    example = Path(__file__).resolve().parents[2] / "examples" / "axolotl"
     monkeypatch.chdir(tmp_path)
     runpy.run_path(str(example / "make_tiny.py"), run_name="__main__")
     shutil.copy(example / "tiny.yml", tmp_path / "tiny.yml")

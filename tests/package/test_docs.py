@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 _FENCE = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```", re.M | re.S)
 _SKIP = re.compile(r"<!--\s*docs-test:\s*skip, tested by (\S+)\s*-->\s*$")
@@ -144,7 +144,17 @@ def test_readme_links_resolve() -> None:
         assert (ROOT / target).exists(), f"README.md links to {target}, which does not exist"
 
 
-_TEST_REF = re.compile(r"`(?:tests/)?((?:distributed/)?test_\w+\.py)(?:::(\w+))?")
+_TEST_REF = re.compile(r"`((?:tests/)?(?:\w+/)*test_\w+\.py)(?:::(\w+))?")
+
+
+def _cited_test(file: str) -> Path | None:
+    """The test file a page cites: a `tests/...` path as written, a bare `test_x.py` by its name
+    (test file names are unique across tests/)."""
+    if file.startswith("tests/"):
+        path = ROOT / file
+        return path if path.is_file() else None
+    found = sorted((ROOT / "tests").rglob(file))
+    return found[0] if len(found) == 1 else None
 
 
 def test_named_tests_exist() -> None:
@@ -152,10 +162,8 @@ def test_named_tests_exist() -> None:
     missing = []
     for page in PAGES:
         for file, name in _TEST_REF.findall(page.read_text()):
-            path = ROOT / "tests" / file
-            if not path.is_file():
-                path = ROOT / "tests" / "distributed" / file
-            if not path.is_file():
+            path = _cited_test(file)
+            if path is None:
                 missing.append(f"{page.name}: {file}")
             elif name and f"def {name}" not in path.read_text():
                 missing.append(f"{page.name}: {file}::{name}")

@@ -77,7 +77,7 @@ def _without(tmp_path: Path, *packages: str) -> dict[str, str]:
     hide.mkdir()
     for name in packages:
         (hide / f"{name}.py").write_text(f"raise ImportError('No module named {name}')\n")
-    src = str(Path(__file__).resolve().parents[1] / "src")
+    src = str(Path(__file__).resolve().parents[2] / "src")
     return {**os.environ, "PYTHONPATH": os.pathsep.join([str(hide), src])}
 
 
@@ -103,7 +103,7 @@ def test_bench_without_matplotlib_or_deepspeed_keeps_the_table(tmp_path: Path) -
     # The extras named in the note exist.
     import tomllib
 
-    extras = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())[
+    extras = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())[
         "project"
     ]["optional-dependencies"]
     assert {"deepspeed", "bench"} <= set(extras)
@@ -169,7 +169,7 @@ def test_train_help_is_grouped_with_one_flag_per_option_and_every_spelling_is_do
                   "--tiled-mlp-num-shards", "--tile-budget-gb"):  # fmt: skip
         assert f"  {alias}" not in listed and f", {alias}" not in listed, alias
     # every spelling of every subcommand is in the command line reference
-    reference = (Path(__file__).resolve().parents[1] / "docs" / "reference" / "cli.md").read_text()
+    reference = (Path(__file__).resolve().parents[2] / "docs" / "reference" / "cli.md").read_text()
     for name, child in sub.choices.items():
         for action in child._actions:
             for flag in action.option_strings:
