@@ -241,29 +241,13 @@ def patch_model(
             an attention implementation other than sdpa / flash attention (before any
             collective runs).
     """
-    options = {
-        "num_tiles": num_tiles,
-        "tile_tokens": tile_tokens,
-        "generic": generic,
-        "hidden_size": hidden_size,
-        "tiled_loss": tiled_loss,
-        "loss_num_tiles": loss_num_tiles,
-        "activation_offloading": activation_offloading,
-        "tiled_norms": tiled_norms,
-        "tiled_mlp": tiled_mlp,
-        "sequence_parallel_size": sequence_parallel_size,
-        "sequence_parallel_group": sequence_parallel_group,
-        "kernels": kernels,
-    }
-    config = _config(config, options)
+    # the keyword arguments, by name (the keyword-only parameters, read before any local)
+    config = _config(config, {k: v for k, v in locals().items() if k in _DEFAULTS})
     sp_groups = _sequence_parallel_groups(
         model, config.sequence_parallel_size, config.sequence_parallel_group
     )
     candidates, skipped = _candidates(model, config)
-    offloading = None
-    if config.activation_offloading:
-        install_offloading(model)
-        offloading = "checkpointed layer inputs to host memory (all but the last layer's)"
+    offloading = _install_offloading(model) if config.activation_offloading else None
     if candidates:
         step = _step_agreement(model)
         for cand in candidates:
@@ -271,25 +255,42 @@ def patch_model(
     loss = None
     if config.tiled_loss:
         loss, sp_groups = _patch_loss(model, config, sp_groups)
-    sequence_parallel = None
-    if sp_groups is not None:
-        if sp_installed(model) is None:
-            done = install_sp(model, sp_groups)
-            logger.debug("sequence parallelism: %s", done)
-        sequence_parallel = (
-            f"Ulysses over {sp_groups.sp_size} ranks (data-parallel size {sp_groups.dp_size})"
-        )
-    # The probes above ran the patched modules; tile_counts counts the model's own calls only.
-    for module in model.modules():
-        state = module.__dict__.get(STATE)
-        if state is not None:
-            state.count.calls = state.count.tiles = state.count.last = 0
+    sequence_parallel = _install_sequence_parallel(model, sp_groups)
+    _reset_tile_counts(model)
     paths = {c.name: f"{c.path}: {c.kind}" for c in candidates}
     report = PatchReport(
         sorted(paths), paths, skipped, config.mlp_config, loss, offloading, sequence_parallel
     )
     logger.info("%s", report)
     return report
+
+
+def _install_offloading(model: nn.Module) -> str:
+    """Installs activation offloading; returns what the report says."""
+    install_offloading(model)
+    return "checkpointed layer inputs to host memory (all but the last layer's)"
+
+
+def _install_sequence_parallel(
+    model: nn.Module, sp_groups: SequenceParallelGroups | None
+) -> str | None:
+    """Makes the attention sequence-parallel over `sp_groups` unless it already is; returns
+    what the report says (None: no sequence parallelism)."""
+    if sp_groups is None:
+        return None
+    if sp_installed(model) is None:
+        done = install_sp(model, sp_groups)
+        logger.debug("sequence parallelism: %s", done)
+    return f"Ulysses over {sp_groups.sp_size} ranks (data-parallel size {sp_groups.dp_size})"
+
+
+def _reset_tile_counts(model: nn.Module) -> None:
+    """Zeroes every patched module's tile count: patch_model's probes ran the patched modules,
+    and tile_counts counts the model's own calls only."""
+    for module in model.modules():
+        state = module.__dict__.get(STATE)
+        if state is not None:
+            state.count.calls = state.count.tiles = state.count.last = 0
 
 
 def _config(config: PatchConfig | None, options: dict[str, Any]) -> PatchConfig:
