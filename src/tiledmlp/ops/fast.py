@@ -25,11 +25,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 
 from tiledmlp.ops import glu_kernels
 from tiledmlp.ops.backend import LOCAL, ParamBackend
+from tiledmlp.ops.engine import TileEngine
 from tiledmlp.ops.grads import GradSlot, Scratch
+from tiledmlp.ops.mlp_params import LinearParams, MLPParams
 from tiledmlp.ops.state import AutocastState
 from tiledmlp.ops.structure import MLPKind, MLPStructure
 from tiledmlp.ops.tiles import TilePlan
@@ -37,17 +38,19 @@ from tiledmlp.ops.tiles import TilePlan
 __all__ = ["FastEngine"]
 
 
-def _mm_into(
-    out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None
-) -> torch.Tensor:
-    """out = x @ w.T (+ b), the same GEMM F.linear runs, written into `out`."""
-    if b is None:
-        return torch.mm(x, w.t(), out=out)
-    return torch.addmm(b, x, w.t(), out=out)
+_Weights = MLPParams[torch.Tensor]  # the module's tensors, or their casts to the compute dtype
+_Slots = MLPParams[GradSlot | None]  # one accumulator per tensor that needs a gradient
+
+
+def _mm_into(out: torch.Tensor, x: torch.Tensor, lin: LinearParams[torch.Tensor]) -> torch.Tensor:
+    """out = x @ weight.T (+ bias), the same GEMM F.linear runs, written into `out`."""
+    if lin.bias is None:
+        return torch.mm(x, lin.weight.t(), out=out)
+    return torch.addmm(lin.bias, x, lin.weight.t(), out=out)
 
 
 class FastEngine:
-    """Tiled forward and backward for a recognised MLP structure.
+    """Tiled forward and backward for a recognised MLP structure (a TileEngine).
 
     Args:
         structure: the recognised MLP.
@@ -56,6 +59,8 @@ class FastEngine:
             gathers `weights` around the forward and the backward.
         kernels: whether the fused elementwise kernels may be used (False: PyTorch only).
     """
+
+    returns_tuple = False  # the module returns one tensor
 
     def __init__(
         self,
@@ -68,8 +73,11 @@ class FastEngine:
         self.autocast = autocast
         self.backend = backend
         self.kernels = kernels
-        self._slots = structure.params()  # weight, bias per linear; None where no bias
-        self.params: list[torch.Tensor] = [p for p in self._slots if p is not None]
+        # The tensors this engine captured, each read once; never `lin.weight` again: a
+        # parametrized weight (spectral norm in training) would run its parametrization, and its
+        # power iteration, once more.
+        self._named: _Weights = MLPParams.of(structure)
+        self.params: list[torch.Tensor] = [p for p in self._named.flat() if p is not None]
         self.weights = self.params  # every parameter the computation uses (all are inputs)
         gated = structure.kind in (MLPKind.GATED, MLPKind.FUSED_GATED)
         self.glu = glu_kernels.activation_kind(structure.act) if gated else None
@@ -103,24 +111,19 @@ class FastEngine:
         casts (it keeps the cast copy). Changing a kept tensor in place before the backward makes
         the untiled module raise too; changing one it does not keep leaves its gradients exact
         for the forward that ran (the tiled backward, which recomputes from it, must refuse)."""
-        # The tensors this engine captured (_slots: weight, bias per linear, the down projection
-        # last), never `lin.weight` again: a parametrized weight (spectral norm in training)
-        # would run its parametrization, and its power iteration, once more.
-        pairs = list(zip(self._slots[0::2], self._slots[1::2], strict=True))
-        first = [p for pair in pairs[:-1] for p in pair if p is not None]
+        of_x = self._named.projections_of_x()
+        first = [p for lin in of_x for p in (lin.weight, lin.bias) if p is not None]
         x_grad = x.requires_grad and torch.is_grad_enabled()
         hidden_grad = x_grad or any(p.requires_grad for p in first)
         keeps = {id(p): False for p in self.params}
-        for i, (weight, _) in enumerate(pairs):
-            assert weight is not None  # every linear has a weight
-            cast = self.autocast.compute_dtype(x.dtype, weight.dtype)
-            copied = cast is not None and cast != weight.dtype
-            input_grad = hidden_grad if i == len(pairs) - 1 else x_grad
-            keeps[id(weight)] = input_grad and not copied
+        for lin, input_grad in [(lin, x_grad) for lin in of_x] + [(self._named.down, hidden_grad)]:
+            cast = self.autocast.compute_dtype(x.dtype, lin.weight.dtype)
+            copied = cast is not None and cast != lin.weight.dtype
+            keeps[id(lin.weight)] = input_grad and not copied
         return keeps
 
-    def _cast(self, dtype: torch.dtype) -> list[torch.Tensor | None]:
-        return [None if p is None else p.to(dtype) for p in self._slots]
+    def _cast(self, dtype: torch.dtype) -> _Weights:
+        return self._named.map(lambda p: p.to(dtype))
 
     def _act(self, g: torch.Tensor) -> torch.Tensor:
         if not self.autocast.enabled:
@@ -133,17 +136,30 @@ class FastEngine:
         first, second = gu[:, :m], gu[:, m:]
         return (first, second) if self.structure.gate_first else (second, first)
 
+    # -- outputs -----------------------------------------------------------------------------
+
+    def output_slots(self) -> tuple[bool | None, ...]:
+        """One output, with x's leading dims."""
+        return (True,)
+
+    def backward_needed(self, grad_outs: Sequence[torch.Tensor | None]) -> bool:
+        """Whether the output got a gradient."""
+        return grad_outs[0] is not None
+
     # -- forward -----------------------------------------------------------------------------
 
-    def forward(self, x: torch.Tensor, plan: TilePlan) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, plan: TilePlan, extras: Sequence[torch.Tensor]
+    ) -> list[torch.Tensor | None]:
         """Tiled forward without keeping intermediates.
 
         Args:
             x: (tokens, hidden).
             plan: the tile split of the tokens.
+            extras: none (a recognised MLP takes x alone).
 
         Returns:
-            (tokens, output_size) in the compute dtype.
+            [(tokens, output_size) in the compute dtype].
         """
         s = self.structure
         cd = self.compute_dtype(x)
@@ -153,66 +169,71 @@ class FastEngine:
         with torch.no_grad(), torch.autocast(x.device.type, enabled=False):
             for start, stop in plan.bounds():
                 self._forward_tile(x[start:stop].to(cd), w, out[start:stop], kind)
-        return out
+        return [out]
 
     def _forward_tile(
-        self, xt: torch.Tensor, w: list[torch.Tensor | None], out: torch.Tensor, kind: str | None
+        self, xt: torch.Tensor, w: _Weights, out: torch.Tensor, kind: str | None
     ) -> None:
         if self.structure.kind is MLPKind.PLAIN:
-            h = self._act(F.linear(xt, w[0], w[1]))  # type: ignore[arg-type]
+            h = self._act(w.first(xt))
         else:
             g, u, _ = self._gate_up(xt, w)
             if kind is not None:
                 h = glu_kernels.glu_forward(g, u, kind, out=g)
             else:
                 h = self._act(g).mul_(u)
-        _mm_into(out, h.to(xt.dtype), w[-2], w[-1])  # type: ignore[arg-type]
+        _mm_into(out, h.to(xt.dtype), w.down)
 
     def _gate_up(
-        self, xt: torch.Tensor, w: list[torch.Tensor | None]
+        self, xt: torch.Tensor, w: _Weights
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(g, u, gu) of a gated tile: for a fused gate_up, g and u are the two halves of one
         GEMM's result gu; else gu is None."""
-        if self.structure.kind is MLPKind.GATED:
-            g = F.linear(xt, w[0], w[1])  # type: ignore[arg-type]
-            return g, F.linear(xt, w[2], w[3]), None  # type: ignore[arg-type]
-        gu = F.linear(xt, w[0], w[1])  # type: ignore[arg-type]
+        if w.up is not None:  # separate gate and up projections
+            g = w.first(xt)
+            return g, w.up(xt), None
+        gu = w.first(xt)
         return (*self._halves(gu), gu)
 
-    def recompute_tile(self, xt: torch.Tensor) -> torch.Tensor:
+    def recompute_tile(
+        self, x_tile: torch.Tensor, extra_tiles: Sequence[torch.Tensor], i: int
+    ) -> list[torch.Tensor | None]:
         """One tile's output under autograd, for a graph of the backward (create_graph=True):
-        the forward's GEMMs and activation, differentiable in xt and the parameters.
+        the forward's GEMMs and activation, differentiable in x_tile and the parameters.
 
         Args:
-            xt: (n, hidden), part of the autograd graph.
+            x_tile: (n, hidden), part of the autograd graph.
+            extra_tiles: none (a recognised MLP takes x alone).
+            i: the tile's index (unused: the computation holds no per-tile state).
 
         Returns:
-            (n, output_size) in the compute dtype, with its graph.
+            [(n, output_size) in the compute dtype, with its graph].
         """
-        s = self.structure
-        cd = self.compute_dtype(xt)
+        cd = self.compute_dtype(x_tile)
         w = self._cast(cd)
-        with torch.enable_grad(), torch.autocast(xt.device.type, enabled=False):
-            x = xt.to(cd)
-            if s.kind is MLPKind.GATED:
-                h = self._act(F.linear(x, w[0], w[1])) * F.linear(x, w[2], w[3])  # type: ignore[arg-type]
-            elif s.kind is MLPKind.FUSED_GATED:
-                g, u = self._halves(F.linear(x, w[0], w[1]))  # type: ignore[arg-type]
+        with torch.enable_grad(), torch.autocast(x_tile.device.type, enabled=False):
+            x = x_tile.to(cd)
+            if w.up is not None:
+                h = self._act(w.first(x)) * w.up(x)
+            elif self.structure.kind is MLPKind.FUSED_GATED:
+                g, u = self._halves(w.first(x))
                 h = self._act(g) * u
             else:
-                h = self._act(F.linear(x, w[0], w[1]))  # type: ignore[arg-type]
-            return F.linear(h.to(cd), w[-2], w[-1])  # type: ignore[arg-type]
+                h = self._act(w.first(x))
+            return [w.down(h.to(cd))]
 
     # -- backward ----------------------------------------------------------------------------
 
     def backward(
         self,
         x: torch.Tensor,
-        grad_out: torch.Tensor,
+        extras: Sequence[torch.Tensor],
+        grad_outs: Sequence[torch.Tensor | None],
         plan: TilePlan,
         needs_x: bool,
+        needs_extras: Sequence[bool],
         needs_params: Sequence[bool],
-    ) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
+    ) -> tuple[torch.Tensor | None, list[torch.Tensor | None], list[torch.Tensor | None]]:
         """Recomputes the first projection(s) per tile and accumulates every gradient once.
 
         Per tile of n tokens the live intermediates peak at five (n, m) tensors (gated) or four
@@ -221,24 +242,30 @@ class FastEngine:
 
         Args:
             x: (tokens, hidden), the forward input.
-            grad_out: (tokens, output_size), gradient of the output.
+            extras: none (a recognised MLP takes x alone).
+            grad_outs: [(tokens, output_size)], the gradient of the output (backward_needed).
             plan: the same tile split the forward used.
             needs_x: whether to return a gradient for x.
+            needs_extras: none.
             needs_params: per entry of `self.params`, whether it needs a gradient.
 
         Returns:
-            (dx of shape (tokens, hidden) in x's dtype or None, per-parameter gradients or None).
+            (dx of shape (tokens, hidden) in x's dtype or None, [], per-parameter gradients or
+            None).
         """
+        (grad_out,) = grad_outs
+        assert grad_out is not None  # the Function returns early otherwise (backward_needed)
         cd = self.compute_dtype(x)
         w = self._cast(cd)
         need_iter = iter(needs_params)
         scratch = Scratch()
         single = plan.num_tiles == 1
-        slots: list[GradSlot | None] = [
-            None if p is None else (GradSlot(p, cd, scratch, single) if next(need_iter) else None)
-            for p in self._slots
-        ]
-        need_up = needs_x or any(sl is not None for sl in slots[:-2])
+        slots: _Slots = self._named.map(
+            lambda p: GradSlot(p, cd, scratch, single) if next(need_iter) else None
+        )
+        need_up = needs_x or any(
+            sl is not None for lin in slots.projections_of_x() for sl in (lin.weight, lin.bias)
+        )
         dx = torch.empty_like(x) if needs_x else None
         kind = self._fused(x)
         tile = self._backward_tile if kind is None else self._backward_tile_fused
@@ -255,14 +282,14 @@ class FastEngine:
                     None if dx is None else dx[start:stop],
                     kind,
                 )
-        return dx, self._results(slots, needs_params)
+        return dx, [], self._results(slots, needs_params)
 
     def _backward_tile(
         self,
         xt: torch.Tensor,
         dyt: torch.Tensor,
-        w: list[torch.Tensor | None],
-        slots: list[GradSlot | None],
+        w: _Weights,
+        slots: _Slots,
         need_up: bool,
         dxt: torch.Tensor | None,
         kind: str | None = None,
@@ -271,7 +298,7 @@ class FastEngine:
         s = self.structure
         cd = xt.dtype
         if s.kind is MLPKind.PLAIN:
-            g, u, gu = F.linear(xt, w[0], w[1]), None, None  # type: ignore[arg-type]
+            g, u, gu = w.first(xt), None, None
         else:
             g, u, gu = self._gate_up(xt, w)
 
@@ -282,10 +309,10 @@ class FastEngine:
             return
         if u is None:
             del a, h
-            dz = self._act_grad(g, torch.mm(dyt, w[-2]))  # type: ignore[arg-type]
+            dz = self._act_grad(g, torch.mm(dyt, w.down.weight))
             self._input_grads(slots, xt, w, dxt, dz)
             return
-        dh = torch.mm(dyt, w[-2], out=h)  # type: ignore[arg-type]
+        dh = torch.mm(dyt, w.down.weight, out=h)
         du = a.mul_(dh)
         da = u.mul_(dh)
         del dh, h, a
@@ -304,8 +331,8 @@ class FastEngine:
         self,
         xt: torch.Tensor,
         dyt: torch.Tensor,
-        w: list[torch.Tensor | None],
-        slots: list[GradSlot | None],
+        w: _Weights,
+        slots: _Slots,
         need_up: bool,
         dxt: torch.Tensor | None,
         kind: str | None,
@@ -317,7 +344,7 @@ class FastEngine:
         if not need_up:
             self._down_grads(slots, dyt, glu_kernels.glu_forward(g, u, kind, out=g))
             return
-        dh = torch.mm(dyt, w[-2])  # type: ignore[arg-type]
+        dh = torch.mm(dyt, w.down.weight)
         glu_kernels.glu_backward(g, u, dh, kind, h_out=dh)  # g <- dg, u <- du, dh <- h
         self._down_grads(slots, dyt, dh)
         del dh
@@ -327,18 +354,18 @@ class FastEngine:
             self._input_grads(slots, xt, w, dxt, g, u)
 
     @staticmethod
-    def _down_grads(slots: list[GradSlot | None], dyt: torch.Tensor, h: torch.Tensor) -> None:
+    def _down_grads(slots: _Slots, dyt: torch.Tensor, h: torch.Tensor) -> None:
         """The down projection's weight (dy^T h) and bias gradients of a tile."""
-        if slots[-2] is not None:
-            slots[-2].add_mm(dyt.t(), h)
-        if slots[-1] is not None:
-            slots[-1].add_rows(dyt)
+        if slots.down.weight is not None:
+            slots.down.weight.add_mm(dyt.t(), h)
+        if slots.down.bias is not None:
+            slots.down.bias.add_rows(dyt)
 
     def _input_grads(
         self,
-        slots: list[GradSlot | None],
+        slots: _Slots,
         xt: torch.Tensor,
-        w: list[torch.Tensor | None],
+        w: _Weights,
         dxt: torch.Tensor | None,
         d1: torch.Tensor,
         d2: torch.Tensor | None = None,
@@ -346,11 +373,11 @@ class FastEngine:
         """The first projection(s)' gradients and dx of a tile, from d1 (the gradient of the
         first linear's output: dz, dg, or [dg | du] in a fused gate_up's layout) and d2 (du of
         a separate up projection)."""
-        self._first_grads(slots[0], slots[1], d1, xt)
-        if d2 is not None:
-            self._first_grads(slots[2], slots[3], d2, xt)
+        ds = [d1] if d2 is None else [d1, d2]
+        for lin_slots, d in zip(slots.projections_of_x(), ds):
+            self._first_grads(lin_slots, d, xt)
         if dxt is not None:
-            self._dx_into(dxt, d1, w[0], d2, None if d2 is None else w[2])  # type: ignore[arg-type]
+            self._dx_into(dxt, [(d, lin.weight) for d, lin in zip(ds, w.projections_of_x())])
 
     def _act_grad(self, z: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
         """Gradient through the module's own activation at z, by re-evaluating it (elementwise,
@@ -365,37 +392,34 @@ class FastEngine:
 
     @staticmethod
     def _first_grads(
-        w_slot: GradSlot | None, b_slot: GradSlot | None, dz: torch.Tensor, xt: torch.Tensor
+        lin_slots: LinearParams[GradSlot | None], dz: torch.Tensor, xt: torch.Tensor
     ) -> None:
-        if w_slot is not None:
-            w_slot.add_mm(dz.t(), xt)
-        if b_slot is not None:
-            b_slot.add_rows(dz)
+        if lin_slots.weight is not None:
+            lin_slots.weight.add_mm(dz.t(), xt)
+        if lin_slots.bias is not None:
+            lin_slots.bias.add_rows(dz)
 
     @staticmethod
-    def _dx_into(
-        out: torch.Tensor,
-        d1: torch.Tensor,
-        w1: torch.Tensor,
-        d2: torch.Tensor | None,
-        w2: torch.Tensor | None,
-    ) -> None:
-        """out = d1 @ w1 (+ d2 @ w2), accumulated in the compute dtype, stored in out's dtype."""
+    def _dx_into(out: torch.Tensor, terms: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """out = sum of d @ w over the (d, w) terms (the first projection, then a separate up
+        projection), accumulated in the compute dtype, stored in out's dtype."""
+        (d1, w1), *rest = terms
         if out.dtype == d1.dtype:
             torch.mm(d1, w1, out=out)
-            if d2 is not None:
-                torch.addmm(out, d2, w2, out=out)  # type: ignore[arg-type]
+            for d, w in rest:
+                torch.addmm(out, d, w, out=out)
             return
         t = torch.mm(d1, w1)
-        if d2 is not None:
-            torch.addmm(t, d2, w2, out=t)  # type: ignore[arg-type]
+        for d, w in rest:
+            torch.addmm(t, d, w, out=t)
         out.copy_(t)
 
-    def _results(
-        self, slots: list[GradSlot | None], needs_params: Sequence[bool]
-    ) -> list[torch.Tensor | None]:
-        present = [sl for p, sl in zip(self._slots, slots) if p is not None]
+    def _results(self, slots: _Slots, needs_params: Sequence[bool]) -> list[torch.Tensor | None]:
+        present = [sl for p, sl in zip(self._named.flat(), slots.flat()) if p is not None]
         return [
             sl.result() if (sl is not None and need) else None
             for sl, need in zip(present, needs_params)
         ]
+
+
+_: type[TileEngine] = FastEngine  # mypy checks FastEngine against the TileEngine protocol

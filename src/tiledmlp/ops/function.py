@@ -18,8 +18,7 @@ from typing import Any
 
 import torch
 
-from tiledmlp.ops.fast import FastEngine
-from tiledmlp.ops.generic import GenericEngine
+from tiledmlp.ops.engine import TileEngine
 from tiledmlp.ops.guards import check_versions, refuse_double_backward
 from tiledmlp.ops.tiles import TilePlan
 
@@ -52,20 +51,21 @@ class TiledRun:
     """Everything one call's forward hands to its backward, besides tensors.
 
     Attributes:
-        engine: FastEngine or GenericEngine.
+        engine: the tile engine (ops/engine.py).
         plan: the tile split, fixed for forward and backward.
         x_node: the anchor node holding x, or None when the Function saved x itself.
         lead_shape: x.shape[:-1].
-        layouts_keep_lead: per output, whether it has x's leading dims (else (tokens, ...)).
+        slots: set by the forward: the engine's output_slots() (per output of the module, None
+            where it is None, else whether it has x's leading dims).
     """
 
-    engine: FastEngine | GenericEngine
+    engine: TileEngine
     plan: TilePlan
     x_node: Any
     lead_shape: tuple[int, ...]
     extras: tuple[torch.Tensor, ...] = ()
     extra_nodes: tuple[Any, ...] = ()
-    layouts_keep_lead: tuple[bool, ...] = ()
+    slots: tuple[bool | None, ...] = ()
     versions: tuple[tuple[object, torch.Tensor, int, bool | None], ...] = ()
 
     def record_versions(self, named: Sequence[tuple[object, torch.Tensor, bool | None]]) -> None:
@@ -84,18 +84,22 @@ class TiledRun:
         # Detached before tiling: slices of a requires-grad tensor taken under no_grad look like
         # graph members without a grad_fn, which breaks module hooks (FlopCounterMode's).
         flat = x.detach().reshape(-1, x.shape[-1])
-        if isinstance(self.engine, FastEngine):
-            outs: list[torch.Tensor | None] = [self.engine.forward(flat, self.plan)]
-            self.layouts_keep_lead = (True,)
-        else:
-            outs = self.engine.forward(flat, self.plan, self.flat_extras(self.extras))
-            self.layouts_keep_lead = tuple(
-                lay is None or lay.keeps_lead_dims for lay in self.engine.layouts
-            )
+        outs = self.engine.forward(flat, self.plan, self.flat_extras(self.extras))
+        self.slots = self.engine.output_slots()
         return [
             None if o is None else (o.view(*self.lead_shape, *o.shape[1:]) if keep else o)
-            for o, keep in zip(outs, self.layouts_keep_lead)
+            for o, keep in zip(outs, self.keeps_lead())
         ]
+
+    def keeps_lead(self) -> list[bool]:
+        """Per output slot, whether the output has x's leading dims (True for None outputs)."""
+        return [slot is None or slot for slot in self.slots]
+
+    def with_none_slots(self, tensors: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
+        """Per output of the module: the Function's tensors (outputs or their gradients, None
+        outputs dropped) with None re-inserted where the module returned None."""
+        it = iter(tensors)
+        return [None if slot is None else next(it) for slot in self.slots]
 
 
 class TiledMLPFunction(torch.autograd.Function):
@@ -122,7 +126,7 @@ class TiledMLPFunction(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor | None) -> Any:
         run: TiledRun = ctx.run
         check_versions("tiled_mlp", run.versions)
-        if isinstance(run.engine, FastEngine) and grads[0] is None:
+        if not run.engine.backward_needed(grads):
             return (None, None, *([None] * (len(ctx.needs_input_grad) - 2)))
         if torch.is_grad_enabled():  # create_graph=True: autograd enables grad mode only then
             if run.engine.backend.engine_hooks:
@@ -157,7 +161,7 @@ def _saved(ctx: Any, run: TiledRun, grads: tuple[torch.Tensor | None, ...]) -> _
     )
     flat_grads = [
         g.reshape(flat.shape[0], *g.shape[len(run.lead_shape) :]) if g is not None and keep else g
-        for g, keep in zip(_with_none_slots(grads, run), run.layouts_keep_lead)
+        for g, keep in zip(run.with_none_slots(grads), run.keeps_lead())
     ]
     return _Saved(
         x=x,
@@ -173,11 +177,6 @@ def _saved(ctx: Any, run: TiledRun, grads: tuple[torch.Tensor | None, ...]) -> _
 def _backward(ctx: Any, run: TiledRun, grads: tuple[torch.Tensor | None, ...]) -> Any:
     """TiledMLPFunction.backward with the module's parameters whole."""
     sv = _saved(ctx, run, grads)
-    if isinstance(run.engine, FastEngine):
-        gy = sv.flat_grads[0]
-        assert gy is not None  # checked before gathering
-        dx, pgrads = run.engine.backward(sv.flat, gy, run.plan, sv.needs_x, sv.needs_params)
-        return (None if dx is None else dx.view(sv.x.shape), None, *pgrads)
     dx, egrads, pgrads = run.engine.backward(
         sv.flat,
         run.flat_extras(sv.extras),
@@ -208,11 +207,7 @@ def _graph_backward(ctx: Any, run: TiledRun, grads: tuple[torch.Tensor | None, .
     for i, (start, stop) in enumerate(run.plan.bounds()):
         xt = sv.flat[start:stop]
         et = [e[start:stop] for e in flat_extras]
-        outs: list[torch.Tensor | None] = (
-            [engine.recompute_tile(xt)]
-            if isinstance(engine, FastEngine)
-            else engine.recompute_tile(xt, et, i)
-        )
+        outs = engine.recompute_tile(xt, et, i)
         pairs = [
             (o, g[start:stop])
             for o, g in zip(outs, sv.flat_grads)
@@ -246,13 +241,3 @@ def _graph_backward(ctx: Any, run: TiledRun, grads: tuple[torch.Tensor | None, .
     ]
     it = iter(pgrads)
     return (dx, None, *egrads, *(next(it) if need else None for need in sv.needs_params))
-
-
-def _with_none_slots(
-    grads: Sequence[torch.Tensor | None], run: TiledRun
-) -> list[torch.Tensor | None]:
-    """Re-inserts None for outputs that were None (the Function only returned tensors)."""
-    if isinstance(run.engine, FastEngine):
-        return list(grads)
-    it = iter(grads)
-    return [None if lay is None else next(it) for lay in run.engine.layouts]

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from tiledmlp.ops.backend import LOCAL, ParamBackend
+from tiledmlp.ops.engine import TileEngine
 from tiledmlp.ops.fast import FastEngine
 from tiledmlp.ops.function import TiledMLPFunction, TiledRun, anchor_input
 from tiledmlp.ops.generic import GenericEngine
@@ -145,7 +146,7 @@ def _run(
         extras=tuple(args),
         extra_nodes=tuple(node for _, node in anchored),
     )
-    keeps = engine.untiled_keeps(x) if isinstance(engine, FastEngine) else {}
+    keeps = engine.untiled_keeps(x)
     run.record_versions(
         [(_ParamName(mlp, w), w, keeps.get(id(w))) for w in engine.weights]
         + [(f"extra input {i}", a, None) for i, (a, node) in enumerate(anchored) if node is None]
@@ -154,9 +155,8 @@ def _run(
         outs = run.run_forward(x)
     else:
         res = TiledMLPFunction.apply(x_in, run, *(a for a, _ in anchored), *engine.params)
-        tensors = iter(res if isinstance(res, tuple) else (res,))
-        outs = [None if keep is None else next(tensors) for keep in _output_slots(run)]
-    if isinstance(engine, GenericEngine) and engine.returns_tuple:
+        outs = run.with_none_slots(res if isinstance(res, tuple) else (res,))
+    if engine.returns_tuple:
         return tuple(outs), plan
     return outs[0], plan
 
@@ -212,7 +212,7 @@ def _prepare(
     backend: ParamBackend = LOCAL,
     plan_tokens: int | None = None,
     kernels: bool = True,
-) -> tuple[FastEngine | GenericEngine, TilePlan | None]:
+) -> tuple[TileEngine, TilePlan | None]:
     """Checks x against the module, builds the engine (fast when `structure` is given) and
     resolves the plan."""
     hidden = x.shape[-1]
@@ -223,11 +223,12 @@ def _prepare(
             f"expected x of shape (..., {expected})."
         )
     autocast = AutocastState.capture(x.device.type)
-    engine: FastEngine | GenericEngine
+    engine: TileEngine
     model: MemoryModel | None = None
     if structure is not None:
-        engine = FastEngine(structure, autocast, backend, kernels)
-        model = MemoryModel(structure, engine.compute_dtype(x), tuple(engine.params))
+        fast = FastEngine(structure, autocast, backend, kernels)
+        model = MemoryModel(structure, fast.compute_dtype(x), tuple(fast.params))
+        engine = fast
     else:
         engine = GenericEngine(mlp, call, autocast, three_d=x.dim() == 3, backend=backend)
     num_tokens = x.numel() // hidden if hidden else 0
@@ -255,13 +256,6 @@ class _ParamName:
             if p is self.param:
                 return f"parameter {name!r}"
         return "a weight of the MLP"
-
-
-def _output_slots(run: TiledRun) -> list[bool | None]:
-    """Per output of the module: None where the module returned None, else a placeholder."""
-    if isinstance(run.engine, FastEngine):
-        return [True]
-    return [None if lay is None else True for lay in run.engine.layouts]
 
 
 def _declared_hidden(mlp: nn.Module) -> int | None:

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from tiledmlp.ops.backend import LOCAL, ParamBackend
+from tiledmlp.ops.engine import TileEngine
 from tiledmlp.ops.grads import GradSlot, Scratch
 from tiledmlp.ops.state import AutocastState, RNGState
 from tiledmlp.ops.tiles import TilePlan
@@ -59,7 +60,7 @@ def _check_buffers_unchanged(mlp: nn.Module, before: list[tuple[str, torch.Tenso
 
 
 class GenericEngine:
-    """Per-tile recompute of an arbitrary token-wise module.
+    """Per-tile recompute of an arbitrary token-wise module (a TileEngine).
 
     Args:
         mlp: the module; called on (1, n, hidden) tiles when x is 3-D and (n, hidden) when 2-D.
@@ -131,6 +132,21 @@ class GenericEngine:
                 )
         return flat
 
+    # -- outputs -----------------------------------------------------------------------------
+
+    def untiled_keeps(self, x: torch.Tensor) -> dict[int, bool]:
+        """Not known for an arbitrary module: empty."""
+        return {}
+
+    def output_slots(self) -> tuple[bool | None, ...]:
+        """Per output, from the forward's first tile: None where it is None, else whether it
+        keeps x's leading dims."""
+        return tuple(None if lay is None else lay.keeps_lead_dims for lay in self.layouts)
+
+    def backward_needed(self, grad_outs: Sequence[torch.Tensor | None]) -> bool:
+        """Always: the backward runs even when no output got a gradient (zero input grads)."""
+        return True
+
     # -- forward -----------------------------------------------------------------------------
 
     def forward(
@@ -164,7 +180,7 @@ class GenericEngine:
                         if t is None
                         else OutputLayout(
                             tuple(t.shape[1:]),
-                            tuple(item.shape[: len(lead)]) == lead,  # type: ignore[union-attr]
+                            tuple(item.shape[: len(lead)]) == lead,
                             t.dtype,
                         )
                         for t, item in zip(tiles, items)
@@ -321,3 +337,6 @@ class GenericEngine:
                     "(or of a submodule), or call the module untiled."
                 )
             stack.extend(fn for fn, _ in node.next_functions if fn is not None)
+
+
+_: type[TileEngine] = GenericEngine  # mypy checks GenericEngine against the TileEngine protocol
