@@ -45,13 +45,6 @@ LAYERS = {
 # the bottom layers import no third-party package but these (each lazily where optional)
 BOTTOM = {"ops", "sequence_parallel"}
 BOTTOM_THIRD_PARTY = {"torch", "triton", "numpy"}
-# (module, imported top-level package) known to break the rule, each with its reason; the test
-# fails when one is no longer needed, so the list only shrinks.
-ALLOWED = {
-    # the attention wrapper registers itself in transformers' AttentionInterface and reads its
-    # mask helpers, lazily, beside the exchange it wraps
-    ("tiledmlp.sequence_parallel.attention", "transformers"),
-}
 
 
 def _modules(root: Path) -> dict[str, Path]:
@@ -95,7 +88,6 @@ def _graph(root: Path) -> tuple[dict[str, set[str]], list[str]]:
     modules = _modules(root)
     graph: dict[str, set[str]] = defaultdict(set)
     errors = []
-    used = set()
     for name, path in modules.items():
         src = _part(name)
         for target, line in _imports(name, path, modules):
@@ -103,10 +95,7 @@ def _graph(root: Path) -> tuple[dict[str, set[str]], list[str]]:
             top = target.split(".")[0]
             if top != PACKAGE:
                 if src in BOTTOM and top not in BOTTOM_THIRD_PARTY and top not in _STDLIB:
-                    if (name, top) in ALLOWED:
-                        used.add((name, top))
-                    else:
-                        errors.append(f"{where}: {name} ({src}) imports {target}: torch only here")
+                    errors.append(f"{where}: {name} ({src}) imports {target}: torch only here")
                 continue
             if target not in modules or target == name:
                 continue
@@ -117,10 +106,6 @@ def _graph(root: Path) -> tuple[dict[str, set[str]], list[str]]:
                     f"{where}: {name} (layer {src or 'facade'}) imports {target} (layer "
                     f"{dst or 'facade'}): only lower layers may be imported"
                 )
-    if root == SRC:
-        errors += [
-            f"ALLOWED holds {pair}, which no import needs any more" for pair in ALLOWED - used
-        ]
     return graph, errors
 
 

@@ -33,10 +33,10 @@ from tiledmlp.patching.engine_registry import backend_for, run_checks
 from tiledmlp.patching.loss import loss_patched, patch_loss, unpatch_loss
 from tiledmlp.patching.offloading import install_offloading, offloader_of, remove_offloading
 from tiledmlp.patching.state import STATE, PatchState, original_forward
-from tiledmlp.sequence_parallel.attention import install as install_sp
-from tiledmlp.sequence_parallel.attention import installed_groups as sp_installed
-from tiledmlp.sequence_parallel.attention import remove as remove_sp
 from tiledmlp.sequence_parallel.groups import SequenceParallelGroups, make_groups
+from tiledmlp.sequence_parallel.install import install as install_sp
+from tiledmlp.sequence_parallel.install import installed_groups as sp_installed
+from tiledmlp.sequence_parallel.install import remove as remove_sp
 
 __all__ = [
     "PatchReport",

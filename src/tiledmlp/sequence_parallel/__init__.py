@@ -23,17 +23,11 @@ from tiledmlp.sequence_parallel.all_to_all import (
     heads_to_sequence,
     sequence_to_heads,
 )
-from tiledmlp.sequence_parallel.attention import (
-    SUPPORTED_ATTENTION,
-    UlyssesAttention,
-    UlyssesReport,
-    install,
-    installed_groups,
-    remove,
-)
+from tiledmlp.sequence_parallel.attention import SUPPORTED_ATTENTION, UlyssesAttention
 from tiledmlp.sequence_parallel.collectives import CollectiveError
 from tiledmlp.sequence_parallel.data import shard_batch, shift_labels
 from tiledmlp.sequence_parallel.groups import SequenceParallelGroups, make_groups
+from tiledmlp.sequence_parallel.install import UlyssesReport, install, installed_groups, remove
 from tiledmlp.sequence_parallel.loss import (
     count_tokens,
     is_exact_loss,
