@@ -281,61 +281,18 @@ def _trainer_class() -> Any:
                 super()._save_checkpoint(model, trial)
             finally:
                 self._staging = False
-            distributed = dist.is_initialized() and dist.get_world_size() > 1
-            if distributed:
-                with guarded("the barrier after saving a checkpoint"):
-                    dist.barrier()
-            if self.args.should_save:
-                publish(run_dir / STAGING / name, run_dir / name)
-                self._rotate(run_dir)
-            if distributed:
-                with guarded("the barrier after publishing a checkpoint"):
-                    dist.barrier()
-
-        def _rotate(self, run_dir: Path) -> None:
-            """--save-total-limit over the published checkpoints (the Trainer's own rotation
-            ran in the staging directory)."""
-            if not self.args.save_total_limit:
-                return
-            own = getattr(super(), "_rotate_checkpoints", None)
-            if callable(own):  # transformers 4.x
-                own(use_mtime=True, output_dir=str(run_dir))
-                return
-            from transformers.trainer_utils import rotate_checkpoints
-
-            rotate_checkpoints(
-                output_dir=str(run_dir),
-                save_total_limit=self.args.save_total_limit,
-                best_model_checkpoint=self.state.best_model_checkpoint,
-                use_mtime=True,
-            )
-
-        def _sp_loader(self, dataset: Any, shuffle: bool) -> Any:
-            from torch.utils.data import DataLoader, DistributedSampler
-
-            g = self.sp_groups
-            sampler: DistributedSampler[Any] = DistributedSampler(
-                dataset, g.dp_size, g.dp_rank, shuffle=shuffle, seed=self.args.seed
-            )
-            return DataLoader(
-                dataset,
-                batch_size=self.args.per_device_train_batch_size,
-                sampler=sampler,
-                collate_fn=self.data_collator,
-                drop_last=shuffle,
-            )
+            _publish_checkpoint(self, run_dir, name)
 
         def get_train_dataloader(self) -> Any:
             if self.sp_groups is None:
                 return super().get_train_dataloader()
-            return self._sp_loader(self.train_dataset, shuffle=True)
+            return _sp_loader(self, self.train_dataset, shuffle=True)
 
         def get_eval_dataloader(self, eval_dataset: Any = None) -> Any:
             if self.sp_groups is None:
                 return super().get_eval_dataloader(eval_dataset)
-            return self._sp_loader(
-                eval_dataset if eval_dataset is not None else self.eval_dataset, shuffle=False
-            )
+            dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
+            return _sp_loader(self, dataset, shuffle=False)
 
         def compute_loss(
             self,
@@ -346,19 +303,7 @@ def _trainer_class() -> Any:
         ) -> Any:
             if self.sp_groups is None:
                 return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-            from tiledmlp.sequence_parallel import shard_batch
-
-            batch = dict(inputs)
-            mask = batch.pop("attention_mask", None)  # the collator's; packed rows are all ones
-            if mask is not None and not bool(mask.all()):
-                raise ValueError(
-                    "sequence parallelism needs packed sequences without padding, but a batch "
-                    "has a padding attention_mask"
-                )
-            shard = shard_batch(batch, self.sp_groups)
-            outputs = model(**shard, use_cache=False)
-            loss = outputs.loss  # exact over the whole sequences (sequence_parallel/model_loss.py)
-            return (loss, outputs) if return_outputs else loss
+            return _sp_loss(self, model, inputs, return_outputs)
 
         def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> Any:
             loss = super().training_step(model, inputs, num_items_in_batch)
@@ -369,25 +314,94 @@ def _trainer_class() -> Any:
             if not self.own_fsdp:
                 super()._save(output_dir, state_dict)
                 return
-            from torch.distributed.checkpoint.state_dict import (
-                StateDictOptions,
-                get_model_state_dict,
-            )
-
-            sharded: Any = self.model
-            full = get_model_state_dict(
-                sharded, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
-            )
-            if self.args.should_save:
-                out = str(output_dir or self.args.output_dir)
-                os.makedirs(out, exist_ok=True)
-                model: Any = self.model
-                model.save_pretrained(out, state_dict=full)
-                if self.processing_class is not None:
-                    self.processing_class.save_pretrained(out)
-                torch.save(self.args, os.path.join(out, "training_args.bin"))
+            _save_gathered(self, output_dir)
 
     return TiledTrainer
+
+
+def _publish_checkpoint(trainer: Any, run_dir: Path, name: str) -> None:
+    """Moves the staged checkpoint `name` into `run_dir` once every rank has saved it, then
+    applies --save-total-limit; every rank waits until it is published."""
+    distributed = dist.is_initialized() and dist.get_world_size() > 1
+    if distributed:
+        with guarded("the barrier after saving a checkpoint"):
+            dist.barrier()
+    if trainer.args.should_save:
+        publish(run_dir / STAGING / name, run_dir / name)
+        _rotate(trainer, run_dir)
+    if distributed:
+        with guarded("the barrier after publishing a checkpoint"):
+            dist.barrier()
+
+
+def _rotate(trainer: Any, run_dir: Path) -> None:
+    """--save-total-limit over the published checkpoints (the Trainer's own rotation ran in the
+    staging directory)."""
+    if not trainer.args.save_total_limit:
+        return
+    own = getattr(trainer, "_rotate_checkpoints", None)
+    if callable(own):  # transformers 4.x
+        own(use_mtime=True, output_dir=str(run_dir))
+        return
+    from transformers.trainer_utils import rotate_checkpoints
+
+    rotate_checkpoints(
+        output_dir=str(run_dir),
+        save_total_limit=trainer.args.save_total_limit,
+        best_model_checkpoint=trainer.state.best_model_checkpoint,
+        use_mtime=True,
+    )
+
+
+def _sp_loader(trainer: Any, dataset: Any, shuffle: bool) -> Any:
+    """Batches drawn per data-parallel replica: the SP ranks of a replica get the same batch."""
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    g = trainer.sp_groups
+    sampler: DistributedSampler[Any] = DistributedSampler(
+        dataset, g.dp_size, g.dp_rank, shuffle=shuffle, seed=trainer.args.seed
+    )
+    return DataLoader(
+        dataset,
+        batch_size=trainer.args.per_device_train_batch_size,
+        sampler=sampler,
+        collate_fn=trainer.data_collator,
+        drop_last=shuffle,
+    )
+
+
+def _sp_loss(trainer: Any, model: Any, inputs: Any, return_outputs: bool) -> Any:
+    """The loss of this rank's shard of the batch's sequences: the model's own, exact over the
+    whole sequences (sequence_parallel/model_loss.py)."""
+    from tiledmlp.sequence_parallel import shard_batch
+
+    batch = dict(inputs)
+    mask = batch.pop("attention_mask", None)  # the collator's; packed rows are all ones
+    if mask is not None and not bool(mask.all()):
+        raise ValueError(
+            "sequence parallelism needs packed sequences without padding, but a batch "
+            "has a padding attention_mask"
+        )
+    shard = shard_batch(batch, trainer.sp_groups)
+    outputs = model(**shard, use_cache=False)
+    loss = outputs.loss
+    return (loss, outputs) if return_outputs else loss
+
+
+def _save_gathered(trainer: Any, output_dir: str | None) -> None:
+    """Saves a self-sharded FSDP2 model with its full state dict, gathered on every rank."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    full = get_model_state_dict(
+        trainer.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
+    if trainer.args.should_save:
+        out = str(output_dir or trainer.args.output_dir)
+        os.makedirs(out, exist_ok=True)
+        trainer.model.save_pretrained(out, state_dict=full)
+        if trainer.processing_class is not None:
+            trainer.processing_class.save_pretrained(out)
+        torch.save(trainer.args, os.path.join(out, "training_args.bin"))
 
 
 def run(opts: TrainOptions) -> dict[str, Any]:
