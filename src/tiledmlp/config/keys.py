@@ -11,6 +11,7 @@ spelling to one field of PatchConfig and parses its value once (config/values.py
 | tiled_loss             | tiled_loss               | axolotl `chunked_cross_entropy`              |
 | loss_tiles             | loss_num_tiles           | axolotl `chunked_cross_entropy_num_chunks`   |
 | tiled_norms            | tiled_norms              |                                              |
+| tiled_layers           | tiled_layers             |                                              |
 | activation_offloading  | activation_offloading    | axolotl `activation_offloading`              |
 | sequence_parallel_size | sequence_parallel_size   | ms-swift `sequence_parallel_size`; axolotl `sequence_parallel_degree`, `context_parallel_size` |
 | generic, hidden_size   | generic, hidden_size     |                                              |
@@ -79,6 +80,7 @@ KEYS: dict[str, _Key] = {
     "loss_num_tiles": _Key("loss_tiles", _loss_tiles),
     "chunked_cross_entropy_num_chunks": _Key("loss_tiles", _loss_tiles, "axolotl"),
     "tiled_norms": _Key("tiled_norms", parse_bool),
+    "tiled_layers": _Key("tiled_layers", parse_bool),
     "activation_offloading": _Key("activation_offloading", parse_bool),
     "sequence_parallel_size": _Key("sequence_parallel_size", _count),
     "sequence_parallel_degree": _Key("sequence_parallel_size", _count, "axolotl"),

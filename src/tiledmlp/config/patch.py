@@ -24,6 +24,7 @@ _SWITCHES = (
     "generic",
     "tiled_loss",
     "tiled_norms",
+    "tiled_layers",
     "activation_offloading",
     "kernels",
 )
@@ -43,6 +44,8 @@ class PatchConfig:
         loss_tiles: the loss's tile policy (a count, tokens per tile or "auto"); None: derived
             from `tiles` (TilePolicy.for_loss).
         tiled_norms: also tile the normalisation layers over the hidden size.
+        tiled_layers: also tile the token-wise rest of each decoder layer (projections,
+            residuals, norms and MLP around the attention core).
         activation_offloading: keep the checkpointed layers' inputs in host memory.
         sequence_parallel_size: P > 1: Ulysses sequence parallelism over P ranks; None or 1:
             none.
@@ -58,6 +61,7 @@ class PatchConfig:
     tiled_loss: bool = False
     loss_tiles: TilePolicy | None = None
     tiled_norms: bool = False
+    tiled_layers: bool = False
     activation_offloading: bool = False
     sequence_parallel_size: int | None = None
     sequence_parallel_group: Any = None
@@ -91,12 +95,14 @@ class PatchConfig:
             self.tiled_mlp
             or self.tiled_loss
             or self.tiled_norms
+            or self.tiled_layers
             or self.activation_offloading
             or self.sequence_parallel
         ):
             raise ValueError(
                 "patch_model: nothing to do with tiled_mlp=False; ask for tiled_loss=True, "
-                "tiled_norms=True, activation_offloading=True or sequence_parallel_size=P"
+                "tiled_norms=True, tiled_layers=True, activation_offloading=True or "
+                "sequence_parallel_size=P"
             )
 
     @property

@@ -9,7 +9,7 @@ table is in tiledmlp/config/keys.py) and calls patch_model with the resulting Pa
   `num_tiles`, `tile_tokens` or `tile_budget_gb: <GB>`;
 - the tiled loss: `tiled_loss` (axolotl `chunked_cross_entropy`), its tiles `loss_num_tiles`
   (axolotl `chunked_cross_entropy_num_chunks`);
-- `tiled_norms`, `activation_offloading`, and sequence parallelism from
+- `tiled_norms`, `tiled_layers`, `activation_offloading`, and sequence parallelism from
   `sequence_parallel_size` (ms-swift) or axolotl's `sequence_parallel_degree` /
   `context_parallel_size`;
 - `generic`, `hidden_size` as in patch_model;
@@ -48,7 +48,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-_FEATURES = ("tiled_mlp", "tiled_loss", "tiled_norms", "activation_offloading")
+_FEATURES = ("tiled_mlp", "tiled_loss", "tiled_norms", "tiled_layers", "activation_offloading")
 
 
 def config_from_args(args: Any) -> PatchConfig | None:
@@ -68,7 +68,7 @@ def config_from_args(args: Any) -> PatchConfig | None:
         if unused:
             logger.warning(
                 "patch_from_args: %s given but no feature is turned on (use_tiled_mlp / "
-                "tiled_mlp, tiled_loss, tiled_norms, activation_offloading, "
+                "tiled_mlp, tiled_loss, tiled_norms, tiled_layers, activation_offloading, "
                 "sequence_parallel_size > 1): nothing patched",
                 ", ".join(unused),
             )

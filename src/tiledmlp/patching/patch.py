@@ -30,6 +30,14 @@ from tiledmlp.patching.agreement import StepTokens, install_agreement
 from tiledmlp.patching.bound import BoundForward, bind
 from tiledmlp.patching.detect import Candidate, detect_mlps, hidden_size_of, norms_of
 from tiledmlp.patching.engine_registry import backend_for, run_checks
+from tiledmlp.patching.layers import (
+    LAYER,
+    LAYER_KIND,
+    decoder_layers,
+    install_layer,
+    layer_parts,
+    tiled_layer_forward,
+)
 from tiledmlp.patching.loss import loss_patched, patch_loss, unpatch_loss
 from tiledmlp.patching.offloading import install_offloading, offloader_of, remove_offloading
 from tiledmlp.patching.state import STATE, PatchState, original_forward
@@ -81,7 +89,12 @@ class PatchReport:
 
     def __str__(self) -> str:
         norms = sum(1 for name in self.patched if self.paths[name] == "generic: norm")
-        what = f"{len(self.patched) - norms} MLP(s)" + (f" and {norms} norm(s)" if norms else "")
+        layers = sum(1 for name in self.patched if self.paths[name] == f"generic: {LAYER_KIND}")
+        mlps = len(self.patched) - norms - layers
+        parts = [f"{mlps} MLP(s)"] if mlps or not (norms or layers) else []
+        parts += [f"{norms} norm(s)"] if norms else []
+        parts += [f"{layers} decoder layer(s)"] if layers else []
+        what = " and ".join(parts)
         lines = [f"tiled {what} with {self.config}"]
         lines += [f"  {name}: {self.paths[name]}" for name in self.patched]
         lines += [f"  skipped {name}: {why}" for name, why in self.skipped]
@@ -146,7 +159,11 @@ def tiled_forward(self: nn.Module, x: Any, *args: Any, **kwargs: Any) -> Any:
 
 def _ours_on_top(module: nn.Module) -> bool:
     fwd = module.__dict__.get("forward")
-    return isinstance(fwd, BoundForward) and fwd.func is tiled_forward and fwd.module is module
+    return (
+        isinstance(fwd, BoundForward)
+        and fwd.func in (tiled_forward, tiled_layer_forward)
+        and fwd.module is module
+    )
 
 
 def _patch_one(
@@ -176,6 +193,7 @@ def patch_model(
     loss_num_tiles: int | str | None = None,
     activation_offloading: bool = False,
     tiled_norms: bool = False,
+    tiled_layers: bool = False,
     tiled_mlp: bool = True,
     sequence_parallel_size: int | None = None,
     sequence_parallel_group: Any = None,
@@ -215,6 +233,13 @@ def patch_model(
               intermediates (several tokens x hidden x 4 bytes each, the largest part of a
               checkpointed layer's recompute once the MLP is tiled) then exist one tile at a
               time.
+            - tiled_layers: also tile the rest of each decoder layer that is token-wise (the
+              norm, the q/k/v projections, per-head norms and rotary embedding before the
+              attention core; o_proj, the residuals, the norm and the MLP after it) with the
+              generic path (see patching/layers.py): a checkpointed layer's recompute then
+              holds only the layer input, q, k, v, the attention output and their gradients.
+              Llama-family layers (Llama, Mistral, Qwen2, Qwen3 and alike) are recognised;
+              any other decoder layer is an error.
             - tiled_mlp: False leaves the MLPs alone (e.g. `tiled_mlp=False, tiled_loss=True`:
               the tiled loss only); then an option that cannot be applied is an error.
             - sequence_parallel_size: P > 1 makes the attention sequence-parallel (Ulysses)
@@ -247,11 +272,15 @@ def patch_model(
         model, config.sequence_parallel_size, config.sequence_parallel_group
     )
     candidates, skipped = _candidates(model, config)
+    layers = _layer_candidates(model) if config.tiled_layers else []
     offloading = _install_offloading(model) if config.activation_offloading else None
-    if candidates:
+    if candidates or layers:
         step = _step_agreement(model)
         for cand in candidates:
             _patch_one(cand.module, cand, config.mlp_config, step)
+        for name, layer, parts in layers:
+            install_layer(layer, parts, config.mlp_config, step)
+            candidates.append(Candidate(name, layer, "generic", LAYER_KIND))
     loss = None
     if config.tiled_loss:
         loss, sp_groups = _patch_loss(model, config, sp_groups)
@@ -338,6 +367,27 @@ def _candidates(
         taken = {id(c.module) for c in candidates}
         candidates += [c for c in norms_of(model, hidden) if id(c.module) not in taken]
     return candidates, skipped
+
+
+def _layer_candidates(model: nn.Module) -> list[tuple[str, nn.Module, Any]]:
+    """The decoder layers to tile (tiled_layers=True): every one must be recognised."""
+    found = decoder_layers(model)
+    if not found:
+        raise ValueError(
+            f"patch_model: tiled_layers=True but {type(model).__name__} has no decoder layers "
+            "(modules with an attention and an MLP child); drop tiled_layers"
+        )
+    layers = []
+    for name, layer in found:
+        parts = layer.__dict__.get(LAYER) or layer_parts(layer)
+        if isinstance(parts, str):
+            raise ValueError(
+                f"patch_model: tiled_layers cannot tile {name} ({type(layer).__name__}): "
+                f"{parts}; only Llama-family decoder layers are tiled, drop tiled_layers (the "
+                "MLPs, norms and loss can still be tiled)"
+            )
+        layers.append((name, layer, parts))
+    return layers
 
 
 def _patch_loss(
@@ -479,6 +529,7 @@ def unpatch_model(model: nn.Module) -> list[str]:
         restored.append("<activation offloading>")
     for name, module in model.named_modules():
         state = module.__dict__.pop(STATE, None)
+        module.__dict__.pop(LAYER, None)
         if state is None:
             continue
         if state.saved is None:
