@@ -183,7 +183,7 @@ class LayerParts:
 
     pre: PreAttention
     post: PostAttention
-    attn: nn.Module
+    attn: Any
     head_dim: int
     eager: Callable[..., Any] | None
     extra_kwargs: dict[str, Any] = field(default_factory=dict)
@@ -217,7 +217,7 @@ def _structure(layer: nn.Module) -> LayerParts | str:
     missing = [n for n in need if not isinstance(getattr(layer, n, None), nn.Module)]
     if missing:
         return f"no {', '.join(missing)}"
-    attn = layer.self_attn
+    attn: Any = layer.self_attn  # the family's attention module, read by attribute
     projections = ("q_proj", "k_proj", "v_proj", "o_proj")
     bad = [n for n in projections if not is_projection(getattr(attn, n, nn.Identity()))]
     if bad:
@@ -228,7 +228,7 @@ def _structure(layer: nn.Module) -> LayerParts | str:
     config = getattr(attn, "config", None)
     if not isinstance(getattr(config, "_attn_implementation", None), str):
         return "its attention has no config naming the attention implementation"
-    mlp = layer.mlp
+    mlp: nn.Module = layer.mlp  # type: ignore[assignment]
     if any(p.dim() > 2 for p in mlp.parameters()) or any(
         isinstance(m, nn.ModuleList) for m in mlp.modules()
     ):
@@ -242,7 +242,7 @@ def _structure(layer: nn.Module) -> LayerParts | str:
     q_norm = getattr(attn, "q_norm", None)
     k_norm = getattr(attn, "k_norm", None)
     pre = PreAttention(
-        layer.input_layernorm,
+        layer.input_layernorm,  # type: ignore[arg-type]
         attn.q_proj,
         attn.k_proj,
         attn.v_proj,
@@ -251,7 +251,7 @@ def _structure(layer: nn.Module) -> LayerParts | str:
         rotary,
         head_dim,
     )
-    post = PostAttention(attn.o_proj, layer.post_attention_layernorm, mlp)
+    post = PostAttention(attn.o_proj, layer.post_attention_layernorm, mlp)  # type: ignore[arg-type]
     return LayerParts(pre, post, attn, head_dim, _family_function(attn, "eager_attention_forward"))
 
 
@@ -339,7 +339,10 @@ def tiled_layer_forward(
     parts: LayerParts = self.__dict__[LAYER]
     state: PatchState = self.__dict__[STATE]
     if (
-        (past_key_values is not None and not isinstance(getattr(parts.attn, "layer_idx", None), int))
+        (
+            past_key_values is not None
+            and not isinstance(getattr(parts.attn, "layer_idx", None), int)
+        )
         or not isinstance(position_embeddings, (tuple, list))
         or not isinstance(hidden_states, torch.Tensor)
         or hidden_states.dim() != 3
@@ -428,6 +431,12 @@ def _probe_implementation(config: Any) -> Iterator[None]:
         _RECORDED.calls.clear()
 
 
+def _line(e: Exception) -> str:
+    """An exception as one line (refusals are one line)."""
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
+
+
 def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.shape != b.shape:
         return False
@@ -447,52 +456,52 @@ def _probe(layer: nn.Module, parts: LayerParts) -> str | None:
     compare = not absent(param)
     device, dtype = param.device, param.dtype
     hidden = int(parts.attn.config.hidden_size)
-    with probing(layer, training=True), _probe_implementation(parts.attn.config):
-        with stand_ins(layer) if compare else contextlib.nullcontext():
-            gen = torch.Generator(device=device).manual_seed(0) if compare else None
-            x = torch.randn(2, _PROBE_TOKENS, hidden, generator=gen, device=device).to(dtype)
-            theta = torch.rand(1, _PROBE_TOKENS, parts.head_dim, generator=gen, device=device)
-            cos, sin = (theta * 6.0).cos().to(dtype), (theta * 6.0).sin().to(dtype)
-            positions = torch.arange(_PROBE_TOKENS, device=device)[None]
-            try:
-                ref = original_forward(layer)(
-                    x,
-                    attention_mask=None,
-                    position_ids=positions,
-                    past_key_values=None,
-                    use_cache=False,
-                    position_embeddings=(cos, sin),
-                )
-            except Exception as e:  # any failure means the layer is not called like Llama's
-                return f"its forward cannot be called like a Llama decoder layer's ({e})"
-            if len(_RECORDED.calls) != 1:
-                return "its forward does not call the attention function exactly once"
-            q_ref, k_ref, v_ref, recorded = _RECORDED.calls.pop()
-            if recorded.get("scaling") != parts.attn.scaling:
-                return "its attention passes a scaling other than its `scaling` attribute"
-            if recorded.get("dropout") != getattr(parts.attn, "attention_dropout", None):
-                return "its attention passes a dropout other than its `attention_dropout`"
-            parts.extra_kwargs = {k: v for k, v in recorded.items() if k not in _OWN_KWARGS}
-            parts.returns_tuple = isinstance(ref, tuple)
-            if parts.returns_tuple and len(ref) != 1:
-                return f"its forward returns {len(ref)} values"
-            try:
-                got = _layer_math(
-                    parts, lambda block, *a: block(*a), x, None, positions, False,
-                    (cos, sin), {}, _probe_attention,
-                )  # fmt: skip
-            except Exception as e:
-                return f"its modules cannot be called as a Llama decoder layer's ({e})"
-            q, k, v, _ = _RECORDED.calls.pop()
-            if not compare:
-                return None
-            y_ref = ref[0] if parts.returns_tuple else ref
-            y = got[0] if parts.returns_tuple else got
-            if not all(_close(a, b) for a, b in ((q, q_ref), (k, k_ref), (v, v_ref), (y, y_ref))):
-                return (
-                    "its forward computes something other than norm -> q/k/v (-> q/k norms) -> "
-                    "rotary -> attention -> o_proj + residual -> norm -> MLP + residual"
-                )
+    weights = stand_ins(layer) if compare else contextlib.nullcontext()
+    with probing(layer, training=True), _probe_implementation(parts.attn.config), weights:
+        gen = torch.Generator(device=device).manual_seed(0) if compare else None
+        x = torch.randn(2, _PROBE_TOKENS, hidden, generator=gen, device=device).to(dtype)
+        theta = torch.rand(1, _PROBE_TOKENS, parts.head_dim, generator=gen, device=device)
+        cos, sin = (theta * 6.0).cos().to(dtype), (theta * 6.0).sin().to(dtype)
+        positions = torch.arange(_PROBE_TOKENS, device=device)[None]
+        try:
+            ref = original_forward(layer)(
+                x,
+                attention_mask=None,
+                position_ids=positions,
+                past_key_values=None,
+                use_cache=False,
+                position_embeddings=(cos, sin),
+            )
+        except Exception as e:  # any failure means the layer is not called like Llama's
+            return f"its forward cannot be called like a Llama decoder layer's ({_line(e)})"
+        if len(_RECORDED.calls) != 1:
+            return "its forward does not call the attention function exactly once"
+        q_ref, k_ref, v_ref, recorded = _RECORDED.calls.pop()
+        if recorded.get("scaling") != parts.attn.scaling:
+            return "its attention passes a scaling other than its `scaling` attribute"
+        if recorded.get("dropout") != getattr(parts.attn, "attention_dropout", None):
+            return "its attention passes a dropout other than its `attention_dropout`"
+        parts.extra_kwargs = {k: v for k, v in recorded.items() if k not in _OWN_KWARGS}
+        parts.returns_tuple = isinstance(ref, tuple)
+        if parts.returns_tuple and len(ref) != 1:
+            return f"its forward returns {len(ref)} values"
+        try:
+            got = _layer_math(
+                parts, lambda block, *a: block(*a), x, None, positions, False,
+                (cos, sin), {}, _probe_attention,
+            )  # fmt: skip
+        except Exception as e:
+            return f"its modules cannot be called as a Llama decoder layer's ({_line(e)})"
+        q, k, v, _ = _RECORDED.calls.pop()
+        if not compare:
+            return None
+        y_ref = ref[0] if parts.returns_tuple else ref
+        y = got[0] if parts.returns_tuple else got
+        if not all(_close(a, b) for a, b in ((q, q_ref), (k, k_ref), (v, v_ref), (y, y_ref))):
+            return (
+                "its forward computes something other than norm -> q/k/v (-> q/k norms) -> "
+                "rotary -> attention -> o_proj + residual -> norm -> MLP + residual"
+            )
     return None
 
 
