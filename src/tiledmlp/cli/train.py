@@ -91,6 +91,11 @@ def add_parser(sub: Any) -> None:
     switch("--activation-offloading", help="keep the checkpointed layers' inputs in host memory "
            "between forward and recompute (needs --gradient-checkpointing)")  # fmt: skip
     switch("--tiled-norms", help="also tile the LayerNorm/RMSNorm layers (with tiled MLPs)")
+    switch(
+        "--tiled-layers",
+        help="also tile the rest of each decoder layer that is token-wise: projections, "
+        "residuals, norms and MLP around the attention core (with tiled MLPs)",
+    )
     dist("--sequence-parallel-size", metavar="P", help="split each sequence over P ranks "
          "(Ulysses sequence parallelism; P divides the world, the heads and --seq-len) "
          "(default: 1)")  # fmt: skip

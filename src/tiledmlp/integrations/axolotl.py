@@ -4,7 +4,8 @@
       - tiledmlp.integrations.axolotl.TiledMLPPlugin
     tiledmlp: true
     tiledmlp_tiled_loss: true       # optional: tiledmlp_num_tiles, tiledmlp_tile_tokens,
-                                    # tiledmlp_tiled_norms, tiledmlp_activation_offloading,
+                                    # tiledmlp_tiled_norms, tiledmlp_tiled_layers,
+                                    # tiledmlp_activation_offloading,
                                     # tiledmlp_sequence_parallel_size
 
 The keys are namespaced `tiledmlp*`, so they never collide with axolotl's own `tiled_mlp*`
@@ -52,6 +53,7 @@ class TiledMLPArgs(BaseModel):
     tiledmlp_tile_tokens: int | None = None
     tiledmlp_tiled_loss: bool | None = None
     tiledmlp_tiled_norms: bool | None = None
+    tiledmlp_tiled_layers: bool | None = None
     tiledmlp_activation_offloading: bool | None = None
     tiledmlp_sequence_parallel_size: int | None = None
 

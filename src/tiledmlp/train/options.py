@@ -63,6 +63,7 @@ _FEATURE_FIELDS = {
     "tiles": "num_tiles",
     "tiled_loss": "tiled_loss",
     "tiled_norms": "tiled_norms",
+    "tiled_layers": "tiled_layers",
     "activation_offloading": "activation_offloading",
     "sequence_parallel_size": "sequence_parallel_size",
 }
@@ -103,6 +104,7 @@ class TrainOptions:
     gradient_checkpointing: bool = False
     activation_offloading: bool = False
     tiled_norms: bool = False
+    tiled_layers: bool = False
     kernels: bool = True
     dtype: str = "float32"
     engine: str = "auto"
@@ -162,6 +164,10 @@ class TrainOptions:
             raise ValueError(
                 "--tiled-norms tiles on top of the tiled MLPs: drop --use-tiled-mlp false"
             )
+        if self.tiled_layers and not self.use_tiled_mlp:
+            raise ValueError(
+                "--tiled-layers tiles on top of the tiled MLPs: drop --use-tiled-mlp false"
+            )
         if self.engine == "deepspeed" and self.deepspeed is None:
             raise ValueError("--engine deepspeed needs --deepspeed CONFIG (a DeepSpeed JSON file)")
         if self.deepspeed is not None and not Path(self.deepspeed).is_file():
@@ -217,6 +223,7 @@ class TrainOptions:
             tiled_mlp=tiled,
             tiled_loss=tiled and self.tiled_loss,
             tiled_norms=tiled and self.tiled_norms,
+            tiled_layers=tiled and self.tiled_layers,
             activation_offloading=self.activation_offloading,
             sequence_parallel_size=self.sequence_parallel_size,
             kernels=self.kernels,

@@ -645,6 +645,7 @@ def _summary(
         "gradient_checkpointing": opts.gradient_checkpointing,
         "activation_offloading": opts.activation_offloading,
         "tiled_norms": opts.tiled_norms,
+        "tiled_layers": opts.tiled_layers,
         "kernels": opts.kernels,
         "offloaded_mib": _offloaded_mib(model),
         "tiled_modules": report.patched if report else [],
