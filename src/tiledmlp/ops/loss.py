@@ -20,6 +20,7 @@ contributes exactly zero.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
@@ -222,25 +223,91 @@ def tiled_cross_entropy(
     Raises:
         TypeError / ValueError: wrong dtypes, shapes, reduction, option values or tile policy.
     """
-    if reduction not in _REDUCTIONS:
-        raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
-    if not 0.0 <= label_smoothing <= 1.0:
-        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing!r}")
-    if not (isinstance(z_loss, int | float) and math.isfinite(z_loss) and z_loss >= 0):
-        raise ValueError(f"z_loss must be a coefficient >= 0, got {z_loss!r}")
+    scoring = _Scoring(reduction, label_smoothing, z_loss, return_aux)
     _check_inputs(hidden_states, lm_head_weight, labels, bias, softcap, mask, "labels")
     vocab = lm_head_weight.shape[0]
+    _check_class_weight(weight, vocab)
+    targets, counted = _targets(labels, mask, shift, ignore_index, vocab, "tiled_cross_entropy")
+    head = _Head.of(hidden_states, lm_head_weight, num_tiles, tile_tokens)
+    math_ = _cross_entropy_math(scoring, head, targets, counted, weight, vocab)
+    run = HeadRun(head.plan, targets, counted, softcap or None, 1.0, head.autocast, math_)
+    loss = run_head(head.hidden, run, lm_head_weight, bias)
+    if reduction == "none":
+        loss = loss.view(labels.shape)
+    if not return_aux:
+        return loss
+    return _with_aux(loss, math_, targets, counted, labels.shape)
+
+
+@dataclass(frozen=True)
+class _Scoring:
+    """tiled_cross_entropy's options about the loss itself, checked once."""
+
+    reduction: str
+    label_smoothing: float
+    z_loss: float
+    return_aux: bool
+
+    def __post_init__(self) -> None:
+        if self.reduction not in _REDUCTIONS:
+            raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {self.reduction!r}")
+        if not 0.0 <= self.label_smoothing <= 1.0:
+            raise ValueError(f"label_smoothing must be in [0, 1], got {self.label_smoothing!r}")
+        z = self.z_loss
+        if not (isinstance(z, int | float) and math.isfinite(z) and z >= 0):
+            raise ValueError(f"z_loss must be a coefficient >= 0, got {z!r}")
+
+
+def _check_class_weight(weight: torch.Tensor | None, vocab: int) -> None:
     if weight is not None and (weight.dim() != 1 or weight.shape[0] != vocab):
         raise ValueError(
             f"tiled_cross_entropy: weight must be ({vocab},) class weights, got "
             f"{tuple(weight.shape)}"
         )
-    targets, counted = _targets(labels, mask, shift, ignore_index, vocab, "tiled_cross_entropy")
-    hidden = hidden_states.reshape(-1, hidden_states.shape[-1])
-    autocast = AutocastState.capture(hidden.device.type)
-    cd = autocast.compute_dtype(hidden.dtype, lm_head_weight.dtype) or hidden.dtype
-    wide = torch.promote_types(cd, torch.float32)
-    class_weight = None if weight is None else weight.detach().to(wide)
+
+
+@dataclass(frozen=True)
+class _Head:
+    """The LM head's input as its tile loop takes it.
+
+    Attributes:
+        hidden: (tokens, hidden), the input flattened.
+        autocast: the autocast state captured for the loop.
+        wide: the softmax's dtype (the compute dtype promoted to at least float32).
+        plan: the tiles over the tokens.
+    """
+
+    hidden: torch.Tensor
+    autocast: AutocastState
+    wide: torch.dtype
+    plan: TilePlan
+
+    @classmethod
+    def of(
+        cls,
+        hidden_states: torch.Tensor,
+        lm_head_weight: torch.Tensor,
+        num_tiles: int | str | TilePolicy,
+        tile_tokens: int | None,
+    ) -> _Head:
+        hidden = hidden_states.reshape(-1, hidden_states.shape[-1])
+        autocast = AutocastState.capture(hidden.device.type)
+        cd = autocast.compute_dtype(hidden.dtype, lm_head_weight.dtype) or hidden.dtype
+        elem = torch.empty((), dtype=cd).element_size()
+        plan = _plan(hidden.shape[0], hidden.shape[1], elem, num_tiles, tile_tokens)
+        return cls(hidden, autocast, torch.promote_types(cd, torch.float32), plan)
+
+
+def _cross_entropy_math(
+    scoring: _Scoring,
+    head: _Head,
+    targets: torch.Tensor,
+    counted: torch.Tensor,
+    weight: torch.Tensor | None,
+    vocab: int,
+) -> CrossEntropyMath:
+    """The per-tile math, with the "mean" denominators of the whole input."""
+    class_weight = None if weight is None else weight.detach().to(head.wide)
     # Planning on fake tensors has no values: every token counts (the scale changes no memory).
     if absent(counted):
         count, weight_total = counted.numel(), float(counted.numel())
@@ -251,36 +318,39 @@ def tiled_cross_entropy(
             if class_weight is None
             else float(class_weight[torch.where(counted, targets, 0)][counted].sum())
         )
-    math_ = CrossEntropyMath(
-        reduction=reduction,
-        label_smoothing=float(label_smoothing),
+    return CrossEntropyMath(
+        reduction=scoring.reduction,
+        label_smoothing=float(scoring.label_smoothing),
         class_weight=class_weight,
-        z_loss=float(z_loss),
+        z_loss=float(scoring.z_loss),
         weight_total=weight_total,
         count=count,
         vocab=vocab,
-        num_tokens=hidden.shape[0],
-        device=hidden.device,
-        dtype=wide,
-        want_argmax=return_aux,
+        num_tokens=head.hidden.shape[0],
+        device=head.hidden.device,
+        dtype=head.wide,
+        want_argmax=scoring.return_aux,
     )
-    elem = torch.empty((), dtype=cd).element_size()
-    plan = _plan(hidden.shape[0], hidden.shape[1], elem, num_tiles, tile_tokens)
-    run = HeadRun(plan, targets, counted, softcap or None, 1.0, autocast, math_)
-    loss = run_head(hidden, run, lm_head_weight, bias)
-    if reduction == "none":
-        loss = loss.view(labels.shape)
-    if not return_aux:
-        return loss
+
+
+def _with_aux(
+    loss: torch.Tensor,
+    math_: CrossEntropyMath,
+    targets: torch.Tensor,
+    counted: torch.Tensor,
+    shape: torch.Size,
+) -> CrossEntropyOutput:
+    """The CrossEntropyOutput of a finished run (labels' `shape` for per-token outputs)."""
     assert math_.argmax is not None
+    count = math_.count
     correct = (math_.argmax == targets) & counted
     accuracy = correct.sum().to(torch.float32) / count if count else torch.tensor(float("nan"))
     z_value = math_.z_value()
     return CrossEntropyOutput(
         loss,
-        z_value.view(labels.shape) if reduction == "none" else z_value,
-        accuracy.to(hidden.device),
-        math_.argmax.view(labels.shape),
+        z_value.view(shape) if math_.reduction == "none" else z_value,
+        accuracy.to(loss.device),
+        math_.argmax.view(shape),
     )
 
 
@@ -428,16 +498,13 @@ def _token_head(
     _check_inputs(hidden_states, lm_head_weight, tokens, bias, softcap, mask, "tokens")
     vocab = lm_head_weight.shape[0]
     targets, counted = _targets(tokens, mask, shift, ignore_index, vocab, op)
-    hidden = hidden_states.reshape(-1, hidden_states.shape[-1])
-    autocast = AutocastState.capture(hidden.device.type)
-    cd = autocast.compute_dtype(hidden.dtype, lm_head_weight.dtype) or hidden.dtype
-    wide = torch.promote_types(cd, torch.float32)
-    math_ = LogprobMath(hidden.shape[0], hidden.device, wide, entropy=entropy, stats=stats)
-    elem = torch.empty((), dtype=cd).element_size()
-    plan = _plan(hidden.shape[0], hidden.shape[1], elem, num_tiles, tile_tokens)
+    head = _Head.of(hidden_states, lm_head_weight, num_tiles, tile_tokens)
+    hidden = head.hidden
+    math_ = LogprobMath(hidden.shape[0], hidden.device, head.wide, entropy=entropy, stats=stats)
     run = HeadRun(
-        plan, targets, counted, softcap or None, float(temperature), autocast, math_, scale
-    )
+        head.plan, targets, counted, softcap or None, float(temperature), head.autocast, math_,
+        scale,
+    )  # fmt: skip
     out = run_head(hidden, run, lm_head_weight, bias)
     log_probs, ent = (out[0], out[1]) if entropy else (out, None)
     shape = tokens.shape
