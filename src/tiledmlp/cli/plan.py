@@ -29,8 +29,9 @@ def add_parser(sub: Any) -> None:
             "downloaded): of one SwiGLU MLP's forward + backward, untiled and tiled; with "
             "--model, also of one decoder layer and of a whole training step (forward, loss, "
             "backward, optimizer step) for each stack: untiled, tiled_mlp, tiled_mlp_loss, "
-            "tiled_mlp_loss_offload and tiled_mlp_loss_offload_norms. With --memory-gb, the "
-            "longest sequence each stack fits (minutes for a large model: progress on stderr). "
+            "tiled_mlp_loss_offload and tiled_mlp_loss_offload_norms; --engine zero3 or fsdp2 "
+            "shards weights, gradients and optimizer states over the GPUs, --offload-params "
+            "keeps them on the host. With --memory-gb, the longest sequence each stack fits (minutes for a large model: progress on stderr). "
             "With --budget-gb, the fewest tiles with which the MLP alone fits."
         ),
     )
@@ -123,6 +124,22 @@ def add_parser(sub: Any) -> None:
         help="the sequence split over P GPUs (Ulysses); figures per GPU, max_seq_len for the "
         "whole sequence (default: 1)",
     )
+    whole.add_argument(
+        "--engine",
+        choices=("ddp", "zero3", "fsdp2"),
+        default="ddp",
+        help="what each GPU keeps of the weights, gradients and optimizer states: ddp (whole on "
+        "every GPU), zero3 (DeepSpeed ZeRO-3: sharded over the P GPUs, the gathered layer in "
+        "flight, prefetch and reduce bucket) or fsdp2 (fully_shard per layer: sharded, two "
+        "layers and the embeddings gathered); the JSON says per GPU and per host (default: ddp)",
+    )
+    whole.add_argument(
+        "--offload-params",
+        action="store_true",
+        help="with --engine zero3 (offload_param) or fsdp2 (CPUOffloadPolicy): parameters, "
+        "gradients and the optimizer (--optimizer cpu-offload) on the host; host memory per "
+        "GPU and per node of 8 GPUs",
+    )
     output.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -194,10 +211,18 @@ def _check_flags(args: argparse.Namespace) -> None:
         ),
         ("--memory-gb", args.memory_gb is not None),
         ("--sequence-parallel-size", args.sequence_parallel_size != 1),
+        ("--engine", args.engine != "ddp"),
+        ("--offload-params", args.offload_params),
     )
     if args.model is None and any(on for _, on in whole):
         names = " and ".join(n for n, on in whole if on)
         raise UsageError(f"{names} plan a whole model: add --model NAME_OR_PATH")
+    from tiledmlp.plan.engines import check_engine
+
+    try:
+        check_engine(args.engine, offload_params=args.offload_params, optimizer=args.optimizer)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
 
 
 def _shape(args: argparse.Namespace) -> tuple[Any, int, int]:
@@ -245,7 +270,11 @@ def _plan_model(args: argparse.Namespace, config: Any, dtype: Any) -> dict[str, 
         budget_bytes=None if args.memory_gb is None else int(args.memory_gb * 2**30),
         device_type=args.device,
         sequence_parallel_size=args.sequence_parallel_size,
+        engine=args.engine,
+        offload_params=args.offload_params,
     )
+    from tiledmlp.plan.engines import GPUS_PER_NODE
+
     return dict(
         model_name=args.model,
         model=stacks,
@@ -254,6 +283,9 @@ def _plan_model(args: argparse.Namespace, config: Any, dtype: Any) -> dict[str, 
         memory_gb=args.memory_gb,
         device=args.device,
         sequence_parallel_size=args.sequence_parallel_size,
+        engine=args.engine,
+        offload_params=args.offload_params,
+        gpus_per_node=min(args.sequence_parallel_size, GPUS_PER_NODE),
         model_type=layer["model_type"],
         layer_tiles=layer["tiles"],
         layer_regular_mib=layer["regular_mib"],
@@ -311,6 +343,23 @@ _OPTIMIZER_TEXT = {
 }
 
 
+def _optimizer_text(args: argparse.Namespace) -> str:
+    """The optimizer's assumption; a sharding engine's host optimizer takes the gradients too."""
+    if args.engine != "ddp" and args.optimizer == "cpu-offload":
+        return "optimizer state and gradient partitions on the host"
+    return _OPTIMIZER_TEXT[args.optimizer]
+
+
+_ENGINE_TEXT = {
+    "ddp": "weights and gradients whole on the device (no ZeRO/FSDP sharding; --engine zero3 "
+    "or fsdp2 shards them)",
+    "zero3": "DeepSpeed ZeRO-3: weights, gradients and optimizer states sharded over the GPUs, "
+    "one layer gathered plus its prefetch, DeepSpeed's default reduce bucket",
+    "fsdp2": "FSDP2: weights, gradients and optimizer states sharded over the GPUs, the "
+    "embeddings and two layers gathered, one layer's gradients in the reduce-scatter",
+}
+
+
 def _show_model(args: argparse.Namespace, stacks: dict[str, Any]) -> None:
     """The whole-model table: its assumptions first, then one aligned row per stack, in GiB."""
     gib = 1024.0  # MiB per GiB
@@ -325,8 +374,9 @@ def _show_model(args: argparse.Namespace, stacks: dict[str, Any]) -> None:
         f"one training step of the whole model, peak device memory in GiB"
         f"{' per GPU' if per_gpu else ''}; assumes: batch 1 of {args.seq_len:,} tokens"
         + (f" split over {args.sequence_parallel_size} GPUs" if per_gpu else "")
-        + f"; {_OPTIMIZER_TEXT[args.optimizer]}; weights and gradients whole on the device (no "
-        f"ZeRO/FSDP sharding); checkpointing {checkpointing}; the peak counts tensors, the device "
+        + f"; {_optimizer_text(args)}; {_ENGINE_TEXT[args.engine]}"
+        + (" (parameters, gradients and optimizer on the host)" if args.offload_params else "")
+        + f"; checkpointing {checkpointing}; the peak counts tensors, the device "
         "overhead (CUDA context, workspaces, allocator) is given beside it, and the host memory "
         "a stack keeps (offloaded layer inputs, host optimizer states) after it"
     )
@@ -344,6 +394,8 @@ def _show_model(args: argparse.Namespace, stacks: dict[str, Any]) -> None:
             parts += f"; + device overhead {entry['device_overhead_mib'] / gib:,.2f}"
         host = entry.get("host_peak_mib", 0.0)
         host_text = f"; host {host / gib:,.2f} GiB" if host else ""
+        if host and args.sequence_parallel_size > 1:
+            host_text += f" per GPU, {entry['host_per_node_mib'] / gib:,.2f} per node"
         show(
             f"  {stack:<{width}}  {entry['peak_mib'] / gib:>9,.2f} GiB  ({parts}){fits}{host_text}"
         )

@@ -28,14 +28,28 @@ outside attention; inside, whole sequences with heads / P, i.e. the same number 
 the local tokens with all heads. So a GPU's step is simulated at seq_len / P tokens, plus the
 all-to-all's transient buffers (a send copy and the received tensor of the largest of query, key
 and value, key/value heads repeated up to P when there are fewer): "all_to_all" in the
-breakdown. Weights, gradients and optimizer states are counted whole on every GPU (replicated,
-as under DDP); ZeRO-3 or FSDP sharding would lower them further.
+breakdown.
 
-Host memory ("host_peak_mib"): what a stack keeps on the host for one GPU's step: with
-offloading, the inputs of every checkpointed layer but the last, pinned (ops/host_memory.py,
-what the offloader moves and what patch_model checks before the first offloaded step); with the
-"cpu-offload" optimizer, its two states per parameter in the parameters' dtype (the figure the
-"adamw" optimizer counts on the device; DeepSpeed's CPU Adam also keeps float32 master weights).
+Engines ("engine"; plan/engines.py has the model and its assumptions): "ddp" (the default)
+counts weights, gradients and optimizer states whole on every GPU, as the simulation sees them.
+"zero3" (DeepSpeed ZeRO-3) and "fsdp2" (fully_shard) shard them over the P GPUs: the simulation
+then counts no parameter and lets each gradient go once accumulated (the engine reduce-scatters
+it; one in flight shows as "grads"), and the engine's own bytes are added: "weights", "grads"
+and "optimizer" become the GPU's shards, "gathered" the parameters gathered in flight (a layer
+and its prefetch, the embeddings for the loss), "reduce_scatter" the gradient buffers.
+"offload_params" (ZeRO-Infinity's offload_param, FSDP2's CPUOffloadPolicy) keeps the shards of
+the parameters, the gradients and the optimizer on the host. The moment of the peak is found
+with the engine in place, so it may differ from DDP's.
+
+Host memory ("host_peak_mib", the same as "host_per_gpu_mib"; by part in
+"host_breakdown_mib"): what a stack keeps on the host for one GPU's step: with offloading, the
+inputs of every checkpointed layer but the last, pinned ("checkpoints"; ops/host_memory.py,
+what the offloader moves and what patch_model checks before the first offloaded step); under
+"ddp" with the "cpu-offload" optimizer, its two states per parameter in the parameters' dtype
+(the figure the "adamw" optimizer counts on the device); under "zero3" or "fsdp2", what the
+engine keeps there (engines.py: DeepSpeed's float32 master partitions, states and gradient
+partitions; the parameters' shards with "offload_params"). "host_per_node_mib": the same for the
+GPUs of one node (at most 8 of the P).
 
 Invariant: the estimate depends only on the config's shapes, the sequence length, the dtype,
 the stack and its options; no weights are read or downloaded.
@@ -62,13 +76,30 @@ from tiledmlp.ops.values import check_int
 from tiledmlp.patching.detect import norms_of
 from tiledmlp.patching.offloading import before_forward, enable_checkpointing
 from tiledmlp.plan.device_overhead import DeviceOverhead, device_overhead
+from tiledmlp.plan.engines import (
+    ENGINES,
+    GPUS_PER_NODE,
+    ParamCounts,
+    check_engine,
+    engine_memory,
+)
 from tiledmlp.plan.fake_memory import StorageTracker
 from tiledmlp.plan.layer import cut_config, dense_mlp
 from tiledmlp.sequence_parallel.attention import kv_repeat
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["OPTIMIZERS", "STACKS", "StepEstimate", "estimate_step", "max_seq_len", "plan_model"]
+__all__ = [
+    "ENGINES",
+    "OPTIMIZERS",
+    "STACKS",
+    "StepEstimate",
+    "estimate_step",
+    "host_breakdown",
+    "max_seq_len",
+    "param_counts",
+    "plan_model",
+]
 
 MiB = 2**20
 OPTIMIZERS = ("none", "adamw", "cpu-offload")
@@ -177,8 +208,11 @@ def estimate_step(
     num_tiles: int | str = "auto",
     exact: bool = False,
     device_type: str = "cuda",
+    engine: str = "ddp",
+    world: int = 1,
+    offload_params: bool = False,
 ) -> StepEstimate:
-    """Peak device memory of one training step of `stack` (see the module docstring).
+    """Peak device memory of one training step of `stack` on one GPU (see the module docstring).
 
     A model's decoder layers are alike, so what is alive at any moment of the step grows
     affinely with their number, and in the backward it changes by the same amount from one
@@ -186,29 +220,53 @@ def estimate_step(
     second-to-last layer's backward and the peak from the start of the second layer's backward
     on (the middle layers lie on a line between the two). Both are measured with 4 and 5
     layers and extrapolated to the model's depth; `exact=True` runs every layer instead (what
-    the tests compare the extrapolation with).
+    the tests compare the extrapolation with). Under a sharding `engine` ("zero3", "fsdp2")
+    over `world` GPUs, the parameters, gradients and optimizer states are the engine's
+    (plan/engines.py) instead of whole ones.
 
     Raises:
-        ValueError: an unknown stack or optimizer; a model that cannot be planned (see
-            layer.py: SDPA attention and dense MLPs only).
+        ValueError: an unknown stack, optimizer or engine, or options the engine cannot
+            combine; a model that cannot be planned (see layer.py: SDPA attention and dense
+            MLPs only).
     """
     if stack not in STACKS:
         raise ValueError(f"stack must be one of {', '.join(STACKS)}, got {stack!r}")
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {optimizer!r}")
-    checkpointing = checkpointing or "offload" in stack
+    check_engine(engine, offload_params=offload_params, optimizer=optimizer)
+    sharded = engine != "ddp"
     run = functools.partial(
         _simulate,
         config,
         seq_len=seq_len,
         stack=stack,
         dtype=dtype,
-        checkpointing=checkpointing,
-        optimizer=optimizer,
+        checkpointing=checkpointing or "offload" in stack,
+        optimizer="none" if sharded else optimizer,  # the engine's optimizer: engines.py
         num_tiles=num_tiles,
         device_type=device_type,
+        sharded=sharded,
     )
-    depth = config.get_text_config().num_hidden_layers
+    est = _simulated(run, config.get_text_config().num_hidden_layers, exact)
+    if not sharded:
+        return est
+    held = engine_memory(
+        engine,
+        param_counts(config),
+        world=world,
+        elem=torch.empty((), dtype=dtype).element_size(),
+        optimizer=optimizer,
+        offload_params=offload_params,
+    ).device
+    breakdown = {k: est.breakdown.get(k, 0) + v for k, v in held.items()}
+    return StepEstimate(
+        est.peak + sum(held.values()), {**est.breakdown, **breakdown}, est.checkpointing
+    )
+
+
+def _simulated(run: Any, depth: int, exact: bool) -> StepEstimate:
+    """The simulated peak of the whole depth, extrapolated from 4 and 5 layers unless `exact`
+    (estimate_step)."""
     if exact or depth <= _SHORT + 1:
         return _larger(run(depth))
     short, longer = run(_SHORT), run(_SHORT + 1)
@@ -247,6 +305,39 @@ def _extrapolate(short: StepEstimate, longer: StepEstimate, depth: int) -> StepE
     return StepEstimate(line(short.peak, longer.peak), breakdown, short.checkpointing)
 
 
+@dataclass
+class _FakeStep:
+    """One cut model on fake tensors, ready for a step: its trainable parameters, the optimizer
+    states alive before the step, and the tensors that exist before it."""
+
+    model: Any
+    params: list[nn.Parameter]
+    opt: torch.optim.Optimizer | None
+    states: list[torch.Tensor]
+
+
+def _prepare(config: Any, layers: int, stack: str, dtype: torch.dtype, checkpointing: bool,
+             optimizer: str, num_tiles: int | str) -> _FakeStep:  # fmt: skip
+    """The model cut to `layers`, tiled as `stack` says; AdamW's states created as after a
+    first step."""
+    model = _build(config, dtype, layers)
+    if stack != "untiled":
+        hidden = config.get_text_config().hidden_size
+        _tile(model, hidden, num_tiles, norms=stack.endswith("_norms"))
+    if checkpointing:
+        enable_checkpointing(model)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = None
+    if optimizer == "adamw":
+        opt = torch.optim.AdamW(params, lr=1e-5, foreach=True)
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        opt.step()  # creates the states, as after a first step
+        opt.zero_grad(set_to_none=True)
+    states = [t for s in (opt.state.values() if opt else ()) for t in s.values()]
+    return _FakeStep(model, params, opt, states)
+
+
 def _simulate(
     config: Any,
     layers: int,
@@ -258,53 +349,25 @@ def _simulate(
     optimizer: str,
     num_tiles: int | str,
     device_type: str = "cuda",
+    sharded: bool = False,
 ) -> _Segments:
     """One step of the model cut to `layers` decoder layers, on fake tensors; the tile policy
-    resolves as on `device_type`."""
-    text = config.get_text_config()
+    resolves as on `device_type`. `sharded`: the parameters are not counted (and their
+    gradients leave once accumulated): a sharding engine's own memory is added by the caller."""
     with FakeTensorMode(), assume_device(device_type):
-        model = _build(config, dtype, layers)
-        if stack != "untiled":
-            _tile(model, text.hidden_size, num_tiles, norms=stack.endswith("_norms"))
-        if checkpointing:
-            enable_checkpointing(model)
-        params = [p for p in model.parameters() if p.requires_grad]
-        opt = None
-        if optimizer == "adamw":
-            opt = torch.optim.AdamW(params, lr=1e-5, foreach=True)
-            for p in params:
-                p.grad = torch.zeros_like(p)
-            opt.step()  # creates the states, as after a first step
-            opt.zero_grad(set_to_none=True)
-        states = [t for s in (opt.state.values() if opt else ()) for t in s.values()]
+        step = _prepare(config, layers, stack, dtype, checkpointing, optimizer, num_tiles)
+        model = step.model
         ids = torch.zeros(1, seq_len, dtype=torch.long)
-        # A prepared 4-D mask (one stored byte) stops the model from building a (seq, seq) one
-        # it cannot prove unnecessary on fake tensors; the layers then get none (_without_mask).
-        causal = torch.ones((), dtype=torch.bool).expand(1, 1, seq_len, seq_len)
-        alive = [*model.parameters(), *model.buffers(), *states, ids]
-        tracker = _PhaseTracker(alive)
-        checkpoint_inputs: set[int | None] = set()
+        tracker = _PhaseTracker([*model.parameters(), *model.buffers(), *step.states, ids])
+        grads: set[int | None] = set()
+        if sharded:  # the engine takes each gradient into its partition once accumulated
+            for p in step.params:
+                p.register_post_accumulate_grad_hook(functools.partial(_hand_over, tracker, grads))
         decoder_layers = _layers(model)
         # The gradient of layer i's input is formed when layer i's backward ends.
         # With 4 layers both marks close at once; fewer layers are simulated whole (no marks).
         marks = [len(decoder_layers) - 2, 2] if len(decoder_layers) >= _SHORT else []
-
-        def remember(m: nn.Module, args: tuple[Any, ...]) -> None:
-            x = args[0] if args else None
-            if not isinstance(x, torch.Tensor) or tracker.phase != "forward":
-                return
-            checkpoint_inputs.add(tracker.serial(x))
-            index = next(i for i, layer in enumerate(decoder_layers) if layer is m)
-            for _ in range(marks.count(index) if x.requires_grad else 0):
-                x.register_hook(lambda _g: tracker.mark())
-
-        hooks = [layer.register_forward_pre_hook(remember) for layer in decoder_layers]
-        hooks += [
-            layer.register_forward_pre_hook(_without_mask, with_kwargs=True)
-            for layer in decoder_layers
-        ]
-        decoder = getattr(model, model.base_model_prefix)
-        head = model.get_output_embeddings()
+        checkpoint_inputs, hooks = _watch_layers(decoder_layers, tracker, marks)
         if "offload" in stack:
             # The real mechanism (what the root's pre-hook does before each training forward),
             # with host buffers on the meta device: host memory is not counted.
@@ -312,30 +375,7 @@ def _simulate(
             offloader.pool.device = torch.device("meta")
             before_forward(offloader, list(decoder_layers), model, ())
         with tracker:
-            hidden = decoder(input_ids=ids, attention_mask=causal).last_hidden_state
-            tracker.phase = "loss"
-            if stack in ("untiled", "tiled_mlp"):
-                logits = head(hidden)
-                loss = model.loss_function(logits, ids, vocab_size=text.vocab_size)
-                del logits
-            else:
-                # the loss's policy as patch_model(tiled_loss=True) sets it
-                loss = tiled_cross_entropy(
-                    hidden,
-                    head.weight,
-                    ids,
-                    bias=head.bias,
-                    num_tiles=TilePolicy.of(num_tiles).for_loss(),
-                    shift=True,
-                )
-            del hidden
-            tracker.phase = "backward"
-            loss.backward()
-            del loss
-            if opt is not None:
-                tracker.phase = "optimizer"
-                opt.step()
-            tracker.mark()
+            _step(model, stack, ids, step.opt, tracker, num_tiles)
         for h in hooks:
             h.remove()
         if marks and len(tracker.segments) != 3:
@@ -343,31 +383,113 @@ def _simulate(
                 f"{type(model).__name__}: could not follow its decoder layers' backward "
                 f"(saw {len(tracker.segments) - 1} of 2 marks); this model cannot be planned yet"
             )
-        grads = {tracker.serial(p.grad) for p in params if p.grad is not None}
-        weights = sum(_nbytes(t) for t in (*model.parameters(), *model.buffers(), ids))
-        state_bytes = sum(_nbytes(t) for t in states)
-
-        def estimate(peak: int, at_peak: dict[int, int]) -> StepEstimate:
-            breakdown = dict.fromkeys(CATEGORIES, 0)
-            breakdown["weights"] = weights
-            breakdown["optimizer"] = state_bytes
-            for serial, nbytes in at_peak.items():
-                phase = tracker.phase_of[serial]
-                if serial in grads:
-                    what = "grads"
-                elif serial in checkpoint_inputs:
-                    what = "checkpoints"
-                elif phase == "forward":
-                    what = "activations"
-                else:
-                    what = {"loss": "loss", "backward": "recompute", "optimizer": "optimizer"}[
-                        phase
-                    ]
-                breakdown[what] += nbytes
-            return StepEstimate(weights + state_bytes + peak, breakdown, checkpointing)
-
-        parts = [estimate(peak, at) for peak, at in tracker.segments]
+        grads |= {tracker.serial(p.grad) for p in step.params if p.grad is not None}
+        kept = [*model.buffers(), ids] if sharded else [*model.parameters(), *model.buffers(), ids]
+        fixed = {"weights": sum(map(_nbytes, kept)), "optimizer": sum(map(_nbytes, step.states))}
+        parts = [
+            _categorise(tracker, peak, at_peak, fixed, grads, checkpoint_inputs, checkpointing)
+            for peak, at_peak in tracker.segments
+        ]
         return _Segments(*parts) if len(parts) == 3 else _Segments(parts[0], parts[0], parts[0])
+
+
+def _hand_over(tracker: _PhaseTracker, grads: set[int | None], p: torch.Tensor) -> None:
+    """A sharding engine's reduce-scatter: the accumulated gradient (noted as one) leaves."""
+    if p.grad is not None:
+        grads.add(tracker.serial(p.grad))
+    p.grad = None
+
+
+def _watch_layers(
+    decoder_layers: nn.ModuleList, tracker: _PhaseTracker, marks: list[int]
+) -> tuple[set[int | None], list[Any]]:
+    """Hooks that note each checkpointed layer's input (by serial) and close the tracker's
+    segments when the gradients of layers `marks`' inputs form; and that pass no mask."""
+    checkpoint_inputs: set[int | None] = set()
+
+    def remember(m: nn.Module, args: tuple[Any, ...]) -> None:
+        x = args[0] if args else None
+        if not isinstance(x, torch.Tensor) or tracker.phase != "forward":
+            return
+        checkpoint_inputs.add(tracker.serial(x))
+        index = next(i for i, layer in enumerate(decoder_layers) if layer is m)
+        for _ in range(marks.count(index) if x.requires_grad else 0):
+            x.register_hook(lambda _g: tracker.mark())
+
+    hooks = [layer.register_forward_pre_hook(remember) for layer in decoder_layers]
+    hooks += [
+        layer.register_forward_pre_hook(_without_mask, with_kwargs=True) for layer in decoder_layers
+    ]
+    return checkpoint_inputs, hooks
+
+
+def _step(
+    model: Any,
+    stack: str,
+    ids: torch.Tensor,
+    opt: torch.optim.Optimizer | None,
+    tracker: _PhaseTracker,
+    num_tiles: int | str,
+) -> None:
+    """The training step itself, each phase named on the tracker; the last segment closed."""
+    text = model.config.get_text_config()
+    seq_len = ids.shape[1]
+    decoder = getattr(model, model.base_model_prefix)
+    head = model.get_output_embeddings()
+    # A prepared 4-D mask (one stored byte) stops the model from building a (seq, seq) one
+    # it cannot prove unnecessary on fake tensors; the layers then get none (_without_mask).
+    causal = torch.ones((), dtype=torch.bool).expand(1, 1, seq_len, seq_len)
+    hidden = decoder(input_ids=ids, attention_mask=causal).last_hidden_state
+    tracker.phase = "loss"
+    if stack in ("untiled", "tiled_mlp"):
+        logits = head(hidden)
+        loss = model.loss_function(logits, ids, vocab_size=text.vocab_size)
+        del logits
+    else:
+        # the loss's policy as patch_model(tiled_loss=True) sets it
+        loss = tiled_cross_entropy(
+            hidden,
+            head.weight,
+            ids,
+            bias=head.bias,
+            num_tiles=TilePolicy.of(num_tiles).for_loss(),
+            shift=True,
+        )
+    del hidden
+    tracker.phase = "backward"
+    loss.backward()
+    del loss
+    if opt is not None:
+        tracker.phase = "optimizer"
+        opt.step()
+    tracker.mark()
+
+
+def _categorise(
+    tracker: _PhaseTracker,
+    peak: int,
+    at_peak: dict[int, int],
+    fixed: dict[str, int],
+    grads: set[int | None],
+    checkpoint_inputs: set[int | None],
+    checkpointing: bool,
+) -> StepEstimate:
+    """One segment's peak with what was alive at it sorted into CATEGORIES (module docstring);
+    `fixed` holds what existed before the step ("weights", "optimizer")."""
+    breakdown = dict.fromkeys(CATEGORIES, 0)
+    breakdown.update(fixed)
+    for serial, nbytes in at_peak.items():
+        phase = tracker.phase_of[serial]
+        if serial in grads:
+            what = "grads"
+        elif serial in checkpoint_inputs:
+            what = "checkpoints"
+        elif phase == "forward":
+            what = "activations"
+        else:
+            what = {"loss": "loss", "backward": "recompute", "optimizer": "optimizer"}[phase]
+        breakdown[what] += nbytes
+    return StepEstimate(sum(fixed.values()) + peak, breakdown, checkpointing)
 
 
 def _without_mask(
@@ -454,26 +576,32 @@ def plan_model(
     granularity: int = 1024,
     device_type: str = "cuda",
     sequence_parallel_size: int = 1,
+    engine: str = "ddp",
+    offload_params: bool = False,
 ) -> dict[str, Any]:
     """Every stack's peak MiB and breakdown at `seq_len`; with a budget, each stack's longest
     sequence that fits ("max_seq_len", a multiple of `granularity`). The tile policy resolves
     as on `device_type` (a GPU by default). With `sequence_parallel_size` P, every figure is
     per GPU for a sequence of `seq_len` tokens split over P GPUs (module docstring), and
-    "max_seq_len" is the whole sequence's length (a multiple of P x granularity).
+    "max_seq_len" is the whole sequence's length (a multiple of P x granularity). `engine`
+    "zero3" or "fsdp2" shards the parameters, gradients and optimizer states over the P GPUs
+    (plan/engines.py; "ddp", the default, keeps them whole); `offload_params` keeps the
+    parameters and gradients on the host.
 
     "peak_mib" is tensor-level; "device_overhead_mib" is what the process holds on the device
     beside the tensors (plan/device_overhead.py, per term in "device_overhead_breakdown_mib";
     zero on the CPU). `budget_bytes` is the card's memory: a stack fits when its peak plus its
-    overhead does.
+    overhead does ("per_gpu_mib", the two together).
 
     Returns:
         {stack: {"peak_mib", "breakdown_mib", "gradient_checkpointing", "device_overhead_mib",
-        "device_overhead_breakdown_mib", "host_peak_mib"[, "max_seq_len"]}} ("host_peak_mib":
-        host memory of one GPU's step, module docstring).
+        "device_overhead_breakdown_mib", "per_gpu_mib", "host_peak_mib", "host_per_gpu_mib",
+        "host_breakdown_mib", "host_per_node_mib"[, "max_seq_len"]}} (host memory of one GPU's
+        step, and of one node's GPUs of this job: module docstring).
 
     Raises:
-        ValueError: seq_len not divisible by sequence_parallel_size, or heads that Ulysses
-            cannot split over it.
+        ValueError: seq_len not divisible by sequence_parallel_size, heads that Ulysses
+            cannot split over it, or an engine and options that cannot be combined.
     """
     p = sequence_parallel_size
     check_int("sequence_parallel_size", p)
@@ -482,76 +610,123 @@ def plan_model(
             f"seq_len {seq_len} must be divisible by the sequence-parallel size {p} (each GPU "
             f"holds seq_len / {p} tokens)"
         )
-    per_token = _all_to_all_bytes_per_token(config, p, dtype)
+    check_engine(engine, offload_params=offload_params, optimizer=optimizer)
     options: dict[str, Any] = {
         "dtype": dtype,
         "checkpointing": checkpointing,
         "optimizer": optimizer,
         "num_tiles": num_tiles,
         "device_type": device_type,
+        "engine": engine,
+        "world": p,
+        "offload_params": offload_params,
     }
     out: dict[str, Any] = {}
-    local = seq_len // p
-    overhead = device_overhead(config, device_type)
-    num_params = count_params(config, dtype) if optimizer == "cpu-offload" else None
     for i, stack in enumerate(stacks, 1):
-        logger.info("%s (%d of %d): one step at %s tokens", stack, i, len(stacks), f"{local:,}")
-        est = estimate_step(config, seq_len=local, stack=stack, **options)
-        if p > 1:
-            extra = int(per_token * local)
-            est = StepEstimate(
-                est.peak + extra, {**est.breakdown, "all_to_all": extra}, est.checkpointing
-            )
-        entry = {**est.as_json(), **overhead.as_json(est.peak, local)}
-        host = host_bytes(
-            config, seq_len=local, stack=stack, dtype=dtype, optimizer=optimizer,
-            num_params=num_params,
-        )  # fmt: skip
-        entry["host_peak_mib"] = round(host / MiB, 1)
-        if budget_bytes is not None:
-            logger.info(
-                "%s: searching the longest sequence within %.1f GiB", stack, budget_bytes / 2**30
-            )
-            entry["max_seq_len"] = p * max_seq_len(
-                config,
-                budget_bytes,
-                stack=stack,
-                granularity=granularity,
-                hint=local,
-                extra_bytes_per_token=per_token,
-                overhead=overhead,
-                **options,
-            )
-        out[stack] = entry
+        logger.info(
+            "%s (%d of %d): one step at %s tokens", stack, i, len(stacks), f"{seq_len // p:,}"
+        )
+        out[stack] = _plan_stack(config, stack, seq_len, p, budget_bytes, granularity, options)
     return out
 
 
-def host_bytes(
+def _plan_stack(
+    config: Any,
+    stack: str,
+    seq_len: int,
+    p: int,
+    budget_bytes: int | None,
+    granularity: int,
+    options: dict[str, Any],
+) -> dict[str, Any]:
+    """One stack's entry of plan_model's answer."""
+    local = seq_len // p
+    per_token = _all_to_all_bytes_per_token(config, p, options["dtype"])
+    overhead = device_overhead(config, options["device_type"])
+    est = estimate_step(config, seq_len=local, stack=stack, **options)
+    if p > 1:
+        extra = int(per_token * local)
+        est = StepEstimate(
+            est.peak + extra, {**est.breakdown, "all_to_all": extra}, est.checkpointing
+        )
+    entry = {**est.as_json(), **overhead.as_json(est.peak, local)}
+    entry["per_gpu_mib"] = round((est.peak + overhead.total(est.peak, local)) / MiB, 1)
+    keys = ("dtype", "optimizer", "engine", "world", "offload_params")
+    host = host_breakdown(config, seq_len=local, stack=stack, **{k: options[k] for k in keys})
+    entry["host_peak_mib"] = entry["host_per_gpu_mib"] = round(sum(host.values()) / MiB, 1)
+    entry["host_breakdown_mib"] = {k: round(v / MiB, 1) for k, v in host.items()}
+    entry["host_per_node_mib"] = round(min(p, GPUS_PER_NODE) * sum(host.values()) / MiB, 1)
+    if budget_bytes is not None:
+        logger.info(
+            "%s: searching the longest sequence within %.1f GiB", stack, budget_bytes / 2**30
+        )
+        entry["max_seq_len"] = p * max_seq_len(
+            config,
+            budget_bytes,
+            stack=stack,
+            granularity=granularity,
+            hint=local,
+            extra_bytes_per_token=per_token,
+            overhead=overhead,
+            **options,
+        )
+    return entry
+
+
+def host_breakdown(
     config: Any,
     *,
     seq_len: int,
     stack: str,
     dtype: torch.dtype,
     optimizer: str,
-    num_params: int | None = None,
-) -> int:
-    """Host bytes of one GPU's step at `seq_len` local tokens (module docstring, "host");
-    `num_params` spares building the model again for "cpu-offload"."""
+    engine: str = "ddp",
+    world: int = 1,
+    offload_params: bool = False,
+) -> dict[str, int]:
+    """Host bytes of one GPU's step at `seq_len` local tokens, by what they hold (module
+    docstring, "host"): "checkpoints" (offloaded layer inputs), "params", "grads",
+    "optimizer"."""
     text = config.get_text_config()
     elem = torch.empty((), dtype=dtype).element_size()
-    total = 0
+    out = {"checkpoints": 0, "params": 0, "grads": 0, "optimizer": 0}
     if "offload" in stack:
-        total += offload_bytes(int(text.num_hidden_layers), seq_len, int(text.hidden_size), elem)
-    if optimizer == "cpu-offload":
-        total += 2 * (num_params if num_params is not None else count_params(config, dtype)) * elem
-    return total
+        out["checkpoints"] = offload_bytes(
+            int(text.num_hidden_layers), seq_len, int(text.hidden_size), elem
+        )
+    if engine != "ddp":
+        counts = param_counts(config)
+        held = engine_memory(
+            engine, counts, world=world, elem=elem, optimizer=optimizer,
+            offload_params=offload_params,
+        )  # fmt: skip
+        for k, v in held.host.items():
+            out[k] += v
+    elif optimizer == "cpu-offload":
+        out["optimizer"] = 2 * param_counts(config).total * elem
+    return out
 
 
-def count_params(config: Any, dtype: torch.dtype) -> int:
-    """The model's parameters (tied ones once), counted on fake tensors."""
-    with FakeTensorMode():
-        model = _build(config, dtype, int(config.get_text_config().num_hidden_layers))
-        return sum(p.numel() for p in model.parameters())
+_COUNTS: dict[str, ParamCounts] = {}
+
+
+def param_counts(config: Any) -> ParamCounts:
+    """The model's parameters (tied ones once) by where they sit, counted on fake tensors once
+    per config."""
+    key = config.to_json_string()
+    if key not in _COUNTS:
+        with FakeTensorMode():
+            model = _build(config, torch.bfloat16, int(config.get_text_config().num_hidden_layers))
+            head = model.get_output_embeddings()
+            embed = model.get_input_embeddings().weight
+            tied = head is None or head.weight is embed
+            _COUNTS[key] = ParamCounts(
+                numels=tuple(p.numel() for p in model.parameters()),
+                layer=max(sum(p.numel() for p in layer.parameters()) for layer in _layers(model)),
+                embed=embed.numel(),
+                head=0 if tied else head.weight.numel(),
+            )
+    return _COUNTS[key]
 
 
 def _all_to_all_bytes_per_token(config: Any, p: int, dtype: torch.dtype) -> float:
