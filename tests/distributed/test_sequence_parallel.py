@@ -403,7 +403,7 @@ def test_clear_errors_before_any_collective() -> None:
         lambda: install(tiny_model(attn="eager"), _fake_groups(2))
     )
     batch = global_batches(1, packed=False)[0]
-    assert "sequence length (16) must be divisible by the sequence-parallel size (3)" in message(
+    assert "sequence length 16 must be divisible by the sequence-parallel size 3" in message(
         lambda: shard_batch(batch, _fake_groups(3))
     )
     model = tiny_model()

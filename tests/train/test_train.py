@@ -289,7 +289,10 @@ def _bad_files(tmp: Path) -> dict[str, str]:
         ),
         (["--resume-from-checkpoint", "TMP/none"], "is not a directory"),
         (["--engine", "ddp"], "needs a launcher"),
-        (["--sequence-parallel-size", "2"], "must divide the number of processes (1)"),
+        (
+            ["--sequence-parallel-size", "2"],
+            "world size (1) must be divisible by --sequence-parallel-size (2)",
+        ),
         (["--sequence-parallel-size", "3"], "--seq-len 64 must be divisible by"),
         (["--tile-budget-gb", "0"], "positive number of GiB"),
     ],

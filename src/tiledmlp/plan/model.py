@@ -86,6 +86,7 @@ from tiledmlp.plan.engines import (
 from tiledmlp.plan.fake_memory import StorageTracker
 from tiledmlp.plan.layer import cut_config, dense_mlp
 from tiledmlp.sequence_parallel.attention import kv_repeat
+from tiledmlp.sequence_parallel.sizes import check_sequence_divisible
 
 logger = logging.getLogger(__name__)
 
@@ -605,11 +606,7 @@ def plan_model(
     """
     p = sequence_parallel_size
     check_int("sequence_parallel_size", p)
-    if seq_len % p:
-        raise ValueError(
-            f"seq_len {seq_len} must be divisible by the sequence-parallel size {p} (each GPU "
-            f"holds seq_len / {p} tokens)"
-        )
+    check_sequence_divisible(seq_len, p, seq_name="seq_len")
     check_engine(engine, offload_params=offload_params, optimizer=optimizer)
     options: dict[str, Any] = {
         "dtype": dtype,

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from tiledmlp.sequence_parallel.groups import SequenceParallelGroups
+from tiledmlp.sequence_parallel.sizes import check_sequence_divisible
 
 __all__ = ["shard_batch", "shift_labels"]
 
@@ -105,13 +106,7 @@ def shard_batch(
             f"tiledmlp: shard_batch expects input_ids of shape (batch, seq), got {tuple(ids.shape)}"
         )
     b, s = ids.shape
-    if s % size != 0:
-        chunk = -(-s // size) * size
-        raise ValueError(
-            f"tiledmlp: the sequence length ({s}) must be divisible by the sequence-parallel "
-            f"size ({size}); pad or pack the sequences to a multiple of {size} (e.g. {chunk}), "
-            "or choose a sequence_parallel_size that divides it"
-        )
+    check_sequence_divisible(s, size)
     positions = batch.get("position_ids")
     if positions is None:
         positions = torch.arange(s, device=ids.device).expand(b, s)

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from tiledmlp.ops.values import check_int
 from tiledmlp.sequence_parallel.collectives import default_timeout
+from tiledmlp.sequence_parallel.sizes import check_world_divisible
 
 __all__ = ["SequenceParallelGroups", "make_groups"]
 
@@ -85,12 +86,7 @@ def make_groups(sequence_parallel_size: int, group: Any = None) -> SequenceParal
         )
     world = dist.get_world_size()
     rank = dist.get_rank()
-    if world % p != 0:
-        raise ValueError(
-            f"tiledmlp: the world size ({world}) must be divisible by sequence_parallel_size "
-            f"({p}); choose a sequence_parallel_size that divides {world}, or launch a multiple "
-            f"of {p} processes"
-        )
+    check_world_divisible(world, p, size_name="sequence_parallel_size")
     if group is not None:
         size = dist.get_world_size(group)
         if size != p:

@@ -28,6 +28,7 @@ from tiledmlp.config.values import DTYPES, parse_bool, parse_dtype
 from tiledmlp.models.presets import PRESETS
 from tiledmlp.ops.policy import TilePolicy
 from tiledmlp.ops.values import check_int
+from tiledmlp.sequence_parallel.sizes import check_sequence_divisible
 
 __all__ = [
     "ALIASES",
@@ -119,13 +120,12 @@ class TrainOptions:
     def __post_init__(self) -> None:
         TilePolicy.of(self.num_tiles, name="--num-tiles")
         _check_positive("sequence_parallel_size", self.sequence_parallel_size)
-        if self.seq_len % self.sequence_parallel_size:
-            p = self.sequence_parallel_size
-            raise ValueError(
-                f"--seq-len {self.seq_len} must be divisible by --sequence-parallel-size {p} "
-                f"(each rank holds seq-len / {p} tokens); e.g. --seq-len "
-                f"{max(p, self.seq_len // p * p)}"
-            )
+        check_sequence_divisible(
+            self.seq_len,
+            self.sequence_parallel_size,
+            seq_name="--seq-len",
+            size_name="--sequence-parallel-size",
+        )
         for name in ("seq_len", "per_device_train_batch_size", "max_steps", "logging_steps"):
             _check_positive(name, getattr(self, name))
         for name in (

@@ -39,6 +39,7 @@ from tiledmlp.patching import patch_model, tile_counts
 from tiledmlp.patching.offloading import enable_checkpointing, offloader_of
 from tiledmlp.process_memory import proc_status_bytes
 from tiledmlp.sequence_parallel.collectives import guarded
+from tiledmlp.sequence_parallel.sizes import check_world_divisible
 from tiledmlp.train.callbacks import InterruptToSave, MetricsFile, Progress, StepLosses, StopAtStep
 from tiledmlp.train.checkpoints import STAGING, publish, resolve_resume
 from tiledmlp.train.data import PackedDataset, default_corpus, pack, read_corpus
@@ -535,11 +536,7 @@ def _start_sequence_parallel(opts: TrainOptions, world: int, cuda: bool) -> int:
     """P, checked against the world; the process group started for it (sequence parallelism
     builds its groups before the Trainer starts, which reuses them)."""
     sp = opts.sequence_parallel_size
-    if sp > 1 and world % sp:
-        raise ValueError(
-            f"--sequence-parallel-size {sp} must divide the number of processes ({world}); "
-            f"run under torchrun --nproc_per_node {sp} (or a multiple of {sp})"
-        )
+    check_world_divisible(world, sp, size_name="--sequence-parallel-size")
     if sp > 1 and not dist.is_initialized():
         # sequence parallelism builds its groups before the Trainer starts (it reuses them)
         dist.init_process_group(
