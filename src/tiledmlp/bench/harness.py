@@ -23,6 +23,7 @@ import torch
 from tiledmlp.bench.device import device_name
 from tiledmlp.bench.measure import Job, measure, measure_in_subprocess
 from tiledmlp.bench.variants import Variant
+from tiledmlp.ops.values import check_int, is_int
 
 __all__ = ["BenchConfig", "run_sweep"]
 
@@ -55,11 +56,9 @@ class BenchConfig:
 
     def __post_init__(self) -> None:
         for name in ("hidden", "intermediate", "repeats"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.warmup < 0:
-            raise ValueError(f"warmup must be >= 0, got {self.warmup}")
-        if not self.seq_lens or any(s < 1 for s in self.seq_lens):
+            check_int(name, getattr(self, name))
+        check_int("warmup", self.warmup, minimum=0)
+        if not self.seq_lens or not all(is_int(s) for s in self.seq_lens):
             raise ValueError(f"seq_lens must be positive, got {self.seq_lens}")
 
 

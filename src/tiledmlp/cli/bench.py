@@ -14,6 +14,7 @@ from typing import Any
 
 from tiledmlp.cli.common import DTYPE_CHOICES, UsageError, dtype_name, positive_int, seq_lens, tiles
 from tiledmlp.cli.output import show
+from tiledmlp.ops.values import check_int
 
 __all__ = ["add_parser", "run"]
 
@@ -135,8 +136,7 @@ def run(args: argparse.Namespace) -> int:
 
     device = resolve_device(args.device)
     accel = device.type != "cpu"
-    if args.warmup < 0:
-        raise UsageError(f"--warmup must be >= 0, got {args.warmup}")
+    check_int("--warmup", args.warmup, minimum=0)
     cfg = BenchConfig(
         hidden=args.hidden or (4096 if accel else 512),
         intermediate=args.intermediate or (12288 if accel else 1536),

@@ -14,6 +14,7 @@ from typing import Any
 
 from tiledmlp.cli.common import DTYPE_CHOICES, UsageError, dtype_name, positive_int, tiles
 from tiledmlp.cli.output import show
+from tiledmlp.ops.values import check_positive_number
 
 __all__ = ["add_parser", "run"]
 
@@ -188,10 +189,9 @@ def run(args: argparse.Namespace) -> int:
 def _check_flags(args: argparse.Namespace) -> None:
     """Refuses flag values and combinations `plan` cannot use; settles --tile-budget-gb into
     --num-tiles (one tile policy)."""
-    if args.budget_gb is not None and args.budget_gb <= 0:
-        raise UsageError(f"--budget-gb must be positive, got {args.budget_gb}")
-    if args.memory_gb is not None and args.memory_gb <= 0:
-        raise UsageError(f"--memory-gb must be positive, got {args.memory_gb}")
+    for flag, value in (("--budget-gb", args.budget_gb), ("--memory-gb", args.memory_gb)):
+        if value is not None:
+            check_positive_number(flag, value)
     if args.tile_budget_gb is not None:
         from tiledmlp.config.keys import read_keys
 

@@ -31,6 +31,7 @@ from tiledmlp.ops.policy import TilePolicy
 from tiledmlp.ops.probe import absent
 from tiledmlp.ops.state import AutocastState
 from tiledmlp.ops.tiles import TilePlan, split_by_tile_tokens, split_even
+from tiledmlp.ops.values import check_positive_number
 
 __all__ = [
     "CrossEntropyOutput",
@@ -488,10 +489,7 @@ def _token_head(
     tile_tokens: int | None,
     op: str,
 ) -> TokenStats:
-    if not (
-        isinstance(temperature, int | float) and math.isfinite(temperature) and temperature > 0
-    ):
-        raise ValueError(f"temperature must be a positive number, got {temperature!r}")
+    check_positive_number("temperature", temperature)
     unknown = [n for n in stats if n not in STATS]
     if unknown:
         raise ValueError(f"{op}: unknown statistic(s) {unknown}; expected any of {STATS}")

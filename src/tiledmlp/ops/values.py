@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from typing import TypeGuard
 
-__all__ = ["check_int", "is_int", "positive_number"]
+__all__ = ["check_int", "check_positive_number", "is_int", "positive_number"]
 
 
 def is_int(value: object, minimum: int = 1) -> TypeGuard[int]:
@@ -32,6 +32,22 @@ def check_int(name: str, value: object, *, minimum: int = 1, hint: str = "") -> 
     if not is_int(value, minimum):
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}{hint}")
     return value
+
+
+def check_positive_number(name: str, value: object) -> float:
+    """`value` as a finite float > 0.
+
+    Args:
+        name: what to call the value in the message (e.g. "temperature", "--budget-gb").
+        value: the value to check (an int or float, not a bool).
+
+    Raises:
+        ValueError: `value` is not a finite number > 0.
+    """
+    number = positive_number(value)
+    if number is None:
+        raise ValueError(f"{name} must be a positive number, got {value!r}")
+    return number
 
 
 def positive_number(value: object) -> float | None:

@@ -27,7 +27,7 @@ from tiledmlp.config.patch import PatchConfig
 from tiledmlp.config.values import DTYPES, parse_bool, parse_dtype
 from tiledmlp.models.presets import PRESETS
 from tiledmlp.ops.policy import TilePolicy
-from tiledmlp.ops.values import check_int
+from tiledmlp.ops.values import check_int, check_positive_number
 from tiledmlp.sequence_parallel.sizes import check_sequence_divisible
 
 __all__ = [
@@ -138,10 +138,9 @@ class TrainOptions:
         for name in ("eval_steps", "save_steps", "save_total_limit"):
             if getattr(self, name) is not None:
                 _check_positive(name, getattr(self, name))
-        if self.warmup_steps < 0:
-            raise ValueError(f"--warmup-steps must be >= 0, got {self.warmup_steps}")
-        if self.learning_rate is not None and not self.learning_rate > 0:
-            raise ValueError(f"--learning-rate must be positive, got {self.learning_rate}")
+        check_int("--warmup-steps", self.warmup_steps, minimum=0)
+        if self.learning_rate is not None:
+            check_positive_number("--learning-rate", self.learning_rate)
         if not self.max_grad_norm >= 0:
             raise ValueError(
                 f"--max-grad-norm must be >= 0 (0: no clipping), got {self.max_grad_norm}"
