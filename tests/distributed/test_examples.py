@@ -95,3 +95,32 @@ def test_sequence_parallel_examples_match_one_process() -> None:
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     summary = json.loads(res.stdout.strip().splitlines()[-1])
     assert summary["sequence_parallel_size"] == 2 and len(summary["losses"]) == 2
+
+
+def test_million_token_recipes_run_cpu_sized_and_agree() -> None:
+    # examples/long_context_1m_one_gpu.sh and long_context_5m_eight_gpus.sh as they are,
+    # CPU-sized with their own switch: the tiny preset, 512 tokens, fp32, gloo, and the shipped
+    # CPU config (the recipes' DeepSpeed config, parameters and optimizer on the host, without
+    # bf16 and pinned memory). The sequence split over 2 ranks trains as one process does.
+    pytest.importorskip("deepspeed")
+    config = json.loads((ROOT / "examples" / "ds_zero3_offload_params.json").read_text())
+    config.pop("bf16")
+    for part in ("offload_optimizer", "offload_param"):
+        config["zero_optimization"][part]["pin_memory"] = False
+    cpu_config = ROOT / "examples" / "ds_zero3_offload_params_cpu.json"
+    assert json.loads(cpu_config.read_text()) == config
+    env = {**os.environ, "PYTHON": sys.executable, "CPU_SIZED": "1", "STEPS": "2"}
+    summaries = []
+    for recipe in ("long_context_1m_one_gpu.sh", "long_context_5m_eight_gpus.sh"):
+        res = subprocess.run(
+            ["bash", str(ROOT / "examples" / recipe), "--json"],
+            cwd=ROOT, capture_output=True, text=True, timeout=300, env=env,
+        )  # fmt: skip
+        assert res.returncode == 0, recipe + res.stdout[-3000:] + res.stderr[-3000:]
+        summary = json.loads(res.stdout.strip().splitlines()[-1])
+        assert summary["engine"] == "deepspeed" and summary["activation_offloading"]
+        assert summary["tiled_loss"] and summary["tiled_norms"] and summary["tiled_layers"]
+        summaries.append(summary)
+    one, split = summaries
+    assert (one["sequence_parallel_size"], split["sequence_parallel_size"]) == (1, 2)
+    assert len(one["losses"]) == 2 and split["losses"] == pytest.approx(one["losses"], rel=1e-5)

@@ -183,12 +183,14 @@ def test_cli_json_says_the_engine_per_gpu_and_per_host(tmp_path) -> None:
     res = subprocess.run(
         [sys.executable, "-m", "tiledmlp", "plan", "--model", str(cfg), "--seq-len", "2048",
          "--engine", "zero3", "--offload-params", "--optimizer", "cpu-offload",
-         "--sequence-parallel-size", "2", "--num-tiles", "4", "--json"],
+         "--sequence-parallel-size", "2", "--num-tiles", "4", "--json",
+         "--stacks", "tiled_mlp_loss,tiled_mlp_loss_offload_norms"],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout)
     assert (out["engine"], out["offload_params"], out["gpus_per_node"]) == ("zero3", True, 2)
+    assert list(out["model"]) == ["tiled_mlp_loss", "tiled_mlp_loss_offload_norms"]
     for entry in out["model"].values():
         assert {
             "per_gpu_mib",

@@ -126,6 +126,14 @@ def add_parser(sub: Any) -> None:
         "whole sequence (default: 1)",
     )
     whole.add_argument(
+        "--stacks",
+        type=_stacks,
+        default=None,
+        metavar="NAME[,NAME...]",
+        help="plan only these stacks, comma-separated (default: every stack); a whole-model "
+        "search takes minutes per stack",
+    )
+    whole.add_argument(
         "--engine",
         choices=("ddp", "zero3", "fsdp2"),
         default="ddp",
@@ -142,6 +150,20 @@ def add_parser(sub: Any) -> None:
         "GPU and per node of 8 GPUs",
     )
     output.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _stacks(text: str) -> tuple[str, ...]:
+    """--stacks: known stack names, comma-separated, each once."""
+    from tiledmlp.config.stacks import STACKS
+
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    unknown = [n for n in names if n not in STACKS]
+    if not names or unknown or len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(
+            f"expected stack names from {', '.join(STACKS)}, comma-separated, each once; "
+            f"got {text!r}"
+        )
+    return names
 
 
 def _progress_on_stderr() -> None:
@@ -212,6 +234,7 @@ def _check_flags(args: argparse.Namespace) -> None:
         ("--memory-gb", args.memory_gb is not None),
         ("--sequence-parallel-size", args.sequence_parallel_size != 1),
         ("--engine", args.engine != "ddp"),
+        ("--stacks", args.stacks is not None),
         ("--offload-params", args.offload_params),
     )
     if args.model is None and any(on for _, on in whole):
@@ -272,6 +295,7 @@ def _plan_model(args: argparse.Namespace, config: Any, dtype: Any) -> dict[str, 
         sequence_parallel_size=args.sequence_parallel_size,
         engine=args.engine,
         offload_params=args.offload_params,
+        **({} if args.stacks is None else {"stacks": args.stacks}),
     )
     from tiledmlp.plan.engines import GPUS_PER_NODE
 
