@@ -125,14 +125,22 @@ def add_parser(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Runs `tiledmlp bench`."""
+    cfg = _config(args)
+    use_ds, use_liger, ds_ok = _engines(args, cfg.device)
+    plot = _note_left_out(args, ds_ok)
+    records = _sweep(args, cfg, use_ds, use_liger)
+    table, written = _write_report(args, cfg, records, plot)
+    show(table, end="")
+    show(f"wrote {', '.join(map(str, written))}")
+    return 0
+
+
+def _config(args: argparse.Namespace) -> Any:
+    """The sweep's BenchConfig: the flags, with the device's defaults for those not given."""
     import torch
 
     from tiledmlp.bench.device import resolve_device
-    from tiledmlp.bench.harness import BenchConfig, run_sweep
-    from tiledmlp.bench.plot import matplotlib_available, plot_records
-    from tiledmlp.bench.report import markdown_table
-    from tiledmlp.bench.variants import deepspeed_available, liger_available, make_variant
-    from tiledmlp.ops.tiles import arctic_num_tiles
+    from tiledmlp.bench.harness import BenchConfig
 
     device = resolve_device(args.device)
     accel = device.type != "cpu"
@@ -152,6 +160,14 @@ def run(args: argparse.Namespace) -> int:
             f"--memory-snapshot records the CUDA allocator's history; the device is {device}: "
             "run it on a GPU"
         )
+    return cfg
+
+
+def _engines(args: argparse.Namespace, device: Any) -> tuple[bool, bool, bool]:
+    """(use DeepSpeed's column, use Liger's column, DeepSpeed importable); "on" for a part
+    that cannot run is refused."""
+    from tiledmlp.bench.variants import deepspeed_available, liger_available
+
     ds_ok = args.deepspeed != "off" and deepspeed_available()
     use_ds = args.deepspeed == "on" or (args.deepspeed == "auto" and ds_ok)
     if args.deepspeed == "on" and not ds_ok:
@@ -159,16 +175,21 @@ def run(args: argparse.Namespace) -> int:
             "--deepspeed on, but deepspeed is not importable; install it with pip install -c "
             "constraints.txt -e '.[deepspeed]' (DS_BUILD_OPS=0 to skip compiling its ops)"
         )
-
-    liger_ok = args.liger != "off" and accel and liger_available()
+    liger_ok = args.liger != "off" and device.type != "cpu" and liger_available()
     use_liger = args.liger == "on" or (args.liger == "auto" and liger_ok)
     if args.liger == "on" and not liger_ok:
         raise UsageError(
             "--liger on, but liger-kernel's tiled MLP is not importable on this device (it "
             "needs Triton and a GPU); pip install liger-kernel on a GPU machine"
         )
+    return use_ds, use_liger, ds_ok
 
-    # Optional parts that are missing leave their part out, said once, before the sweep.
+
+def _note_left_out(args: argparse.Namespace, ds_ok: bool) -> bool:
+    """Says once, before the sweep, which optional parts are missing and left out; returns
+    whether the plot is drawn."""
+    from tiledmlp.bench.plot import matplotlib_available
+
     plot = not args.no_plot and matplotlib_available()
     left_out = [
         *(["the DeepSpeed column (deepspeed is not installed)"] if args.deepspeed == "auto"
@@ -186,6 +207,15 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
             flush=True,
         )
+    return plot
+
+
+def _sweep(args: argparse.Namespace, cfg: Any, use_ds: bool, use_liger: bool) -> list[dict]:
+    """Runs the sweep, one JSON record per line into OUT/bench.jsonl and a progress line per
+    measurement on stderr; returns the records."""
+    from tiledmlp.bench.harness import run_sweep
+    from tiledmlp.bench.variants import make_variant
+    from tiledmlp.ops.tiles import arctic_num_tiles
 
     def variants(seq: int) -> list:
         chosen = [make_variant("untiled"), make_variant("tiled", args.num_tiles)]
@@ -197,8 +227,7 @@ def run(args: argparse.Namespace) -> int:
         return chosen
 
     args.out.mkdir(parents=True, exist_ok=True)
-    jsonl = args.out / "bench.jsonl"
-    with jsonl.open("w") as f:
+    with (args.out / "bench.jsonl").open("w") as f:
 
         def emit(record: dict) -> None:
             f.write(json.dumps(record) + "\n")
@@ -210,7 +239,19 @@ def run(args: argparse.Namespace) -> int:
                 flush=True,
             )
 
-        records = run_sweep(cfg, variants, emit)
+        return run_sweep(cfg, variants, emit)
+
+
+def _write_report(
+    args: argparse.Namespace, cfg: Any, records: list[dict], plot: bool
+) -> tuple[str, list[Path]]:
+    """Writes OUT/bench.md (and the memory snapshot and plot when asked); returns the table and
+    the files written."""
+    import torch
+
+    from tiledmlp.bench.plot import plot_records
+    from tiledmlp.bench.report import markdown_table
+
     dtype = str(cfg.dtype).removeprefix("torch.")
     title = (
         f"SwiGLU MLP hidden {cfg.hidden}, intermediate {cfg.intermediate}, {dtype}, "
@@ -223,7 +264,7 @@ def run(args: argparse.Namespace) -> int:
         "Speed (+%): tiled time against regular (positive = slower). Memory (-%): tiled peak "
         "against regular (positive = less). MB = 2**20 bytes, tensor-level peak.\n"
     )
-    written = [jsonl, args.out / "bench.md"]
+    written = [args.out / "bench.jsonl", args.out / "bench.md"]
     if args.memory_snapshot is not None:
         from tiledmlp.bench.measure import Job, memory_snapshot
 
@@ -232,13 +273,11 @@ def run(args: argparse.Namespace) -> int:
             intermediate=cfg.intermediate,
             seq_len=max(cfg.seq_lens),
             dtype=dtype,
-            device=str(device),
+            device=str(cfg.device),
             variant="tiled",
             num_tiles=args.num_tiles,
         )
         written.append(Path(memory_snapshot(job, str(args.memory_snapshot))))
     if plot:
         written.append(plot_records(records, args.out / "bench.png", title))
-    show(table, end="")
-    show(f"wrote {', '.join(map(str, written))}")
-    return 0
+    return table, written

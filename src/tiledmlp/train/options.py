@@ -118,6 +118,14 @@ class TrainOptions:
     ddp_timeout: int = 1800
 
     def __post_init__(self) -> None:
+        self._check_numbers()
+        self._check_choices()
+        self._check_switches()
+        self._check_engine()
+        self._check_paths()
+
+    def _check_numbers(self) -> None:
+        """The tile policy, the counts and the rates."""
         TilePolicy.of(self.num_tiles, name="--num-tiles")
         _check_positive("sequence_parallel_size", self.sequence_parallel_size)
         check_sequence_divisible(
@@ -145,6 +153,9 @@ class TrainOptions:
             raise ValueError(
                 f"--max-grad-norm must be >= 0 (0: no clipping), got {self.max_grad_norm}"
             )
+
+    def _check_choices(self) -> None:
+        """Options that name one of a set."""
         if self.dtype not in set(DTYPES.values()):
             raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.engine not in ENGINES:
@@ -154,6 +165,9 @@ class TrainOptions:
                 f"--lr-scheduler-type must be one of {', '.join(SCHEDULES)}, got "
                 f"{self.lr_scheduler_type!r}"
             )
+
+    def _check_switches(self) -> None:
+        """Switches that need another one."""
         if self.activation_offloading and not self.gradient_checkpointing:
             raise ValueError(
                 "--activation-offloading moves the inputs of checkpointed layers: add "
@@ -167,6 +181,9 @@ class TrainOptions:
             raise ValueError(
                 "--tiled-layers tiles on top of the tiled MLPs: drop --use-tiled-mlp false"
             )
+
+    def _check_engine(self) -> None:
+        """The engine and its configuration files."""
         if self.engine == "deepspeed" and self.deepspeed is None:
             raise ValueError("--engine deepspeed needs --deepspeed CONFIG (a DeepSpeed JSON file)")
         if self.deepspeed is not None and not Path(self.deepspeed).is_file():
@@ -183,6 +200,9 @@ class TrainOptions:
             raise ValueError("--fsdp-config configures FSDP2: add --fsdp full_shard")
         if self.fsdp is not None and self.deepspeed is not None:
             raise ValueError("give --fsdp or --deepspeed, not both")
+
+    def _check_paths(self) -> None:
+        """The files and directories the run reads or writes."""
         if self.save_steps is not None and self.output_dir is None:
             raise ValueError("--save-steps writes OUTPUT_DIR/checkpoint-N: add --output-dir")
         if self.output_dir is not None and Path(self.output_dir).is_file():
