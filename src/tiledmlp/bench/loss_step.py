@@ -19,11 +19,11 @@ median of --repeats runs after one warm-up.
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import statistics
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -54,7 +54,26 @@ def _sync(device: torch.device) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = _parser()
+    a = p.parse_args(argv)
+    device, dtype = torch.device(a.device), getattr(torch, a.dtype)
+    torch.manual_seed(0)
+    h = torch.randn(a.tokens, a.hidden, device=device, dtype=dtype, requires_grad=True)
+    w = (torch.randn(a.vocab, a.hidden, device=device, dtype=dtype) * 0.02).requires_grad_()
+    labels = torch.randint(0, a.vocab, (a.tokens,), device=device)
+    designs = _designs(a, h, w, labels)
+    if a.designs:
+        chosen = a.designs.split(",")
+        unknown = sorted(set(chosen) - set(designs))
+        if unknown:
+            p.error(f"--designs: unknown {unknown}; available: {sorted(designs)}")
+        designs = {k: v for k, v in designs.items() if k in chosen}
+    for name, fn in designs.items():
+        print(json.dumps(_measure(a, name, fn, h, w, labels)), flush=True)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     p.add_argument("--tokens", type=int, default=16384, help="tokens")
     p.add_argument("--vocab", type=int, default=32000, help="vocabulary size")
     p.add_argument("--hidden", type=int, default=512, help="hidden size")
@@ -63,13 +82,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="dtype")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per design (median)")
     p.add_argument("--designs", default=None, help="comma-separated subset of the designs")
-    a = p.parse_args(argv)
-    device, dtype = torch.device(a.device), getattr(torch, a.dtype)
-    torch.manual_seed(0)
-    h = torch.randn(a.tokens, a.hidden, device=device, dtype=dtype, requires_grad=True)
-    w = (torch.randn(a.vocab, a.hidden, device=device, dtype=dtype) * 0.02).requires_grad_()
-    labels = torch.randint(0, a.vocab, (a.tokens,), device=device)
-    big_l = 2 * a.tokens * a.hidden * a.vocab
+    return p
+
+
+def _designs(
+    a: argparse.Namespace, h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor
+) -> dict[str, Callable[[], torch.Tensor]]:
+    """Each design's loss of (h, w, labels), by name (liger's only where it imports)."""
 
     def untiled() -> torch.Tensor:
         return F.cross_entropy(F.linear(h, w).float(), labels)
@@ -99,7 +118,7 @@ def main(argv: list[str] | None = None) -> None:
         "recompute": recompute,
         "untiled": untiled,
     }
-    liger = _liger(device)
+    liger = _liger(h.device)
     if liger is not None:
 
         def liger_loss() -> torch.Tensor:
@@ -107,49 +126,54 @@ def main(argv: list[str] | None = None) -> None:
             return out[0] if isinstance(out, tuple) else out  # (loss, z_loss) in some versions
 
         designs["liger"] = liger_loss
-    if a.designs:
-        chosen = a.designs.split(",")
-        unknown = sorted(set(chosen) - set(designs))
-        if unknown:
-            p.error(f"--designs: unknown {unknown}; available: {sorted(designs)}")
-        designs = {k: v for k, v in designs.items() if k in chosen}
+    return designs
 
-    def step(name: str, fn: Callable[[], torch.Tensor]) -> None:
+
+def _measure(
+    a: argparse.Namespace,
+    name: str,
+    fn: Callable[[], torch.Tensor],
+    h: torch.Tensor,
+    w: torch.Tensor,
+    labels: torch.Tensor,
+) -> dict[str, Any]:
+    """One design's record: peak memory, FLOPs over L and the median time of a training step
+    (an evaluation step for "tiled_eval")."""
+    device = h.device
+
+    def step() -> None:
         if name == "tiled_eval":
             with torch.no_grad():
                 fn()
         else:
             fn().backward()
 
-    for name, fn in designs.items():
-        run = functools.partial(step, name, fn)
-        alive = tensor_bytes(h, w, labels)
-        peak = peak_bytes(run, alive, device)
+    alive = tensor_bytes(h, w, labels)
+    peak = peak_bytes(step, alive, device)
+    h.grad = w.grad = None
+    flops = count_flops(step)
+    h.grad = w.grad = None
+    times = []
+    for i in range(a.repeats + 1):
+        _sync(device)
+        t0 = time.perf_counter()
+        step()
+        _sync(device)
+        if i:  # the first run warms up
+            times.append(time.perf_counter() - t0)
         h.grad = w.grad = None
-        flops = count_flops(run)
-        h.grad = w.grad = None
-        times = []
-        for i in range(a.repeats + 1):
-            _sync(device)
-            t0 = time.perf_counter()
-            run()
-            _sync(device)
-            if i:  # the first run warms up
-                times.append(time.perf_counter() - t0)
-            h.grad = w.grad = None
-        record = {
-            "design": name,
-            "tokens": a.tokens,
-            "vocab": a.vocab,
-            "hidden": a.hidden,
-            "dtype": a.dtype,
-            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-            "peak_mib": round(peak / 2**20, 1),
-            "flops_over_L": flops / big_l,
-            "time_ms": round(1000 * statistics.median(times), 1) if times else None,
-            "torch": torch.__version__,
-        }
-        print(json.dumps(record), flush=True)
+    return {
+        "design": name,
+        "tokens": a.tokens,
+        "vocab": a.vocab,
+        "hidden": a.hidden,
+        "dtype": a.dtype,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "peak_mib": round(peak / 2**20, 1),
+        "flops_over_L": flops / (2 * a.tokens * a.hidden * a.vocab),
+        "time_ms": round(1000 * statistics.median(times), 1) if times else None,
+        "torch": torch.__version__,
+    }
 
 
 if __name__ == "__main__":
