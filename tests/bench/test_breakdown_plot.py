@@ -1,0 +1,71 @@
+"""The planner's breakdown plot (bench/breakdown_plot.py): drawn from `tiledmlp plan --json`
+records as they are, merged by length; without matplotlib it says so and draws nothing."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+
+FLAGS = ["--model", "tiny", "--num-tiles", "2", "--engine", "zero3", "--offload-params",
+         "--optimizer", "cpu-offload", "--json"]  # fmt: skip
+
+
+def _plan(*extra: str) -> dict:
+    res = subprocess.run(
+        [sys.executable, "-m", "tiledmlp", "plan", *FLAGS, *extra],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    return json.loads(res.stdout)
+
+
+@pytest.fixture(scope="module")
+def records(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Two lengths of two stacks, then one stack planned again on its own (a later record)."""
+    path = tmp_path_factory.mktemp("plans") / "plans.jsonl"
+    stacks = "tiled_mlp_loss,tiled_mlp_loss_offload_norms"
+    lines = [
+        {"command": "tiledmlp plan ...", "result": _plan("--seq-len", n, "--stacks", stacks)}
+        for n in ("512", "1024")
+    ]
+    lines.append(_plan("--seq-len", "2048", "--stacks", "tiled_mlp_loss"))  # a bare result
+    path.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    return path
+
+
+def test_series_are_the_records_figures_by_stack_and_length(records: Path) -> None:
+    from tiledmlp.bench.breakdown_plot import breakdown_series, read_plans
+
+    plans = read_plans([records])
+    series = breakdown_series(plans)
+    assert sorted(series["tiled_mlp_loss"]) == [512, 1024, 2048]
+    assert sorted(series["tiled_mlp_loss_offload_norms"]) == [512, 1024]
+    entry = plans[1]["model"]["tiled_mlp_loss"]
+    got = series["tiled_mlp_loss"][1024]
+    assert got["recompute"] == entry["breakdown_mib"]["recompute"] / 1024
+    assert got["device_overhead"] == entry["device_overhead_mib"] / 1024
+    assert got["gathered"] > 0 and got["weights"] == 0  # offloaded parameters
+    with pytest.raises(ValueError, match="tiledmlp plan --model"):
+        breakdown_series([{"seq_len": 1}])
+
+
+def test_the_plot_is_drawn_or_the_missing_matplotlib_named(records: Path, tmp_path: Path) -> None:
+    from tiledmlp.bench.plot import matplotlib_available
+
+    out = tmp_path / "breakdown.png"
+    res = subprocess.run(
+        [sys.executable, "-m", "tiledmlp.bench.breakdown_plot", str(records), str(out),
+         "--memory-gb", "1"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    if matplotlib_available():
+        assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    else:
+        assert not out.exists() and "matplotlib is not installed" in res.stderr
