@@ -36,6 +36,13 @@ def add_parser(sub: Any) -> None:
             "Tiled (MB) | Memory (-%%)) and bench.png (memory and time against length)."
         ),
     )
+    _add_shape_flags(bench)
+    _add_variant_flags(bench)
+    _add_run_flags(bench)
+
+
+def _add_shape_flags(bench: argparse.ArgumentParser) -> None:
+    """The MLP and the sweep: sizes, lengths, dtype, tiles."""
     bench.add_argument(
         "--hidden",
         type=positive_int,
@@ -70,6 +77,10 @@ def add_parser(sub: Any) -> None:
         "arctic, ceil(tokens/hidden); DeepSpeed gets the same count, or the "
         "arctic count when this is 'auto')",
     )
+
+
+def _add_variant_flags(bench: argparse.ArgumentParser) -> None:
+    """The optional columns."""
     bench.add_argument(
         "--deepspeed",
         choices=("auto", "on", "off"),
@@ -83,6 +94,10 @@ def add_parser(sub: Any) -> None:
         help="include Liger-Kernel's tiled SwiGLU (apply_tiled_mlp + LigerSiLUMulFunction, the "
         "same tile count as DeepSpeed): auto (if installed and on a GPU), on, off",
     )
+
+
+def _add_run_flags(bench: argparse.ArgumentParser) -> None:
+    """How the measurements run and where they go."""
     bench.add_argument(
         "--repeats",
         type=positive_int,

@@ -16,6 +16,7 @@ import argparse
 import difflib
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,9 +31,6 @@ _NOT_OPTIONS = ("config", "json", "verbose", "command")
 def add_parser(sub: Any) -> None:
     """Adds `train` to the subcommands (every option defaults to 'not given', so that a config
     file's value is overridden only by a flag that was typed)."""
-    from tiledmlp.models.presets import PRESETS
-    from tiledmlp.train.options import DTYPES, ENGINES, SCHEDULES
-
     t = sub.add_parser(
         "train",
         argument_default=argparse.SUPPRESS,
@@ -56,15 +54,30 @@ def add_parser(sub: Any) -> None:
     )
     t.add_argument("--config", type=Path, metavar="FILE", help="YAML or JSON file of these "
                    "options (flags override it)")  # fmt: skip
-    model = _Adder(t.add_argument_group("model"))
-    data = _Adder(t.add_argument_group("data"))
-    tiling = _Adder(t.add_argument_group("tiling"))
-    long = _Adder(t.add_argument_group("long context"))
-    dist = _Adder(t.add_argument_group("distributed (under torchrun)"))
-    training = _Adder(t.add_argument_group("training"))
-    output = _Adder(t.add_argument_group("output"))
-    hidden = _Adder(t)  # other spellings: accepted, listed in the epilog, not in the help
+    groups = _Groups(
+        model=_Adder(t.add_argument_group("model")),
+        data=_Adder(t.add_argument_group("data")),
+        tiling=_Adder(t.add_argument_group("tiling")),
+        long=_Adder(t.add_argument_group("long context")),
+        dist=_Adder(t.add_argument_group("distributed (under torchrun)")),
+        training=_Adder(t.add_argument_group("training")),
+        output=_Adder(t.add_argument_group("output")),
+        hidden=_Adder(t),  # other spellings: accepted, listed in the epilog, not in the help
+    )
+    _add_model_and_data_flags(groups)
+    _add_tiling_flags(groups)
+    _add_distributed_flags(groups)
+    _add_training_flags(groups)
+    _add_output_flags(groups)
 
+
+def _add_model_and_data_flags(groups: _Groups) -> None:
+    """The model to train and the text it reads."""
+    from tiledmlp.models.presets import PRESETS
+    from tiledmlp.train.options import DTYPES
+
+    model = groups.model
+    data = groups.data
     model("--model", metavar="NAME_OR_DIR", help=f"a preset ({', '.join(sorted(PRESETS))}), trained from scratch, or "
           "a local model directory, e.g. a previous --output-dir, fine-tuned (default: tiny)")  # fmt: skip
     model("--dtype", metavar="|".join(DTYPES), help="weights and activations: float32/fp32, "
@@ -75,6 +88,13 @@ def add_parser(sub: Any) -> None:
          "column) file (default: the Python stdlib source)")  # fmt: skip
     data("--seq-len", help="tokens per sequence (default: 2048)")
     data("--max-data-bytes", help="read at most about this much text (default: 4000000)")
+
+
+def _add_tiling_flags(groups: _Groups) -> None:
+    """Tiling and the other long-context switches."""
+    tiling = groups.tiling
+    long = groups.long
+    hidden = groups.hidden
     tiling("--use-tiled-mlp", metavar="true|false", help="tile the MLPs (and the loss) "
            "(default: true)")  # fmt: skip
     tiling("--num-tiles", metavar="POLICY", help="tiles per MLP: an int, 'auto', 'arctic' or 'target:<GB>' (the "
@@ -96,6 +116,14 @@ def add_parser(sub: Any) -> None:
         help="also tile the rest of each decoder layer that is token-wise: projections, "
         "residuals, norms and MLP around the attention core (with tiled MLPs)",
     )
+
+
+def _add_distributed_flags(groups: _Groups) -> None:
+    """Sequence parallelism and the engines under torchrun."""
+    from tiledmlp.train.options import ENGINES
+
+    dist = groups.dist
+    hidden = groups.hidden
     dist("--sequence-parallel-size", metavar="P", help="split each sequence over P ranks "
          "(Ulysses sequence parallelism; P divides the world, the heads and --seq-len) "
          "(default: 1)")  # fmt: skip
@@ -112,6 +140,14 @@ def add_parser(sub: Any) -> None:
     dist("--engine", choices=ENGINES, metavar="NAME", help=f"{', '.join(ENGINES)}; auto: "
          "DeepSpeed with --deepspeed, FSDP2 with --fsdp, DDP under torchrun with several "
          "processes, else one process (default: auto)")  # fmt: skip
+
+
+def _add_training_flags(groups: _Groups) -> None:
+    """The optimizer, its schedule and evaluation."""
+    from tiledmlp.train.options import SCHEDULES
+
+    training = groups.training
+    hidden = groups.hidden
     training("--max-steps", help="optimizer steps (default: 12)")
     hidden("--steps", dest="max_steps", help=argparse.SUPPRESS)
     training("--per-device-train-batch-size", help="sequences per micro-batch and process "
@@ -132,6 +168,11 @@ def add_parser(sub: Any) -> None:
     training("--eval-steps", help="evaluate on held-out sequences every N steps (default: "
              "never)")  # fmt: skip
     training("--eval-sequences", help="held-out sequences for evaluation (default: 4)")
+
+
+def _add_output_flags(groups: _Groups) -> None:
+    """What the run writes and resumes from."""
+    output = groups.output
     output("--output-dir", metavar="DIR", help="save the trained model, its tokenizer, "
            "summary.json and metrics.jsonl here, a directory that works as --model (default: "
            "nothing is saved)")  # fmt: skip
@@ -148,6 +189,20 @@ def add_parser(sub: Any) -> None:
     )
     output.group.add_argument("--json", action="store_true", default=False,
                               help="print the summary as one JSON object on stdout")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class _Groups:
+    """The help's option groups of `train`, and `hidden` for the other spellings."""
+
+    model: _Adder
+    data: _Adder
+    tiling: _Adder
+    long: _Adder
+    dist: _Adder
+    training: _Adder
+    output: _Adder
+    hidden: _Adder
 
 
 class _Adder:
