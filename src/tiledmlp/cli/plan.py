@@ -36,10 +36,16 @@ def add_parser(sub: Any) -> None:
             "With --budget-gb, the fewest tiles with which the MLP alone fits."
         ),
     )
-    what = pl.add_argument_group("what to plan")
-    tiling = pl.add_argument_group("tiling")
-    whole = pl.add_argument_group("the whole training step (with --model)")
-    output = pl.add_argument_group("output")
+    _add_what_flags(pl.add_argument_group("what to plan"))
+    _add_tiling_flags(pl.add_argument_group("tiling"))
+    _add_whole_step_flags(pl.add_argument_group("the whole training step (with --model)"))
+    pl.add_argument_group("output").add_argument(
+        "--json", action="store_true", help="print one JSON object"
+    )
+
+
+def _add_what_flags(what: Any) -> None:
+    """The model or MLP shape, the length and the dtype."""
     what.add_argument(
         "--model",
         default=None,
@@ -66,6 +72,10 @@ def add_parser(sub: Any) -> None:
     what.add_argument(
         "--dtype", choices=DTYPE_CHOICES, default="bfloat16", help="dtype (default: bfloat16)"
     )
+
+
+def _add_tiling_flags(tiling: Any) -> None:
+    """The tile policy, the device it is planned for, and the MLP's budget."""
     tiling.add_argument(
         "--num-tiles",
         type=tiles,
@@ -94,6 +104,10 @@ def add_parser(sub: Any) -> None:
         help="a memory budget in GiB for the MLP alone: recommend the fewest tiles that fit it "
         "(for a whole model's limit use --memory-gb)",
     )
+
+
+def _add_whole_step_flags(whole: Any) -> None:
+    """What a whole training step (with --model) counts, and the card's memory."""
     whole.add_argument(
         "--gradient-checkpointing",
         action="store_true",
@@ -149,7 +163,6 @@ def add_parser(sub: Any) -> None:
         "gradients and the optimizer (--optimizer cpu-offload) on the host; host memory per "
         "GPU and per node of 8 GPUs",
     )
-    output.add_argument("--json", action="store_true", help="print one JSON object")
 
 
 def _stacks(text: str) -> tuple[str, ...]:
