@@ -107,14 +107,9 @@ def _loss_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
             )
         return _FUSED_SERVER[0](self, args, kwargs, state.num_tiles)
     orig = _original(self)
-    try:
-        bound = inspect.signature(orig).bind(*args, **kwargs)
-    except TypeError:
+    params = _by_name(orig, args, kwargs)
+    if params is None:
         return orig(*args, **kwargs)
-    params = dict(bound.arguments)
-    for name, p in inspect.signature(orig).parameters.items():
-        if p.kind is inspect.Parameter.VAR_KEYWORD and name in params:
-            params.update(params.pop(name))
     labels = params.pop("labels", None)
     if labels is None or params.get("logits_to_keep") not in (None, 0):
         # No loss to tile, or a loss over the last logits_to_keep positions only (the model's
@@ -147,7 +142,27 @@ def _loss_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         loss, predictions = loss.loss, loss.predictions
     if num_items is not None:
         loss = loss / num_items
-    if not _wants_dict(config, return_dict):
+    return _output(outputs, loss, predictions, _wants_dict(config, return_dict))
+
+
+def _by_name(orig: Any, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any] | None:
+    """The forward's arguments by name (**kwargs flattened in), or None when they do not bind
+    to the original forward's signature (the model's own forward then reports it)."""
+    try:
+        bound = inspect.signature(orig).bind(*args, **kwargs)
+    except TypeError:
+        return None
+    params = dict(bound.arguments)
+    for name, p in inspect.signature(orig).parameters.items():
+        if p.kind is inspect.Parameter.VAR_KEYWORD and name in params:
+            params.update(params.pop(name))
+    return params
+
+
+def _output(outputs: Any, loss: torch.Tensor, predictions: Any, as_dict: bool) -> Any:
+    """The causal LM's output from the decoder's `outputs` and the tiled loss: its tuple layout
+    or a CausalLMOutputWithPast, logits None (with `predictions` when evaluating)."""
+    if not as_dict:
         # The model's tuple layout, (loss, logits, *the base model's outputs), with None where
         # the logits would be: they are never materialised, and positions must not shift.
         rest = outputs.to_tuple()[1:] if hasattr(outputs, "to_tuple") else tuple(outputs[1:])
