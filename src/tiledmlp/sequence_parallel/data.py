@@ -84,38 +84,15 @@ def shard_batch(
             split.
     """
     size, rank = _size_and_rank(groups)
-    known = {"input_ids", "labels", "position_ids"}
-    if "input_ids" not in batch:
-        raise ValueError(
-            f"tiledmlp: shard_batch needs input_ids (batch, seq), got keys {sorted(batch)}"
-        )
-    unknown = sorted(set(batch) - known)
-    if unknown:
-        fix = (
-            "attention_mask: padding cannot be split across ranks; pack the sequences (no "
-            "attention_mask, position_ids restarting at 0 per document)"
-            if "attention_mask" in unknown
-            else "shard them yourself or drop them"
-        )
-        raise ValueError(
-            f"tiledmlp: shard_batch splits {sorted(known)} only, got also {unknown}; {fix}"
-        )
+    _check_keys(batch)
     ids = batch["input_ids"]
     if ids.dim() != 2:
         raise ValueError(
             f"tiledmlp: shard_batch expects input_ids of shape (batch, seq), got {tuple(ids.shape)}"
         )
-    b, s = ids.shape
+    s = ids.shape[1]
     check_sequence_divisible(s, size)
-    positions = batch.get("position_ids")
-    if positions is None:
-        positions = torch.arange(s, device=ids.device).expand(b, s)
-    elif positions.dim() != 2 or positions.shape[1] != s or positions.shape[0] not in (1, b):
-        raise ValueError(
-            f"tiledmlp: position_ids of shape {tuple(positions.shape)} do not match input_ids "
-            f"{tuple(ids.shape)}; expected ({b}, {s}) or (1, {s})"
-        )
-    positions = positions.expand(b, s)
+    positions = _positions(batch.get("position_ids"), ids)
     cols = slice(rank * (s // size), (rank + 1) * (s // size))
     out = {
         "input_ids": ids[:, cols].contiguous(),
@@ -132,6 +109,41 @@ def shard_batch(
         out["shift_labels"] = shifted
         out["labels"] = shifted
     return out
+
+
+_KNOWN = ("input_ids", "labels", "position_ids")
+
+
+def _check_keys(batch: dict[str, torch.Tensor]) -> None:
+    """Refuses a batch without input_ids, or with keys shard_batch cannot split."""
+    if "input_ids" not in batch:
+        raise ValueError(
+            f"tiledmlp: shard_batch needs input_ids (batch, seq), got keys {sorted(batch)}"
+        )
+    unknown = sorted(set(batch) - set(_KNOWN))
+    if unknown:
+        fix = (
+            "attention_mask: padding cannot be split across ranks; pack the sequences (no "
+            "attention_mask, position_ids restarting at 0 per document)"
+            if "attention_mask" in unknown
+            else "shard them yourself or drop them"
+        )
+        raise ValueError(
+            f"tiledmlp: shard_batch splits {sorted(_KNOWN)} only, got also {unknown}; {fix}"
+        )
+
+
+def _positions(positions: torch.Tensor | None, ids: torch.Tensor) -> torch.Tensor:
+    """The full batch's (B, S) position ids: the given ones (B or 1 rows), or 0..S-1."""
+    b, s = ids.shape
+    if positions is None:
+        return torch.arange(s, device=ids.device).expand(b, s)
+    if positions.dim() != 2 or positions.shape[1] != s or positions.shape[0] not in (1, b):
+        raise ValueError(
+            f"tiledmlp: position_ids of shape {tuple(positions.shape)} do not match input_ids "
+            f"{tuple(ids.shape)}; expected ({b}, {s}) or (1, {s})"
+        )
+    return positions.expand(b, s)
 
 
 def _size_and_rank(groups: SequenceParallelGroups | Any) -> tuple[int, int]:
