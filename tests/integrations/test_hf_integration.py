@@ -72,6 +72,7 @@ def _train(tmp: str, callbacks: list[Any]) -> tuple[list[float], Any]:
     return [e["loss"] for e in trainer.state.log_history if "loss" in e], model
 
 
+@pytest.mark.slow  # two Trainer runs
 def test_trainer_callback_patches_and_trains_the_same(tmp_path: Any) -> None:
     callback = hf.TiledMLPCallback(tiled_loss=True)
     losses, model = _train(str(tmp_path / "a"), [callback])

@@ -255,6 +255,7 @@ def test_tiled_head_serves_trl_with_its_numbers(
         _assert_same_run(got, ref)
 
 
+@pytest.mark.slow  # two training runs
 def test_unpatch_leaves_trl_working(tmp_path: Any, trl_calls: dict[str, int]) -> None:
     _, trainer = _sft(str(tmp_path / "a"), "after", lora=False)
     assert "<loss>" in tiledmlp.unpatch_model(trainer.model)

@@ -84,6 +84,7 @@ def test_kernels_are_not_selected_on_the_cpu() -> None:
     assert calls["n"] == 0  # the CPU keeps PyTorch's path (no interpreter in this process)
 
 
+@pytest.mark.slow  # the whole op interpreted in a fresh process (the kernels' parity stays quick)
 def test_op_with_kernels_under_triton_interpreter() -> None:
     assert run_interpreted("test_fused_elementwise", "op_cases")["glu_backward"] > 0
 

@@ -98,7 +98,8 @@ def test_cross_entropy_options_match_untiled_fp32(reduction, smoothing, weighted
         torch.testing.assert_close(o, r, rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.parametrize("reduction", ["mean", "none"])
+# "mean" is the slower gradcheck (~12 s on 2 cores); "none" keeps a float64 gradcheck quick
+@pytest.mark.parametrize("reduction", [pytest.param("mean", marks=pytest.mark.slow), "none"])
 def test_cross_entropy_gradcheck_float64(reduction: str) -> None:
     h, w, b = leaves(torch.float64)
     labels, mask, cw = targets()
@@ -258,6 +259,7 @@ def entropy_of(h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, tiles: in
     return tiled_token_logprobs(h, w, labels, num_tiles=tiles, return_entropy=True)[1]
 
 
+@pytest.mark.slow  # memory timelines
 def test_memory_is_one_tile_of_logits_for_every_output() -> None:
     # Beyond the inputs and two copies of their gradients (d(W)'s float32 accumulator and the
     # result), forward + backward holds about one tile of float32 logits (measured: 1.37 tiles
@@ -288,6 +290,7 @@ def test_memory_is_one_tile_of_logits_for_every_output() -> None:
     assert untiled > 2 * tiles  # the reference keeps (tokens x vocab) tensors
 
 
+@pytest.mark.slow  # a benchmark run
 def test_loss_bench_designs_and_their_flops(capsys: pytest.CaptureFixture[str]) -> None:
     import json
 

@@ -57,6 +57,7 @@ def runnable_blocks(page: Path) -> list[tuple[int, str]]:
 _RUNNABLE = [p for p in PAGES if runnable_blocks(p)]
 
 
+@pytest.mark.slow  # each page's blocks in a fresh interpreter, training included
 @pytest.mark.parametrize("page", _RUNNABLE, ids=lambda p: str(p.relative_to(ROOT)))
 def test_python_blocks_run(page: Path, tmp_path: Path) -> None:
     script = [f"# {page.name}:{line}\n{code}" for line, code in runnable_blocks(page)]

@@ -75,6 +75,7 @@ def test_checkpointing_grads_exact(family: str, reentrant: bool) -> None:
     assert_same_training_step(model, ref, torch.randint(3, VOCAB, (2, 21)))
 
 
+@pytest.mark.slow  # torch.compile's first compile
 def test_torch_compile_trains_with_exact_grads() -> None:
     ref = tiny_causal_lm("llama")
     model = copy.deepcopy(ref)

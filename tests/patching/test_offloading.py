@@ -57,7 +57,10 @@ def _assert_bit_identical(got: list[torch.Tensor], ref: list[torch.Tensor]) -> N
         assert torch.equal(a, b), f"tensor {i}: max diff {(a - b).abs().max().item():.3e}"
 
 
-@pytest.mark.parametrize("stack", ["tiled_mlp_loss", "offloading_only", "lora"])
+# the whole stack is the slowest case (~25 s on 2 cores); offloading alone and with LoRA stay quick
+@pytest.mark.parametrize(
+    "stack", [pytest.param("tiled_mlp_loss", marks=pytest.mark.slow), "offloading_only", "lora"]
+)
 def test_gradients_bit_identical_to_not_offloading(stack: str) -> None:
     ids = _ids()
     runs = []
@@ -259,6 +262,7 @@ def test_a_copy_offloads_with_its_own_offloader(how: str) -> None:
     assert theirs.stats.offloaded == 2 * (LAYERS - 1) and mine.stats.offloaded == LAYERS - 1
 
 
+@pytest.mark.slow  # a benchmark run
 def test_offload_benchmark_runs_and_its_pool_does_not_grow() -> None:
     from tiledmlp.bench.offload_step import measure_offload
 

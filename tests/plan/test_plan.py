@@ -72,6 +72,7 @@ def test_budget_recommendation_fits() -> None:
     assert tight["recommended_num_tiles"] is None
 
 
+@pytest.mark.slow  # the CLI in fresh processes
 def test_cli_json_and_errors() -> None:
     cmd = [sys.executable, "-m", "tiledmlp", "plan", "--hidden", "64", "--intermediate", "128",
            "--seq-len", "512", "--dtype", "float32", "--num-tiles", "4", "--json"]  # fmt: skip

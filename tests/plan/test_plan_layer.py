@@ -147,6 +147,7 @@ def test_load_config_sources(tmp_path: Path) -> None:
             load_config(str(path))
 
 
+@pytest.mark.slow  # the CLI in a fresh process; the figures it prints are tested in-process
 def test_cli_model_json() -> None:
     res = plan("--model", "tiny", "--seq-len", "4096", "--device", "cpu", "--json")
     assert res.returncode == 0, res.stderr

@@ -152,6 +152,7 @@ def test_max_seq_len_is_the_longest_that_fits() -> None:
     assert max_seq_len(cfg, 1, **kw) == 0
 
 
+@pytest.mark.slow  # the CLI in a fresh process
 def test_cli_json_has_every_stack_and_max_seq_len(tmp_path) -> None:
     config = tmp_path / "config.json"
     config.write_text(json.dumps({"model_type": "llama", **SMALL, "num_hidden_layers": 2}))
@@ -184,6 +185,7 @@ def test_cli_json_has_every_stack_and_max_seq_len(tmp_path) -> None:
     assert out["regular_mib"] > 0 and out["layer_tiled_mib"] > 0  # the MLP and layer estimates
 
 
+@pytest.mark.slow  # the CLI in a fresh process
 def test_cli_text_states_its_assumptions_in_aligned_gib_rows_with_progress(tmp_path) -> None:
     config = tmp_path / "config.json"
     config.write_text(json.dumps({"model_type": "llama", **SMALL, "num_hidden_layers": 2}))
@@ -241,6 +243,7 @@ def test_sequence_parallel_plan_is_the_local_step_plus_the_all_to_all() -> None:
         plan_model(config, seq_len=3 * 512, stacks=stacks, sequence_parallel_size=3)
 
 
+@pytest.mark.slow  # a second max_seq_len search
 def test_device_overhead_terms_and_max_seq_len_on_a_card() -> None:
     """Each term as documented (plan/device_overhead.py); max_seq_len on a card of B bytes is
     the longest step whose tensors plus overhead fit B; the CPU has none."""

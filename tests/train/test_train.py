@@ -262,6 +262,7 @@ def _bad_files(tmp: Path) -> dict[str, str]:
     return {"TMP": str(tmp)}
 
 
+@pytest.mark.slow  # a fresh `tiledmlp train` per case; tests/cli keeps one quick
 @pytest.mark.parametrize(
     ("args", "message"),
     [
