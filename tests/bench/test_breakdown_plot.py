@@ -12,29 +12,27 @@ import pytest
 
 pytest.importorskip("transformers")
 
-FLAGS = ["--model", "tiny", "--num-tiles", "2", "--engine", "zero3", "--offload-params",
-         "--optimizer", "cpu-offload", "--json"]  # fmt: skip
 
+def _plan(seq_len: int, stacks: tuple[str, ...]) -> dict:
+    """What `tiledmlp plan --model tiny --engine zero3 --offload-params --optimizer cpu-offload
+    --json` writes, the keys the plot reads (the CLI adds the MLP's and the layer's)."""
+    from tiledmlp.plan.layer import load_config
+    from tiledmlp.plan.model import plan_model
 
-def _plan(*extra: str) -> dict:
-    res = subprocess.run(
-        [sys.executable, "-m", "tiledmlp", "plan", *FLAGS, *extra],
-        capture_output=True, text=True, timeout=300,
+    model = plan_model(
+        load_config("tiny"), seq_len=seq_len, num_tiles=2, engine="zero3", offload_params=True,
+        optimizer="cpu-offload", stacks=stacks,
     )  # fmt: skip
-    assert res.returncode == 0, res.stderr
-    return json.loads(res.stdout)
+    return json.loads(json.dumps({"seq_len": seq_len, "model_name": "tiny", "model": model}))
 
 
 @pytest.fixture(scope="module")
 def records(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Two lengths of two stacks, then one stack planned again on its own (a later record)."""
     path = tmp_path_factory.mktemp("plans") / "plans.jsonl"
-    stacks = "tiled_mlp_loss,tiled_mlp_loss_offload_norms"
-    lines = [
-        {"command": "tiledmlp plan ...", "result": _plan("--seq-len", n, "--stacks", stacks)}
-        for n in ("512", "1024")
-    ]
-    lines.append(_plan("--seq-len", "2048", "--stacks", "tiled_mlp_loss"))  # a bare result
+    stacks = ("tiled_mlp_loss", "tiled_mlp_loss_offload_norms")
+    lines = [{"command": "tiledmlp plan ...", "result": _plan(n, stacks)} for n in (512, 1024)]
+    lines.append(_plan(2048, ("tiled_mlp_loss",)))  # a bare result
     path.write_text("".join(json.dumps(r) + "\n" for r in lines))
     return path
 

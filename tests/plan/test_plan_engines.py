@@ -173,6 +173,7 @@ def test_cli_refuses_what_the_engines_cannot_combine_in_one_line(
     assert len(lines) == 1 and says in lines[0] and "Traceback" not in res.stderr, res.stderr
 
 
+@pytest.mark.slow
 def test_cli_json_says_the_engine_per_gpu_and_per_host(tmp_path) -> None:
     import json
 
