@@ -118,6 +118,25 @@ def test_tiled_layers_with_checkpointing_and_offloading_are_exact(offload: bool)
     assert all(t > 0 for t in _layer_tiles(model))
 
 
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_checkpointing_recomputes_the_pre_attention_block_only(checkpointing: bool) -> None:
+    model = tiny_causal_lm("llama")
+    if checkpointing:
+        enable_checkpointing(model)
+    patch_model(model, num_tiles=2, tiled_layers=True, tiled_mlp=False)
+    calls = {"pre": 0, "post": 0}
+    for layer in model.model.layers:
+        parts = layer.__dict__[LAYER]
+        for name, block in (("pre", parts.pre), ("post", parts.post)):
+            block.register_forward_hook(lambda *_, n=name: calls.__setitem__(n, calls[n] + 1))
+    ids = _ids()
+    model(input_ids=ids, labels=ids).loss.backward()
+    layers = model.config.num_hidden_layers
+    # 2 tiles each: forward, the tiled backward's recompute, and with checkpointing the
+    # layer's recompute, which stops after the attention core (the post block's anchor).
+    assert calls == {"pre": layers * 2 * (3 if checkpointing else 2), "post": layers * 2 * 2}
+
+
 def test_peft_lora_projections_are_exact() -> None:
     peft = pytest.importorskip("peft")
     cfg = peft.LoraConfig(

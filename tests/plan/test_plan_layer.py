@@ -155,7 +155,7 @@ def test_cli_model_json() -> None:
     assert out["model_name"] == "tiny" and out["model_type"] == "llama"
     assert list(out["model"]) == [
         "untiled", "tiled_mlp", "tiled_mlp_loss", "tiled_mlp_loss_offload",
-        "tiled_mlp_loss_offload_norms",
+        "tiled_mlp_loss_offload_norms", "tiled_layer",
     ]  # fmt: skip
     assert (out["hidden"], out["intermediate"]) == (256, 1024)  # the MLP keys, from the config
     assert out["layer_tiles"] >= 1 and out["layer_saving"] > 0

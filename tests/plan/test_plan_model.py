@@ -15,6 +15,7 @@ import torch
 from hf_models import BASE
 from tiledmlp import patch_model
 from tiledmlp.bench.memory import peak_bytes, tensor_bytes
+from tiledmlp.config.stacks import STACK_OPTIONS, stack_option
 from tiledmlp.patching.offloading import enable_checkpointing
 from tiledmlp.plan.model import STACKS, estimate_step, max_seq_len
 
@@ -54,17 +55,11 @@ def _real_peak(stack: str, seq: int, checkpointing: bool, optimizer: str) -> int
     model = tr.LlamaForCausalLM._from_config(
         _config(), attn_implementation="sdpa", dtype=torch.float32
     ).train()
-    offload = "offload" in stack
-    if checkpointing or offload:
+    options = STACK_OPTIONS[stack]
+    if checkpointing or stack_option(stack, "activation_offloading"):
         enable_checkpointing(model)
-    if stack != "untiled":
-        patch_model(
-            model,
-            num_tiles=TILES,
-            tiled_loss=stack != "tiled_mlp",
-            activation_offloading=offload,
-            tiled_norms=stack.endswith("_norms"),
-        )
+    if options is not None:
+        patch_model(model, num_tiles=TILES, **options)
     ids = torch.randint(3, SMALL["vocab_size"], (1, seq))
     params = list(model.parameters())
     opt = torch.optim.AdamW(params, lr=1e-5, foreach=True) if optimizer == "adamw" else None
@@ -135,6 +130,8 @@ def test_the_stacks_order_and_what_offloading_removes() -> None:
     assert peaks["untiled"].peak >= peaks["tiled_mlp"].peak > peaks["tiled_mlp_loss"].peak
     assert peaks["tiled_mlp_loss"].peak > peaks["tiled_mlp_loss_offload"].peak
     assert peaks["tiled_mlp_loss_offload"].peak > peaks["tiled_mlp_loss_offload_norms"].peak
+    norms, layer = peaks["tiled_mlp_loss_offload_norms"], peaks["tiled_layer"]
+    assert norms.peak > layer.peak and norms.breakdown["recompute"] > layer.breakdown["recompute"]
     # 6 layer inputs of 8192 x 128 fp32 (4 MiB each) checkpointed; with offloading at most the
     # last layer's is on the device at the peak (the others are on the host)
     assert peaks["tiled_mlp_loss"].breakdown["checkpoints"] >= 5 * 4 * MiB

@@ -10,7 +10,7 @@ workspaces, other processes); on the CPU the process's peak resident memory (VmH
 timed steps.
 
 Stacks are the planner's names: "untiled", "tiled_mlp", "tiled_mlp_loss",
-"tiled_mlp_loss_offload", "tiled_mlp_loss_offload_norms".
+"tiled_mlp_loss_offload", "tiled_mlp_loss_offload_norms", "tiled_layer".
 
 Invariant: one process measures one (config, sequence length, stack); every stack starts from
 the same seed and the same tokens.

@@ -30,7 +30,8 @@ def add_parser(sub: Any) -> None:
             "downloaded): of one SwiGLU MLP's forward + backward, untiled and tiled; with "
             "--model, also of one decoder layer and of a whole training step (forward, loss, "
             "backward, optimizer step) for each stack: untiled, tiled_mlp, tiled_mlp_loss, "
-            "tiled_mlp_loss_offload and tiled_mlp_loss_offload_norms; --engine zero3 or fsdp2 "
+            "tiled_mlp_loss_offload, tiled_mlp_loss_offload_norms and tiled_layer; --engine "
+            "zero3 or fsdp2 "
             "shards weights, gradients and optimizer states over the GPUs, --offload-params "
             "keeps them on the host. With --memory-gb, the longest sequence each stack fits (minutes for a large model: progress on stderr). "
             "With --budget-gb, the fewest tiles with which the MLP alone fits."
@@ -404,7 +405,7 @@ def _show_model(args: argparse.Namespace, stacks: dict[str, Any]) -> None:
     checkpointing = (
         "on for every stack"
         if args.gradient_checkpointing
-        else "off, except for the two offloading stacks, which need it (--gradient-checkpointing "
+        else "off, except for the offloading stacks, which need it (--gradient-checkpointing "
         "turns it on for all)"
     )
     show(

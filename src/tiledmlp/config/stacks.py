@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["STACKS", "STACK_OPTIONS"]
+__all__ = ["STACKS", "STACK_OPTIONS", "stack_option"]
 
 STACK_OPTIONS: dict[str, dict[str, Any] | None] = {
     "untiled": None,
@@ -23,5 +23,19 @@ STACK_OPTIONS: dict[str, dict[str, Any] | None] = {
         "activation_offloading": True,
         "tiled_norms": True,
     },
+    "tiled_layer": {
+        "tiled_loss": True,
+        "activation_offloading": True,
+        "tiled_norms": True,
+        "tiled_layers": True,
+    },
 }
 STACKS: tuple[str, ...] = tuple(STACK_OPTIONS)
+
+
+def stack_option(stack: str, name: str) -> bool:
+    """Whether `stack` turns on the patch_model option `name` ("tiled_mlp": any patched stack)."""
+    options = STACK_OPTIONS[stack]
+    if options is None:
+        return False
+    return name == "tiled_mlp" or bool(options.get(name, False))

@@ -63,7 +63,7 @@ class TiledRun:
     plan: TilePlan
     x_node: Any
     lead_shape: tuple[int, ...]
-    extras: tuple[torch.Tensor, ...] = ()
+    extras: tuple[torch.Tensor | None, ...] = ()
     extra_nodes: tuple[Any, ...] = ()
     slots: tuple[bool | None, ...] = ()
     versions: tuple[tuple[object, torch.Tensor, int, bool | None], ...] = ()
@@ -74,7 +74,15 @@ class TiledRun:
         whether the untiled module's autograd would keep it too (None: not known)."""
         self.versions = tuple((name, t, t._version, keeps) for name, t, keeps in named)
 
-    def flat_extras(self, extras: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
+    def release_anchored(self) -> None:
+        """Drops the references to the extra inputs an anchor saved (the backward reads those
+        from their anchors): a reference kept here would keep them alive past a checkpoint's
+        pack hooks and an activation offloader (a decoder layer's input, say)."""
+        self.extras = tuple(
+            e if node is None else None for e, node in zip(self.extras, self.extra_nodes)
+        )
+
+    def flat_extras(self, extras: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Per-token extra inputs flattened to (tokens, ...), detached."""
         n = len(self.lead_shape)
         return [e.detach().reshape(-1, *e.shape[n:]) for e in extras]
@@ -84,7 +92,8 @@ class TiledRun:
         # Detached before tiling: slices of a requires-grad tensor taken under no_grad look like
         # graph members without a grad_fn, which breaks module hooks (FlopCounterMode's).
         flat = x.detach().reshape(-1, x.shape[-1])
-        outs = self.engine.forward(flat, self.plan, self.flat_extras(self.extras))
+        given = [e for e in self.extras if e is not None]  # all given before release_anchored
+        outs = self.engine.forward(flat, self.plan, self.flat_extras(given))
         self.slots = self.engine.output_slots()
         return [
             None if o is None else (o.view(*self.lead_shape, *o.shape[1:]) if keep else o)
@@ -113,6 +122,7 @@ class TiledMLPFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, run: TiledRun, *tensors: torch.Tensor) -> Any:
         outs = [o for o in run.run_forward(x) if o is not None]
+        run.release_anchored()
         ctx.run = run
         ctx.set_materialize_grads(False)  # an unused output gives None, not a zero-filled tensor
         if run.x_node is None:
@@ -151,12 +161,18 @@ class _Saved:
     needs_params: Sequence[bool]
 
 
+def _given(extra: torch.Tensor | None) -> torch.Tensor:
+    if extra is None:  # only anchored extras are released, and those are read from the anchor
+        raise RuntimeError("tiled_mlp: an extra input was released but has no anchor")
+    return extra
+
+
 def _saved(ctx: Any, run: TiledRun, grads: tuple[torch.Tensor | None, ...]) -> _Saved:
     x = run.x_node.saved_tensors[0] if run.x_node is not None else ctx.saved_tensors[0]
     flat = x.reshape(-1, x.shape[-1])
     n_extra = len(run.extras)
     extras = tuple(
-        node.saved_tensors[0] if node is not None else e
+        node.saved_tensors[0] if node is not None else _given(e)
         for node, e in zip(run.extra_nodes, run.extras)
     )
     flat_grads = [

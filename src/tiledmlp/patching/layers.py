@@ -47,6 +47,7 @@ rotated keys and the values as the attention module does.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import logging
 import sys
@@ -325,7 +326,53 @@ def _recording_attentions() -> bool:
     return collected is not None and "attentions" in collected
 
 
-def tiled_layer_forward(
+def _checkpoints_in_forward(layer: nn.Module) -> bool:
+    """Whether the layer's class checkpoints inside its `forward` (transformers 5 wraps each
+    GradientCheckpointingLayer subclass's forward; 4.x checkpointed in `__call__`, which an
+    instance forward stays inside of)."""
+    forward = type(layer).forward
+    return (
+        hasattr(forward, "__wrapped__")
+        and hasattr(layer, "_gradient_checkpointing_func")
+        and "__call__" not in vars(_checkpointing_base(layer))
+    )
+
+
+def _checkpointing_base(layer: nn.Module) -> type:
+    """The class that defines `gradient_checkpointing` (Hugging Face's GradientCheckpointingLayer)."""
+    for cls in type(layer).__mro__:
+        if "gradient_checkpointing" in vars(cls):
+            return cls
+    return type(layer)
+
+
+def _unchecked_forward(layer: nn.Module) -> Callable[..., Any]:
+    """The layer's original computation without the checkpointing its class may wrap around it
+    (for calls made inside a checkpoint, and for the probe)."""
+    if STATE not in layer.__dict__ or layer.__dict__[STATE].saved is None:
+        inner = getattr(type(layer).forward, "__wrapped__", None)
+        if inner is not None and _checkpoints_in_forward(layer):
+            return inner.__get__(layer)  # type: ignore[no-any-return]
+    return original_forward(layer)
+
+
+def tiled_layer_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """The forward installed on tiled decoder layers (bound with patching.bound.bind). Where
+    the layer's class checkpoints inside its own forward (transformers 5), this replacement
+    does the same around the tiled computation, with the same treatment of the cache
+    arguments (a checkpointed layer neither reads nor writes a cache)."""
+    checkpointed = getattr(self, "gradient_checkpointing", False) and self.training
+    if checkpointed and _checkpoints_in_forward(self):
+        if kwargs.get("use_cache"):
+            kwargs["use_cache"] = False
+        if not getattr(self, "_can_checkpoint_with_cache", False):
+            kwargs["past_key_values"] = None
+        func: Any = self._gradient_checkpointing_func
+        return func(functools.partial(_tiled_layer_call, self, **kwargs), *args)
+    return _tiled_layer_call(self, *args, **kwargs)
+
+
+def _tiled_layer_call(
     self: nn.Module,
     hidden_states: Any,
     attention_mask: Any = None,
@@ -335,7 +382,8 @@ def tiled_layer_forward(
     position_embeddings: Any = None,
     **kwargs: Any,
 ) -> Any:
-    """The forward installed on tiled decoder layers (bound with patching.bound.bind)."""
+    """The layer's computation: the tiled blocks, or the original computation for calls they
+    cannot take."""
     parts: LayerParts = self.__dict__[LAYER]
     state: PatchState = self.__dict__[STATE]
     if (
@@ -348,7 +396,8 @@ def tiled_layer_forward(
         or hidden_states.dim() != 3
         or _recording_attentions()
     ):
-        return original_forward(self)(
+        # Inside a checkpoint already (or not checkpointed): the class's own computation.
+        return _unchecked_forward(self)(
             hidden_states,
             attention_mask=attention_mask,
             position_ids=position_ids,
@@ -464,7 +513,7 @@ def _probe(layer: nn.Module, parts: LayerParts) -> str | None:
         cos, sin = (theta * 6.0).cos().to(dtype), (theta * 6.0).sin().to(dtype)
         positions = torch.arange(_PROBE_TOKENS, device=device)[None]
         try:
-            ref = original_forward(layer)(
+            ref = _unchecked_forward(layer)(
                 x,
                 attention_mask=None,
                 position_ids=positions,

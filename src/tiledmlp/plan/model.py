@@ -11,7 +11,10 @@ an optimizer, its step; storages are tracked as in fake_memory.py. Stacks:
 - "tiled_mlp_loss_offload": also activation offloading (always with checkpointing, which it
   needs): the checkpointed layers' inputs live in host memory, counted apart ("host");
 - "tiled_mlp_loss_offload_norms": also the normalisation layers tiled (patch_model's
-  tiled_norms): their float32 intermediates exist one tile at a time.
+  tiled_norms): their float32 intermediates exist one tile at a time;
+- "tiled_layer": also the rest of each decoder layer that is token-wise (patch_model's
+  tiled_layers: norm, q/k/v, rotary; o_proj, residuals, norm, MLP): a layer's recompute holds
+  the layer input, q, k, v, the attention output and their gradients.
 
 Checkpointing is the model's own non-reentrant gradient checkpointing (`--gradient-checkpointing`).
 Optimizers: "none"; "adamw" (torch.optim.AdamW, foreach, states in the parameters' dtype,
@@ -66,7 +69,8 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from tiledmlp.config.stacks import STACKS
+from tiledmlp.config.stacks import STACKS, stack_option
+from tiledmlp.config.tiled import TiledMLPConfig
 from tiledmlp.ops.functional import tiled_mlp
 from tiledmlp.ops.host_memory import offload_bytes
 from tiledmlp.ops.loss import tiled_cross_entropy
@@ -74,6 +78,7 @@ from tiledmlp.ops.offload import ActivationOffloader
 from tiledmlp.ops.policy import TilePolicy, assume_device
 from tiledmlp.ops.values import check_int
 from tiledmlp.patching.detect import norms_of
+from tiledmlp.patching.layers import install_layer, layer_parts
 from tiledmlp.patching.offloading import before_forward, enable_checkpointing
 from tiledmlp.plan.device_overhead import DeviceOverhead, device_overhead
 from tiledmlp.plan.engines import (
@@ -176,15 +181,32 @@ def _build(config: Any, dtype: torch.dtype, layers: int) -> Any:
     ).train()
 
 
-def _tile(model: nn.Module, hidden: int, num_tiles: int | str, norms: bool) -> None:
-    """Every decoder MLP (and with `norms` every norm over the hidden size) through tiled_mlp,
-    as patch_model does; patch_model's detection probes values, which fake tensors lack."""
+def _tile(model: nn.Module, hidden: int, num_tiles: int | str, stack: str) -> None:
+    """Every decoder MLP (and as the stack says, every norm over the hidden size and every
+    decoder layer) through tiled_mlp, as patch_model does; patch_model's detection probes
+    values, which fake tensors lack (a decoder layer's probe only records, see
+    patching/layers.py)."""
     modules = [dense_mlp(layer, hidden) for layer in _layers(model)]
-    if norms:
+    if stack_option(stack, "tiled_norms"):
         modules += [c.module for c in norms_of(model, hidden)]
+    if stack_option(stack, "tiled_layers"):
+        # A tiled layer runs its MLP and norms untiled inside its own tiles (patch_model's
+        # patches on them are bypassed there): only the modules outside the layers are tiled.
+        inside = {id(m) for layer in _layers(model) for m in layer.modules()}
+        modules = [m for m in modules if id(m) not in inside]
     for module in modules:
         original = type(module).forward.__get__(module)
         module.forward = functools.partial(tiled_mlp, module, num_tiles=num_tiles, forward=original)
+    if stack_option(stack, "tiled_layers"):
+        config = TiledMLPConfig(num_tiles=num_tiles)
+        for i, layer in enumerate(_layers(model)):
+            parts = layer_parts(layer)
+            if isinstance(parts, str):
+                raise ValueError(
+                    f"{type(model).__name__}: decoder layer {i} cannot be tiled ({parts}); "
+                    f"the {stack} stack cannot be planned for this model"
+                )
+            install_layer(layer, parts, config)
 
 
 def _layers(model: Any) -> nn.ModuleList:
@@ -242,7 +264,7 @@ def estimate_step(
         seq_len=seq_len,
         stack=stack,
         dtype=dtype,
-        checkpointing=checkpointing or "offload" in stack,
+        checkpointing=checkpointing or stack_option(stack, "activation_offloading"),
         optimizer="none" if sharded else optimizer,  # the engine's optimizer: engines.py
         num_tiles=num_tiles,
         device_type=device_type,
@@ -324,7 +346,7 @@ def _prepare(config: Any, layers: int, stack: str, dtype: torch.dtype, checkpoin
     model = _build(config, dtype, layers)
     if stack != "untiled":
         hidden = config.get_text_config().hidden_size
-        _tile(model, hidden, num_tiles, norms=stack.endswith("_norms"))
+        _tile(model, hidden, num_tiles, stack)
     if checkpointing:
         enable_checkpointing(model)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -369,7 +391,7 @@ def _simulate(
         # With 4 layers both marks close at once; fewer layers are simulated whole (no marks).
         marks = [len(decoder_layers) - 2, 2] if len(decoder_layers) >= _SHORT else []
         checkpoint_inputs, hooks = _watch_layers(decoder_layers, tracker, marks)
-        if "offload" in stack:
+        if stack_option(stack, "activation_offloading"):
             # The real mechanism (what the root's pre-hook does before each training forward),
             # with host buffers on the meta device: host memory is not counted.
             offloader = ActivationOffloader()
@@ -442,7 +464,7 @@ def _step(
     causal = torch.ones((), dtype=torch.bool).expand(1, 1, seq_len, seq_len)
     hidden = decoder(input_ids=ids, attention_mask=causal).last_hidden_state
     tracker.phase = "loss"
-    if stack in ("untiled", "tiled_mlp"):
+    if not stack_option(stack, "tiled_loss"):
         logits = head(hidden)
         loss = model.loss_function(logits, ids, vocab_size=text.vocab_size)
         del logits
@@ -687,7 +709,7 @@ def host_breakdown(
     text = config.get_text_config()
     elem = torch.empty((), dtype=dtype).element_size()
     out = {"checkpoints": 0, "params": 0, "grads": 0, "optimizer": 0}
-    if "offload" in stack:
+    if stack_option(stack, "activation_offloading"):
         out["checkpoints"] = offload_bytes(
             int(text.num_hidden_layers), seq_len, int(text.hidden_size), elem
         )
