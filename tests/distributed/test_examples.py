@@ -120,6 +120,7 @@ def test_million_token_recipes_run_cpu_sized_and_agree() -> None:
         summary = json.loads(res.stdout.strip().splitlines()[-1])
         assert summary["engine"] == "deepspeed" and summary["activation_offloading"]
         assert summary["tiled_loss"] and summary["tiled_norms"] and summary["tiled_layers"]
+        assert summary["offloaded_mib"] > 0  # the layer inputs went to the host
         summaries.append(summary)
     one, split = summaries
     assert (one["sequence_parallel_size"], split["sequence_parallel_size"]) == (1, 2)
