@@ -181,6 +181,7 @@ def _offloaded() -> dict[str, Any]:
         num_tiles=3,
         tiled_loss=True,
         activation_offloading=True,
+        tiled_layers=True,  # the projections on the local shard, before the exchange
         sequence_parallel_size=P,
     )
     result = _train(model, "ddp", packed=True)

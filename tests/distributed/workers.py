@@ -107,13 +107,19 @@ def engine_worker(
     ("ddp", "fsdp2", "fsdp1" (flat parameters), "fsdp1_orig", "zero1".."zero3"); returns full params and last grads, and the token count
     the ranks agreed on. copy_mode "deepcopy" or "pickle": train a copy of the patched model
     (made by copy.deepcopy or a pickle round trip) while the original stays alive.
-    offload: the model's own non-reentrant checkpointing, the tiled loss, tiled norms and
-    activation offloading on top of the tiling (the result's "offloaded" counts the inputs moved)."""
+    offload: the model's own non-reentrant checkpointing, the tiled loss, tiled norms, tiled
+    decoder layers and activation offloading on top of the tiling (the result's "offloaded"
+    counts the inputs moved)."""
     model = freeze(build(family).to(dtype), frozen)
     if offload:
         enable_checkpointing(model)
         patch_model(
-            model, num_tiles=3, tiled_loss=True, activation_offloading=True, tiled_norms=True
+            model,
+            num_tiles=3,
+            tiled_loss=True,
+            activation_offloading=True,
+            tiled_norms=True,
+            tiled_layers=True,
         )
     elif not tiled:
         pass
