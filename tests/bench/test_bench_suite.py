@@ -14,6 +14,7 @@ import pytest
 
 from tiledmlp.bench import suite
 from tiledmlp.bench.suite_parts import PARTS
+from tiledmlp.config.stacks import STACKS
 
 # Fields each part's records must carry (beyond part, status and the environment).
 _KEYS = {
@@ -51,7 +52,7 @@ def test_smoke_suite_writes_every_part(tmp_path: Path) -> None:
         missing = (_KEYS[r["part"]] | _ENV) - set(r)
         assert not missing, (r["part"], missing)
     stacks = [r["stack"] for r in records if r["part"] == "model_steps"]
-    assert len(stacks) == 5 and len(set(stacks)) == 5
+    assert stacks == list(STACKS)
     variants = {str(r["num_tiles"]) for r in records if r["part"] == "mlp_table"}
     assert {"None", "arctic", "4", "auto"} <= variants
     summary = (out / "summary.md").read_text()
