@@ -180,6 +180,8 @@ class LayerParts:
             probe.
         returns_tuple: whether the layer's forward returns (hidden_states,) rather than a
             tensor.
+        cache_keyword: the name under which the layer takes its KV cache ("past_key_values";
+            "cache" from transformers 5.24, whose caches also take the attention keywords).
     """
 
     pre: PreAttention
@@ -189,6 +191,7 @@ class LayerParts:
     eager: Callable[..., Any] | None
     extra_kwargs: dict[str, Any] = field(default_factory=dict)
     returns_tuple: bool = False
+    cache_keyword: str = "past_key_values"
 
 
 def decoder_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -253,7 +256,9 @@ def _structure(layer: nn.Module) -> LayerParts | str:
         head_dim,
     )
     post = PostAttention(attn.o_proj, layer.post_attention_layernorm, mlp)  # type: ignore[arg-type]
-    return LayerParts(pre, post, attn, head_dim, _family_function(attn, "eager_attention_forward"))
+    parts = LayerParts(pre, post, attn, head_dim, _family_function(attn, "eager_attention_forward"))
+    parts.cache_keyword = "cache" if "cache" in params else "past_key_values"
+    return parts
 
 
 def _attention_function(parts: LayerParts) -> Callable[..., Any]:
@@ -295,7 +300,11 @@ def _layer_math(
     q, k, v = (t.view(shape).transpose(1, 2) for t in (q, k, v))
     attn = parts.attn
     if past_key_values is not None:  # what the attention module does with a cache
-        k, v = past_key_values.update(k, v, attn.layer_idx)
+        if parts.cache_keyword == "cache":
+            seen = {"position_ids": position_ids, "use_cache": use_cache, **kwargs}
+            k, v = past_key_values.update(k, v, attn.layer_idx, kwargs=seen)
+        else:
+            k, v = past_key_values.update(k, v, attn.layer_idx)
     fn = attention if attention is not None else _attention_function(parts)
     out, _ = fn(
         attn,
@@ -366,7 +375,7 @@ def tiled_layer_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         if kwargs.get("use_cache"):
             kwargs["use_cache"] = False
         if not getattr(self, "_can_checkpoint_with_cache", False):
-            kwargs["past_key_values"] = None
+            kwargs[self.__dict__[LAYER].cache_keyword] = None
         func: Any = self._gradient_checkpointing_func
         return func(functools.partial(_tiled_layer_call, self, **kwargs), *args)
     return _tiled_layer_call(self, *args, **kwargs)
@@ -386,6 +395,8 @@ def _tiled_layer_call(
     cannot take."""
     parts: LayerParts = self.__dict__[LAYER]
     state: PatchState = self.__dict__[STATE]
+    if parts.cache_keyword != "past_key_values":  # the cache under the name the layer takes
+        past_key_values = kwargs.pop(parts.cache_keyword, past_key_values)
     if (
         (
             past_key_values is not None
@@ -401,9 +412,9 @@ def _tiled_layer_call(
             hidden_states,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            past_key_values=past_key_values,
             use_cache=use_cache,
             position_embeddings=position_embeddings,
+            **{parts.cache_keyword: past_key_values},
             **kwargs,
         )
     run_checks(self)
@@ -517,9 +528,9 @@ def _probe(layer: nn.Module, parts: LayerParts) -> str | None:
                 x,
                 attention_mask=None,
                 position_ids=positions,
-                past_key_values=None,
                 use_cache=False,
                 position_embeddings=(cos, sin),
+                **{parts.cache_keyword: None},
             )
         except Exception as e:  # any failure means the layer is not called like Llama's
             return f"its forward cannot be called like a Llama decoder layer's ({_line(e)})"
