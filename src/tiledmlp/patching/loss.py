@@ -169,12 +169,15 @@ def _output(outputs: Any, loss: torch.Tensor, predictions: Any, as_dict: bool) -
         return (loss, None, *rest)
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
+    # The KV cache's field is `past_key_values` up to transformers 5.23 and `cache` from 5.24.
+    fields = CausalLMOutputWithPast.__dataclass_fields__
+    cache = "cache" if "cache" in fields else "past_key_values"
     result = CausalLMOutputWithPast(
         loss=loss,
         logits=None,
-        past_key_values=getattr(outputs, "past_key_values", None),
         hidden_states=getattr(outputs, "hidden_states", None),
         attentions=getattr(outputs, "attentions", None),
+        **{cache: getattr(outputs, cache, None)},
     )
     if predictions is not None:
         # an extra key: the Trainer's prediction loop hands every non-loss output to
