@@ -11,23 +11,13 @@ from typing import Any
 import pytest
 import torch
 
-from hf_models import BASE
+from test_plan_model import SMALL
 from tiledmlp.plan import engines
 from tiledmlp.plan.model import CATEGORIES, estimate_step, param_counts, plan_model
 
 pytest.importorskip("transformers")
 
 MiB = 2**20
-SMALL = {
-    **BASE,
-    "vocab_size": 512,
-    "hidden_size": 128,
-    "intermediate_size": 512,
-    "num_hidden_layers": 6,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "use_cache": False,
-}
 STACK = ("tiled_mlp_loss_offload_norms",)
 
 
