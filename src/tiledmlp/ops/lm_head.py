@@ -174,16 +174,23 @@ class _ScalarHead(torch.autograd.Function):
     ) -> torch.Tensor:
         needs = ctx.needs_input_grad
         _tiles(hidden, run, weight, bias, (needs[0], needs[2], needs[3]), None, record=True)
-        ctx.run = run
+        # The gradients are saved tensors, not attributes of the run: autograd frees saved
+        # tensors once this backward has run (unless the graph is retained), so the hidden
+        # states' gradient (tokens x hidden) is gone before the decoder layers' backward.
+        grads = (run.dh, run.dw, run.db)
+        ctx.present = tuple(g is not None for g in grads)
+        ctx.save_for_backward(*(g for g in grads if g is not None))
+        run.dh = run.dw = run.db = None
         return run.math.total().clone()
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
         refuse_double_backward("tiled LM-head loss")
-        run: HeadRun = ctx.run
+        saved = iter(ctx.saved_tensors)
+        formed = [next(saved) if present else None for present in ctx.present]
         # The loss is linear in the upstream gradient, so scaling is exact; out of place, so a
         # retained graph can be differentiated again.
-        dh, dw, db = (None if g is None else g * grad.to(g.dtype) for g in (run.dh, run.dw, run.db))
+        dh, dw, db = (None if g is None else g * grad.to(g.dtype) for g in formed)
         return dh, None, dw, db
 
 
