@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from tiledmlp.patching.attention_core import BY_HEADS, active, sdpa_by_heads
 from tiledmlp.patching.detect import text_config
 from tiledmlp.sequence_parallel.attention_backend import AttentionBackend, use_attention_backend
 
@@ -33,6 +34,8 @@ def _register(name: str, attention: Callable[..., Any], mask: Callable[..., Any]
 def _function(name: str) -> Callable[..., Any]:
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+    if name == BY_HEADS and active():  # inside a tiled decoder layer (attention_core.py)
+        return sdpa_by_heads
     return ALL_ATTENTION_FUNCTIONS[name]
 
 

@@ -63,6 +63,7 @@ from tiledmlp.ops.functional import tiled_mlp
 from tiledmlp.ops.probe import absent, stand_ins
 from tiledmlp.ops.untiled import UntiledCall
 from tiledmlp.patching.agreement import StepTokens
+from tiledmlp.patching.attention_core import BY_HEADS, by_heads, sdpa_by_heads
 from tiledmlp.patching.bound import bind
 from tiledmlp.patching.detect import is_projection, probing
 from tiledmlp.patching.engine_registry import backend_for, run_checks
@@ -267,6 +268,8 @@ def _attention_function(parts: LayerParts) -> Callable[..., Any]:
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     name = parts.attn.config._attn_implementation
+    if name == BY_HEADS:
+        return sdpa_by_heads
     if name == "eager":
         if parts.eager is None:
             raise ValueError(
@@ -306,19 +309,20 @@ def _layer_math(
         else:
             k, v = past_key_values.update(k, v, attn.layer_idx)
     fn = attention if attention is not None else _attention_function(parts)
-    out, _ = fn(
-        attn,
-        q,
-        k,
-        v,
-        attention_mask,
-        dropout=attn.attention_dropout if attn.training else 0.0,
-        scaling=attn.scaling,
-        **parts.extra_kwargs,
-        position_ids=position_ids,
-        use_cache=use_cache,
-        **kwargs,
-    )
+    with by_heads():  # "sdpa" by head groups, also behind a sequence-parallel exchange
+        out, _ = fn(
+            attn,
+            q,
+            k,
+            v,
+            attention_mask,
+            dropout=attn.attention_dropout if attn.training else 0.0,
+            scaling=attn.scaling,
+            **parts.extra_kwargs,
+            position_ids=position_ids,
+            use_cache=use_cache,
+            **kwargs,
+        )
     out = out.reshape(batch, seq, -1).contiguous()
     y = run(parts.post, out, hidden_states)
     return (y,) if parts.returns_tuple else y

@@ -661,7 +661,13 @@ def _plan_stack(
     """One stack's entry of plan_model's answer."""
     local = seq_len // p
     per_token = _all_to_all_bytes_per_token(config, p, options["dtype"])
-    overhead = device_overhead(config, options["device_type"])
+    overhead = device_overhead(
+        config,
+        options["device_type"],
+        itemsize=options["dtype"].itemsize,
+        sequence_parallel_size=p,
+        by_heads=stack_option(stack, "tiled_layers"),
+    )
     est = estimate_step(config, seq_len=local, stack=stack, **options)
     if p > 1:
         extra = int(per_token * local)

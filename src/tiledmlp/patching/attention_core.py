@@ -1,0 +1,121 @@
+"""A tiled decoder layer's attention core by head groups: transformers' "sdpa" with the flash
+backward's buffers sized for a few heads (ops/attention_heads.py).
+
+`sdpa_by_heads` takes the arguments of transformers' attention functions. A call it can take
+(no mask, no dropout, causal, query length equal to key length, no position bias, soft-capping
+or paged cache, a device and dtype on which the op agreed with scaled_dot_product_attention)
+runs `causal_attention_by_heads` in `head_groups(...)` groups; any other call, or one that would
+be a single group, goes to transformers' own sdpa function unchanged. `by_heads()` is the
+context in which a tiled decoder layer calls its attention: inside it, "sdpa" looked up through
+the attention backend (what the Ulysses wrapper calls after its exchange) is `sdpa_by_heads`.
+
+Invariant: sdpa_by_heads returns what transformers' sdpa_attention_forward returns for the same
+call, (batch, tokens, heads, head_dim) and None, up to the kernels' summation order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import is_fake
+
+from tiledmlp.ops.attention_heads import (
+    agrees,
+    causal_attention_by_heads,
+    head_groups,
+    unsupported,
+)
+
+__all__ = ["BY_HEADS", "active", "by_heads", "groups_for", "sdpa_by_heads"]
+
+_ACTIVE = contextvars.ContextVar("tiledmlp_attention_by_heads", default=False)
+BY_HEADS = "sdpa"  # the attention implementation run by head groups
+
+
+@contextlib.contextmanager
+def by_heads() -> Iterator[None]:
+    """Within: "sdpa" resolves to sdpa_by_heads through the attention backend."""
+    token = _ACTIVE.set(True)
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+def active() -> bool:
+    """Whether the calling code runs inside by_heads()."""
+    return _ACTIVE.get()
+
+
+def _hf_sdpa() -> Callable[..., Any]:
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return sdpa_attention_forward  # type: ignore[no-any-return]
+
+
+def groups_for(
+    module: Any,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Any,
+    dropout: float,
+    kwargs: dict[str, Any],
+) -> int:
+    """The head groups this call runs in by heads; 1 when it runs as transformers' sdpa."""
+    is_causal = kwargs.get("is_causal")
+    is_causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
+    if (
+        attention_mask is not None
+        or dropout
+        or not is_causal
+        or query.shape[2] < 2
+        or any(kwargs.get(k) is not None for k in ("position_bias", "softcap", "cache"))
+        or kwargs.get("output_attentions")
+        or unsupported(query, key, value) is not None
+    ):
+        return 1
+    groups = head_groups(query.shape[0], query.shape[1], key.shape[1], query.shape[2])
+    if groups == 1:
+        return 1
+    # On fake tensors (the planner) the op is planned as it runs on the device it stands for.
+    if not is_fake(query) and not agrees(query.device, query.dtype, query.shape[3]):
+        return 1
+    return groups
+
+
+def sdpa_by_heads(
+    module: Any,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Any,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers' sdpa attention, by head groups where the call allows (module docstring).
+
+    Args:
+        module: the attention module (its is_causal).
+        query: (batch, heads, tokens, head_dim).
+        key, value: (batch, kv_heads, tokens, head_dim).
+        attention_mask: None for the grouped path.
+        dropout: the attention dropout probability (0 for the grouped path).
+        scaling: the softmax scale; None: head_dim ** -0.5.
+        **kwargs: what the layer passes on (is_causal, position_ids, sliding_window, ...).
+
+    Returns:
+        (batch, tokens, heads, head_dim) and None, as transformers' sdpa_attention_forward.
+    """
+    groups = groups_for(module, query, key, value, attention_mask, dropout, kwargs)
+    if groups == 1:
+        return _hf_sdpa()(  # type: ignore[no-any-return]
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+    scale = query.shape[3] ** -0.5 if scaling is None else scaling
+    return causal_attention_by_heads(query, key, value, scale, groups), None
