@@ -190,6 +190,36 @@ def _offloaded() -> dict[str, Any]:
     return result
 
 
+def _by_heads() -> dict[str, Any]:
+    """Tiled decoder layers whose attention core, behind the exchange, runs by head groups
+    (one row block per call made enough, so the tiny sequences split like long ones)."""
+    from tiledmlp.ops import attention_heads
+    from tiledmlp.patching import attention_core
+
+    groups: list[int] = []
+    real = attention_core.causal_attention_by_heads
+
+    def counted(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, n: int) -> Any:
+        groups.append(n)
+        return real(q, k, v, scale, n)
+
+    minimum = attention_heads.MIN_ROW_BLOCKS
+    attention_heads.MIN_ROW_BLOCKS = 1
+    attention_core.causal_attention_by_heads = counted  # type: ignore[assignment]
+    try:
+        model = tiny_model()
+        enable_checkpointing(model)
+        patch_model(model, num_tiles=3, tiled_loss=True, tiled_layers=True,
+                    sequence_parallel_size=P)  # fmt: skip
+        groups.clear()  # patch_model's own checks
+        result = _train(model, "ddp")
+    finally:
+        attention_heads.MIN_ROW_BLOCKS = minimum
+        attention_core.causal_attention_by_heads = real  # type: ignore[assignment]
+    result["groups"] = groups
+    return result
+
+
 def _lora() -> dict[str, Any]:
     model = lora_model()
     report = patch_model(model, num_tiles=3, sequence_parallel_size=P)
@@ -243,6 +273,7 @@ CASES: dict[str, Callable[[], Any]] = {
     "zero2": lambda: _zero(2),
     "tiled": _tiled,
     "offloaded": _offloaded,
+    "by_heads": _by_heads,
     "lora": _lora,
     "eval": _eval,
     "unpatch": _unpatch,
@@ -320,6 +351,16 @@ def test_ddp_activation_offloading_under_checkpointing(launched: list[dict[str, 
     results = _case(launched, "offloaded")
     assert [r["offloaded"] for r in results] == [3, 3]  # 1 of 2 layers' inputs, 3 steps
     _assert_trains_like_reference(results, *reference(packed=True))
+
+
+def test_ddp_tiled_layers_attention_by_heads_behind_the_exchange(
+    launched: list[dict[str, Any]],
+) -> None:
+    results = _case(launched, "by_heads")
+    # 4 heads over 2 ranks: 2 heads, 2 groups per call; 3 steps x 2 layers x (forward + the
+    # checkpoint's recompute)
+    assert [r["groups"] for r in results] == [[2] * 12, [2] * 12]
+    _assert_trains_like_reference(results, *reference())
 
 
 def test_ddp_peft_lora(launched: list[dict[str, Any]]) -> None:

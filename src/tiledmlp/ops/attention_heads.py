@@ -228,8 +228,19 @@ def agrees(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
     head size; checked once per (device type, dtype, head size), a failure logged once."""
     key = (device.type, dtype, head_dim)
     if key not in _AGREED:
-        _AGREED[key] = _check(device, dtype, head_dim)
+        # Called from inside a model's forward: with gradients on, no autocast, and identity
+        # saved-tensor hooks over whatever checkpointing or offloading hooks are active.
+        with (
+            torch.enable_grad(),
+            torch.autocast(device.type, enabled=False),
+            torch.autograd.graph.saved_tensors_hooks(_same, _same),
+        ):
+            _AGREED[key] = _check(device, dtype, head_dim)
     return _AGREED[key]
+
+
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t
 
 
 def _check(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
@@ -254,7 +265,7 @@ def _check(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
         )  # fmt: skip
         return False
     tol = 1e-4 if dtype in (torch.float32, torch.float64) else 2e-2
-    pairs = [(got, ref)] + [(a.grad, b.grad) for a, b in zip(got_in, ref_in)]
+    pairs = [(got.detach(), ref.detach())] + [(a.grad, b.grad) for a, b in zip(got_in, ref_in)]
     for a, b in pairs:
         if a is None or b is None or a.shape != b.shape:
             ok = False

@@ -1,0 +1,136 @@
+"""ops/attention_heads.py: causal attention by groups of key/value heads gives
+scaled_dot_product_attention's output and gradients (float64 gradcheck, float32 parity, the bf16
+2x rule), picks its groups by the documented rule, sizes the kernel buffers it avoids, and
+refuses what it cannot take in one line."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tiledmlp.ops.attention_heads import (
+    MIN_ROW_BLOCKS,
+    agrees,
+    attention_buffer_bytes,
+    causal_attention_by_heads,
+    head_groups,
+)
+
+from conftest import assert_close_rel
+
+GiB = 2**30
+
+
+def _inputs(
+    batch: int, heads: int, kv: int, tokens: int, dim: int, dtype: torch.dtype, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q in the layout transformers passes it ((batch, tokens, heads, dim) memory seen as
+    (batch, heads, tokens, dim)), k, v and an upstream gradient, in float64."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, tokens, heads, dim, generator=g, dtype=torch.float64).transpose(1, 2)
+    k = torch.randn(batch, kv, tokens, dim, generator=g, dtype=torch.float64)
+    v = torch.randn(batch, kv, tokens, dim, generator=g, dtype=torch.float64)
+    dout = torch.randn(batch, tokens, heads, dim, generator=g, dtype=torch.float64)
+    return q.to(dtype), k.to(dtype), v.to(dtype), dout.to(dtype)
+
+
+def _run(fn, q, k, v, dout):  # type: ignore[no-untyped-def]
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    out = fn(*leaves)
+    out.backward(dout)
+    return [out.detach()] + [t.grad for t in leaves], leaves
+
+
+def _sdpa(scale: float):  # type: ignore[no-untyped-def]
+    def run(q, k, v):  # type: ignore[no-untyped-def]
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, is_causal=True, scale=scale, enable_gqa=True
+        )
+        return out.transpose(1, 2)
+
+    return run
+
+
+@pytest.mark.parametrize(
+    "batch,heads,kv,groups",
+    [(2, 8, 2, 2), (1, 8, 2, 1), (2, 4, 4, 4), (1, 6, 3, 3), (2, 8, 4, 2)],
+)
+def test_float32_output_and_gradients_match_sdpa(
+    batch: int, heads: int, kv: int, groups: int
+) -> None:
+    q, k, v, dout = _inputs(batch, heads, kv, 37, 16, torch.float32)
+    got, leaves = _run(lambda *t: causal_attention_by_heads(*t, 0.3, groups), q, k, v, dout)
+    want, _ = _run(_sdpa(0.3), q, k, v, dout)
+    for name, a, b in zip(("output", "dq", "dk", "dv"), got, want):
+        assert_close_rel(a, b, name)
+    # the gradients come back in the inputs' layouts
+    assert [t.grad.stride() for t in leaves] == [t.stride() for t in leaves]
+
+
+def test_float64_gradcheck() -> None:
+    q, k, v, _ = _inputs(1, 4, 2, 6, 8, torch.float64)
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    assert torch.autograd.gradcheck(lambda *t: causal_attention_by_heads(*t, 0.5, 2), (q, k, v))
+
+
+def test_bf16_error_at_most_twice_sdpa_error() -> None:
+    q, k, v, dout = _inputs(2, 8, 2, 64, 16, torch.float64, seed=1)
+    ref, _ = _run(_sdpa(0.25), q, k, v, dout)
+    low = [t.to(torch.bfloat16) for t in (q, k, v, dout)]
+    untiled, _ = _run(_sdpa(0.25), *low)
+    grouped, _ = _run(lambda *t: causal_attention_by_heads(*t, 0.25, 2), *low)
+    for name, r, u, g in zip(("output", "dq", "dk", "dv"), ref, untiled, grouped):
+        eu = (u.double() - r).abs().max().item()
+        eg = (g.double() - r).abs().max().item()
+        assert eg <= 2 * eu + 1e-6, f"{name}: grouped error {eg:.3e} > 2 x SDPA error {eu:.3e}"
+
+
+def test_groups_keep_every_call_at_the_minimum_of_row_blocks() -> None:
+    # Llama-3-8B (32 query heads, 8 key/value heads): one call up to 32K tokens' worth of
+    # blocks, a key/value head per call at 1M tokens.
+    assert head_groups(1, 32, 8, 1 << 20) == 8
+    assert head_groups(1, 32, 8, 4096) == 1
+    for tokens in (128, 4096, 32768, 100_000, 1 << 20, 5 << 20):
+        groups = head_groups(1, 32, 8, tokens)
+        assert 8 % groups == 0
+        blocks = -(-tokens // 128) * (32 // groups)
+        assert groups == 1 or blocks >= MIN_ROW_BLOCKS
+        # one more split (the next divisor) would go below the minimum
+        finer = next((d for d in range(groups + 1, 9) if 8 % d == 0), None)
+        if finer is not None:
+            assert -(-tokens // 128) * (32 // finer) < MIN_ROW_BLOCKS
+    # more sequences per call count as more blocks
+    assert head_groups(8, 32, 8, 4096) > head_groups(1, 32, 8, 4096)
+
+
+def test_kernel_buffers_of_one_group() -> None:
+    # 8B at 1M tokens, bf16: dq accumulator 16 GiB + row sums 128 MiB + dk/dv expanded 16 GiB
+    whole = attention_buffer_bytes(1, 32, 8, 1 << 20, 128, 2, 1)
+    assert whole == (1 << 20) * 32 * 129 * 4 + 2 * (1 << 20) * 32 * 128 * 2
+    assert whole / GiB == pytest.approx(32.125)
+    assert attention_buffer_bytes(1, 32, 8, 1 << 20, 128, 2, 8) * 8 == whole
+    # no expansion without grouped-query attention at the kernel
+    assert attention_buffer_bytes(1, 4, 4, 1000, 64, 2, 1) == 1000 * 4 * 65 * 4
+
+
+@pytest.mark.parametrize(
+    "shapes,groups,match",
+    [
+        (((1, 4, 8, 8), (1, 2, 8, 8), (1, 2, 8, 8)), 3, "groups must divide"),
+        (((1, 4, 8, 8), (1, 3, 8, 8), (1, 3, 8, 8)), 1, "not a multiple"),
+        (((1, 4, 8, 8), (1, 2, 9, 8), (1, 2, 9, 8)), 1, "lengths"),
+        (((1, 4, 8, 8), (1, 2, 8, 8), (1, 2, 8, 4)), 1, "k and v alike"),
+    ],
+)
+def test_refusals_are_one_line(
+    shapes: tuple[tuple[int, ...], ...], groups: int, match: str
+) -> None:
+    q, k, v = (torch.randn(s) for s in shapes)
+    with pytest.raises(ValueError, match=match) as err:
+        causal_attention_by_heads(q, k, v, 1.0, groups)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_op_agrees_with_sdpa_on_the_cpu(dtype: torch.dtype) -> None:
+    assert agrees(torch.device("cpu"), dtype, 16)
