@@ -25,13 +25,13 @@ A CUDA process also holds memory no tensor accounts for. Each term, with its sou
   requests (fragmentation: reserved minus allocated). Modelled as a fraction of the peak
   (tensors plus the attention buffers), from the two observations made on an H100 80GB
   (79.2 GiB as torch reports it; bf16 8B shape, checkpointing, weights and gradients on the
-  card): an untiled step at 32K tokens did not fit (this planner: 70.9 GiB of tensors), which
-  needs a fraction above 9.3%; a step with the tiled loss at 128K tokens fit (69.8 GiB of
-  tensors, 4.0 GiB of attention buffers), which allows at most 6.5%. No one fraction explains
-  both; 11% predicts the out-of-memory step and errs on the safe side for the other (3.3 GiB
-  over the card). `python -m tiledmlp.bench.suite` records max_memory_reserved /
-  max_memory_allocated and the memory outside the allocator per step, to replace this term
-  with measured figures.
+  card): an untiled step at 32K tokens did not fit (this planner: 70.9 GiB of tensors and
+  1.0 GiB of attention buffers), which needs a fraction above 9.3%; a step with the tiled loss
+  at 128K tokens fit (69.8 GiB of tensors, 4.0 GiB of attention buffers), which allows at most
+  6.6%. No one fraction explains both; 11% predicts the out-of-memory step and errs on the safe
+  side for the other (3.3 GiB over the card). `python -m tiledmlp.bench.suite` records
+  max_memory_reserved / max_memory_allocated and the memory outside the allocator per step, to
+  replace this term with measured figures.
 
 On the CPU none of these terms exists (no context or workspaces are reserved from a device, the
 allocator is the system's): the overhead is zero, and `--memory-gb` there is the memory the

@@ -14,7 +14,9 @@ an optimizer, its step; storages are tracked as in fake_memory.py. Stacks:
   tiled_norms): their float32 intermediates exist one tile at a time;
 - "tiled_layer": also the rest of each decoder layer that is token-wise (patch_model's
   tiled_layers: norm, q/k/v, rotary; o_proj, residuals, norm, MLP): a layer's recompute holds
-  the layer input, q, k, v, the attention output and their gradients.
+  the layer input, q, k, v, the attention output and their gradients; the attention core runs
+  by head groups (patching/attention_core.py), and the device overhead counts one group's
+  attention backward buffers.
 
 Checkpointing is the model's own non-reentrant gradient checkpointing (`--gradient-checkpointing`).
 Optimizers: "none"; "adamw" (torch.optim.AdamW, foreach, states in the parameters' dtype,
