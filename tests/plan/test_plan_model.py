@@ -149,6 +149,20 @@ def test_tiled_layers_shrink_the_recompute() -> None:
     assert norms.peak > layer.peak
 
 
+def test_the_tiled_loss_holds_nothing_through_the_layers_backward() -> None:
+    # The loss forms the hidden states' gradient in its forward; autograd frees it once the
+    # loss's backward has run, so at the peak (in a layer's recompute) the loss holds nothing of
+    # the sequence's size.
+    cfg = _config(num_attention_heads=2, num_key_value_heads=1)
+    seq = 32768
+    est = estimate_step(
+        cfg, seq_len=seq, checkpointing=True, dtype=torch.float32,
+        stack="tiled_mlp_loss_offload_norms", num_tiles=16,
+    )  # fmt: skip
+    assert est.breakdown["recompute"] > 0
+    assert est.breakdown["loss"] < seq * cfg.hidden_size * 4
+
+
 def test_max_seq_len_is_the_longest_that_fits() -> None:
     cfg = _config()
     kw: dict[str, Any] = {"stack": "tiled_mlp_loss_offload", "num_tiles": TILES}
