@@ -113,7 +113,9 @@ def _kernel_forward(
     backward takes)."""
     if q.device.type == "cuda":
         out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = (
-            torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True, False, scale=scale)
+            torch.ops.aten._scaled_dot_product_flash_attention(
+                q, k, v, 0.0, True, False, scale=scale
+            )
         )
         return out, (lse, cum_q, cum_k, max_q, max_k, seed, offset)
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
@@ -251,11 +253,11 @@ def _check(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
     scale = head_dim**-0.5
     try:
         got_in = [t.clone().requires_grad_() for t in inputs]
-        got = causal_attention_by_heads(*got_in, scale, 2)
+        got = causal_attention_by_heads(got_in[0], got_in[1], got_in[2], scale, 2)
         got.backward(dout)
         ref_in = [t.clone().requires_grad_() for t in inputs]
         ref = torch.nn.functional.scaled_dot_product_attention(
-            *ref_in, is_causal=True, scale=scale, enable_gqa=True
+            ref_in[0], ref_in[1], ref_in[2], is_causal=True, scale=scale, enable_gqa=True
         ).transpose(1, 2)
         ref.backward(dout)
     except Exception as e:  # any failure of the direct kernel calls: use the unchunked path
