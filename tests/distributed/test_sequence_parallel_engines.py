@@ -162,6 +162,14 @@ def _zero(stage: int) -> dict[str, Any]:
     return _train(model, "zero", stage=stage)
 
 
+def _layers_model() -> torch.nn.Module:
+    """tiny_model() checkpointed, with the tiled MLP, loss and decoder layers and SP."""
+    model = tiny_model()
+    enable_checkpointing(model)
+    patch_model(model, num_tiles=3, tiled_loss=True, tiled_layers=True, sequence_parallel_size=P)
+    return model
+
+
 def _tiled() -> dict[str, Any]:
     model = tiny_model()
     report = patch_model(model, num_tiles=3, tiled_loss=True, sequence_parallel_size=P)
@@ -275,6 +283,8 @@ CASES: dict[str, Callable[[], Any]] = {
     "offloaded": _offloaded,
     "by_heads": _by_heads,
     "lora": _lora,
+    "fsdp2_layers": lambda: _train(_layers_model(), "fsdp2"),
+    "zero3_layers": lambda: _train(_layers_model(), "zero", stage=3),
     "eval": _eval,
     "unpatch": _unpatch,
 }
@@ -361,6 +371,13 @@ def test_ddp_tiled_layers_attention_by_heads_behind_the_exchange(
     # checkpoint's recompute)
     assert [r["groups"] for r in results] == [[2] * 12, [2] * 12]
     _assert_trains_like_reference(results, *reference())
+
+
+@pytest.mark.parametrize("case", ["fsdp2_layers", "zero3_layers"])
+def test_tiled_decoder_layers_under_sharding_engines(
+    launched: list[dict[str, Any]], case: str
+) -> None:
+    _assert_trains_like_reference(_case(launched, case), *reference())
 
 
 def test_ddp_peft_lora(launched: list[dict[str, Any]]) -> None:

@@ -99,6 +99,25 @@ def test_estimate_matches_the_real_tensor_level_peak(
     assert sum(est.breakdown.values()) == est.peak
 
 
+@pytest.mark.slow
+def test_estimate_with_the_attention_core_by_heads_matches_the_real_peak(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # One row block per call: the 4096-token step's attention runs in 2 head groups, on fake
+    # and on real tensors alike.
+    from tiledmlp.ops import attention_heads
+
+    monkeypatch.setattr(attention_heads, "MIN_ROW_BLOCKS", 1)
+    assert attention_heads.head_groups(1, 4, 2, 4096) == 2
+    est = estimate_step(
+        _config(), seq_len=4096, stack="tiled_layer", dtype=torch.float32, checkpointing=True,
+        optimizer="adamw", num_tiles=TILES,
+    )  # fmt: skip
+    real = _real_peak("tiled_layer", 4096, True, "adamw")
+    error = abs(est.peak - real) / real
+    assert error <= TOLERANCE, (est.peak / MiB, real / MiB, f"{error:.2%}")
+
+
 @pytest.mark.parametrize("stack", STACKS)
 @pytest.mark.parametrize("optimizer", ["adamw", "cpu-offload"])
 def test_depth_extrapolation_equals_simulating_every_layer(stack: str, optimizer: str) -> None:
