@@ -53,7 +53,19 @@ def _sdpa(scale: float):  # type: ignore[no-untyped-def]
 
 @pytest.mark.parametrize(
     "batch,heads,kv,groups",
-    [(2, 8, 2, 2), (1, 8, 2, 1), (2, 4, 4, 4), (1, 6, 3, 3), (2, 8, 4, 2)],
+    [
+        (2, 8, 2, 2),
+        (1, 8, 2, 1),
+        (2, 4, 4, 4),
+        (1, 6, 3, 3),
+        (2, 8, 4, 2),
+        # inside one key/value head: dk and dv of the groups sharing it summed
+        (2, 8, 2, 4),
+        (1, 8, 2, 8),
+        (2, 4, 1, 2),
+        (1, 4, 1, 4),
+        (1, 6, 3, 6),
+    ],
 )
 def test_float32_output_and_gradients_match_sdpa(
     batch: int, heads: int, kv: int, groups: int
@@ -67,18 +79,22 @@ def test_float32_output_and_gradients_match_sdpa(
     assert [t.grad.stride() for t in leaves] == [t.stride() for t in leaves]
 
 
-def test_float64_gradcheck() -> None:
+@pytest.mark.parametrize("groups", [2, 4])
+def test_float64_gradcheck(groups: int) -> None:
     q, k, v, _ = _inputs(1, 4, 2, 6, 8, torch.float64)
     q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
-    assert torch.autograd.gradcheck(lambda *t: causal_attention_by_heads(*t, 0.5, 2), (q, k, v))
+    assert torch.autograd.gradcheck(
+        lambda *t: causal_attention_by_heads(*t, 0.5, groups), (q, k, v)
+    )
 
 
-def test_bf16_error_at_most_twice_sdpa_error() -> None:
+@pytest.mark.parametrize("groups", [2, 8])
+def test_bf16_error_at_most_twice_sdpa_error(groups: int) -> None:
     q, k, v, dout = _inputs(2, 8, 2, 64, 16, torch.float64, seed=1)
     ref, _ = _run(_sdpa(0.25), q, k, v, dout)
     low = [t.to(torch.bfloat16) for t in (q, k, v, dout)]
     untiled, _ = _run(_sdpa(0.25), *low)
-    grouped, _ = _run(lambda *t: causal_attention_by_heads(*t, 0.25, 2), *low)
+    grouped, _ = _run(lambda *t: causal_attention_by_heads(*t, 0.25, groups), *low)
     for name, r, u, g in zip(("output", "dq", "dk", "dv"), ref, untiled, grouped):
         eu = (u.double() - r).abs().max().item()
         eg = (g.double() - r).abs().max().item()
@@ -86,21 +102,25 @@ def test_bf16_error_at_most_twice_sdpa_error() -> None:
 
 
 def test_groups_keep_every_call_at_the_minimum_of_row_blocks() -> None:
-    # Llama-3-8B (32 query heads, 8 key/value heads): one call up to 32K tokens' worth of
-    # blocks, a key/value head per call at 1M tokens.
-    assert head_groups(1, 32, 8, 1 << 20) == 8
+    # Llama-3-8B (32 query heads, 8 key/value heads): one call at 4K tokens, a key/value head
+    # per call at 32K, a query head per call at 1M; under 8-way sequence parallelism (4 query
+    # heads, 1 key/value head per GPU) a query head per call at 5M.
     assert head_groups(1, 32, 8, 4096) == 1
+    assert head_groups(1, 32, 8, 32768) == 8
+    assert head_groups(1, 32, 8, 1 << 20) == 32
+    assert head_groups(1, 4, 1, 5 << 20) == 4
+    allowed = [1, 2, 4, 8, 16, 32]  # divisors of 8, or multiples of 8 dividing 32
     for tokens in (128, 4096, 32768, 100_000, 1 << 20, 5 << 20):
         groups = head_groups(1, 32, 8, tokens)
-        assert 8 % groups == 0
+        assert groups in allowed
         blocks = -(-tokens // 128) * (32 // groups)
         assert groups == 1 or blocks >= MIN_ROW_BLOCKS
-        # one more split (the next divisor) would go below the minimum
-        finer = next((d for d in range(groups + 1, 9) if 8 % d == 0), None)
-        if finer is not None:
-            assert -(-tokens // 128) * (32 // finer) < MIN_ROW_BLOCKS
+        finer = [g for g in allowed if g > groups]
+        if finer:  # the next split would go below the minimum
+            assert -(-tokens // 128) * (32 // finer[0]) < MIN_ROW_BLOCKS
     # more sequences per call count as more blocks
     assert head_groups(8, 32, 8, 4096) > head_groups(1, 32, 8, 4096)
+    assert head_groups(1, 6, 3, 1 << 20) == 6  # 3 key/value heads: groups 1, 3, 6
 
 
 def test_kernel_buffers_of_one_group() -> None:
@@ -109,6 +129,8 @@ def test_kernel_buffers_of_one_group() -> None:
     assert whole == (1 << 20) * 32 * 129 * 4 + 2 * (1 << 20) * 32 * 128 * 2
     assert whole / GiB == pytest.approx(32.125)
     assert attention_buffer_bytes(1, 32, 8, 1 << 20, 128, 2, 8) * 8 == whole
+    # one query head per call: no expansion, the dq accumulator of one head
+    assert attention_buffer_bytes(1, 32, 8, 1 << 20, 128, 2, 32) == (1 << 20) * 129 * 4
     # no expansion without grouped-query attention at the kernel
     assert attention_buffer_bytes(1, 4, 4, 1000, 64, 2, 1) == 1000 * 4 * 65 * 4
 
@@ -117,6 +139,7 @@ def test_kernel_buffers_of_one_group() -> None:
     "shapes,groups,match",
     [
         (((1, 4, 8, 8), (1, 2, 8, 8), (1, 2, 8, 8)), 3, "groups must divide"),
+        (((1, 4, 8, 8), (1, 2, 8, 8), (1, 2, 8, 8)), 8, "groups must divide"),
         (((1, 4, 8, 8), (1, 3, 8, 8), (1, 3, 8, 8)), 1, "not a multiple"),
         (((1, 4, 8, 8), (1, 2, 9, 8), (1, 2, 9, 8)), 1, "lengths"),
         (((1, 4, 8, 8), (1, 2, 8, 8), (1, 2, 8, 4)), 1, "k and v alike"),

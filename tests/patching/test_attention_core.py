@@ -73,8 +73,9 @@ def test_layers_by_heads_train_exactly_like_untiled(
     )  # fmt: skip
     calls.clear()  # patch_model's own checks of the model call the attention too
     assert_same_sgd_steps(model, ref, _ids())
-    # 2 steps x 2 layers x (forward + the checkpoint's recompute), each in 2 groups
-    assert calls == [2] * 8
+    # 2 steps x 2 layers x (forward + the checkpoint's recompute), each a query head per call
+    # (4 groups, 2 per key/value head)
+    assert calls == [4] * 8
 
 
 def test_short_sequences_and_padding_masks_run_transformers_sdpa(

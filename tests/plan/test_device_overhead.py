@@ -19,7 +19,7 @@ def test_an_8b_layer_at_1m_tokens_whole_and_by_heads() -> None:
     # dq accumulator and row sums (float32) + dk and dv expanded to 32 heads (bf16)
     assert whole == M * 32 * 129 * 4 + 2 * M * 32 * 128 * 2
     grouped = device_overhead(cfg, "cuda", by_heads=True).terms(0, M)["attention_backward"]
-    assert grouped * 8 == whole  # one key/value head (4 query heads) per call
+    assert grouped == M * 129 * 4  # one query head per call: its dq accumulator, no expansion
     # float32 models expand in float32
     wide = device_overhead(cfg, "cuda", itemsize=4).terms(0, M)["attention_backward"]
     assert wide == M * 32 * 129 * 4 + 2 * M * 32 * 128 * 4
@@ -35,6 +35,9 @@ def test_sequence_parallel_kernels_see_the_whole_sequence_with_heads_over_p(
     heads = 32 // p  # key/value heads: 8 // p, or 1 repeated when P > 8 (no expansion at 1:1)
     want = M * heads * 129 * 4 + (2 * M * heads * 128 * 2 if expanded else 0)
     assert got["attention_backward"] == want
+    # by heads, one query head per call at 1M tokens under either P
+    grouped = device_overhead(cfg, "cuda", sequence_parallel_size=p, by_heads=True)
+    assert grouped.terms(0, local)["attention_backward"] == M * 129 * 4
 
 
 def test_short_sequences_are_one_call_even_by_heads() -> None:

@@ -103,12 +103,12 @@ def test_estimate_matches_the_real_tensor_level_peak(
 def test_estimate_with_the_attention_core_by_heads_matches_the_real_peak(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    # One row block per call: the 4096-token step's attention runs in 2 head groups, on fake
+    # One row block per call: the 4096-token step's attention runs a query head per call, on fake
     # and on real tensors alike.
     from tiledmlp.ops import attention_heads
 
     monkeypatch.setattr(attention_heads, "MIN_ROW_BLOCKS", 1)
-    assert attention_heads.head_groups(1, 4, 2, 4096) == 2
+    assert attention_heads.head_groups(1, 4, 2, 4096) == 4
     est = estimate_step(
         _config(), seq_len=4096, stack="tiled_layer", dtype=torch.float32, checkpointing=True,
         optimizer="adamw", num_tiles=TILES,

@@ -1,20 +1,23 @@
-"""Causal self-attention a few key/value heads at a time, through PyTorch's flash kernels.
+"""Causal self-attention a few heads at a time, through PyTorch's flash kernels.
 
 A flash-attention backward allocates, inside the kernel call and for every head it is given, a
 float32 accumulator for dq (tokens x heads x head_dim x 4 bytes) and, for grouped-query
 attention, dk and dv expanded to the query heads (2 x tokens x heads x head_dim x 2 bytes in
 bf16): 32 GiB for one layer of an 8B Llama at 1M tokens, beside a 16 GiB q/dq pair. Attention
-never mixes heads, so running the kernel on groups of whole key/value heads (each with its query
-heads) gives the same output and gradients with those buffers sized for one group.
+never mixes heads, so running the kernel on groups of heads gives the same output and
+gradients with those buffers sized for one group.
 
-`causal_attention_by_heads` is that op: the forward calls the flash kernel per group and writes
+`causal_attention_by_heads` is that op: the forward calls the flash kernel per group (whole
+key/value heads with their query heads, or a few query heads of one key/value head) and writes
 each group's output into one (batch, tokens, heads, head_dim) buffer; the backward calls the
 flash backward per group with the saved output and log-sum-exp and writes dq, dk and dv into
-whole buffers. FLOPs are those of one unchunked call (nothing is recomputed); memory beyond q,
-k, v, the output and their gradients is one group's kernel buffers, its output and its three
-gradients in flight. `head_groups` picks the number of groups: as many as keep every call at
-least `MIN_ROW_BLOCKS` blocks of 128 query rows (a launch that fills an H100's 132 SMs several
-times over), so short sequences run as one call. `agrees` runs the op against
+whole buffers, summing in float32 the dk and dv of groups that share a key/value head (as the
+kernel sums its expanded ones). FLOPs are those of one unchunked call (nothing is recomputed);
+memory beyond q, k, v, the output and their gradients is one group's kernel buffers, its output
+and its three gradients in flight, and, for groups inside a key/value head, that head's dk and
+dv in float32. `head_groups` picks the number of groups: as many as keep every call at least
+`MIN_ROW_BLOCKS` blocks of 128 query rows (a launch that fills an H100's 132 SMs several times
+over), so short sequences run as one call. `agrees` runs the op against
 `scaled_dot_product_attention` on a small problem once per device, dtype and head size; callers
 use the op only where it agreed.
 
@@ -47,9 +50,20 @@ MIN_ROW_BLOCKS = 1024
 _ROWS = 128  # query rows per flash-attention block
 
 
+def _allowed(heads: int, kv_heads: int) -> list[int]:
+    """Group counts that split the heads evenly: groups of whole key/value heads (a divisor of
+    kv_heads), or groups inside one key/value head (a multiple of kv_heads dividing heads)."""
+    return [
+        g
+        for g in range(1, heads + 1)
+        if heads % g == 0 and (kv_heads % g == 0 or g % kv_heads == 0)
+    ]
+
+
 def head_groups(batch: int, heads: int, kv_heads: int, tokens: int) -> int:
-    """How many groups of whole key/value heads the attention runs in: the most (a divisor of
-    `kv_heads`) that keep every call at `MIN_ROW_BLOCKS` blocks of 128 query rows or more.
+    """How many groups of query heads (with their key/value heads) the attention runs in: the
+    most that keep every call at `MIN_ROW_BLOCKS` blocks of 128 query rows or more, among
+    groups of whole key/value heads and groups inside one key/value head.
 
     Args:
         batch: sequences per call.
@@ -58,14 +72,11 @@ def head_groups(batch: int, heads: int, kv_heads: int, tokens: int) -> int:
         tokens: query (= key) tokens per sequence.
 
     Returns:
-        1 (one call, as unchunked) up to `kv_heads`.
+        1 (one call, as unchunked) up to `heads` (one query head per call).
     """
     blocks_per_head = batch * math.ceil(tokens / _ROWS)
-    best = 1
-    for groups in range(1, kv_heads + 1):
-        if kv_heads % groups == 0 and blocks_per_head * (heads // groups) >= MIN_ROW_BLOCKS:
-            best = groups
-    return best
+    fit = [g for g in _allowed(heads, kv_heads) if blocks_per_head * (heads // g) >= MIN_ROW_BLOCKS]
+    return max(fit, default=1)
 
 
 def attention_buffer_bytes(
@@ -73,10 +84,11 @@ def attention_buffer_bytes(
 ) -> int:
     """Bytes a flash-attention backward allocates inside one call (invisible to a tensor trace)
     when the attention runs in `groups` groups: for the call's heads h = heads / groups and
-    key/value heads h_kv, a float32 dq accumulator (tokens x h x head_dim, head_dim rounded up
-    to 8), float32 row sums (h x tokens), and, when h != h_kv, dk and dv expanded to h heads.
+    key/value heads h_kv (kv_heads / groups, or 1 inside one key/value head), a float32 dq
+    accumulator (tokens x h x head_dim, head_dim rounded up to 8), float32 row sums
+    (h x tokens), and, when h != h_kv, dk and dv expanded to h heads.
     """
-    h, h_kv = heads // groups, kv_heads // groups
+    h, h_kv = heads // groups, max(1, kv_heads // groups)
     rounded = -(-head_dim // 8) * 8
     size = batch * tokens * h * (rounded + 1) * 4
     if h != h_kv:
@@ -147,14 +159,24 @@ def _kernel_backward(
 
 
 def _slices(heads: int, kv_heads: int, groups: int) -> list[tuple[slice, slice]]:
-    """(query heads, key/value heads) of each group."""
-    h, h_kv = heads // groups, kv_heads // groups
-    return [(slice(i * h, (i + 1) * h), slice(i * h_kv, (i + 1) * h_kv)) for i in range(groups)]
+    """(query heads, key/value heads) of each group, in order: groups inside one key/value
+    head follow each other."""
+    h = heads // groups
+    if groups <= kv_heads:
+        h_kv = kv_heads // groups
+        return [(slice(i * h, (i + 1) * h), slice(i * h_kv, (i + 1) * h_kv)) for i in range(groups)]
+    per_kv = heads // kv_heads
+    return [
+        (slice(i * h, (i + 1) * h), slice(i * h // per_kv, i * h // per_kv + 1))
+        for i in range(groups)
+    ]
 
 
 class CausalAttentionByHeads(torch.autograd.Function):
     """Inputs q (batch, heads, tokens, head_dim), k and v (batch, kv_heads, tokens, head_dim),
-    the scale and the number of groups; output (batch, tokens, heads, head_dim), contiguous."""
+    the scale and the number of groups; output (batch, tokens, heads, head_dim), contiguous.
+    Where several groups share a key/value head, their dk and dv are summed in float32 (one
+    key/value head's worth) and rounded once, as flash attention sums its expanded dk and dv."""
 
     @staticmethod
     def forward(
@@ -180,16 +202,32 @@ class CausalAttentionByHeads(torch.autograd.Function):
         q, k, v, out, *lses = ctx.saved_tensors
         dout = dout.contiguous()
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        for i, (hq, hkv) in enumerate(_slices(q.shape[1], k.shape[1], ctx.groups)):
+        slices = _slices(q.shape[1], k.shape[1], ctx.groups)
+        wide = k.dtype in (torch.float32, torch.float64)
+        acc: list[torch.Tensor] = []  # dk, dv of the key/value head being summed
+        for i, (hq, hkv) in enumerate(slices):
             state = (lses[i], *ctx.rest[i])
             gq, gk, gv = _kernel_backward(
                 dout[:, :, hq].transpose(1, 2), q[:, hq], k[:, hkv], v[:, hkv],
                 out[:, :, hq].transpose(1, 2), state, ctx.scale,
             )  # fmt: skip
             dq[:, hq].copy_(gq)
-            dk[:, hkv].copy_(gk)
-            dv[:, hkv].copy_(gv)
-            del gq, gk, gv
+            del gq
+            first = i == 0 or slices[i - 1][1] != hkv
+            last = i == len(slices) - 1 or slices[i + 1][1] != hkv
+            if first and last:  # the group has its key/value heads to itself
+                dk[:, hkv].copy_(gk)
+                dv[:, hkv].copy_(gv)
+            elif first:
+                acc = [gk, gv] if wide else [gk.float(), gv.float()]
+            else:
+                acc[0].add_(gk)
+                acc[1].add_(gv)
+                if last:
+                    dk[:, hkv].copy_(acc[0])
+                    dv[:, hkv].copy_(acc[1])
+                    acc = []
+            del gk, gv
         return dq, dk, dv, None, None
 
 
@@ -202,7 +240,8 @@ def causal_attention_by_heads(
         q: (batch, heads, tokens, head_dim).
         k, v: (batch, kv_heads, tokens, head_dim); kv_heads divides heads.
         scale: the softmax scale (usually head_dim ** -0.5).
-        groups: a divisor of kv_heads (head_groups picks one).
+        groups: a divisor of kv_heads (whole key/value heads per call) or a multiple of it
+            dividing heads (calls inside one key/value head); head_groups picks one.
 
     Returns:
         (batch, tokens, heads, head_dim), contiguous.
@@ -213,10 +252,10 @@ def causal_attention_by_heads(
     why = unsupported(q, k, v)
     if why is not None:
         raise ValueError(f"causal_attention_by_heads: {why}")
-    if groups < 1 or k.shape[1] % groups:
+    if groups not in _allowed(q.shape[1], k.shape[1]):
         raise ValueError(
-            f"causal_attention_by_heads: groups must divide the {k.shape[1]} key/value heads, "
-            f"got {groups}"
+            f"causal_attention_by_heads: groups must divide the {k.shape[1]} key/value heads or "
+            f"be a multiple of them dividing the {q.shape[1]} query heads, got {groups}"
         )
     return CausalAttentionByHeads.apply(q, k, v, float(scale), groups)  # type: ignore[no-any-return]
 
@@ -225,7 +264,7 @@ _AGREED: dict[tuple[str, torch.dtype, int], bool] = {}
 
 
 def agrees(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
-    """Whether the op, in 2 groups, gives what scaled_dot_product_attention gives (output and
+    """Whether the op, in 2 and in 4 groups, gives what scaled_dot_product_attention gives (output and
     the three gradients) on a small grouped-query problem on this device, in this dtype and
     head size; checked once per (device type, dtype, head size), a failure logged once."""
     key = (device.type, dtype, head_dim)
@@ -252,14 +291,18 @@ def _check(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
     dout = torch.randn(1, 200, 4, head_dim, generator=gen).to(device, dtype)
     scale = head_dim**-0.5
     try:
-        got_in = [t.clone().requires_grad_() for t in inputs]
-        got = causal_attention_by_heads(got_in[0], got_in[1], got_in[2], scale, 2)
-        got.backward(dout)
         ref_in = [t.clone().requires_grad_() for t in inputs]
         ref = torch.nn.functional.scaled_dot_product_attention(
             ref_in[0], ref_in[1], ref_in[2], is_causal=True, scale=scale, enable_gqa=True
         ).transpose(1, 2)
         ref.backward(dout)
+        pairs = []
+        for groups in (2, 4):  # whole key/value heads; inside one key/value head
+            got_in = [t.clone().requires_grad_() for t in inputs]
+            got = causal_attention_by_heads(got_in[0], got_in[1], got_in[2], scale, groups)
+            got.backward(dout)
+            pairs.append((got.detach(), ref.detach()))
+            pairs += [(a.grad, b.grad) for a, b in zip(got_in, ref_in)]
     except Exception as e:  # any failure of the direct kernel calls: use the unchunked path
         logger.warning(
             "attention by heads is off on %s %s (head size %d): %s: %s",
@@ -267,7 +310,6 @@ def _check(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
         )  # fmt: skip
         return False
     tol = 1e-4 if dtype in (torch.float32, torch.float64) else 2e-2
-    pairs = [(got.detach(), ref.detach())] + [(a.grad, b.grad) for a, b in zip(got_in, ref_in)]
     for a, b in pairs:
         if a is None or b is None or a.shape != b.shape:
             ok = False
