@@ -296,7 +296,7 @@ def _check(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
             ref_in[0], ref_in[1], ref_in[2], is_causal=True, scale=scale, enable_gqa=True
         ).transpose(1, 2)
         ref.backward(dout)
-        pairs = []
+        pairs: list[tuple[torch.Tensor | None, torch.Tensor | None]] = []
         for groups in (2, 4):  # whole key/value heads; inside one key/value head
             got_in = [t.clone().requires_grad_() for t in inputs]
             got = causal_attention_by_heads(got_in[0], got_in[1], got_in[2], scale, groups)
