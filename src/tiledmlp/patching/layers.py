@@ -19,8 +19,8 @@ Neither block keeps anything from its forward but its inputs (saved by a tiny an
 checkpointed layer's recompute holds x, q, k, v, the attention output and their gradients, and
 stops right after the attention core (the post-attention block is not re-run by it). The
 attention core itself, where the implementation is "sdpa" (also behind a sequence-parallel
-exchange), runs by groups of key/value heads (patching/attention_core.py): the flash backward's
-own buffers exist for one group at a time.
+exchange), runs by groups of heads (patching/attention_core.py): the flash backward's own
+buffers exist for one group at a time.
 
 Cost, per layer and training step, in units of 2 * tokens * hidden * (output columns): the
 pre-attention projections run 3 times forward (forward, the checkpoint's recompute, the tiled

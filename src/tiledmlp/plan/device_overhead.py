@@ -18,7 +18,7 @@ A CUDA process also holds memory no tensor accounts for. Each term, with its sou
   and dv expanded to the query heads (2 x tokens x heads x head_dim in the model's dtype), all
   invisible to a tensor-level trace; one layer at a time. Under sequence parallelism the kernel
   sees the whole sequence with heads / P (and the key/value heads Ulysses sends). With tiled
-  decoder layers the attention core runs by groups of key/value heads
+  decoder layers the attention core runs by groups of heads
   (ops/attention_heads.py: head_groups), and the buffers are one group's.
 - "allocator": PyTorch's caching allocator rounds every block up (512 bytes; large blocks come
   from 2 MiB-granular segments) and cannot always reuse freed blocks for differently sized
@@ -67,7 +67,7 @@ class AttentionKernel:
         head_dim: per-head size.
         itemsize: bytes per element of the model's dtype.
         sequence_parallel_size: P (Ulysses): the kernel sees the whole sequence, heads / P.
-        by_heads: the attention core runs by groups of key/value heads (tiled decoder layers).
+        by_heads: the attention core runs by groups of heads (tiled decoder layers).
     """
 
     heads: int
