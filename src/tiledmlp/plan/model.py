@@ -90,6 +90,7 @@ from tiledmlp.plan.engines import (
     check_engine,
     engine_memory,
 )
+from tiledmlp.plan.exchange import register_exchanged
 from tiledmlp.plan.fake_memory import StorageTracker
 from tiledmlp.plan.layer import cut_config, dense_mlp
 from tiledmlp.sequence_parallel.attention import kv_repeat
@@ -236,6 +237,7 @@ def estimate_step(
     engine: str = "ddp",
     world: int = 1,
     offload_params: bool = False,
+    sequence_parallel_size: int = 1,
 ) -> StepEstimate:
     """Peak device memory of one training step of `stack` on one GPU (see the module docstring).
 
@@ -247,7 +249,8 @@ def estimate_step(
     layers and extrapolated to the model's depth; `exact=True` runs every layer instead (what
     the tests compare the extrapolation with). Under a sharding `engine` ("zero3", "fsdp2")
     over `world` GPUs, the parameters, gradients and optimizer states are the engine's
-    (plan/engines.py) instead of whole ones.
+    (plan/engines.py) instead of whole ones. With `sequence_parallel_size` P > 1, `seq_len` is
+    one GPU's share and its attention runs on the whole sequence's shapes (plan/exchange.py).
 
     Raises:
         ValueError: an unknown stack, optimizer or engine, or options the engine cannot
@@ -271,6 +274,7 @@ def estimate_step(
         num_tiles=num_tiles,
         device_type=device_type,
         sharded=sharded,
+        sequence_parallel_size=sequence_parallel_size,
     )
     est = _simulated(run, config.get_text_config().num_hidden_layers, exact)
     if not sharded:
@@ -375,6 +379,7 @@ def _simulate(
     num_tiles: int | str,
     device_type: str = "cuda",
     sharded: bool = False,
+    sequence_parallel_size: int = 1,
 ) -> _Segments:
     """One step of the model cut to `layers` decoder layers, on fake tensors; the tile policy
     resolves as on `device_type`. `sharded`: the parameters are not counted (and their
@@ -382,6 +387,8 @@ def _simulate(
     with FakeTensorMode(), assume_device(device_type):
         step = _prepare(config, layers, stack, dtype, checkpointing, optimizer, num_tiles)
         model = step.model
+        if sequence_parallel_size > 1:
+            register_exchanged(sequence_parallel_size, model)
         ids = torch.zeros(1, seq_len, dtype=torch.long)
         tracker = _PhaseTracker([*model.parameters(), *model.buffers(), *step.states, ids])
         grads: set[int | None] = set()
@@ -641,6 +648,7 @@ def plan_model(
         "engine": engine,
         "world": p,
         "offload_params": offload_params,
+        "sequence_parallel_size": p,
     }
     out: dict[str, Any] = {}
     for i, stack in enumerate(stacks, 1):
