@@ -30,7 +30,9 @@ inputs). Attention runs through SDPA as in layer.py (flash-like O(seq) memory).
 
 Sequence parallelism (Ulysses, P ranks): each GPU holds seq_len / P tokens of every tensor
 outside attention; inside, whole sequences with heads / P, i.e. the same number of elements as
-the local tokens with all heads. So a GPU's step is simulated at seq_len / P tokens, plus the
+the local tokens with all heads. So a GPU's step is simulated at seq_len / P tokens, its
+attention on the whole sequence's shapes (plan/exchange.py: views, so that the attention core's
+per-call temporaries are those of the GPU), plus the
 all-to-all's transient buffers (a send copy and the received tensor of the largest of query, key
 and value, key/value heads repeated up to P when there are fewer): "all_to_all" in the
 breakdown.

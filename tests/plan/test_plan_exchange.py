@@ -1,0 +1,51 @@
+"""plan/exchange.py: under sequence parallelism the planner's attention sees one GPU's whole-
+sequence shapes as views of its own storage (no copy), in both layouts transformers passes, and
+gives back (batch, tokens, heads, head_dim)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from tiledmlp.plan.exchange import exchanged_attention
+
+
+def _recording() -> tuple[list[tuple[torch.Tensor, ...]], Any]:
+    seen: list[tuple[torch.Tensor, ...]] = []
+
+    def attend(module: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, None]:  # fmt: skip
+        seen.append((q, k, v))
+        return q.new_zeros(q.shape[0], q.shape[2], q.shape[1], q.shape[3]), None
+
+    return seen, lambda: attend
+
+
+@pytest.mark.parametrize("transposed", [True, False])
+def test_whole_sequence_views_of_the_same_storage(transposed: bool) -> None:
+    seen, attend = _recording()
+    fn = exchanged_attention(4, attend)
+    b, h, kv, n, d = 2, 8, 4, 6, 5
+    if transposed:  # projections viewed as heads: (b, n, h, d) storage
+        q = torch.randn(b, n, h, d).transpose(1, 2)
+        k = torch.randn(b, n, kv, d).transpose(1, 2)
+    else:  # after a rotary embedding: (b, h, n, d) storage
+        q, k = torch.randn(b, h, n, d), torch.randn(b, kv, n, d)
+    v = torch.randn(b, kv, n, d)
+    out, _ = fn(None, q, k, v, None)
+    ((sq, sk, sv),) = seen
+    assert sq.shape == (b, 2, 24, d) and sk.shape == sv.shape == (b, 1, 24, d)
+    for whole, part in ((sq, q), (sk, k), (sv, v)):
+        assert whole.untyped_storage().data_ptr() == part.untyped_storage().data_ptr()
+    assert out.shape == (b, n, h, d)
+
+
+def test_fewer_key_value_heads_than_gpus_are_repeated() -> None:
+    seen, attend = _recording()
+    fn = exchanged_attention(4, attend)
+    q, k, v = torch.randn(1, 8, 6, 5), torch.randn(1, 2, 6, 5), torch.randn(1, 2, 6, 5)
+    fn(None, q, k, v, None)
+    ((sq, sk, _),) = seen
+    assert sq.shape == (1, 2, 24, 5) and sk.shape == (1, 1, 24, 5)  # 2 heads x 2 = 4 = P
