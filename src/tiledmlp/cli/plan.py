@@ -414,9 +414,11 @@ def _show_model(args: argparse.Namespace, stacks: dict[str, Any]) -> None:
         + (f" split over {args.sequence_parallel_size} GPUs" if per_gpu else "")
         + f"; {_optimizer_text(args)}; {_ENGINE_TEXT[args.engine]}"
         + (" (parameters, gradients and optimizer on the host)" if args.offload_params else "")
-        + f"; checkpointing {checkpointing}; the peak counts tensors, the device "
-        "overhead (CUDA context, workspaces, allocator) is given beside it, and the host memory "
-        "a stack keeps (offloaded layer inputs, host optimizer states) after it"
+        + f"; checkpointing {checkpointing}; attention by PyTorch's SDPA flash kernel (by "
+        "head groups in tiled_layer); the peak counts tensors, the device overhead (CUDA "
+        "context, workspaces, the attention backward's buffers, allocator) is given beside it, "
+        "and the host memory a stack keeps (offloaded layer inputs, host optimizer states) "
+        "after it"
     )
     width = max(len(stack) for stack in stacks)
     for stack, entry in stacks.items():
