@@ -6,8 +6,9 @@
 # the parameters, gradients and optimizer on the host (ZeRO-Infinity's offload_param and
 # offload_optimizer: examples/ds_zero3_offload_params.json). Host memory: the planner's figure in
 # docs/guides/long-context.md (about 370 GiB for this GPU's step, most of it the offloaded layer
-# inputs). Planned, not yet run on a GPU: the planner puts this step at 102.4 GiB per GPU, beyond
-# an 80 GB card; it fits up to 801,792 tokens (SEQ_LEN=801792).
+# inputs). Planned, not yet run on a GPU: the planner puts this step at 77.0 GiB per GPU on a
+# 79.2 GiB card (the attention core runs by head groups; --tiled-layers), and up to 1,079,296
+# tokens fit.
 #
 # Check the plan first:
 #   tiledmlp plan --model llama3-8b --seq-len 1048576 --memory-gb 79.2 --engine zero3 \
