@@ -206,7 +206,7 @@ def _bf16_errors(family: str) -> tuple[list[float], list[float], list[str]]:
     return err(runs[1]), err(runs[2]), names
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("family", RECOGNISED)
 def test_bf16_error_at_most_twice_the_untiled_error(family: str) -> None:
     untiled, tiled, names = _bf16_errors(family)
     for name, eu, et in zip(names, untiled, tiled):
