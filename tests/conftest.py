@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
+from copy import deepcopy
 from pathlib import Path
 from typing import Any
 
@@ -147,6 +148,26 @@ def assert_same_sgd_steps(
             assert_close_rel(p.grad, q.grad, f"step {step} {name}.grad")
         for opt in opts:
             opt.step()
+
+
+def assert_tiled_layers_bf16_within_twice_untiled(base: nn.Module, ids: torch.Tensor) -> None:
+    """The bf16 2x rule for tiled decoder layers (patch_model(tiled_layers=True), 4 tiles, the
+    MLP left to the layer): the bf16 tiled model's loss and parameter gradients are within 2x
+    (+1e-6) of the bf16 untiled model's error, both against the float64 model."""
+    from tiledmlp import patch_model
+
+    runs = []
+    for dtype, tiled in ((torch.float64, False), (torch.bfloat16, False), (torch.bfloat16, True)):
+        m = deepcopy(base).to(dtype)
+        if tiled:
+            patch_model(m, num_tiles=4, tiled_layers=True, tiled_mlp=False)
+        loss = m(input_ids=ids, labels=ids).loss
+        loss.backward()
+        runs.append([loss.detach()] + [p.grad for p in m.parameters()])
+    names = ["loss"] + [n + ".grad" for n, _ in base.named_parameters()]
+    for name, r, u, t in zip(names, *runs):
+        eu, et = ((x.double() - r).abs().max().item() for x in (u, t))
+        assert et <= 2 * eu + 1e-6, f"{name}: tiled error {et:.3e} > 2 x untiled error {eu:.3e}"
 
 
 def run_interpreted(module: str, function: str) -> Any:

@@ -19,7 +19,11 @@ from tiledmlp.patching.attention_core import by_heads, sdpa_by_heads
 from tiledmlp.patching.hf_attention import HF_ATTENTION
 from tiledmlp.patching.offloading import enable_checkpointing
 
-from conftest import assert_close_rel, assert_same_sgd_steps
+from conftest import (
+    assert_close_rel,
+    assert_same_sgd_steps,
+    assert_tiled_layers_bf16_within_twice_untiled,
+)
 
 
 def _model(family: str = "llama") -> torch.nn.Module:
@@ -104,20 +108,7 @@ def test_without_the_small_group_rule_tiny_sequences_are_one_call(calls: list[in
 
 
 def test_bf16_error_at_most_twice_the_untiled_error(small_groups: None) -> None:
-    base = _model()
-    ids = _ids()
-    runs = []
-    for dtype, tiled in ((torch.float64, False), (torch.bfloat16, False), (torch.bfloat16, True)):
-        m = copy.deepcopy(base).to(dtype)
-        if tiled:
-            patch_model(m, num_tiles=4, tiled_layers=True, tiled_mlp=False)
-        loss = m(input_ids=ids, labels=ids).loss
-        loss.backward()
-        runs.append([loss.detach()] + [p.grad for p in m.parameters()])
-    names = ["loss"] + [n + ".grad" for n, _ in base.named_parameters()]
-    for name, r, u, t in zip(names, *runs):
-        eu, et = ((x.double() - r).abs().max().item() for x in (u, t))
-        assert et <= 2 * eu + 1e-6, f"{name}: tiled error {et:.3e} > 2 x untiled error {eu:.3e}"
+    assert_tiled_layers_bf16_within_twice_untiled(_model(), _ids())
 
 
 def test_sdpa_by_heads_returns_what_transformers_sdpa_returns(small_groups: None) -> None:

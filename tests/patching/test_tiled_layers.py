@@ -16,7 +16,11 @@ from tiledmlp.patching.layers import LAYER, layer_parts
 from tiledmlp.patching.offloading import enable_checkpointing
 from tiledmlp.patching.patch import tile_counts
 
-from conftest import assert_close_rel, assert_same_sgd_steps
+from conftest import (
+    assert_close_rel,
+    assert_same_sgd_steps,
+    assert_tiled_layers_bf16_within_twice_untiled,
+)
 
 # Families whose decoder layer is norm -> attention -> residual -> norm -> MLP -> residual
 # (Qwen3 with per-head q/k norms; Mistral and Qwen2 pass a sliding window to the attention).
@@ -185,29 +189,6 @@ def test_the_probe_leaves_weights_modes_and_rng_alone() -> None:
         assert torch.equal(p, before[n]), n
 
 
-def _bf16_errors(family: str) -> tuple[list[float], list[float], list[str]]:
-    """Errors of the untiled and the tiled bf16 model's loss and parameter gradients against
-    the float64 model."""
-    base = tiny_causal_lm(family)
-    ids = _ids()
-    runs = []
-    for dtype, tiled in ((torch.float64, False), (torch.bfloat16, False), (torch.bfloat16, True)):
-        m = copy.deepcopy(base).to(dtype)
-        if tiled:
-            patch_model(m, num_tiles=4, tiled_layers=True, tiled_mlp=False)
-        loss = m(input_ids=ids, labels=ids).loss
-        loss.backward()
-        runs.append([loss.detach()] + [p.grad for p in m.parameters()])
-    names = ["loss"] + [n + ".grad" for n, _ in base.named_parameters()]
-
-    def err(got: list[torch.Tensor]) -> list[float]:
-        return [(g.double() - r).abs().max().item() for g, r in zip(got, runs[0])]
-
-    return err(runs[1]), err(runs[2]), names
-
-
 @pytest.mark.parametrize("family", RECOGNISED)
 def test_bf16_error_at_most_twice_the_untiled_error(family: str) -> None:
-    untiled, tiled, names = _bf16_errors(family)
-    for name, eu, et in zip(names, untiled, tiled):
-        assert et <= 2 * eu + 1e-6, f"{name}: tiled error {et:.3e} > 2 x untiled error {eu:.3e}"
+    assert_tiled_layers_bf16_within_twice_untiled(tiny_causal_lm(family), _ids())
