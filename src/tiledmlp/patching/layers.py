@@ -66,10 +66,11 @@ from tiledmlp.ops.functional import tiled_mlp
 from tiledmlp.ops.probe import absent, stand_ins
 from tiledmlp.ops.untiled import UntiledCall
 from tiledmlp.patching.agreement import StepTokens
-from tiledmlp.patching.attention_core import BY_HEADS, by_heads, sdpa_by_heads
+from tiledmlp.patching.attention_core import by_heads
 from tiledmlp.patching.bound import bind
 from tiledmlp.patching.detect import is_projection, probing
 from tiledmlp.patching.engine_registry import backend_for, run_checks
+from tiledmlp.patching.hf_attention import HF_ATTENTION
 from tiledmlp.patching.state import STATE, PatchState, original_forward
 
 __all__ = [
@@ -267,12 +268,9 @@ def _structure(layer: nn.Module) -> LayerParts | str:
 
 def _attention_function(parts: LayerParts) -> Callable[..., Any]:
     """The attention function the attention module would call now (its config may have been
-    switched, e.g. to sequence parallelism, since patching)."""
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
+    switched, e.g. to sequence parallelism, since patching), as the attention backend resolves
+    it (inside by_heads(): "sdpa" by head groups)."""
     name = parts.attn.config._attn_implementation
-    if name == BY_HEADS:
-        return sdpa_by_heads
     if name == "eager":
         if parts.eager is None:
             raise ValueError(
@@ -280,7 +278,7 @@ def _attention_function(parts: LayerParts) -> Callable[..., Any]:
                 "its module; use attn_implementation='sdpa'"
             )
         return parts.eager
-    return ALL_ATTENTION_FUNCTIONS[name]  # type: ignore[no-any-return]
+    return HF_ATTENTION.function(name)
 
 
 def _layer_math(
@@ -311,8 +309,8 @@ def _layer_math(
             k, v = past_key_values.update(k, v, attn.layer_idx, kwargs=seen)
         else:
             k, v = past_key_values.update(k, v, attn.layer_idx)
-    fn = attention if attention is not None else _attention_function(parts)
     with by_heads():  # "sdpa" by head groups, also behind a sequence-parallel exchange
+        fn = attention if attention is not None else _attention_function(parts)
         out, _ = fn(
             attn,
             q,
