@@ -72,6 +72,7 @@ from tiledmlp.patching.detect import is_projection, probing
 from tiledmlp.patching.engine_registry import backend_for, run_checks
 from tiledmlp.patching.hf_attention import HF_ATTENTION
 from tiledmlp.patching.state import STATE, PatchState, original_forward
+from tiledmlp.sequence_parallel.install import set_implementation
 
 __all__ = [
     "LAYER",
@@ -482,17 +483,11 @@ def _probe_implementation(config: Any) -> Iterator[None]:
     AttentionInterface.register(_PROBE_NAME, _probe_attention)
     internal = hasattr(config, "_attn_implementation_internal")
     saved = config._attn_implementation_internal if internal else config._attn_implementation
-    if internal:
-        config._attn_implementation_internal = _PROBE_NAME
-    else:
-        config._attn_implementation = _PROBE_NAME
+    set_implementation(config, _PROBE_NAME)
     try:
         yield
     finally:
-        if internal:
-            config._attn_implementation_internal = saved
-        else:
-            config._attn_implementation = saved
+        set_implementation(config, saved)
         _RECORDED.calls.clear()
 
 

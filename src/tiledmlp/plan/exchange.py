@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from tiledmlp.sequence_parallel.attention import kv_repeat
+from tiledmlp.sequence_parallel.install import set_implementation
 
 __all__ = ["exchanged_attention", "register_exchanged"]
 
@@ -74,8 +75,4 @@ def register_exchanged(p: int, model: Any) -> None:
 
     name = f"tiledmlp_plan_exchange_{p}"
     AttentionInterface.register(name, exchanged_attention(p, lambda: HF_ATTENTION.function("sdpa")))
-    config = model.config.get_text_config()
-    if hasattr(config, "_attn_implementation_internal"):  # transformers 5: no validation here
-        config._attn_implementation_internal = name
-    else:
-        config._attn_implementation = name
+    set_implementation(model.config.get_text_config(), name)

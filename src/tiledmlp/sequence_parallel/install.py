@@ -26,7 +26,7 @@ from tiledmlp.sequence_parallel.groups import SequenceParallelGroups
 from tiledmlp.sequence_parallel.masks import no_mask, refuse_padding, ulysses_error
 from tiledmlp.sequence_parallel.model_loss import exact_output, refuse_unshifted_labels
 
-__all__ = ["UlyssesReport", "install", "installed_groups", "remove"]
+__all__ = ["UlyssesReport", "install", "installed_groups", "remove", "set_implementation"]
 
 logger = logging.getLogger(__name__)
 
@@ -101,9 +101,10 @@ def _decoder_configs(model: nn.Module) -> list[Any]:
     return found
 
 
-def _set_implementation(config: Any, name: Any) -> None:
-    # The internal attribute: the public setter recurses into sub-configs (a vision tower
-    # must keep its own attention).
+def set_implementation(config: Any, name: Any) -> None:
+    """Sets one config's attention implementation name, that config's alone: through the
+    internal attribute where there is one (the public setter recurses into sub-configs, and a
+    vision tower must keep its own attention)."""
     if hasattr(config, "_attn_implementation_internal"):
         config._attn_implementation_internal = name
     else:
@@ -169,7 +170,7 @@ def install(model: nn.Module, groups: SequenceParallelGroups) -> UlyssesReport:
     model.register_forward_hook(_exact_loss, with_kwargs=True)
     base.__dict__[_STATE] = _Installed(name, [(c, c._attn_implementation) for c in configs], groups)
     for c in configs:
-        _set_implementation(c, name)
+        set_implementation(c, name)
     logger.info("tiledmlp: Ulysses SP over %d ranks installed (wrapping %s)", p, original)
     return UlyssesReport(name, original, tuple(type(c).__name__ for c in configs), tuple(checked))
 
@@ -231,7 +232,7 @@ def remove(model: nn.Module) -> bool:
     if state is None:
         return False
     for config, original in state.originals:
-        _set_implementation(config, original)
+        set_implementation(config, original)
     for m in model.modules():  # a PEFT wrapper's modules include its base model's
         for key, hook in list(m._forward_pre_hooks.items()):
             if hook is _check_inputs:
