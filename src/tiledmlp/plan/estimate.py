@@ -1,0 +1,137 @@
+"""The estimate of one stack's peak device memory for a whole model's step (estimate_step).
+
+Two short simulations (fake_step.py) are extrapolated to the model's depth (segments.py); a
+sharding engine's own memory (engines.py) is added.
+
+Invariant: the estimate depends only on the config's shapes, the sequence length, the dtype,
+the stack and its options.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from tiledmlp.config.stacks import STACKS, stack_option
+from tiledmlp.plan.apply_stack import build_model, decoder_layers_of
+from tiledmlp.plan.engines import ParamCounts, check_engine, engine_memory
+from tiledmlp.plan.fake_step import simulate
+from tiledmlp.plan.segments import SHORT, StepEstimate, extrapolate, larger
+
+__all__ = ["OPTIMIZERS", "estimate_step", "param_counts"]
+
+OPTIMIZERS = ("none", "adamw", "cpu-offload")
+
+
+def estimate_step(
+    config: Any,
+    *,
+    seq_len: int,
+    stack: str,
+    dtype: torch.dtype = torch.bfloat16,
+    checkpointing: bool = False,
+    optimizer: str = "none",
+    num_tiles: int | str = "auto",
+    exact: bool = False,
+    device_type: str = "cuda",
+    engine: str = "ddp",
+    world: int = 1,
+    offload_params: bool = False,
+    sequence_parallel_size: int = 1,
+) -> StepEstimate:
+    """Peak device memory of one training step of `stack` on one GPU (see the module docstring).
+
+    A model's decoder layers are alike, so what is alive at any moment of the step grows
+    affinely with their number, and in the backward it changes by the same amount from one
+    middle layer to the next: the peak is the larger of the peak up to the end of the
+    second-to-last layer's backward and the peak from the start of the second layer's backward
+    on (the middle layers lie on a line between the two). Both are measured with 4 and 5
+    layers and extrapolated to the model's depth; `exact=True` runs every layer instead (what
+    the tests compare the extrapolation with). Under a sharding `engine` ("zero3", "fsdp2")
+    over `world` GPUs, the parameters, gradients and optimizer states are the engine's
+    (plan/engines.py) instead of whole ones. With `sequence_parallel_size` P > 1, `seq_len` is
+    one GPU's share and its attention runs on the whole sequence's shapes (plan/exchange.py).
+
+    Raises:
+        ValueError: an unknown stack, optimizer or engine, or options the engine cannot
+            combine; a model that cannot be planned (see layer.py: SDPA attention and dense
+            MLPs only).
+    """
+    if stack not in STACKS:
+        raise ValueError(f"stack must be one of {', '.join(STACKS)}, got {stack!r}")
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {optimizer!r}")
+    check_engine(engine, offload_params=offload_params, optimizer=optimizer)
+    sharded = engine != "ddp"
+    run = functools.partial(
+        simulate,
+        config,
+        seq_len=seq_len,
+        stack=stack,
+        dtype=dtype,
+        checkpointing=checkpointing or stack_option(stack, "activation_offloading"),
+        optimizer="none" if sharded else optimizer,  # the engine's optimizer: engines.py
+        num_tiles=num_tiles,
+        device_type=device_type,
+        sharded=sharded,
+        sequence_parallel_size=sequence_parallel_size,
+    )
+    est = _simulated(run, config.get_text_config().num_hidden_layers, exact)
+    if not sharded:
+        return est
+    held = engine_memory(
+        engine,
+        param_counts(config),
+        world=world,
+        elem=torch.empty((), dtype=dtype).element_size(),
+        optimizer=optimizer,
+        offload_params=offload_params,
+    ).device
+    breakdown = {k: est.breakdown.get(k, 0) + v for k, v in held.items()}
+    return StepEstimate(
+        est.peak + sum(held.values()), {**est.breakdown, **breakdown}, est.checkpointing
+    )
+
+
+def _simulated(run: Any, depth: int, exact: bool) -> StepEstimate:
+    """The simulated peak of the whole depth, extrapolated from 4 and 5 layers unless `exact`
+    (estimate_step)."""
+    if exact or depth <= SHORT + 1:
+        return larger(run(depth))
+    short, longer = run(SHORT), run(SHORT + 1)
+    if longer.middle.peak > max(longer.head.peak, longer.tail.peak):
+        return larger(run(depth))  # layers unlike each other: no shortcut
+    return max(
+        extrapolate(short.head, longer.head, depth),
+        extrapolate(short.tail, longer.tail, depth),
+        key=lambda e: e.peak,
+    )
+
+
+_COUNTS: dict[str, ParamCounts] = {}
+
+
+def param_counts(config: Any) -> ParamCounts:
+    """The model's parameters (tied ones once) by where they sit, counted on fake tensors once
+    per config."""
+    key = config.to_json_string()
+    if key not in _COUNTS:
+        with FakeTensorMode():
+            model = build_model(
+                config, torch.bfloat16, int(config.get_text_config().num_hidden_layers)
+            )
+            head = model.get_output_embeddings()
+            embed = model.get_input_embeddings().weight
+            tied = head is None or head.weight is embed
+            _COUNTS[key] = ParamCounts(
+                numels=tuple(p.numel() for p in model.parameters()),
+                layer=max(
+                    sum(p.numel() for p in layer.parameters()) for layer in decoder_layers_of(model)
+                ),
+                embed=embed.numel(),
+                head=0 if tied else head.weight.numel(),
+            )
+    return _COUNTS[key]

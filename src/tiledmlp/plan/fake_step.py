@@ -1,0 +1,235 @@
+"""One training step of a model cut to a few layers, on fake tensors, tracked by segment.
+
+The model is built under FakeTensorMode (nothing is allocated), the stack applied
+(apply_stack.py), and one step run: forward, loss, backward, optimizer step. The tracker closes
+a segment when the gradient of layer L-2's input forms and when layer 2's does (Segments).
+
+Invariant: what is counted is every storage the step creates on the simulated device, plus the
+parameters, buffers and optimizer states that exist before it; host buffers are not counted.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from tiledmlp.config.stacks import stack_option
+from tiledmlp.ops.loss import tiled_cross_entropy
+from tiledmlp.ops.offload import ActivationOffloader
+from tiledmlp.ops.policy import TilePolicy, assume_device
+from tiledmlp.patching.offloading import before_forward, enable_checkpointing
+from tiledmlp.plan.apply_stack import apply_stack, build_model, decoder_layers_of
+from tiledmlp.plan.exchange import register_exchanged
+from tiledmlp.plan.phase_tracker import PhaseTracker
+from tiledmlp.plan.segments import CATEGORIES, SHORT, Segments, StepEstimate
+
+__all__ = ["FakeStep", "prepare", "simulate"]
+
+
+@dataclass
+class FakeStep:
+    """One cut model on fake tensors, ready for a step: its trainable parameters, the optimizer
+    states alive before the step, and the tensors that exist before it."""
+
+    model: Any
+    params: list[nn.Parameter]
+    opt: torch.optim.Optimizer | None
+    states: list[torch.Tensor]
+
+
+def prepare(config: Any, layers: int, stack: str, dtype: torch.dtype, checkpointing: bool,
+             optimizer: str, num_tiles: int | str) -> FakeStep:  # fmt: skip
+    """The model cut to `layers`, tiled as `stack` says; AdamW's states created as after a
+    first step."""
+    model = build_model(config, dtype, layers)
+    if stack != "untiled":
+        hidden = config.get_text_config().hidden_size
+        apply_stack(model, hidden, num_tiles, stack)
+    if checkpointing:
+        enable_checkpointing(model)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = None
+    if optimizer == "adamw":
+        opt = torch.optim.AdamW(params, lr=1e-5, foreach=True)
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        opt.step()  # creates the states, as after a first step
+        opt.zero_grad(set_to_none=True)
+    states = [t for s in (opt.state.values() if opt else ()) for t in s.values()]
+    return FakeStep(model, params, opt, states)
+
+
+def simulate(
+    config: Any,
+    layers: int,
+    *,
+    seq_len: int,
+    stack: str,
+    dtype: torch.dtype,
+    checkpointing: bool,
+    optimizer: str,
+    num_tiles: int | str,
+    device_type: str = "cuda",
+    sharded: bool = False,
+    sequence_parallel_size: int = 1,
+) -> Segments:
+    """One step of the model cut to `layers` decoder layers, on fake tensors; the tile policy
+    resolves as on `device_type`. `sharded`: the parameters are not counted (and their
+    gradients leave once accumulated): a sharding engine's own memory is added by the caller."""
+    with FakeTensorMode(), assume_device(device_type):
+        step = prepare(config, layers, stack, dtype, checkpointing, optimizer, num_tiles)
+        model = step.model
+        if sequence_parallel_size > 1:
+            register_exchanged(sequence_parallel_size, model)
+        ids = torch.zeros(1, seq_len, dtype=torch.long)
+        tracker = PhaseTracker([*model.parameters(), *model.buffers(), *step.states, ids])
+        grads: set[int | None] = set()
+        if sharded:  # the engine takes each gradient into its partition once accumulated
+            for p in step.params:
+                p.register_post_accumulate_grad_hook(functools.partial(_hand_over, tracker, grads))
+        decoder_layers = decoder_layers_of(model)
+        # The gradient of layer i's input is formed when layer i's backward ends.
+        # With 4 layers both marks close at once; fewer layers are simulated whole (no marks).
+        marks = [len(decoder_layers) - 2, 2] if len(decoder_layers) >= SHORT else []
+        checkpoint_inputs, hooks = _watchdecoder_layers_of(decoder_layers, tracker, marks)
+        if stack_option(stack, "activation_offloading"):
+            # The real mechanism (what the root's pre-hook does before each training forward),
+            # with host buffers on the meta device: host memory is not counted.
+            offloader = ActivationOffloader()
+            offloader.pool.device = torch.device("meta")
+            before_forward(offloader, list(decoder_layers), model, ())
+        with tracker:
+            _step(model, stack, ids, step.opt, tracker, num_tiles)
+        for h in hooks:
+            h.remove()
+        if marks and len(tracker.segments) != 3:
+            raise ValueError(
+                f"{type(model).__name__}: could not follow its decoder layers' backward "
+                f"(saw {len(tracker.segments) - 1} of 2 marks); this model cannot be planned yet"
+            )
+        grads |= {tracker.serial(p.grad) for p in step.params if p.grad is not None}
+        kept = [*model.buffers(), ids] if sharded else [*model.parameters(), *model.buffers(), ids]
+        fixed = {"weights": sum(map(nbytes, kept)), "optimizer": sum(map(nbytes, step.states))}
+        parts = [
+            _categorise(tracker, peak, at_peak, fixed, grads, checkpoint_inputs, checkpointing)
+            for peak, at_peak in tracker.segments
+        ]
+        return Segments(*parts) if len(parts) == 3 else Segments(parts[0], parts[0], parts[0])
+
+
+def _hand_over(tracker: PhaseTracker, grads: set[int | None], p: torch.Tensor) -> None:
+    """A sharding engine's reduce-scatter: the accumulated gradient (noted as one) leaves."""
+    if p.grad is not None:
+        grads.add(tracker.serial(p.grad))
+    p.grad = None
+
+
+def _watchdecoder_layers_of(
+    decoder_layers: nn.ModuleList, tracker: PhaseTracker, marks: list[int]
+) -> tuple[set[int | None], list[Any]]:
+    """Hooks that note each checkpointed layer's input (by serial) and close the tracker's
+    segments when the gradients of layers `marks`' inputs form; and that pass no mask."""
+    checkpoint_inputs: set[int | None] = set()
+
+    def remember(m: nn.Module, args: tuple[Any, ...]) -> None:
+        x = args[0] if args else None
+        if not isinstance(x, torch.Tensor) or tracker.phase != "forward":
+            return
+        checkpoint_inputs.add(tracker.serial(x))
+        index = next(i for i, layer in enumerate(decoder_layers) if layer is m)
+        for _ in range(marks.count(index) if x.requires_grad else 0):
+            x.register_hook(lambda _g: tracker.mark())
+
+    hooks = [layer.register_forward_pre_hook(remember) for layer in decoder_layers]
+    hooks += [
+        layer.register_forward_pre_hook(_without_mask, with_kwargs=True) for layer in decoder_layers
+    ]
+    return checkpoint_inputs, hooks
+
+
+def _step(
+    model: Any,
+    stack: str,
+    ids: torch.Tensor,
+    opt: torch.optim.Optimizer | None,
+    tracker: PhaseTracker,
+    num_tiles: int | str,
+) -> None:
+    """The training step itself, each phase named on the tracker; the last segment closed."""
+    text = model.config.get_text_config()
+    seq_len = ids.shape[1]
+    decoder = getattr(model, model.base_model_prefix)
+    head = model.get_output_embeddings()
+    # A prepared 4-D mask (one stored byte) stops the model from building a (seq, seq) one
+    # it cannot prove unnecessary on fake tensors; the layers then get none (_without_mask).
+    causal = torch.ones((), dtype=torch.bool).expand(1, 1, seq_len, seq_len)
+    hidden = decoder(input_ids=ids, attention_mask=causal).last_hidden_state
+    tracker.phase = "loss"
+    if not stack_option(stack, "tiled_loss"):
+        logits = head(hidden)
+        loss = model.loss_function(logits, ids, vocab_size=text.vocab_size)
+        del logits
+    else:
+        # the loss's policy as patch_model(tiled_loss=True) sets it
+        loss = tiled_cross_entropy(
+            hidden,
+            head.weight,
+            ids,
+            bias=head.bias,
+            num_tiles=TilePolicy.of(num_tiles).for_loss(),
+            shift=True,
+        )
+    del hidden
+    tracker.phase = "backward"
+    loss.backward()
+    del loss
+    if opt is not None:
+        tracker.phase = "optimizer"
+        opt.step()
+    tracker.mark()
+
+
+def _categorise(
+    tracker: PhaseTracker,
+    peak: int,
+    at_peak: dict[int, int],
+    fixed: dict[str, int],
+    grads: set[int | None],
+    checkpoint_inputs: set[int | None],
+    checkpointing: bool,
+) -> StepEstimate:
+    """One segment's peak with what was alive at it sorted into CATEGORIES (module docstring);
+    `fixed` holds what existed before the step ("weights", "optimizer")."""
+    breakdown = dict.fromkeys(CATEGORIES, 0)
+    breakdown.update(fixed)
+    for serial, nbytes in at_peak.items():
+        phase = tracker.phase_of[serial]
+        if serial in grads:
+            what = "grads"
+        elif serial in checkpoint_inputs:
+            what = "checkpoints"
+        elif phase == "forward":
+            what = "activations"
+        else:
+            what = {"loss": "loss", "backward": "recompute", "optimizer": "optimizer"}[phase]
+        breakdown[what] += nbytes
+    return StepEstimate(sum(fixed.values()) + peak, breakdown, checkpointing)
+
+
+def _without_mask(
+    _m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Under fake tensors the model cannot see that the positions form one unpadded sequence
+    and builds a (seq, seq) mask; a real step passes none and SDPA runs causal (see layer.py)."""
+    if "attention_mask" in kwargs:
+        kwargs["attention_mask"] = None
+    return args, kwargs
+
+
+def nbytes(t: torch.Tensor) -> int:
+    return int(t.untyped_storage().nbytes())

@@ -1,0 +1,74 @@
+"""The longest sequence whose step fits a budget (max_seq_len).
+
+Invariant: every answer is verified by estimates: it fits, and one more granule does not (or
+it is the upper bound).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from tiledmlp.plan.device_overhead import DeviceOverhead
+from tiledmlp.plan.estimate import estimate_step
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["max_seq_len"]
+
+
+def max_seq_len(
+    config: Any,
+    budget_bytes: int,
+    *,
+    stack: str,
+    granularity: int = 1024,
+    upper: int = 1 << 24,
+    hint: int | None = None,
+    extra_bytes_per_token: float = 0.0,
+    overhead: DeviceOverhead | None = None,
+    **options: Any,
+) -> int:
+    """The longest sequence (a multiple of `granularity`, at most `upper`) whose step fits
+    `budget_bytes` with `stack`; 0 when not even `granularity` tokens fit.
+
+    The peak grows with the sequence, nearly affinely (exactly between tile-count changes), so
+    the search extrapolates along the line through its last two estimates until it has a length
+    that does not fit, then interpolates inside that bracket; every answer is verified (it fits,
+    one more granule does not). `hint` (tokens) is a first guess, e.g. a length already planned.
+    `extra_bytes_per_token` adds memory the simulation does not see (the all-to-all's buffers);
+    `overhead` adds the device's own (plan/device_overhead.py: CUDA context, workspaces,
+    attention backward buffers, allocator), so that the step fits a card of `budget_bytes`.
+    """
+    cache: dict[int, int] = {}
+
+    def peak(n: int) -> int:
+        if n not in cache:
+            tokens = n * granularity
+            step = estimate_step(config, seq_len=tokens, stack=stack, **options).peak
+            step += int(extra_bytes_per_token * tokens)
+            cache[n] = step + (overhead.total(step, tokens) if overhead is not None else 0)
+            logger.info("  %s tokens: %.1f GiB", f"{tokens:,}", cache[n] / 2**30)
+        return cache[n]
+
+    limit = max(1, upper // granularity)
+    lo = 1
+    if peak(lo) > budget_bytes:
+        return 0
+    hi = min(limit, max(2, (hint or 0) // granularity))
+    while peak(hi) <= budget_bytes:  # extend along the line until past the budget
+        if hi >= limit:
+            return limit * granularity
+        slope = max(1.0, (peak(hi) - peak(lo)) / (hi - lo))
+        step = int((budget_bytes - peak(hi)) / slope * 1.05) + 1
+        lo, hi = hi, min(limit, hi + max(1, step))
+    while hi - lo > 1:  # fits(lo), not fits(hi)
+        guess = lo + int((budget_bytes - peak(lo)) * (hi - lo) / max(1, peak(hi) - peak(lo)))
+        mid = min(max(guess, lo + 1), hi - 1)
+        if peak(mid) <= budget_bytes:
+            lo = mid
+            if mid + 1 < hi and peak(mid + 1) > budget_bytes:
+                return mid * granularity
+        else:
+            hi = mid
+    return lo * granularity

@@ -1,0 +1,60 @@
+"""One simulated step's peaks by segment and their extrapolation to a model's depth.
+
+A StepEstimate is a peak with what was alive at it by category (CATEGORIES). A simulated step
+of L layers is cut in three segments (Segments); the peaks of the head and tail segments grow
+affinely with the number of layers, so two short simulations (SHORT and SHORT + 1 layers)
+give any depth's (extrapolate).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["CATEGORIES", "SHORT", "Segments", "StepEstimate", "extrapolate", "larger"]
+
+MiB = 2**20
+SHORT = 4  # the extrapolation simulates 4 and 5 layers
+CATEGORIES = ("weights", "grads", "optimizer", "checkpoints", "activations", "loss", "recompute")
+
+
+@dataclass(frozen=True)
+class StepEstimate:
+    """One stack's peak device bytes and what was alive at the peak, by category."""
+
+    peak: int
+    breakdown: dict[str, int]
+    checkpointing: bool
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "peak_mib": round(self.peak / MiB, 1),
+            "breakdown_mib": {k: round(v / MiB, 1) for k, v in self.breakdown.items()},
+            "gradient_checkpointing": self.checkpointing,
+        }
+
+
+@dataclass(frozen=True)
+class Segments:
+    """Peaks of one simulated step of L layers: up to the end of layer L-2's backward ("head"),
+    from there to the end of layer 2's backward ("middle"), and the rest ("tail"). The head
+    and the tail each hold the end layers (which differ: the last layer's input stays on the
+    device, the first layer's backward prefetches nothing) and one layer like the middle ones."""
+
+    head: StepEstimate
+    middle: StepEstimate
+    tail: StepEstimate
+
+
+def larger(s: Segments) -> StepEstimate:
+    return max((s.head, s.middle, s.tail), key=lambda e: e.peak)
+
+
+def extrapolate(short: StepEstimate, longer: StepEstimate, depth: int) -> StepEstimate:
+    """From SHORT and SHORT + 1 layers to `depth`, along the line through the two."""
+
+    def line(a: int, b: int) -> int:
+        return a + (depth - SHORT) * (b - a)
+
+    breakdown = {k: line(short.breakdown[k], longer.breakdown[k]) for k in CATEGORIES}
+    return StepEstimate(line(short.peak, longer.peak), breakdown, short.checkpointing)
