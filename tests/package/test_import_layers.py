@@ -5,7 +5,8 @@ count too).
 The map (lowest first; see the README's layout section):
 
     ops, then sequence_parallel        torch only (and optional kernels)
-    config, models, process_memory     typed configuration; built-in models; process memory
+    config, models, process_memory     typed configuration; built-in models; process memory;
+    allocator                          the CUDA allocator setting of the entry points
     module, patching                   TiledMLP; finding and patching MLPs of a model
     integrations                       engines and frameworks
     plan | bench | train               siblings: they share what lies below, never each other
@@ -32,6 +33,7 @@ LAYERS = {
     "config": 2,
     "models": 2,
     "process_memory": 2,
+    "allocator": 2,
     "module": 3,
     "patching": 3,
     "integrations": 4,

@@ -1,38 +1,51 @@
-"""Time and device memory of full training steps of a Llama-shaped model, one stack per process.
+"""Time and device memory of full training steps of a Llama-shaped model, several stacks in a
+row in one process, each isolated.
 
-Run as `python -m tiledmlp.bench.whole_step '<job JSON>'` it prints one JSON record: the model
-is built from the job's Llama config (random init, nothing downloaded) on the job's device and
-dtype, with the model's own non-reentrant gradient checkpointing, patched for the stack, and
-runs forward with labels + backward: one warm-up step, then `steps` timed steps. Memory is that
-of the timed steps: on CUDA `max_memory_allocated` and `max_memory_reserved` after a reset, and
-what the device has in use beside them (`torch.cuda.mem_get_info`: CUDA context, cuBLAS
-workspaces, other processes); on the CPU the process's peak resident memory (VmHWM) over the
-timed steps.
+Run as `python -m tiledmlp.bench.whole_step '<job JSON>' ['<job JSON>' ...]` it prints one JSON
+record per job, as each finishes: the model is built from the job's Llama config (random init,
+nothing downloaded) directly on the job's device and dtype (models/build.py), with the model's
+own non-reentrant gradient checkpointing, patched for the stack, and runs forward with labels +
+backward: one warm-up step, then `steps` timed steps. Memory is that of the timed steps: on CUDA
+`max_memory_allocated` and `max_memory_reserved` after a reset, and what the device has in use
+beside them (`torch.cuda.mem_get_info`: CUDA context, cuBLAS workspaces, other processes); on the
+CPU the process's peak resident memory (VmHWM) over the timed steps.
+
+On CUDA one more, untimed step runs with the allocator's history recorded, and the record names
+every byte alive at that step's peak by category ("peak_categories_mib", bench/peak_memory.py:
+weights, gradients, checkpointed layer inputs, the current layer's recompute, the loss tile, the
+attention kernel's buffers, offloading's buffers, the rest by allocating frame).
 
 Stacks are the planner's names: "untiled", "tiled_mlp", "tiled_mlp_loss",
 "tiled_mlp_loss_offload", "tiled_mlp_loss_offload_norms", "tiled_layer".
 
-Invariant: one process measures one (config, sequence length, stack); every stack starts from
-the same seed and the same tokens.
+Invariant: every job starts from the same seed and the same tokens, and from an empty device: the
+previous job's model, gradients and caches are released (`empty_cache`) and the peak statistics
+reset before the next is built. A job that runs out of memory is recorded with its error and
+the next one runs.
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 
+from tiledmlp.allocator import allocator_setting, prefer_expandable_segments
+from tiledmlp.bench.peak_memory import TensorAddresses, categorise_peak
 from tiledmlp.config.stacks import STACK_OPTIONS, STACKS
+from tiledmlp.models.build import build_causal_lm, llama_config
 from tiledmlp.patching import patch_model
 from tiledmlp.patching.offloading import enable_checkpointing
 from tiledmlp.process_memory import proc_status_bytes
 
-__all__ = ["STACKS", "StepJob", "measure_whole_step"]
+__all__ = ["STACKS", "StepJob", "measure_whole_step", "measure_whole_steps"]
 
 MiB = 2**20
 
@@ -48,6 +61,8 @@ class StepJob:
         dtype: "bfloat16", "float32" or "float16".
         device: "cuda", "cpu", ...
         steps: timed steps after one warm-up step.
+        peak_snapshot: on CUDA, one more step with the allocator's history recorded, its peak
+            named by category.
     """
 
     config: dict[str, Any] = field(default_factory=dict)
@@ -56,28 +71,63 @@ class StepJob:
     dtype: str = "bfloat16"
     device: str = "cuda"
     steps: int = 2
+    peak_snapshot: bool = True
+
+
+def _tensor_addresses(model: Any) -> TensorAddresses:
+    """Where the weights and gradients live (optimizer state: none, this step has no optimizer)."""
+
+    def span(t: torch.Tensor) -> tuple[int, int]:
+        start = t.untyped_storage().data_ptr()
+        return start, start + t.untyped_storage().nbytes()
+
+    params = list(model.parameters())
+    return TensorAddresses(
+        {
+            "weights": [span(p) for p in params],
+            "gradients": [span(p.grad) for p in params if p.grad is not None],
+        }
+    )
+
+
+def _peak_by_category(step: Any, model: Any, device: torch.device) -> dict[str, Any]:
+    """One step under the allocator's history; its peak grouped by category."""
+    mem = torch.cuda.memory
+    torch.cuda.synchronize(device)
+    mem._record_memory_history(enabled="all", context="alloc", stacks="python", device=device)
+    try:
+        step(keep_grads=True)
+        snapshot = mem._snapshot(device)
+    finally:
+        mem._record_memory_history(enabled=None, device=device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    grouped = categorise_peak(snapshot, _tensor_addresses(model), device=index)
+    model.zero_grad(set_to_none=True)
+    return {
+        "peak_snapshot_mib": grouped["peak_mib"],
+        "peak_categories_mib": grouped["categories_mib"],
+    }
 
 
 def measure_whole_step(job: StepJob) -> dict[str, Any]:
     """Measures `job` in this process; returns its record."""
-    import transformers as tr
-
     if job.stack not in STACK_OPTIONS:
         raise ValueError(f"unknown stack {job.stack!r}; expected one of {STACKS}")
     device = torch.device(job.device)
     dtype = getattr(torch, job.dtype)
-    torch.manual_seed(0)
-    cfg = tr.LlamaConfig(**{**job.config, "use_cache": False})
-    model = tr.LlamaForCausalLM._from_config(cfg, attn_implementation="sdpa", dtype=dtype)
-    model = model.to(device).train()
+    cuda = device.type == "cuda"
+    start_wall = time.perf_counter()
+    cfg = llama_config(**job.config)
+    model = build_causal_lm(cfg, device=device, dtype=dtype, seed=0, attn_implementation="sdpa")
+    build_s = time.perf_counter() - start_wall
     enable_checkpointing(model)
     options = STACK_OPTIONS[job.stack]
     if options is not None:
         patch_model(model, None, **options)
-    ids = torch.randint(0, cfg.vocab_size, (1, job.seq_len), device=device)
-    cuda = device.type == "cuda"
+    gen = torch.Generator().manual_seed(0)  # the same tokens on every device
+    ids = torch.randint(0, cfg.vocab_size, (1, job.seq_len), generator=gen).to(device)
 
-    def step() -> float:
+    def step(keep_grads: bool = False) -> float:
         if cuda:
             torch.cuda.synchronize(device)
         start = time.perf_counter()
@@ -85,7 +135,8 @@ def measure_whole_step(job: StepJob) -> dict[str, Any]:
         if cuda:
             torch.cuda.synchronize(device)
         elapsed = time.perf_counter() - start
-        model.zero_grad(set_to_none=True)
+        if not keep_grads:
+            model.zero_grad(set_to_none=True)
         return elapsed
 
     step()  # warm-up: structure probes, kernels compiled, host buffers allocated
@@ -107,6 +158,8 @@ def measure_whole_step(job: StepJob) -> dict[str, Any]:
             outside_allocator_mib=round((total - free - reserved) / MiB, 1),
             device_total_mib=round(total / MiB, 1),
         )
+        if job.peak_snapshot:
+            record.update(_peak_by_category(step, model, device))
     else:
         hwm = proc_status_bytes("VmHWM")
         record["process_peak_mib"] = None if hwm is None else round(hwm / MiB, 1)
@@ -121,20 +174,53 @@ def measure_whole_step(job: StepJob) -> dict[str, Any]:
         "gradient_checkpointing": True,
         "time_ms": round(1000 * statistics.median(times), 2),
         "times_ms": [round(1000 * t, 2) for t in times],
+        "build_s": round(build_s, 2),
+        "wall_s": round(time.perf_counter() - start_wall, 2),
+        "cuda_alloc_conf": allocator_setting()["value"] if cuda else None,
         **record,
     }
 
 
+def _release(device: torch.device) -> None:
+    """Nothing of the previous job left on the device; its peak statistics restarted."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def measure_whole_steps(jobs: list[StepJob]) -> Iterator[dict[str, Any]]:
+    """Measures the jobs one after another in this process, each isolated; yields one record
+    per job (an out-of-memory job as {"seq_len", "stack", "error"})."""
+    for job in jobs:
+        device = torch.device(job.device)
+        _release(device)
+        try:
+            record = measure_whole_step(job)
+        except torch.OutOfMemoryError as e:
+            first = (str(e).strip().splitlines() or [""])[0][:300]
+            record = {
+                "seq_len": job.seq_len,
+                "stack": job.stack,
+                "error": f"OutOfMemoryError: {first}",
+            }
+        _release(device)  # outside the handler: its traceback no longer holds the model
+        yield record
+
+
 def main(argv: list[str] | None = None) -> None:
+    prefer_expandable_segments()  # before CUDA initialises; a user's setting is kept
     args = sys.argv[1:] if argv is None else argv
-    if len(args) != 1:
-        raise SystemExit("usage: python -m tiledmlp.bench.whole_step '<job JSON>'")
-    job = StepJob(**json.loads(args[0]))
-    print(json.dumps(measure_whole_step(job)), flush=True)
+    if not args:
+        raise SystemExit("usage: python -m tiledmlp.bench.whole_step '<job JSON>' [...]")
+    jobs = [StepJob(**json.loads(a)) for a in args]
+    for record in measure_whole_steps(jobs):
+        print(json.dumps(record), flush=True)
 
 
 def job_json(job: StepJob) -> str:
-    """The job as the JSON argument of `python -m tiledmlp.bench.whole_step`."""
+    """The job as a JSON argument of `python -m tiledmlp.bench.whole_step`."""
     return json.dumps(asdict(job))
 
 

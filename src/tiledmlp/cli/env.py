@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from tiledmlp.allocator import allocator_setting, describe
 from tiledmlp.cli.common import UsageError
 from tiledmlp.cli.output import show
 
@@ -57,6 +58,7 @@ def run(args: argparse.Namespace) -> int:
             lines.append(f"cuda:{i} {props.name} {props.total_memory / 2**30:.1f} GiB")
     else:
         lines.append("cuda not available")
+    lines.append(f"cuda allocator {describe(allocator_setting())}")
     show("\n".join(lines))
     return 0
 

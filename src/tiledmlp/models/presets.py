@@ -53,10 +53,12 @@ def default_learning_rate(model: str, hidden_size: int) -> float:
     return FINE_TUNE_LR
 
 
-def build_preset(name: str, vocab_size: int, seq_len: int, seed: int) -> Any:
-    """A random-init LlamaForCausalLM of the preset's shape."""
-    import torch
-    import transformers
+def build_preset(
+    name: str, vocab_size: int, seq_len: int, seed: int, *, device: Any = "cpu"
+) -> Any:
+    """A random-init LlamaForCausalLM of the preset's shape, in float32, its parameters created
+    on `device` (models/build.py: on the CPU, the same weights as before for the same seed)."""
+    from tiledmlp.models.build import build_causal_lm, llama_config
 
     if name not in PRESETS:
         raise ValueError(
@@ -70,5 +72,4 @@ def build_preset(name: str, vocab_size: int, seq_len: int, seed: int) -> Any:
         "pad_token_id": 257,
         **{k: v for k, v in PRESETS[name].items() if k != "vocab_size"},
     }
-    torch.manual_seed(seed)
-    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**fields))
+    return build_causal_lm(llama_config(**fields), device=device, seed=seed)
