@@ -17,6 +17,7 @@ import os
 import sys
 from collections.abc import Sequence
 
+from tiledmlp.allocator import prefer_expandable_segments
 from tiledmlp.cli import bench, env, plan, train
 from tiledmlp.cli.common import UsageError
 from tiledmlp.cli.output import results_only
@@ -95,6 +96,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         # bitsandbytes (imported with the Trainer's PEFT support) warns on every CPU start that
         # an optional kernel package is missing; nothing here uses it.
         logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
+    # before anything initialises CUDA: train and bench run with expandable segments unless
+    # PYTORCH_CUDA_ALLOC_CONF says otherwise (tiledmlp/allocator.py)
+    prefer_expandable_segments()
     try:
         with results_only():
             return int(_COMMANDS[args.command].run(args))
