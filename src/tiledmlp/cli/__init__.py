@@ -2,7 +2,9 @@
 
 Sits on top of everything; nothing imports it. Conventions: flags take dashes or underscores
 (`--max-steps` = `--max_steps`); `-v` works before or after the subcommand; `--version`.
-Errors in user input end with a one-line message and exit status 2, never a traceback.
+Errors in user input end with a one-line message and exit status 2, never a traceback or a
+usage dump: what was expected, and the closest valid value or flag; long flags are never
+matched by a prefix.
 
 Invariant: argv is normalised once (underscores in flag names become dashes) before argparse
 sees it; values are never touched.
@@ -16,8 +18,8 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
+from typing import Any, NoReturn
 
-from tiledmlp.allocator import prefer_expandable_segments
 from tiledmlp.cli import bench, env, plan, train
 from tiledmlp.cli.common import UsageError
 from tiledmlp.cli.output import results_only
@@ -29,16 +31,50 @@ logger = logging.getLogger("tiledmlp")
 _COMMANDS = {"bench": bench, "train": train, "plan": plan, "env": env}
 
 
+class _ParseError(Exception):
+    """A usage error found while parsing: `prog` and the one-line message."""
+
+    def __init__(self, prog: str, message: str) -> None:
+        super().__init__(message)
+        self.prog = prog
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with the CLI's one error style: one line (no usage dump), the closest valid
+    value for a choice, and no prefix matching of long flags (`--max` is not `--max-steps`:
+    a prefix that works today would change meaning when a flag is added)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str) -> NoReturn:  # type: ignore[override]
+        raise _ParseError(self.prog, message)
+
+    def _check_value(self, action: argparse.Action, value: Any) -> None:
+        choices = action.choices
+        if choices is None or value in choices:
+            return
+        names = [str(c) for c in choices]
+        close = difflib.get_close_matches(str(value), names, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise argparse.ArgumentError(
+            action, f"expected one of {', '.join(names)}, got {value!r}{hint}"
+        )
+
+
 def _build_parser() -> argparse.ArgumentParser:
     import tiledmlp
 
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="tiledmlp",
         description="Tiled MLPs for long-sequence training: train, benchmark, plan memory.",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress to stderr")
     parser.add_argument("--version", action="version", version=f"tiledmlp {tiledmlp.__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub = parser.add_subparsers(
+        dest="command", required=True, metavar="COMMAND", parser_class=_Parser
+    )
     for module in _COMMANDS.values():
         module.add_parser(sub)
     for child in sub.choices.values():
@@ -74,8 +110,16 @@ def _unknown_message(
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     flags = sorted(sub.choices[args.command]._option_string_actions)
     first = unknown[0].split("=")[0]
+    starting = [f for f in flags if f.startswith(first) and first.startswith("--")]
     close = difflib.get_close_matches(first, flags, n=1) if first.startswith("-") else []
-    hint = f"; did you mean {close[0]}?" if close else f"; see tiledmlp {args.command} --help"
+    if starting:  # a prefix is never taken for a flag (allow_abbrev=False): name them
+        hint = (
+            f"; did you mean {' or '.join(starting[:3])}{' or ...' if len(starting) > 3 else ''}?"
+        )
+    elif close:
+        hint = f"; did you mean {close[0]}?"
+    else:
+        hint = f"; see tiledmlp {args.command} --help"
     plural = "s" if len(unknown) > 1 else ""
     return f"unrecognized argument{plural} {' '.join(unknown)}{hint}"
 
@@ -83,7 +127,13 @@ def _unknown_message(
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `tiledmlp` console command."""
     parser = _build_parser()
-    args, unknown = parser.parse_known_args(normalise_argv(sys.argv[1:] if argv is None else argv))
+    words = normalise_argv(sys.argv[1:] if argv is None else argv)
+    try:
+        args, unknown = parser.parse_known_args(words)
+    except _ParseError as e:
+        print(f"{e.prog}: error: {e}", file=sys.stderr)
+        return 2
+    args.argv = words  # `train` prints the whole command that resumes an interrupted run
     if unknown:
         print(f"tiledmlp {args.command}: error: {_unknown_message(parser, args, unknown)}",
               file=sys.stderr)  # fmt: skip
@@ -96,9 +146,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         # bitsandbytes (imported with the Trainer's PEFT support) warns on every CPU start that
         # an optional kernel package is missing; nothing here uses it.
         logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
-    # before anything initialises CUDA: train and bench run with expandable segments unless
-    # PYTORCH_CUDA_ALLOC_CONF says otherwise (tiledmlp/allocator.py)
-    prefer_expandable_segments()
     try:
         with results_only():
             return int(_COMMANDS[args.command].run(args))

@@ -16,6 +16,7 @@ import argparse
 import difflib
 import json
 import os
+import shlex
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,7 @@ from tiledmlp.cli.output import show
 
 __all__ = ["add_parser", "run"]
 
-_NOT_OPTIONS = ("config", "json", "verbose", "command")
+_NOT_OPTIONS = ("config", "json", "verbose", "command", "argv")
 
 
 def add_parser(sub: Any) -> None:
@@ -78,14 +79,18 @@ def _add_model_and_data_flags(groups: _Groups) -> None:
 
     model = groups.model
     data = groups.data
-    model("--model", metavar="NAME_OR_DIR", help=f"a preset ({', '.join(sorted(PRESETS))}), trained from scratch, or "
-          "a local model directory, e.g. a previous --output-dir, fine-tuned (default: tiny)")  # fmt: skip
+    model("--model", metavar="NAME_OR_DIR", help=f"a preset ({', '.join(sorted(PRESETS))}), trained from scratch, "
+          "or a local model folder (e.g. a previous --output-dir) or a Hugging Face Hub id "
+          "(org/name, from the local cache or the Hub), fine-tuned (default: tiny)")  # fmt: skip
     model("--dtype", metavar="|".join(DTYPES), help="weights and activations: float32/fp32, "
           "bfloat16/bf16 (pure bf16 weights; DeepSpeed keeps fp32 masters), float16/fp16 (mixed "
           "precision with loss scaling, CUDA only) (default: float32)")  # fmt: skip
     model("--seed", metavar="SEED", help="model init and data order seed (default: 0)")
-    data("--data", metavar="FILE", help="a local .txt, .jsonl ('text' field) or .csv ('text' "
-         "column) file (default: the Python stdlib source)")  # fmt: skip
+    data("--data", metavar="PATH", help="a local file or folder: .txt/.md, .jsonl, .json (an array "
+         "of records), .csv, .parquet, .arrow, or a folder written by datasets' save_to_disk "
+         "(all but text and .jsonl need the data extra) (default: the Python stdlib source)")  # fmt: skip
+    data("--data-field", metavar="NAME", help="the records' field to train on: text, or chat "
+         "turns through the tokenizer's chat template (default: text, else messages)")  # fmt: skip
     data("--seq-len", help="tokens per sequence (default: 2048)")
     data("--max-data-bytes", help="read at most about this much text (default: 4000000)")
 
@@ -250,19 +255,37 @@ def run(args: argparse.Namespace) -> int:
     opts = options_from(values)
     # Imported after the options are checked: a bad option is reported before the Trainer's
     # imports (transformers, accelerate) take seconds.
-    from tiledmlp.train.trainer import run as train
+    from tiledmlp.train.run import run as train
 
-    summary = train(opts)
+    summary = train(opts, given=values)
     if int(os.environ.get("RANK", "0")) != 0:
         return 0
     if args.json:
         show(json.dumps(summary))
     else:
-        _print_summary(summary)
+        _print_summary(summary, getattr(args, "argv", []))
     return 130 if summary["interrupted"] else 0
 
 
-def _print_summary(s: dict[str, Any]) -> None:
+def resume_command(argv: list[str], checkpoint: str) -> str:
+    """The whole command that continues an interrupted run: this one's arguments, with
+    --resume-from-checkpoint CHECKPOINT instead of any given before (shell-quoted)."""
+    kept: list[str] = []
+    skip = False
+    for token in argv:
+        if skip:
+            skip = False
+            continue
+        if token == "--resume-from-checkpoint":
+            skip = True
+            continue
+        if token.startswith("--resume-from-checkpoint="):
+            continue
+        kept.append(token)
+    return shlex.join(["tiledmlp", *kept, "--resume-from-checkpoint", checkpoint])
+
+
+def _print_summary(s: dict[str, Any], argv: list[str]) -> None:
     tiled = (
         "tiled MLPs" + (" + tiled loss" if s["tiled_loss"] else "")
         if s["use_tiled_mlp"]
@@ -291,8 +314,8 @@ def _print_summary(s: dict[str, Any]) -> None:
     if s["interrupted"]:
         if s["checkpoint"] is not None:
             show(
-                f"interrupted at step {s['global_step']}; saved {s['checkpoint']}; continue with "
-                f"--resume-from-checkpoint {s['checkpoint']}"
+                f"interrupted at step {s['global_step']}; saved {s['checkpoint']}; continue with: "
+                f"{resume_command(argv, s['checkpoint'])}"
             )
         else:
             show(f"interrupted at step {s['global_step']}; nothing saved (no --output-dir)")

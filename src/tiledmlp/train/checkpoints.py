@@ -26,6 +26,7 @@ from pathlib import Path
 __all__ = [
     "STAGING",
     "check_checkpoint",
+    "damage",
     "incomplete_reason",
     "publish",
     "resolve_resume",
@@ -51,7 +52,7 @@ def incomplete_reason(path: Path) -> str | None:
     return None
 
 
-def _damage(path: Path) -> str | None:
+def damage(path: Path) -> str | None:
     """Why this file cannot be what its name says, or None. Cheap checks (headers and
     directories, not every byte): safetensors' header against the file size, a torch.save zip
     archive's central directory, JSON parsing."""
@@ -86,7 +87,7 @@ def _damage(path: Path) -> str | None:
 def check_checkpoint(path: Path) -> None:
     """Raises ValueError naming the first damaged file of checkpoint `path`."""
     for file in sorted(p for p in path.rglob("*") if p.is_file()):
-        why = _damage(file)
+        why = damage(file)
         if why is not None:
             raise ValueError(
                 f"--resume-from-checkpoint: {file} is damaged ({why}); resume from an earlier "

@@ -25,10 +25,11 @@ from typing import Any
 from tiledmlp.config.keys import KEYS, PREFIX, read_keys
 from tiledmlp.config.patch import PatchConfig
 from tiledmlp.config.values import DTYPES, parse_bool, parse_dtype
-from tiledmlp.models.presets import PRESETS
 from tiledmlp.ops.policy import TilePolicy
 from tiledmlp.ops.values import check_int, check_positive_number
 from tiledmlp.sequence_parallel.sizes import check_sequence_divisible
+from tiledmlp.train.data import check_data
+from tiledmlp.train.model_source import model_name_error
 
 __all__ = [
     "ALIASES",
@@ -76,12 +77,15 @@ class TrainOptions:
     """A training run (see `tiledmlp train --help` for each field).
 
     learning_rate None: the documented default for the model (train/presets.py).
+    data_field None: the records' "text" field, else their "messages" (chat turns through the
+    tokenizer's chat template) (train/data.py).
     resume_from_checkpoint: a checkpoint directory, or "latest" (the newest checkpoint-N in
     output_dir).
     """
 
     model: str = "tiny"
     data: Path | None = None
+    data_field: str | None = None
     seq_len: int = 2048
     per_device_train_batch_size: int = 1
     max_steps: int = 12
@@ -221,15 +225,11 @@ class TrainOptions:
             )
         if self.resume_from_checkpoint == "latest" and self.output_dir is None:
             raise ValueError("--resume-from-checkpoint latest looks in --output-dir: add it")
-        if self.data is not None and not Path(self.data).is_file():
-            raise ValueError(
-                f"--data: {self.data} is not a file; expected a .txt, .jsonl or .csv file"
-            )
-        if self.model not in PRESETS and not Path(self.model).is_dir():
-            raise ValueError(
-                f"--model {self.model!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor a "
-                "model directory (save_pretrained output, e.g. a previous --output-dir)"
-            )
+        if self.data is not None:
+            check_data(Path(self.data))  # known format, readable with what is installed
+        model_error = model_name_error(self.model)  # a preset (did-you-mean), folder or Hub id
+        if model_error is not None:
+            raise ValueError(model_error)
 
     def patch_config(self) -> PatchConfig | None:
         """What patch_model applies for this run (None: nothing): the tiled MLPs with their

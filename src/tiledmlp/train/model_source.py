@@ -1,0 +1,151 @@
+"""What `--model` names, checked before the expensive work, and loading it.
+
+`--model` is a preset (random init, the byte tokenizer), a local folder written by
+save_pretrained (e.g. a previous --output-dir), or a Hugging Face Hub id (org/name), loaded
+through transformers from the local cache or the Hub. Broken inputs are one line each, before
+any model is built: an empty folder, a folder without config.json or without weights, a
+truncated or damaged weight file (named), a Hub id that is not cached while the Hub is offline
+(with the command that fetches it), a preset name with a typo (with the closest preset).
+
+Invariant: `check_model` reads only file headers and the Hub cache's index, never weights.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tiledmlp.models.presets import PRESETS, build_preset
+from tiledmlp.train.checkpoints import damage
+from tiledmlp.train.tokenizer import VOCAB_SIZE, byte_tokenizer
+
+__all__ = ["check_model", "is_hub_id", "load_model", "model_name_error"]
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+_WEIGHTS = ("*.safetensors", "pytorch_model*.bin")
+_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+_SAVED = "expected a model saved with save_pretrained (config.json, weights, tokenizer files)"
+
+
+def is_hub_id(name: str) -> bool:
+    """True for an org/name spelling that is not a local path."""
+    return bool(_HUB_ID.match(name)) and not Path(name).exists()
+
+
+def model_name_error(name: str) -> str | None:
+    """Why `name` cannot be a --model (with the closest preset), or None when it can be."""
+    if name in PRESETS or Path(name).is_dir() or is_hub_id(name):
+        return None
+    if Path(name).exists():
+        return f"--model {name} is a file; expected a preset, a model folder or a Hub id (org/name)"
+    lower = {p.lower(): p for p in PRESETS}
+    close = difflib.get_close_matches(name.lower(), sorted(lower), n=1, cutoff=0.6)
+    hint = f"did you mean {lower[close[0]]!r}? " if close else ""
+    return (
+        f"--model {name!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor a model folder "
+        f"nor a Hub id (org/name); {hint}a folder is save_pretrained output, e.g. a previous "
+        "--output-dir"
+    )
+
+
+def check_model(name: str) -> None:
+    """Raises ValueError, in one line, for a --model that cannot load (module docstring)."""
+    error = model_name_error(name)
+    if error is not None:
+        raise ValueError(error)
+    if name in PRESETS:
+        return
+    if is_hub_id(name):
+        folder = _cached_hub_folder(name)
+        if folder is None:
+            return  # online and not cached: transformers downloads it
+        name = str(folder)
+    _check_folder(Path(name))
+
+
+def _check_folder(path: Path) -> None:
+    if not any(path.iterdir()):
+        raise ValueError(f"--model {path}: the folder is empty; {_SAVED}")
+    if not (path / "config.json").is_file():
+        raise ValueError(f"--model {path} has no config.json; {_SAVED}")
+    weights: set[Path] = {p for pattern in _WEIGHTS for p in path.glob(pattern)}
+    for index_name in _INDEXES:
+        index = path / index_name
+        if not index.is_file():
+            continue
+        why = damage(index)
+        if why is not None:
+            raise ValueError(f"--model: {index} is damaged ({why}); save the model again")
+        for shard in sorted(set(json.loads(index.read_text()).get("weight_map", {}).values())):
+            if not (path / shard).is_file():
+                raise ValueError(
+                    f"--model: {index} names {shard}, which is missing from {path}; copy the "
+                    "whole folder or save the model again"
+                )
+    if not weights:
+        raise ValueError(
+            f"--model {path} has no weights (model.safetensors or pytorch_model.bin); {_SAVED}"
+        )
+    for file in sorted(weights):
+        why = damage(file)
+        if why is not None:
+            raise ValueError(f"--model: {file} is damaged ({why}); copy or save the model again")
+
+
+def _offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _cached_hub_folder(name: str) -> Path | None:
+    """The cached snapshot of Hub model `name` (None when not cached, online); one line when
+    it is not cached and the Hub is offline."""
+    from huggingface_hub import try_to_load_from_cache
+
+    found = try_to_load_from_cache(name, "config.json")
+    if isinstance(found, str):
+        return Path(found).parent
+    if _offline():
+        raise ValueError(
+            f"--model {name}: not in the local Hugging Face cache, and HF_HUB_OFFLINE is set; "
+            f"fetch it first with `hf download {name}` on a machine with network access (or "
+            "unset HF_HUB_OFFLINE), or give a local model folder"
+        )
+    return None
+
+
+def load_model(name: str, dtype: str, seq_len: int, seed: int) -> tuple[Any, Any]:
+    """(model in train mode, tokenizer): a preset (random init, byte tokenizer), a model
+    folder or a Hub id. Raises ValueError, in one line, when it cannot be loaded."""
+    if name in PRESETS:
+        tokenizer = byte_tokenizer()
+        model = build_preset(name, VOCAB_SIZE, seq_len, seed)
+    else:
+        import transformers
+
+        try:
+            tokenizer = transformers.AutoTokenizer.from_pretrained(name)
+        except Exception as e:  # missing files, missing optional packages: one line
+            raise ValueError(
+                f"--model {name}: its tokenizer could not be loaded ({_first_line(e)}); a model "
+                "folder needs tokenizer files next to config.json (tiledmlp train's "
+                "--output-dir has them)"
+            ) from None
+        try:
+            model = transformers.AutoModelForCausalLM.from_pretrained(name)
+        except Exception as e:  # a damaged file the header checks cannot see, a network error
+            raise ValueError(f"--model {name}: could not be loaded ({_first_line(e)})") from None
+    model.config.use_cache = False
+    if dtype == "bfloat16":
+        model = model.to(torch.bfloat16)  # pure bf16 weights; fp16 runs AMP instead
+    return model.train(), tokenizer
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__

@@ -1,0 +1,226 @@
+"""Resuming a run: the checkpoint to resume from, and the settings it is resumed with.
+
+Every checkpoint-N holds its run's settings (tiledmlp_run.json: the options that run was
+given, and the --max-steps it was planned for). A resume continues that run: options not given
+again are taken from the checkpoint; an option given again with a different value that would
+change the run's math (the data, the model, the schedule, the batches) is refused in one line;
+one that changes only memory and speed (tiling, checkpointing, offloading, kernels) is applied
+and said in one line; per-invocation options (output, logging, saving, the engine) are this
+command's. A smaller --max-steps stops early (said in one line); a larger one is refused (the
+schedule and the data order end at the planned step).
+
+Invariant: a resumed run's options differ from its checkpoint's only where a line on stderr
+says so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from tiledmlp.train.checkpoints import resolve_resume
+from tiledmlp.train.options import TrainOptions, canonical_key, options_from
+
+__all__ = ["PER_INVOCATION", "RUN_SETTINGS", "Resume", "given_of", "resume", "settings_record"]
+
+RUN_SETTINGS = "tiledmlp_run.json"  # written by train/trainer.py into each checkpoint-N
+# options that belong to one command, not to the run it continues
+PER_INVOCATION = frozenset({
+    "resume_from_checkpoint", "output_dir", "logging_steps", "report_to", "save_steps",
+    "save_total_limit", "ddp_timeout", "engine", "deepspeed", "fsdp", "fsdp_config", "max_steps",
+})  # fmt: skip
+# fields (of TrainOptions and of its PatchConfig) that change memory and speed, not the
+# losses: applied with a note when they differ
+_SAFE = frozenset({
+    "gradient_checkpointing", "tiles", "tiled_mlp", "generic", "tiled_loss", "loss_tiles",
+    "tiled_norms", "tiled_layers", "activation_offloading", "kernels",
+})  # fmt: skip
+# a field's flag where the two differ
+_FLAGS = {"tiles": "--num-tiles", "tiled_mlp": "--use-tiled-mlp", "patch": "the tiling options"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Resume:
+    """The checkpoint (None: not resuming), the options to build the run with (the planned
+    --max-steps), and the step to stop at when it is earlier than planned."""
+
+    checkpoint: Path | None
+    build: TrainOptions
+    stop_at: int | None
+
+
+def given_of(opts: TrainOptions) -> dict[str, Any]:
+    """The options of `opts` that differ from the defaults (what a keyword-API caller gave)."""
+    defaults = TrainOptions()
+    return {
+        f.name: _jsonable(getattr(opts, f.name))
+        for f in dataclasses.fields(TrainOptions)
+        if getattr(opts, f.name) != getattr(defaults, f.name)
+    }
+
+
+def settings_record(given: Mapping[str, Any], max_steps: int) -> dict[str, Any]:
+    """What a checkpoint stores about its run: the options given (but the per-invocation ones)
+    and the number of steps it was planned for."""
+    options = {
+        canonical_key(k): _jsonable(v)
+        for k, v in given.items()
+        if canonical_key(k) not in PER_INVOCATION
+    }
+    return {"options": options, "max_steps": max_steps}
+
+
+def resume(
+    opts: TrainOptions, given: Mapping[str, Any], say: Callable[[str], None]
+) -> tuple[Resume, Mapping[str, Any]]:
+    """(how to resume, the options given as the run's settings) for `opts`; refuses, before
+    any work, what cannot continue the checkpoint's run (module docstring)."""
+    checkpoint = _checkpoint(opts, say)
+    if checkpoint is None:
+        return Resume(None, opts, None), given
+    record = _read_record(checkpoint)
+    if record is None:
+        say(
+            f"{checkpoint} records no run settings (saved by an older tiledmlp): resuming with "
+            "the options of this command"
+        )
+        merged, settings = opts, given
+    else:
+        merged, settings = _merged(opts, given, record, checkpoint, say)
+    planned = _planned_steps(checkpoint, record)
+    if planned is None:
+        return Resume(checkpoint, merged, None), settings
+    explicit = any(canonical_key(k) == "max_steps" for k in given)
+    if not explicit:
+        merged = dataclasses.replace(merged, max_steps=planned)
+        return Resume(checkpoint, merged, None), settings
+    if merged.max_steps > planned:
+        raise ValueError(
+            f"--resume-from-checkpoint {checkpoint}: that run was planned for --max-steps "
+            f"{planned}, this one asks for {merged.max_steps}; a resumed run continues the same "
+            f"learning-rate schedule and data order, which end at step {planned}. Resume with "
+            f"--max-steps {planned} (or fewer), or train the saved model further with a new "
+            f"schedule: --model {checkpoint} --max-steps N (the optimizer state starts afresh)"
+        )
+    if merged.max_steps < planned:
+        say(
+            f"--max-steps {merged.max_steps}: stopping at step {merged.max_steps} of the "
+            f"{planned} the run was planned for (its schedule is kept)"
+        )
+        build = dataclasses.replace(merged, max_steps=planned)
+        return Resume(checkpoint, build, merged.max_steps), settings
+    return Resume(checkpoint, merged, None), settings
+
+
+def _checkpoint(opts: TrainOptions, say: Callable[[str], None]) -> Path | None:
+    """The checkpoint --resume-from-checkpoint names ('latest': the newest complete
+    OUTPUT_DIR/checkpoint-N, with a note for each one skipped), or None when not resuming."""
+    if opts.resume_from_checkpoint is None:
+        return None
+    out = Path(opts.output_dir) if opts.output_dir is not None else Path(".")
+    found = resolve_resume(opts.resume_from_checkpoint, out, say)
+    if found is None:
+        raise ValueError(f"--resume-from-checkpoint latest: no complete checkpoint-N in {out}")
+    return found
+
+
+def _read_record(checkpoint: Path) -> dict[str, Any] | None:
+    path = checkpoint / RUN_SETTINGS
+    if not path.is_file():
+        return None
+    record = json.loads(path.read_text())  # checked whole by check_checkpoint
+    if not isinstance(record, dict) or not isinstance(record.get("options"), dict):
+        raise ValueError(f"--resume-from-checkpoint: {path} is not a run-settings record")
+    return record
+
+
+def _planned_steps(checkpoint: Path, record: dict[str, Any] | None) -> int | None:
+    if record is not None and record.get("max_steps"):
+        return int(record["max_steps"])
+    state = checkpoint / "trainer_state.json"
+    planned = json.loads(state.read_text()).get("max_steps") if state.is_file() else None
+    return int(planned) if planned else None
+
+
+def _merged(
+    opts: TrainOptions,
+    given: Mapping[str, Any],
+    record: dict[str, Any],
+    checkpoint: Path,
+    say: Callable[[str], None],
+) -> tuple[TrainOptions, dict[str, Any]]:
+    """The checkpoint's options with this command's given ones over them; refuses a given
+    option that changes the run's math, says each one that changes only memory or speed."""
+    recorded = dict(record["options"])
+    now = {canonical_key(k): v for k, v in given.items()}
+    per_invocation = {k: v for k, v in now.items() if k in PER_INVOCATION}
+    original = options_from({**recorded, **per_invocation})
+    merged_values = {k: v for k, v in recorded.items() if k not in now}
+    merged_values.update(now)
+    try:
+        merged = options_from(merged_values)
+    except ValueError as e:
+        raise ValueError(
+            f"--resume-from-checkpoint {checkpoint}: this command's options do not combine "
+            f"with the run's settings ({e}); drop the options the run already has"
+        ) from None
+    for name, before, after in _differences(original, merged):
+        last = name.split(".")[-1]
+        flag = _FLAGS.get(last, f"--{last.replace('_', '-')}")
+        if last in _SAFE or (last == "patch" and _same_parallelism(before, after)):
+            say(
+                f"{flag} {_shown(after)}: applied on resume (the run had {_shown(before)}); "
+                "it changes memory and speed, not the losses"
+            )
+            continue
+        raise ValueError(
+            f"--resume-from-checkpoint {checkpoint}: the run used {flag} {_shown(before)}, this "
+            f"command gives {_shown(after)}; a resume continues the same run: drop {flag}, or "
+            f"start a new run from the saved model with --model {checkpoint}"
+        )
+    return merged, {**recorded, **now}
+
+
+def _same_parallelism(a: Any, b: Any) -> bool:
+    """Whether two patch configurations (or None) split sequences over the same ranks."""
+    return (getattr(a, "sequence_parallel_size", None) or 1) == (
+        getattr(b, "sequence_parallel_size", None) or 1
+    )
+
+
+def _differences(a: Any, b: Any, prefix: str = "") -> list[tuple[str, Any, Any]]:
+    """(field path, a's value, b's value) for each field of two equal-typed dataclasses that
+    differs, nested dataclasses field by field; per-invocation fields are left out."""
+    out: list[tuple[str, Any, Any]] = []
+    for f in dataclasses.fields(a):
+        if not prefix and f.name in PER_INVOCATION:
+            continue
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        if x == y:
+            continue
+        if dataclasses.is_dataclass(x) and dataclasses.is_dataclass(y) and type(x) is type(y):
+            out.extend(_differences(x, y, f"{prefix}{f.name}."))
+        else:
+            out.append((f"{prefix}{f.name}", x, y))
+    return out
+
+
+def _shown(value: Any) -> str:
+    if value is None:
+        return "(not set)"
+    if isinstance(value, bool):
+        return str(value).lower()
+    return str(value)
+
+
+def _jsonable(value: Any) -> Any:
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    if isinstance(value, list | tuple):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    return str(value)

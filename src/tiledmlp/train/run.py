@@ -1,0 +1,185 @@
+"""`tiledmlp train`'s run: checks every input before the expensive work, then loads the model,
+packs the data, applies the patching and trains on the Hugging Face Trainer (train/trainer.py),
+and returns the summary (train/summary.py).
+
+Invariant: with the same options and seed, a run sees the same batches in the same order; a run
+resumed from checkpoint-N produces the same losses after step N as the uninterrupted run (the
+Trainer restores weights, optimizer, schedule, RNG states and the data position; train/resume.py
+restores the run's settings), and in fp32 tiling changes memory, not losses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from tiledmlp.patching import patch_model
+from tiledmlp.patching.offloading import enable_checkpointing
+from tiledmlp.sequence_parallel.collectives import guarded
+from tiledmlp.train.callbacks import InterruptToSave, MetricsFile, Progress, StepLosses, StopAtStep
+from tiledmlp.train.checkpoints import STAGING
+from tiledmlp.train.data import (
+    Corpus,
+    PackedDataset,
+    check_data,
+    default_corpus,
+    encoder,
+    open_corpus,
+    pack,
+)
+from tiledmlp.train.launch import (
+    check_launch,
+    shard_fsdp2,
+    start_sequence_parallel,
+    training_arguments,
+)
+from tiledmlp.train.model_source import check_model, load_model
+from tiledmlp.train.options import TrainOptions
+from tiledmlp.train.resume import given_of, resume, settings_record
+from tiledmlp.train.summary import peak_mib, summary
+from tiledmlp.train.trainer import make_trainer, use_sequence_parallel
+
+__all__ = ["METRICS_FILE", "run"]
+
+METRICS_FILE = "metrics.jsonl"
+
+
+def _say(text: str) -> None:
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"tiledmlp train: {text}", file=sys.stderr, flush=True)
+
+
+def check_output_dir(opts: TrainOptions) -> None:
+    """Refuses an --output-dir that cannot be made: one under a file."""
+    if opts.output_dir is None:
+        return
+    out = Path(opts.output_dir)
+    for folder in (out, *out.parents):
+        if folder.exists() and not folder.is_dir():
+            raise ValueError(
+                f"--output-dir {out}: {folder} is a file, so no folder can be made there; "
+                "choose a folder path"
+            )
+
+
+def _sequences(
+    opts: TrainOptions, tokenizer: Any, world: int
+) -> tuple[PackedDataset, PackedDataset | None, Corpus]:
+    """(train dataset, eval dataset or None, what was read) of packed sequences."""
+    if opts.data is not None:
+        corpus, docs = open_corpus(Path(opts.data), opts.data_field, opts.max_data_bytes)
+    else:
+        corpus, docs = default_corpus(opts.max_data_bytes)
+    needed = (
+        opts.max_steps * opts.per_device_train_batch_size * opts.gradient_accumulation_steps * world
+    )
+    held_out = opts.eval_sequences if opts.eval_steps is not None else 0
+    seqs = pack(docs, encoder(tokenizer, opts.model), opts.seq_len, needed + held_out, corpus)
+    if held_out and len(seqs) <= held_out:
+        raise ValueError(
+            f"the corpus gives {len(seqs)} sequences of {opts.seq_len} tokens, not enough for "
+            f"{held_out} evaluation sequences and training; lower --eval-sequences or --seq-len"
+        )
+    train = seqs[: len(seqs) - held_out]
+    evals = seqs[len(seqs) - held_out :] if held_out else None
+    return PackedDataset(train), (PackedDataset(evals) if evals is not None else None), corpus
+
+
+def run(opts: TrainOptions, given: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Trains and returns the summary (also written to OUTPUT_DIR/summary.json).
+
+    Args:
+        opts: the run's options.
+        given: the options the user gave (key -> value as given), recorded in each checkpoint
+            and compared with a resumed checkpoint's; None: those of `opts` that differ from
+            the defaults.
+    """
+    plan, settings = resume(opts, given_of(opts) if given is None else given, _say)
+    build = plan.build  # the run as planned (a resume stopping early: its planned length)
+    opts = build if plan.stop_at is None else dataclasses.replace(build, max_steps=plan.stop_at)
+    launch = check_launch(opts)
+    sp = start_sequence_parallel(opts, launch)
+    check_model(opts.model)
+    check_output_dir(opts)
+    if opts.data is not None:
+        check_data(Path(opts.data))
+
+    _say(f"loading {opts.model} and packing {opts.seq_len}-token sequences ...")
+    model, tokenizer = load_model(opts.model, opts.dtype, opts.seq_len, opts.seed)
+    train_set, eval_set, corpus = _sequences(build, tokenizer, launch.world // sp)
+    if opts.gradient_checkpointing:
+        enable_checkpointing(model)
+    config = opts.patch_config()
+    report = patch_model(model, config) if config is not None else None
+
+    scratch = None
+    if opts.output_dir is None:
+        scratch = tempfile.TemporaryDirectory(prefix="tiledmlp-train-")
+    output_dir = Path(opts.output_dir) if opts.output_dir is not None else Path(scratch.name)  # type: ignore[union-attr]
+    args = training_arguments(build, launch, output_dir, model)
+    if launch.own_fsdp:
+        shard_fsdp2(model, opts, launch)
+    elif not launch.cuda and launch.engine != "deepspeed":
+        model = model.to(launch.device)
+    losses = StepLosses()
+    interrupt = InterruptToSave(can_save=opts.output_dir is not None)
+    callbacks: list[Any] = [losses, Progress(opts.max_steps), interrupt]
+    if plan.stop_at is not None:
+        callbacks.append(StopAtStep(plan.stop_at))
+    if opts.output_dir is not None:
+        callbacks.append(MetricsFile(Path(opts.output_dir) / METRICS_FILE))
+    trainer = make_trainer(opts, model, args, (train_set, eval_set), tokenizer, callbacks)
+    trainer.step_losses = losses
+    trainer.own_fsdp = launch.own_fsdp
+    trainer.run_settings = settings_record(settings, build.max_steps)
+    if sp > 1:
+        use_sequence_parallel(trainer, model)
+    checkpoint = None if plan.checkpoint is None else str(plan.checkpoint)
+    rank = args.process_index
+    if rank == 0 and opts.output_dir is not None:
+        shutil.rmtree(output_dir / STAGING, ignore_errors=True)  # saves a kill interrupted
+    start = time.perf_counter()
+    try:
+        # a rank that dies or hangs: every survivor stops naming it (not a transport error)
+        with guarded("a collective of the training step"):
+            trainer.train(resume_from_checkpoint=checkpoint)
+    except ValueError as e:
+        if "No valid checkpoint" in str(e):
+            raise ValueError(
+                f"--resume-from-checkpoint latest: no checkpoint-N in {output_dir}"
+            ) from None
+        raise
+    elapsed = time.perf_counter() - start
+    facts = {
+        "resumed_from_step": trainer.state.global_step - len(losses.losses) if checkpoint else None,
+        "elapsed": elapsed,
+        "peak_mib": round(peak_mib(launch.device), 1),
+        "device": launch.device.type,
+        "interrupted": interrupt.stopped_at is not None,
+        "data": corpus.as_dict(),
+    }
+    result = summary(opts, launch.engine, launch.world, trainer, args, losses, report, model, facts)
+    if interrupt.stopped_at is not None and opts.output_dir is not None:
+        result["checkpoint"] = str(Path(opts.output_dir) / f"checkpoint-{interrupt.stopped_at}")
+    elif opts.output_dir is not None:
+        trainer.save_model(str(opts.output_dir))
+    if opts.output_dir is not None and rank == 0:
+        Path(opts.output_dir).mkdir(parents=True, exist_ok=True)
+        (Path(opts.output_dir) / "summary.json").write_text(json.dumps(result, indent=2) + "\n")
+    if dist.is_initialized():
+        dist.barrier()
+        # Without this, gloo's threads are torn down at interpreter exit and the process aborts.
+        dist.destroy_process_group()
+    if scratch is not None:
+        scratch.cleanup()
+    return result

@@ -1,0 +1,112 @@
+"""The summary of a `tiledmlp train` run: the keys `--json` prints and OUTPUT_DIR/summary.json
+holds (a contract), from the options, the finished Trainer and what the run measured.
+
+Invariant: every key is present in every summary (None where it does not apply).
+"""
+
+from __future__ import annotations
+
+import resource
+from typing import Any
+
+import torch
+
+from tiledmlp.patching import tile_counts
+from tiledmlp.patching.offloading import offloader_of
+from tiledmlp.process_memory import proc_status_bytes
+from tiledmlp.train.callbacks import StepLosses
+from tiledmlp.train.options import TrainOptions
+
+__all__ = ["peak_mib", "summary"]
+
+MiB = 2**20
+
+
+def peak_mib(device: torch.device) -> float:
+    """The run's peak memory in MiB: allocated on CUDA, the process's high-water mark on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / MiB
+    # This process's high-water mark. VmHWM starts afresh at exec; ru_maxrss does not (a child
+    # of a big process reports its parent's peak), so it is only the fallback off Linux.
+    hwm = proc_status_bytes("VmHWM")
+    if hwm is not None:
+        return hwm / MiB
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def summary(
+    opts: TrainOptions,
+    engine: str,
+    world: int,
+    trainer: Any,
+    args: Any,
+    losses: StepLosses,
+    report: Any,
+    model: Any,
+    facts: dict[str, Any],
+) -> dict[str, Any]:
+    """The run's summary (the keys of --json), from the options, the finished Trainer and what
+    the run measured (`facts`: resumed_from_step, elapsed, peak_mib, device, interrupted,
+    data)."""
+    elapsed = facts["elapsed"]
+    ran = len(losses.losses)
+    tokens = (
+        ran
+        * opts.per_device_train_batch_size
+        * opts.gradient_accumulation_steps
+        * world
+        * opts.seq_len
+    )
+    evals = [h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h]
+    counts = tile_counts(model)
+    norms = {n for n, how in (report.paths.items() if report else ()) if how.endswith(": norm")}
+    return {
+        "model": opts.model,
+        "data": facts["data"],
+        "engine": engine,
+        "world_size": world,
+        "sequence_parallel_size": opts.sequence_parallel_size,
+        "seq_len": opts.seq_len,
+        "batch_size": opts.per_device_train_batch_size,
+        "steps": ran,
+        "global_step": trainer.state.global_step,
+        "max_steps": opts.max_steps,
+        "resumed_from_step": facts["resumed_from_step"],
+        "dtype": opts.dtype,
+        "learning_rate": args.learning_rate,
+        "lr_scheduler_type": opts.lr_scheduler_type,
+        "warmup_steps": opts.warmup_steps,
+        "gradient_accumulation_steps": opts.gradient_accumulation_steps,
+        "max_grad_norm": opts.max_grad_norm,
+        "use_tiled_mlp": opts.use_tiled_mlp,
+        "tiled_loss": opts.use_tiled_mlp and opts.tiled_loss,
+        "num_tiles": opts.num_tiles if opts.use_tiled_mlp else None,
+        "tiles_per_mlp": {n: c.last for n, c in counts.items() if n not in norms},
+        "tiles_per_norm": {n: c.last for n, c in counts.items() if n in norms},
+        "gradient_checkpointing": opts.gradient_checkpointing,
+        "activation_offloading": opts.activation_offloading,
+        "tiled_norms": opts.tiled_norms,
+        "tiled_layers": opts.tiled_layers,
+        "kernels": opts.kernels,
+        "offloaded_mib": _offloaded_mib(model),
+        "tiled_modules": report.patched if report else [],
+        "losses": losses.losses,
+        "first_loss": losses.losses[0] if losses.losses else None,
+        "last_loss": losses.losses[-1] if losses.losses else None,
+        "eval_loss": evals[-1] if evals else None,
+        "tokens_per_s": round(tokens / elapsed, 1) if elapsed > 0 else None,
+        "seconds": round(elapsed, 2),
+        "peak_mib": facts["peak_mib"],
+        "peak_kind": "max_memory_allocated" if facts["device"] == "cuda" else "process max RSS",
+        "device": facts["device"],
+        "torch": torch.__version__,
+        "interrupted": facts["interrupted"],
+        "checkpoint": None,
+        "output_dir": str(opts.output_dir) if opts.output_dir is not None else None,
+    }
+
+
+def _offloaded_mib(model: Any) -> float | None:
+    """MiB of layer inputs moved to the host over the run, or None when offloading is off."""
+    offloader = offloader_of(model)
+    return None if offloader is None else round(offloader.stats.offloaded_bytes / MiB, 1)
