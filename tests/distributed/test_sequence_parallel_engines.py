@@ -200,19 +200,21 @@ def _offloaded() -> dict[str, Any]:
 
 def _by_heads() -> dict[str, Any]:
     """Tiled decoder layers whose attention core, behind the exchange, runs by head groups
-    (one row block per call made enough, so the tiny sequences split like long ones)."""
+    (no minimum of waves per call, so the tiny sequences split like long ones)."""
     from tiledmlp.ops import attention_heads
     from tiledmlp.patching import attention_core
 
     groups: list[int] = []
     real = attention_core.causal_attention_by_heads
 
-    def counted(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, n: int) -> Any:
+    def counted(
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, n: int, *rest: Any
+    ) -> Any:
         groups.append(n)
-        return real(q, k, v, scale, n)
+        return real(q, k, v, scale, n, *rest)
 
-    minimum = attention_heads.MIN_ROW_BLOCKS
-    attention_heads.MIN_ROW_BLOCKS = 1
+    minimum = attention_heads.MIN_WAVES
+    attention_heads.MIN_WAVES = 0
     attention_core.causal_attention_by_heads = counted  # type: ignore[assignment]
     try:
         model = tiny_model()
@@ -222,7 +224,7 @@ def _by_heads() -> dict[str, Any]:
         groups.clear()  # patch_model's own checks
         result = _train(model, "ddp")
     finally:
-        attention_heads.MIN_ROW_BLOCKS = minimum
+        attention_heads.MIN_WAVES = minimum
         attention_core.causal_attention_by_heads = real  # type: ignore[assignment]
     result["groups"] = groups
     return result

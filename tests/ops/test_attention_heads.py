@@ -1,6 +1,6 @@
 """ops/attention_heads.py: causal attention by groups of key/value heads gives
 scaled_dot_product_attention's output and gradients (float64 gradcheck, float32 parity, the bf16
-2x rule), picks its groups by the documented rule, sizes the kernel buffers it avoids, and
+2x rule), picks its groups by the documented launch rule, sizes the kernel buffers it avoids, and
 refuses what it cannot take in one line."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from tiledmlp.ops.attention_heads import (
-    MIN_ROW_BLOCKS,
-    agrees,
+    DEFAULT_MULTIPROCESSORS,
+    MIN_WAVES,
     attention_buffer_bytes,
     causal_attention_by_heads,
     head_groups,
@@ -101,26 +101,44 @@ def test_bf16_error_at_most_twice_sdpa_error(groups: int) -> None:
         assert eg <= 2 * eu + 1e-6, f"{name}: grouped error {eg:.3e} > 2 x SDPA error {eu:.3e}"
 
 
-def test_groups_keep_every_call_at_the_minimum_of_row_blocks() -> None:
-    # Llama-3-8B (32 query heads, 8 key/value heads): one call at 4K tokens, a key/value head
-    # per call at 32K, a query head per call at 1M; under 8-way sequence parallelism (4 query
-    # heads, 1 key/value head per GPU) a query head per call at 5M.
+def test_groups_keep_every_call_at_the_minimum_of_waves() -> None:
+    # Llama-3-8B (32 query heads, 8 key/value heads) on 132 multiprocessors: one call at 4K
+    # tokens, a key/value head per call at 32K, a query head per call at 1M; under 8-way
+    # sequence parallelism (4 query heads, 1 key/value head per GPU) a query head per call at 5M.
     assert head_groups(1, 32, 8, 4096) == 1
+    assert head_groups(1, 32, 8, 8192) == 2
     assert head_groups(1, 32, 8, 32768) == 8
+    assert head_groups(1, 32, 8, 1 << 17) == 32
     assert head_groups(1, 32, 8, 1 << 20) == 32
     assert head_groups(1, 4, 1, 5 << 20) == 4
+    minimum = MIN_WAVES * DEFAULT_MULTIPROCESSORS
     allowed = [1, 2, 4, 8, 16, 32]  # divisors of 8, or multiples of 8 dividing 32
     for tokens in (128, 4096, 32768, 100_000, 1 << 20, 5 << 20):
         groups = head_groups(1, 32, 8, tokens)
         assert groups in allowed
         blocks = -(-tokens // 128) * (32 // groups)
-        assert groups == 1 or blocks >= MIN_ROW_BLOCKS
+        assert groups == 1 or blocks >= minimum
         finer = [g for g in allowed if g > groups]
         if finer:  # the next split would go below the minimum
-            assert -(-tokens // 128) * (32 // finer[0]) < MIN_ROW_BLOCKS
+            assert -(-tokens // 128) * (32 // finer[0]) < minimum
     # more sequences per call count as more blocks
     assert head_groups(8, 32, 8, 4096) > head_groups(1, 32, 8, 4096)
     assert head_groups(1, 6, 3, 1 << 20) == 6  # 3 key/value heads: groups 1, 3, 6
+
+
+def test_groups_follow_the_device_and_the_kernel() -> None:
+    # a device with fewer multiprocessors fills with smaller calls
+    assert head_groups(1, 32, 8, 32768, sms=16) == 32
+    assert head_groups(1, 32, 8, 32768, sms=264) == 4
+    # 64-row blocks (the memory-efficient kernel) make twice the blocks per head
+    assert head_groups(1, 32, 8, 32768, rows_per_block=64) == 16
+    # a kernel that takes one key/value head per call never groups whole key/value heads
+    # (1 when a key/value head per call would go below the minimum: the call runs unchunked)
+    assert head_groups(1, 32, 8, 16384, rows_per_block=64, shares_kv=False) == 8
+    assert head_groups(1, 32, 8, 16384, rows_per_block=64) == 8
+    assert head_groups(1, 32, 8, 8192, rows_per_block=64, shares_kv=False) == 1
+    assert head_groups(1, 32, 8, 8192, rows_per_block=64) == 4
+    assert head_groups(1, 8, 8, 32768, shares_kv=False) == 2  # no grouped-query attention
 
 
 def test_kernel_buffers_of_one_group() -> None:
@@ -152,8 +170,3 @@ def test_refusals_are_one_line(
     with pytest.raises(ValueError, match=match) as err:
         causal_attention_by_heads(q, k, v, 1.0, groups)
     assert "\n" not in str(err.value)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_op_agrees_with_sdpa_on_the_cpu(dtype: torch.dtype) -> None:
-    assert agrees(torch.device("cpu"), dtype, 16)

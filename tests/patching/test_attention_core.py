@@ -48,9 +48,11 @@ def calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     seen: list[int] = []
     real = attention_core.causal_attention_by_heads
 
-    def counted(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, groups: int):  # type: ignore[no-untyped-def]
+    def counted(
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, groups: int, *rest
+    ):  # type: ignore[no-untyped-def]
         seen.append(groups)
-        return real(q, k, v, scale, groups)
+        return real(q, k, v, scale, groups, *rest)
 
     monkeypatch.setattr(attention_core, "causal_attention_by_heads", counted)
     return seen
@@ -58,8 +60,8 @@ def calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
 @pytest.fixture
 def small_groups(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Tiny sequences split like long ones: one row block per call is enough."""
-    monkeypatch.setattr(attention_heads, "MIN_ROW_BLOCKS", 1)
+    """Tiny sequences split like long ones: no minimum of waves per call."""
+    monkeypatch.setattr(attention_heads, "MIN_WAVES", 0)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
@@ -104,7 +106,7 @@ def test_without_the_small_group_rule_tiny_sequences_are_one_call(calls: list[in
     patch_model(model, num_tiles=2, tiled_layers=True)
     ids = _ids()
     model(input_ids=ids, labels=ids).loss.backward()
-    assert calls == []  # 19 tokens x 4 heads are far below MIN_ROW_BLOCKS blocks
+    assert calls == []  # 19 tokens x 4 heads are far below MIN_WAVES waves of blocks
 
 
 def test_bf16_error_at_most_twice_the_untiled_error(small_groups: None) -> None:

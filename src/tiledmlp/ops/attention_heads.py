@@ -1,103 +1,158 @@
-"""Causal self-attention a few heads at a time, through PyTorch's flash kernels.
+"""Causal self-attention a few heads at a time, through PyTorch's fused attention kernels.
 
-A flash-attention backward allocates, inside the kernel call and for every head it is given, a
-float32 accumulator for dq (tokens x heads x head_dim x 4 bytes) and, for grouped-query
-attention, dk and dv expanded to the query heads (2 x tokens x heads x head_dim x 2 bytes in
-bf16): 32 GiB for one layer of an 8B Llama at 1M tokens, beside a 16 GiB q/dq pair. Attention
-never mixes heads, so running the kernel on groups of heads gives the same output and
-gradients with those buffers sized for one group.
+A fused attention backward allocates, inside the kernel call and for every head it is given,
+buffers that no tensor trace sees: the flash backward a float32 accumulator for dq (tokens x
+heads x head_dim x 4 bytes) and, for grouped-query attention, dk and dv expanded to the query
+heads. Attention never mixes heads, so running the kernel on groups of heads gives the same
+output and gradients with those buffers sized for one group.
 
-`causal_attention_by_heads` is that op: the forward calls the flash kernel per group (whole
-key/value heads with their query heads, or a few query heads of one key/value head) and writes
-each group's output into one (batch, tokens, heads, head_dim) buffer; the backward calls the
-flash backward per group with the saved output and log-sum-exp and writes dq, dk and dv into
-whole buffers, summing in float32 the dk and dv of groups that share a key/value head (as the
-kernel sums its expanded ones). FLOPs are those of one unchunked call (nothing is recomputed);
-memory beyond q, k, v, the output and their gradients is one group's kernel buffers, its output
-and its three gradients in flight, and, for groups inside a key/value head, that head's dk and
-dv in float32. `head_groups` picks the number of groups: as many as keep every call at least
-`MIN_ROW_BLOCKS` blocks of 128 query rows (a launch that fills an H100's 132 SMs several times
-over), so short sequences run as one call. `agrees` runs the op against
-`scaled_dot_product_attention` on a small problem once per device, dtype and head size; callers
-use the op only where it agreed.
+`causal_attention_by_heads` is that op: the forward calls one fused kernel (ops/attention_kernels.py:
+cuDNN, flash, memory-efficient or the CPU flash kernel; ops/attention_select.py picks the one
+`scaled_dot_product_attention` would, after its self-check) per group (whole key/value heads with
+their query heads, or a few query heads of one key/value head) and writes each group's output
+into one (batch, tokens, heads, head_dim) buffer; the backward calls the kernel's backward per
+group with its saved state and writes dq, dk and dv into whole buffers, summing in float32 the
+dk and dv of groups that share a key/value head (as the kernels sum per-query-head gradients).
+FLOPs are those of one unchunked call (nothing is recomputed); memory beyond q, k, v, the output
+and their gradients is one group's kernel buffers, its output and its three gradients in flight,
+and, for groups inside a key/value head, that head's dk and dv in float32. `head_groups` picks the
+number of groups (See Note [Head groups]).
 
 Invariant: the output and the gradients of q, k and v equal those of
 scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True) up to the
 summation order of the kernels; the op refuses (returns a reason from `unsupported`) anything
-else: masks, dropout, unequal query and key lengths, devices other than the CPU and CUDA.
+else: masks, dropout, unequal query and key lengths, devices without a fused kernel.
 """
 
 from __future__ import annotations
 
-import logging
 import math
 from typing import Any
 
 import torch
 
+from tiledmlp.ops.attention_kernels import (
+    FusedKernel,
+    KernelState,
+    default_kernel,
+)
+
 __all__ = [
-    "MIN_ROW_BLOCKS",
-    "agrees",
+    "DEFAULT_MULTIPROCESSORS",
+    "MIN_WAVES",
     "attention_buffer_bytes",
     "causal_attention_by_heads",
     "head_groups",
+    "multiprocessors",
     "unsupported",
 ]
 
-logger = logging.getLogger(__name__)
+# Note [Head groups]
+# ~~~~~~~~~~~~~~~~~~
+# Fewer heads per call means smaller kernel buffers but smaller launches. A fused attention
+# forward runs one thread block (CTA) per block of `rows_per_block` query rows per head and
+# sequence, and a launch with few CTAs leaves streaming multiprocessors idle in its last wave.
+# Causal row blocks do unequal work (block i reads i + 1 key blocks), so the kernels start the
+# long ones first and the last wave holds the shortest; with at least MIN_WAVES full waves
+# (MIN_WAVES x the device's multiprocessor count CTAs) per call the idle share of the last
+# wave is at most 1 / MIN_WAVES of a call, and in practice much less. head_groups therefore
+# takes the most groups that keep every call at MIN_WAVES x multiprocessors CTAs or more, so a
+# short sequence runs as one call and a long one as many small ones. The multiprocessor count
+# is the device's (CUDA); elsewhere (the CPU, fake tensors in the planner)
+# DEFAULT_MULTIPROCESSORS stands for the accelerator planned for (an H100's 132).
+# The backward parallelises over key blocks of the same size, so the same count holds for it.
 
-MIN_ROW_BLOCKS = 1024
-_ROWS = 128  # query rows per flash-attention block
+MIN_WAVES = 4
+DEFAULT_MULTIPROCESSORS = 132
 
 
-def _allowed(heads: int, kv_heads: int) -> list[int]:
+def multiprocessors(device: torch.device) -> int:
+    """The device's streaming multiprocessor count (CUDA), else DEFAULT_MULTIPROCESSORS."""
+    if device.type == "cuda" and torch.cuda.is_available():
+        return int(torch.cuda.get_device_properties(device).multi_processor_count)
+    return DEFAULT_MULTIPROCESSORS
+
+
+def _allowed(heads: int, kv_heads: int, shares_kv: bool = True) -> list[int]:
     """Group counts that split the heads evenly: groups of whole key/value heads (a divisor of
-    kv_heads), or groups inside one key/value head (a multiple of kv_heads dividing heads)."""
-    return [
+    kv_heads), or groups inside one key/value head (a multiple of kv_heads dividing heads). A
+    kernel that cannot share a key/value head among more query heads in one call (shares_kv
+    False) takes only calls with one key/value head, or as many as query heads."""
+    fits = [
         g
         for g in range(1, heads + 1)
         if heads % g == 0 and (kv_heads % g == 0 or g % kv_heads == 0)
     ]
+    if shares_kv:
+        return fits
+    return [g for g in fits if g >= kv_heads or heads == kv_heads]
 
 
-def head_groups(batch: int, heads: int, kv_heads: int, tokens: int) -> int:
+def head_groups(
+    batch: int,
+    heads: int,
+    kv_heads: int,
+    tokens: int,
+    *,
+    sms: int | None = None,
+    rows_per_block: int = 128,
+    shares_kv: bool = True,
+) -> int:
     """How many groups of query heads (with their key/value heads) the attention runs in: the
-    most that keep every call at `MIN_ROW_BLOCKS` blocks of 128 query rows or more, among
-    groups of whole key/value heads and groups inside one key/value head.
+    most that keep every call at MIN_WAVES x `sms` CTAs of `rows_per_block` query rows or more
+    (See Note [Head groups]).
 
     Args:
         batch: sequences per call.
         heads: query heads.
         kv_heads: key/value heads (a divisor of `heads`).
         tokens: query (= key) tokens per sequence.
+        sms: the device's multiprocessor count; None: DEFAULT_MULTIPROCESSORS.
+        rows_per_block: query rows per CTA of the kernel (FusedKernel.rows_per_block).
+        shares_kv: whether the kernel takes several query heads per key/value head in a call.
 
     Returns:
         1 (one call, as unchunked) up to `heads` (one query head per call).
     """
-    blocks_per_head = batch * math.ceil(tokens / _ROWS)
-    fit = [g for g in _allowed(heads, kv_heads) if blocks_per_head * (heads // g) >= MIN_ROW_BLOCKS]
+    minimum = MIN_WAVES * (DEFAULT_MULTIPROCESSORS if sms is None else sms)
+    blocks_per_head = batch * math.ceil(tokens / rows_per_block)
+    fit = [
+        g for g in _allowed(heads, kv_heads, shares_kv) if blocks_per_head * (heads // g) >= minimum
+    ]
     return max(fit, default=1)
 
 
 def attention_buffer_bytes(
-    batch: int, heads: int, kv_heads: int, tokens: int, head_dim: int, itemsize: int, groups: int
+    batch: int,
+    heads: int,
+    kv_heads: int,
+    tokens: int,
+    head_dim: int,
+    itemsize: int,
+    groups: int,
+    kernel: str = "flash",
 ) -> int:
-    """Bytes a flash-attention backward allocates inside one call (invisible to a tensor trace)
+    """Bytes a fused attention backward allocates inside one call (invisible to a tensor trace)
     when the attention runs in `groups` groups: for the call's heads h = heads / groups and
     key/value heads h_kv (kv_heads / groups, or 1 inside one key/value head), a float32 dq
-    accumulator (tokens x h x head_dim, head_dim rounded up to 8), float32 row sums
-    (h x tokens), and, when h != h_kv, dk and dv expanded to h heads.
+    accumulator (tokens x h x head_dim, head_dim rounded up to 8) and float32 row sums
+    (h x tokens); where h != h_kv, dk and dv per query head (the flash kernel's expanded ones,
+    the efficient kernel's per-head gradients of its stride-0 key/value view). cuDNN takes
+    grouped-query attention natively: no per-query-head dk and dv ("cudnn").
     """
     h, h_kv = heads // groups, max(1, kv_heads // groups)
     rounded = -(-head_dim // 8) * 8
     size = batch * tokens * h * (rounded + 1) * 4
-    if h != h_kv:
+    if h != h_kv and kernel != "cudnn":
         size += 2 * batch * tokens * h * rounded * itemsize
     return size
 
 
-def unsupported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
-    """Why the op cannot take these (batch, heads, tokens, head_dim) tensors, or None."""
+def unsupported(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel: FusedKernel | None = None
+) -> str | None:
+    """Why the op cannot take these (batch, heads, tokens, head_dim) tensors, or None; with a
+    kernel, also what that kernel cannot take (None: the device's flash kernel)."""
     if q.dim() != 4 or k.dim() != 4 or v.shape != k.shape:
         return "q, k and v must be (batch, heads, tokens, head_dim), k and v alike"
     if q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2] or q.shape[3] != k.shape[3]:
@@ -106,56 +161,9 @@ def unsupported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None
         return f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} key/value heads"
     if not (q.device == k.device == v.device) or not (q.dtype == k.dtype == v.dtype):
         return "q, k and v differ in device or dtype"
-    if q.device.type == "cuda":
-        if q.dtype not in (torch.float16, torch.bfloat16):
-            return f"the CUDA flash kernel takes float16 or bfloat16, not {q.dtype}"
-        if q.shape[3] % 8 or q.shape[3] > 256:
-            return f"the CUDA flash kernel takes head sizes of multiples of 8 up to 256, not {q.shape[3]}"
-    elif q.device.type != "cpu":
-        return f"no flash kernel is called directly on {q.device.type}"
-    elif not q.dtype.is_floating_point:
-        return f"attention needs floating-point tensors, not {q.dtype}"
-    return None
-
-
-def _kernel_forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
-) -> tuple[torch.Tensor, tuple[Any, ...]]:
-    """One group through the flash forward: (output (batch, h, tokens, head_dim), the state its
-    backward takes)."""
-    if q.device.type == "cuda":
-        out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = (
-            torch.ops.aten._scaled_dot_product_flash_attention(
-                q, k, v, 0.0, True, False, scale=scale
-            )
-        )
-        return out, (lse, cum_q, cum_k, max_q, max_k, seed, offset)
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q, k, v, 0.0, True, scale=scale
-    )
-    return out, (lse,)
-
-
-def _kernel_backward(
-    dout: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    state: tuple[Any, ...],
-    scale: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One group through the flash backward: (dq, dk, dv)."""
-    if q.device.type == "cuda":
-        lse, cum_q, cum_k, max_q, max_k, seed, offset = state
-        return torch.ops.aten._scaled_dot_product_flash_attention_backward(  # type: ignore[no-any-return]
-            dout, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, 0.0, True, seed, offset,
-            scale=scale,
-        )  # fmt: skip
-    (lse,) = state
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(  # type: ignore[no-any-return]
-        dout, q, k, v, out, lse, 0.0, True, scale=scale
-    )
+    if q.device.type not in ("cpu", "cuda"):
+        return f"no fused attention kernel is called directly on {q.device.type}"
+    return (kernel or default_kernel(q.device)).unsupported(q)
 
 
 def _slices(heads: int, kv_heads: int, groups: int) -> list[tuple[slice, slice]]:
@@ -174,40 +182,51 @@ def _slices(heads: int, kv_heads: int, groups: int) -> list[tuple[slice, slice]]
 
 class CausalAttentionByHeads(torch.autograd.Function):
     """Inputs q (batch, heads, tokens, head_dim), k and v (batch, kv_heads, tokens, head_dim),
-    the scale and the number of groups; output (batch, tokens, heads, head_dim), contiguous.
-    Where several groups share a key/value head, their dk and dv are summed in float32 (one
-    key/value head's worth) and rounded once, as flash attention sums its expanded dk and dv."""
+    the scale, the number of groups and the kernel; output (batch, tokens, heads, head_dim),
+    contiguous. Where several groups share a key/value head, their dk and dv are summed in
+    float32 (one key/value head's worth) and rounded once, as the kernels sum per-query-head
+    gradients."""
 
     @staticmethod
     def forward(
-        ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, groups: int
+        ctx: Any,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        scale: float,
+        groups: int,
+        kernel: FusedKernel,
     ) -> torch.Tensor:
         batch, heads, tokens, head_dim = q.shape
         out = q.new_empty(batch, tokens, heads, head_dim)
-        states = []
+        states: list[KernelState] = []
         for hq, hkv in _slices(heads, k.shape[1], groups):
-            part, state = _kernel_forward(q[:, hq], k[:, hkv], v[:, hkv], scale)
+            part, state = kernel.forward(q[:, hq], k[:, hkv], v[:, hkv], scale)
             out[:, :, hq].copy_(part.transpose(1, 2))
             del part
             states.append(state)
-        # Each group's log-sum-exp is saved (autograd frees it after the backward); the CUDA
-        # kernel's other state is sizes and seeds.
-        ctx.save_for_backward(q, k, v, out, *(s[0] for s in states))
-        ctx.rest = [s[1:] for s in states]
-        ctx.scale, ctx.groups = scale, groups
+        # Each group's tensors (its log-sum-exp, and RNG state where the kernel keeps it as
+        # tensors) are saved through autograd, which frees them after the backward.
+        counts = [len(s.tensors) for s in states]
+        ctx.save_for_backward(q, k, v, out, *(t for s in states for t in s.tensors))
+        ctx.counts, ctx.rest = counts, [s.rest for s in states]
+        ctx.scale, ctx.groups, ctx.kernel = scale, groups, kernel
         return out
 
     @staticmethod
     def backward(ctx: Any, dout: torch.Tensor) -> Any:
-        q, k, v, out, *lses = ctx.saved_tensors
+        q, k, v, out, *flat = ctx.saved_tensors
+        kernel: FusedKernel = ctx.kernel
         dout = dout.contiguous()
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         slices = _slices(q.shape[1], k.shape[1], ctx.groups)
         wide = k.dtype in (torch.float32, torch.float64)
         acc: list[torch.Tensor] = []  # dk, dv of the key/value head being summed
+        at = 0
         for i, (hq, hkv) in enumerate(slices):
-            state = (lses[i], *ctx.rest[i])
-            gq, gk, gv = _kernel_backward(
+            state = KernelState(tuple(flat[at : at + ctx.counts[i]]), ctx.rest[i])
+            at += ctx.counts[i]
+            gq, gk, gv = kernel.backward(
                 dout[:, :, hq].transpose(1, 2), q[:, hq], k[:, hkv], v[:, hkv],
                 out[:, :, hq].transpose(1, 2), state, ctx.scale,
             )  # fmt: skip
@@ -219,7 +238,7 @@ class CausalAttentionByHeads(torch.autograd.Function):
                 dk[:, hkv].copy_(gk)
                 dv[:, hkv].copy_(gv)
             elif first:
-                acc = [gk, gv] if wide else [gk.float(), gv.float()]
+                acc = [gk, gv] if wide or gk.dtype == torch.float32 else [gk.float(), gv.float()]
             else:
                 acc[0].add_(gk)
                 acc[1].add_(gv)
@@ -228,13 +247,18 @@ class CausalAttentionByHeads(torch.autograd.Function):
                     dv[:, hkv].copy_(acc[1])
                     acc = []
             del gk, gv
-        return dq, dk, dv, None, None
+        return dq, dk, dv, None, None, None
 
 
 def causal_attention_by_heads(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, groups: int
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    groups: int,
+    kernel: FusedKernel | None = None,
 ) -> torch.Tensor:
-    """Causal attention in `groups` groups of whole key/value heads (module docstring).
+    """Causal attention in `groups` groups of heads through one fused kernel (module docstring).
 
     Args:
         q: (batch, heads, tokens, head_dim).
@@ -242,84 +266,23 @@ def causal_attention_by_heads(
         scale: the softmax scale (usually head_dim ** -0.5).
         groups: a divisor of kv_heads (whole key/value heads per call) or a multiple of it
             dividing heads (calls inside one key/value head); head_groups picks one.
+        kernel: the fused kernel (ops/attention_kernels.py); None: the device's flash kernel.
+            ops/attention_select.py's choose_kernel gives the one that passed its self-check.
 
     Returns:
         (batch, tokens, heads, head_dim), contiguous.
 
     Raises:
-        ValueError: what `unsupported` names, or groups not dividing kv_heads.
+        ValueError: what `unsupported` names, or groups the kernel cannot split the heads in.
     """
-    why = unsupported(q, k, v)
+    kernel = kernel or default_kernel(q.device)
+    why = unsupported(q, k, v, kernel)
     if why is not None:
         raise ValueError(f"causal_attention_by_heads: {why}")
-    if groups not in _allowed(q.shape[1], k.shape[1]):
+    if groups not in _allowed(q.shape[1], k.shape[1], kernel.shares_kv):
         raise ValueError(
             f"causal_attention_by_heads: groups must divide the {k.shape[1]} key/value heads or "
-            f"be a multiple of them dividing the {q.shape[1]} query heads, got {groups}"
+            f"be a multiple of them dividing the {q.shape[1]} query heads (the {kernel.name} "
+            f"kernel: {_allowed(q.shape[1], k.shape[1], kernel.shares_kv)}), got {groups}"
         )
-    return CausalAttentionByHeads.apply(q, k, v, float(scale), groups)  # type: ignore[no-any-return]
-
-
-_AGREED: dict[tuple[str, torch.dtype, int], bool] = {}
-
-
-def agrees(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
-    """Whether the op, in 2 and in 4 groups, gives what scaled_dot_product_attention gives (output and
-    the three gradients) on a small grouped-query problem on this device, in this dtype and
-    head size; checked once per (device type, dtype, head size), a failure logged once."""
-    key = (device.type, dtype, head_dim)
-    if key not in _AGREED:
-        # Called from inside a model's forward: with gradients on, no autocast, and identity
-        # saved-tensor hooks over whatever checkpointing or offloading hooks are active.
-        with (
-            torch.enable_grad(),
-            torch.autocast(device.type, enabled=False),
-            torch.autograd.graph.saved_tensors_hooks(_same, _same),
-        ):
-            _AGREED[key] = _check(device, dtype, head_dim)
-    return _AGREED[key]
-
-
-def _same(t: torch.Tensor) -> torch.Tensor:
-    return t
-
-
-def _check(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
-    gen = torch.Generator(device="cpu").manual_seed(0)
-    shapes = ((1, 4, 200, head_dim), (1, 2, 200, head_dim), (1, 2, 200, head_dim))
-    inputs = [torch.randn(s, generator=gen).to(device, dtype) for s in shapes]
-    dout = torch.randn(1, 200, 4, head_dim, generator=gen).to(device, dtype)
-    scale = head_dim**-0.5
-    try:
-        ref_in = [t.clone().requires_grad_() for t in inputs]
-        ref = torch.nn.functional.scaled_dot_product_attention(
-            ref_in[0], ref_in[1], ref_in[2], is_causal=True, scale=scale, enable_gqa=True
-        ).transpose(1, 2)
-        ref.backward(dout)
-        pairs: list[tuple[torch.Tensor | None, torch.Tensor | None]] = []
-        for groups in (2, 4):  # whole key/value heads; inside one key/value head
-            got_in = [t.clone().requires_grad_() for t in inputs]
-            got = causal_attention_by_heads(got_in[0], got_in[1], got_in[2], scale, groups)
-            got.backward(dout)
-            pairs.append((got.detach(), ref.detach()))
-            pairs += [(a.grad, b.grad) for a, b in zip(got_in, ref_in)]
-    except Exception as e:  # any failure of the direct kernel calls: use the unchunked path
-        logger.warning(
-            "attention by heads is off on %s %s (head size %d): %s: %s",
-            device.type, dtype, head_dim, type(e).__name__, str(e).splitlines()[0] if str(e) else "",
-        )  # fmt: skip
-        return False
-    tol = 1e-4 if dtype in (torch.float32, torch.float64) else 2e-2
-    for a, b in pairs:
-        if a is None or b is None or a.shape != b.shape:
-            ok = False
-        else:
-            scale_b = max(float(b.abs().max()), 1e-6)
-            ok = bool(((a.float() - b.float()).abs().max() <= tol * scale_b).item())
-        if not ok:
-            logger.warning(
-                "attention by heads is off on %s %s (head size %d): it disagrees with "
-                "scaled_dot_product_attention", device.type, dtype, head_dim,
-            )  # fmt: skip
-            return False
-    return True
+    return CausalAttentionByHeads.apply(q, k, v, float(scale), groups, kernel)  # type: ignore[no-any-return]

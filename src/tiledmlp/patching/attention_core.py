@@ -1,11 +1,13 @@
-"""A tiled decoder layer's attention core by head groups: transformers' "sdpa" with the flash
-backward's buffers sized for a few heads (ops/attention_heads.py).
+"""A tiled decoder layer's attention core by head groups: transformers' "sdpa" with the fused
+kernel's backward buffers sized for a few heads (ops/attention_heads.py).
 
 `sdpa_by_heads` takes the arguments of transformers' attention functions. A call it can take
 (no mask, no dropout, causal, query length equal to key length, no position bias, soft-capping
-or paged cache, a device and dtype on which the op agreed with scaled_dot_product_attention)
-runs `causal_attention_by_heads` in `head_groups(...)` groups; any other call, or one that would
-be a single group, goes to transformers' own sdpa function unchanged. `by_heads()` is the
+or paged cache, a fused kernel that SDPA would select and that passed its self-check on this
+device, dtype and head size: ops/attention_select.py) runs `causal_attention_by_heads` through
+that kernel in `head_groups(...)` groups (the kernel's launch rule, the device's multiprocessor
+count); any other call, or one that would be a single group, goes to transformers' own sdpa
+function unchanged. `by_heads()` is the
 context in which a tiled decoder layer calls its attention: inside it, "sdpa" looked up through
 the attention backend (what the Ulysses wrapper calls after its exchange) is `sdpa_by_heads`.
 
@@ -24,13 +26,15 @@ import torch
 from torch._subclasses.fake_tensor import is_fake
 
 from tiledmlp.ops.attention_heads import (
-    agrees,
     causal_attention_by_heads,
     head_groups,
+    multiprocessors,
     unsupported,
 )
+from tiledmlp.ops.attention_kernels import FusedKernel, default_kernel
+from tiledmlp.ops.attention_select import choose_kernel, kernel_order
 
-__all__ = ["BY_HEADS", "active", "by_heads", "groups_for", "sdpa_by_heads"]
+__all__ = ["BY_HEADS", "active", "by_heads", "groups_for", "plan_for", "sdpa_by_heads"]
 
 _ACTIVE = contextvars.ContextVar("tiledmlp_attention_by_heads", default=False)
 BY_HEADS = "sdpa"  # the attention implementation run by head groups
@@ -57,7 +61,7 @@ def _hf_sdpa() -> Callable[..., Any]:
     return sdpa_attention_forward  # type: ignore[no-any-return]
 
 
-def groups_for(
+def plan_for(
     module: Any,
     query: torch.Tensor,
     key: torch.Tensor,
@@ -65,8 +69,9 @@ def groups_for(
     attention_mask: Any,
     dropout: float,
     kwargs: dict[str, Any],
-) -> int:
-    """The head groups this call runs in by heads; 1 when it runs as transformers' sdpa."""
+) -> tuple[int, FusedKernel | None]:
+    """The head groups and the kernel this call runs in by heads; (1, None) when it runs as
+    transformers' sdpa."""
     is_causal = kwargs.get("is_causal")
     is_causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
     if (
@@ -78,14 +83,42 @@ def groups_for(
         or kwargs.get("output_attentions")
         or unsupported(query, key, value) is not None
     ):
-        return 1
-    groups = head_groups(query.shape[0], query.shape[1], key.shape[1], query.shape[2])
-    if groups == 1:
-        return 1
-    # On fake tensors (the planner) the op is planned as it runs on the device it stands for.
-    if not is_fake(query) and not agrees(query.device, query.dtype, query.shape[3]):
-        return 1
-    return groups
+        return 1, None
+
+    def groups(kernel: FusedKernel) -> int:
+        return head_groups(
+            query.shape[0], query.shape[1], key.shape[1], query.shape[2],
+            sms=multiprocessors(query.device), rows_per_block=kernel.rows_per_block,
+            shares_kv=kernel.shares_kv,
+        )  # fmt: skip
+
+    # On fake tensors (the planner) the op is planned with the device type's flash kernel, as
+    # it runs on the device it stands for; elsewhere with the kernel SDPA would select that
+    # passed its self-check (a call that stays one group checks nothing).
+    if is_fake(query):
+        kernel: FusedKernel | None = default_kernel(query.device)
+    else:
+        order = kernel_order(query, key, value)
+        if not order or groups(order[0]) == 1:
+            return 1, None
+        kernel = choose_kernel(query, key, value)
+    if kernel is None:
+        return 1, None
+    n = groups(kernel)
+    return (1, None) if n == 1 else (n, kernel)
+
+
+def groups_for(
+    module: Any,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Any,
+    dropout: float,
+    kwargs: dict[str, Any],
+) -> int:
+    """The head groups this call runs in by heads; 1 when it runs as transformers' sdpa."""
+    return plan_for(module, query, key, value, attention_mask, dropout, kwargs)[0]
 
 
 def sdpa_by_heads(
@@ -112,10 +145,10 @@ def sdpa_by_heads(
     Returns:
         (batch, tokens, heads, head_dim) and None, as transformers' sdpa_attention_forward.
     """
-    groups = groups_for(module, query, key, value, attention_mask, dropout, kwargs)
-    if groups == 1:
+    groups, kernel = plan_for(module, query, key, value, attention_mask, dropout, kwargs)
+    if kernel is None:
         return _hf_sdpa()(  # type: ignore[no-any-return]
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
     scale = query.shape[3] ** -0.5 if scaling is None else scaling
-    return causal_attention_by_heads(query, key, value, scale, groups), None
+    return causal_attention_by_heads(query, key, value, scale, groups, kernel), None
