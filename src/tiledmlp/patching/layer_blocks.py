@@ -1,0 +1,202 @@
+"""A recognised decoder layer as two token-wise blocks around its attention call.
+
+A Llama-family decoder layer computes
+
+    q, k, v = rotary(q_norm(q_proj(n1)), k_norm(k_proj(n1))), v_proj(n1),   n1 = norm1(x)
+    a = attention(q, k, v)                                   (the attention core: mixes tokens)
+    h = x + o_proj(a);   y = h + mlp(norm2(h))
+
+Everything but the attention core is token-wise (rotary given each token's cos/sin), so the
+layer is `PreAttention` (x, cos, sin -> q, k, v), the attention function, and `PostAttention`
+(a, x -> y). `layer_math` is that computation with a caller-chosen way of running each block
+(tiled through the generic path by the tiled forward, plainly by the recognition probe); the
+attention function is the one the model's config names, resolved through the attention backend
+inside by_heads() (patching/attention_core.py: "sdpa" by head groups).
+
+Invariant: the blocks hold the layer's own modules (unregistered: the layer's parameters,
+buffers and state_dict are untouched), and layer_math computes what the layer's forward
+computes, a KV cache updated with the rotated keys and the values as the attention module does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from tiledmlp.ops.untiled import UntiledCall
+from tiledmlp.patching.attention_core import by_heads
+from tiledmlp.patching.hf_attention import HF_ATTENTION
+from tiledmlp.patching.state import STATE, original_forward
+
+__all__ = ["LayerParts", "PostAttention", "PreAttention", "attention_function", "layer_math"]
+
+
+def _call_untiled(module: nn.Module, *args: torch.Tensor) -> Any:
+    """Calls `module` as the layer would, but never tiled again: a module patched by
+    patch_model (a tiled MLP or norm) runs its original forward inside the block's tile."""
+    if STATE in module.__dict__:
+        return UntiledCall(module, original_forward(module))(*args)
+    return module(*args)
+
+
+class PreAttention(nn.Module):
+    """x, cos, sin -> q, k, v: the layer's first norm, the q/k/v projections, the per-head
+    q/k norms (when present) and the rotary embedding, token by token.
+
+    Holds the layer's own modules (it is not registered in the model: its parameters are the
+    layer's). Inputs x (1 or batch, n, hidden), cos and sin (n, head_dim) or x's leading dims
+    plus head_dim; outputs q (..., heads * head_dim), k and v (..., kv_heads * head_dim).
+    """
+
+    def __init__(
+        self,
+        norm: nn.Module,
+        q_proj: nn.Module,
+        k_proj: nn.Module,
+        v_proj: nn.Module,
+        q_norm: nn.Module | None,
+        k_norm: nn.Module | None,
+        rotary: Callable[..., tuple[torch.Tensor, torch.Tensor]],
+        head_dim: int,
+    ) -> None:
+        super().__init__()
+        self.norm = norm
+        self.q_proj = q_proj
+        self.k_proj = k_proj
+        self.v_proj = v_proj
+        self.q_norm = q_norm
+        self.k_norm = k_norm
+        self.rotary = rotary
+        self.head_dim = head_dim
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        lead = x.shape[:-1]
+        normed = _call_untiled(self.norm, x)
+        q = self.q_proj(normed).view(*lead, -1, self.head_dim)
+        k = self.k_proj(normed).view(*lead, -1, self.head_dim)
+        v = self.v_proj(normed)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+        if self.k_norm is not None:
+            k = self.k_norm(k)
+        cos = cos.reshape(*lead, cos.shape[-1])
+        sin = sin.reshape(*lead, sin.shape[-1])
+        # The model's own rotary function, in its layout: (batch, heads, seq, head_dim).
+        q, k = self.rotary(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+        return q.transpose(1, 2).reshape(*lead, -1), k.transpose(1, 2).reshape(*lead, -1), v
+
+
+class PostAttention(nn.Module):
+    """a, x -> y: the output projection, the residual, the second norm, the MLP and the second
+    residual, token by token. Inputs a (1 or batch, n, heads * head_dim) and the layer input x
+    (n, hidden) or a's leading dims plus hidden; output y like x with a's leading dims."""
+
+    def __init__(self, o_proj: nn.Module, norm: nn.Module, mlp: nn.Module) -> None:
+        super().__init__()
+        self.o_proj = o_proj
+        self.norm = norm
+        self.mlp = mlp
+
+    def forward(self, attn: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        residual = residual.reshape(*attn.shape[:-1], residual.shape[-1])
+        h = residual + self.o_proj(attn)
+        return h + _call_untiled(self.mlp, _call_untiled(self.norm, h))
+
+
+@dataclass
+class LayerParts:
+    """A recognised decoder layer: its two tiled blocks and how its attention is called.
+
+    Attributes:
+        pre: the pre-attention block.
+        post: the post-attention block.
+        attn: the attention module (handed to the attention function, as its own forward does).
+        head_dim: per-head size.
+        eager: the model family's eager attention function (for `_attn_implementation`
+            "eager").
+        extra_kwargs: keyword arguments the attention module passes to the attention function
+            beyond dropout, scaling and the layer's own (e.g. sliding_window), as recorded by the
+            probe.
+        returns_tuple: whether the layer's forward returns (hidden_states,) rather than a
+            tensor.
+        cache_keyword: the name under which the layer takes its KV cache ("past_key_values";
+            "cache" from transformers 5.24, whose caches also take the attention keywords).
+    """
+
+    pre: PreAttention
+    post: PostAttention
+    attn: Any
+    head_dim: int
+    eager: Callable[..., Any] | None
+    extra_kwargs: dict[str, Any] = field(default_factory=dict)
+    returns_tuple: bool = False
+    cache_keyword: str = "past_key_values"
+
+
+def attention_function(parts: LayerParts) -> Callable[..., Any]:
+    """The attention function the attention module would call now (its config may have been
+    switched, e.g. to sequence parallelism, since patching), as the attention backend resolves
+    it (inside by_heads(): "sdpa" by head groups)."""
+    name = parts.attn.config._attn_implementation
+    if name == "eager":
+        if parts.eager is None:
+            raise ValueError(
+                f"tiled_layers: {type(parts.attn).__name__} has no eager_attention_forward in "
+                "its module; use attn_implementation='sdpa'"
+            )
+        return parts.eager
+    return HF_ATTENTION.function(name)
+
+
+def layer_math(
+    parts: LayerParts,
+    run: Callable[..., Any],
+    hidden_states: torch.Tensor,
+    attention_mask: Any,
+    position_ids: Any,
+    use_cache: Any,
+    position_embeddings: tuple[torch.Tensor, torch.Tensor],
+    kwargs: dict[str, Any],
+    attention: Callable[..., Any] | None = None,
+    past_key_values: Any = None,
+) -> Any:
+    """The layer's forward as the two blocks (each through `run(block, x, *extras)`) around the
+    attention function."""
+    batch, seq = hidden_states.shape[:2]
+    cos, sin = position_embeddings
+    cos = cos.expand(batch, seq, cos.shape[-1])
+    sin = sin.expand(batch, seq, sin.shape[-1])
+    q, k, v = run(parts.pre, hidden_states, cos, sin)
+    shape = (batch, seq, -1, parts.head_dim)
+    q, k, v = (t.view(shape).transpose(1, 2) for t in (q, k, v))
+    attn = parts.attn
+    if past_key_values is not None:  # what the attention module does with a cache
+        if parts.cache_keyword == "cache":
+            seen = {"position_ids": position_ids, "use_cache": use_cache, **kwargs}
+            k, v = past_key_values.update(k, v, attn.layer_idx, kwargs=seen)
+        else:
+            k, v = past_key_values.update(k, v, attn.layer_idx)
+    with by_heads():  # "sdpa" by head groups, also behind a sequence-parallel exchange
+        fn = attention if attention is not None else attention_function(parts)
+        out, _ = fn(
+            attn,
+            q,
+            k,
+            v,
+            attention_mask,
+            dropout=attn.attention_dropout if attn.training else 0.0,
+            scaling=attn.scaling,
+            **parts.extra_kwargs,
+            position_ids=position_ids,
+            use_cache=use_cache,
+            **kwargs,
+        )
+    out = out.reshape(batch, seq, -1).contiguous()
+    y = run(parts.post, out, hidden_states)
+    return (y,) if parts.returns_tuple else y
