@@ -241,7 +241,7 @@ def _documents(
     for where, record in records:
         if not isinstance(record, dict):
             raise ValueError(
-                f"--data: {where} is a {type(record).__name__}, not a record (an object with a "
+                f"--data: {where} holds {type(record).__name__}, not a record (an object with a "
                 '"text" or "messages" field)'
             )
         name = field_name
@@ -267,8 +267,8 @@ def _documents(
             yield list(value)
         else:
             raise ValueError(
-                f'--data: {where}: field "{name}" is a {type(value).__name__}; expected text or '
-                'chat turns (a list of {"role": ..., "content": ...})'
+                f'--data: {where}: field "{name}" holds {type(value).__name__}; expected text '
+                'or chat turns (a list of {"role": ..., "content": ...})'
             )
 
 

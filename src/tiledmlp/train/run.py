@@ -104,10 +104,11 @@ def run(opts: TrainOptions, given: Mapping[str, Any] | None = None) -> dict[str,
             and compared with a resumed checkpoint's; None: those of `opts` that differ from
             the defaults.
     """
+    check_launch(opts)  # this command's engine and device, before a checkpoint is read
     plan, settings = resume(opts, given_of(opts) if given is None else given, _say)
     build = plan.build  # the run as planned (a resume stopping early: its planned length)
     opts = build if plan.stop_at is None else dataclasses.replace(build, max_steps=plan.stop_at)
-    launch = check_launch(opts)
+    launch = check_launch(opts)  # again with the checkpoint's settings (e.g. its dtype)
     sp = start_sequence_parallel(opts, launch)
     check_model(opts.model)
     check_output_dir(opts)

@@ -6,6 +6,9 @@ model with no merges over the byte-level alphabet), so `save_pretrained` writes 
 tokenizer.json that `AutoTokenizer.from_pretrained` loads with nothing else installed, and an
 output directory of `tiledmlp train` works as `--model` again.
 
+Chat records (`--data` with "messages") go through CHAT_TEMPLATE: one "role: content" line per
+turn between BOS and EOS, so a preset trains on chat data as on text.
+
 Invariant: encode(text) == [256, *text.encode("utf-8"), 257], and decode inverts it.
 """
 
@@ -13,11 +16,15 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["BOS_ID", "EOS_ID", "VOCAB_SIZE", "byte_tokenizer"]
+__all__ = ["BOS_ID", "CHAT_TEMPLATE", "EOS_ID", "VOCAB_SIZE", "byte_tokenizer"]
 
 BOS_ID = 256
 EOS_ID = 257
 VOCAB_SIZE = 258
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for turn in messages %}{{ turn['role'] }}: {{ turn['content'] }}\n"
+    "{% endfor %}{{ eos_token }}"
+)
 
 
 def byte_tokenizer() -> Any:
@@ -37,13 +44,15 @@ def byte_tokenizer() -> Any:
     tok.post_processor = processors.TemplateProcessing(
         single="<s> $A </s>", special_tokens=[("<s>", BOS_ID), ("</s>", EOS_ID)]
     )
-    return PreTrainedTokenizerFast(
+    tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         bos_token="<s>",
         eos_token="</s>",
         pad_token="</s>",
         model_max_length=2**31 - 1,
     )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
 
 
 def _bytes_to_chars() -> dict[int, str]:
