@@ -20,12 +20,13 @@ from tiledmlp.patching import PatchReport, patch_from_args, patch_model, unpatch
 __version__ = "0.1.0"
 
 
-def enable(**patch_kwargs: object) -> None:
-    """Patches every causal LM transformers builds from now on (see
-    tiledmlp.integrations.hf.enable); `disable()` undoes it."""
+def enable(config: PatchConfig | None = None, **patch_kwargs: object) -> None:
+    """Patches every causal LM transformers builds from now on with `config` or patch_model's
+    keyword options, parsed once into a PatchConfig (see tiledmlp.integrations.hf.enable);
+    `disable()` undoes it."""
     from tiledmlp.integrations.hf import enable as _enable
 
-    _enable(**patch_kwargs)
+    _enable(config, **patch_kwargs)
 
 
 def disable() -> None:

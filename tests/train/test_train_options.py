@@ -11,10 +11,11 @@ import pytest
 import torch
 
 from tiledmlp.cli import main, normalise_argv
+from tiledmlp.config import PatchConfig
 from tiledmlp.models.mlps import GatedMLP
 from tiledmlp.models.presets import default_learning_rate
 from tiledmlp.ops import recognise
-from tiledmlp.ops.policy import MemoryModel, resolve_plan, target_bytes
+from tiledmlp.ops.policy import MemoryModel, TilePolicy
 from tiledmlp.patching.args import patch_from_args, tiling_from_args
 from tiledmlp.train.options import options_from, read_config_file
 
@@ -26,7 +27,8 @@ def test_aliases_spellings_and_dtype_names() -> None:
     assert (o.max_steps, o.learning_rate, o.per_device_train_batch_size) == (4, 1e-3, 2)
     assert o.dtype == "bfloat16" and options_from({"dtype": "fp32"}).dtype == "float32"
     assert options_from({"deepspeed_config": __file__}).deepspeed == Path(__file__)
-    assert options_from({}).kernels is True and options_from({"kernels": "false"}).kernels is False
+    assert options_from({}).patch == PatchConfig(tiled_loss=True)  # the tiled MLPs and loss
+    assert options_from({"kernels": "false"}).patch == PatchConfig(tiled_loss=True, kernels=False)
     with pytest.raises(ValueError, match="max_steps given twice"):
         options_from({"steps": 3, "max_steps": 4})
     with pytest.raises(ValueError, match=r"unknown option 'max_step'; known: .*max_steps"):
@@ -51,7 +53,7 @@ def test_aliases_spellings_and_dtype_names() -> None:
     ],
 )
 def test_other_frameworks_keys(keys: dict, enabled: bool, policy: int | str) -> None:
-    assert tiling_from_args(keys) == (enabled, policy)
+    assert tiling_from_args(keys) == (enabled, TilePolicy.of(policy))
 
 
 def test_other_frameworks_keys_refuse_contradictions() -> None:
@@ -68,7 +70,9 @@ def test_other_frameworks_keys_refuse_contradictions() -> None:
     for bad in (0, -1, "x", True):
         with pytest.raises(ValueError, match="positive number of GiB"):
             options_from({"tile_budget_gb": bad})
-    assert options_from({"tile_budget_gb": "0.25"}).num_tiles == "target:0.25"
+    assert options_from({"tile_budget_gb": "0.25"}).patch == PatchConfig(
+        tiles=TilePolicy.budget(0.25), tiled_loss=True
+    )
 
 
 def test_patch_from_args_takes_each_frameworks_recipe() -> None:
@@ -99,16 +103,16 @@ def test_target_policy_fits_the_budget_with_the_fewest_tiles() -> None:
     model = MemoryModel(structure, torch.float32)
     tokens = 4096
     budget = model.untiled_bytes(tokens) / 5
-    plan = resolve_plan(f"target:{budget / 2**30}", None, tokens, 64, model)
+    plan = TilePolicy.of(f"target:{budget / 2**30}").resolve(tokens, 64, model)
     assert plan is not None
     assert model.tiled_bytes(max(plan.sizes)) <= budget
     fewer = -(-tokens // (plan.num_tiles - 1))
     assert model.tiled_bytes(fewer) > budget  # one tile fewer would not fit
-    assert resolve_plan("target:100", None, tokens, 64, model) is None  # fits untiled
-    generic = resolve_plan(f"target:{budget / 2**30}", None, tokens, 64, None)
+    assert TilePolicy.of("target:100").resolve(tokens, 64, model) is None  # fits untiled
+    generic = TilePolicy.of(f"target:{budget / 2**30}").resolve(tokens, 64, None)
     assert generic is not None and generic.num_tiles > 1
     with pytest.raises(ValueError, match="positive number of GiB"):
-        target_bytes("target:-1")
+        TilePolicy.of("target:-1")
 
 
 def test_config_files(tmp_path: Path) -> None:
@@ -166,7 +170,7 @@ def test_cli_conventions(capsys: pytest.CaptureFixture[str]) -> None:
 def test_fsdp2_on_a_cpu_only_machine_refuses_what_it_cannot_do(
     extra: dict, message: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from tiledmlp.train.trainer import run
+    from tiledmlp.train.run import run
 
     if torch.cuda.is_available():
         pytest.skip("the Trainer runs FSDP2 itself on GPUs")

@@ -96,31 +96,35 @@ def _add_model_and_data_flags(groups: _Groups) -> None:
 
 
 def _add_tiling_flags(groups: _Groups) -> None:
-    """Tiling and the other long-context switches."""
-    tiling = groups.tiling
-    long = groups.long
-    hidden = groups.hidden
-    tiling("--use-tiled-mlp", metavar="true|false", help="tile the MLPs (and the loss) "
-           "(default: true)")  # fmt: skip
-    tiling("--num-tiles", metavar="POLICY", help="tiles per MLP: an int, 'auto', 'arctic' or 'target:<GB>' (the "
-           "fewest tiles whose working memory fits GB GiB) (default: auto)")  # fmt: skip
-    tiling("--tiled-loss", metavar="true|false", help="compute the loss with "
-           "tiled_cross_entropy when tiling (default: true)")  # fmt: skip
-    hidden("--tiled-mlp", metavar="true|false|MODE", help=argparse.SUPPRESS)
-    hidden("--tiled-mlp-num-shards", metavar="N", help=argparse.SUPPRESS)
-    hidden("--tile-budget-gb", metavar="GB", help=argparse.SUPPRESS)
-    tiling("--kernels", metavar="true|false", help="use the fused Triton elementwise kernels "
-           "for gated MLPs on CUDA (default: true; false: PyTorch only)")  # fmt: skip
-    switch = _Switch(long.group)
+    """The feature options, one flag per key of the schema (PatchConfig's fields): ours listed
+    in their group with their help, other frameworks' accepted and hidden; and the model's own
+    checkpointing."""
+    import dataclasses
+
+    from tiledmlp.config.patch import PatchConfig
+    from tiledmlp.config.schema import option_of
+    from tiledmlp.train.options import DEFAULT_PATCH
+
+    switch = _Switch(groups.long.group)
     switch("--gradient-checkpointing", help="the model's own (non-reentrant) checkpointing")
-    switch("--activation-offloading", help="keep the checkpointed layers' inputs in host memory "
-           "between forward and recompute (needs --gradient-checkpointing)")  # fmt: skip
-    switch("--tiled-norms", help="also tile the LayerNorm/RMSNorm layers (with tiled MLPs)")
-    switch(
-        "--tiled-layers",
-        help="also tile the rest of each decoder layer that is token-wise: projections, "
-        "residuals, norms and MLP around the attention core (with tiled MLPs)",
-    )
+    where = {"tiling": groups.tiling, "long context": groups.long, "distributed": groups.dist}
+    seen: set[str] = set()
+    for field in dataclasses.fields(PatchConfig):
+        spec = option_of(field)
+        for key in spec.keys if spec is not None else ():
+            if key.name in seen:
+                continue
+            seen.add(key.name)
+            flag = "--" + key.name.replace("_", "-")
+            shown = key.ours and bool(key.help)
+            adder = where[spec.group] if shown else groups.hidden  # type: ignore[union-attr]
+            text = key.help if shown else argparse.SUPPRESS
+            if shown and key.kind == "bool" and "(default" not in text:
+                text += f" (default: {str(getattr(DEFAULT_PATCH, field.name)).lower()})"
+            if key.kind == "bool":
+                _Switch(adder.group)(flag, help=text)
+            else:
+                adder(flag, metavar=key.metavar or "N", help=text)
 
 
 def _add_distributed_flags(groups: _Groups) -> None:
@@ -129,9 +133,6 @@ def _add_distributed_flags(groups: _Groups) -> None:
 
     dist = groups.dist
     hidden = groups.hidden
-    dist("--sequence-parallel-size", metavar="P", help="split each sequence over P ranks "
-         "(Ulysses sequence parallelism; P divides the world, the heads and --seq-len) "
-         "(default: 1)")  # fmt: skip
     dist("--deepspeed", metavar="CONFIG", help="DeepSpeed JSON config; 'auto' values are "
          "filled by the Trainer")  # fmt: skip
     hidden("--deepspeed-config", dest="deepspeed", metavar="CONFIG", help=argparse.SUPPRESS)

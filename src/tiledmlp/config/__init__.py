@@ -4,6 +4,10 @@
   tile_tokens)`, `TilePolicy.budget(gb)`; resolves to a plan from shapes; `for_loss()`.
 - `PatchConfig` (config/patch.py): everything patch_model does (MLPs, loss, norms, offloading,
   sequence parallelism, the generic path); `PatchConfig.from_kwargs(kwargs)` is patch_model's.
+- The schema (config/schema.py): each PatchConfig field carries its help and every key that
+  spells it (ours and ms-swift / axolotl / unsloth keys) with that key's parser; the key
+  table, the train options and flags, the axolotl plugin's arguments and the docs derive from
+  it.
 - `TiledMLPConfig` (config/tiled.py): the tile policy of one TiledMLP module.
 - `read_keys` (config/keys.py): our keys and other frameworks' (ms-swift / axolotl / unsloth)
   from a dict, a Namespace, a config file's mapping or a training-arguments object, each
@@ -14,8 +18,9 @@ Invariant: every check lives once, at construction; the layers below take these 
 never parse or validate them again.
 """
 
-from tiledmlp.config.keys import KEYS, read_keys
-from tiledmlp.config.patch import PatchConfig
+from tiledmlp.config.keys import KEYS, key_table, read_keys
+from tiledmlp.config.patch import FEATURES, PatchConfig
+from tiledmlp.config.schema import Key, Option, option_of
 from tiledmlp.config.tiled import TiledMLPConfig
 from tiledmlp.config.values import (
     DTYPES,
@@ -29,7 +34,10 @@ from tiledmlp.ops.policy import TilePolicy
 
 __all__ = [
     "DTYPES",
+    "FEATURES",
     "KEYS",
+    "Key",
+    "Option",
     "PatchConfig",
     "TiledMLPConfig",
     "TilePolicy",
@@ -37,6 +45,8 @@ __all__ = [
     "parse_budget_gb",
     "parse_dtype",
     "parse_int",
+    "key_table",
+    "option_of",
     "parse_tile_policy",
     "read_keys",
 ]

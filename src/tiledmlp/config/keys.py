@@ -2,24 +2,14 @@
 
 A recipe written for ms-swift, axolotl or unsloth, a `tiledmlp train` config file, an argparse
 Namespace or a training-arguments object all name the same features; `read_keys` maps each
-spelling to one field of PatchConfig and parses its value once (config/values.py):
-
-| field                  | tiledmlp                 | other frameworks' keys                       |
-|------------------------|--------------------------|----------------------------------------------|
-| tiled_mlp              | tiled_mlp, use_tiled_mlp | ms-swift `use_tiled_mlp`; axolotl `tiled_mlp: true`; unsloth `tiled_mlp: "arctic" / "target:<GB>"` (turns tiling on with that policy) |
-| tiles                  | num_tiles, tile_tokens, tile_budget_gb | ms-swift / axolotl `tiled_mlp_num_shards` |
-| tiled_loss             | tiled_loss               | axolotl `chunked_cross_entropy`              |
-| loss_tiles             | loss_num_tiles           | axolotl `chunked_cross_entropy_num_chunks`   |
-| tiled_norms            | tiled_norms              |                                              |
-| tiled_layers           | tiled_layers             |                                              |
-| activation_offloading  | activation_offloading    | axolotl `activation_offloading`              |
-| sequence_parallel_size | sequence_parallel_size   | ms-swift `sequence_parallel_size`; axolotl `sequence_parallel_degree`, `context_parallel_size` |
-| generic, hidden_size   | generic, hidden_size     |                                              |
-
-axolotl's `tiled_mlp_use_original_mlp` is accepted when true (tiledmlp always runs the model's
-own MLP) and refused when false. Every key may also carry the prefix `tiledmlp_`
-(`tiledmlp_tiled_loss`), so that a config file shared with a framework that reads the bare key
-itself can address tiledmlp alone. A key with the value None counts as absent.
+spelling to one field of PatchConfig and parses its value once, with the parser the field's
+schema gives it (config/patch.py; the table is `KEYS`, rendered by `key_table()` into
+docs/guides/integrations.md). unsloth's modes under `tiled_mlp` ("arctic", "target:<GB>")
+turn tiling on with that policy; axolotl's `tiled_mlp_use_original_mlp` is accepted when true
+(tiledmlp always runs the model's own MLP) and refused when false. Every key may also carry
+the prefix `tiledmlp_` (`tiledmlp_tiled_loss`), so that a config file shared with a framework
+that reads the bare key itself can address tiledmlp alone. A key with the value None counts as
+absent.
 
 Invariant: nothing is dropped silently. Keys that start with `tiled`, `tiledmlp` or `tile_` but
 are not known are refused with the closest known key; two keys for one field must agree.
@@ -33,62 +23,42 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from tiledmlp.config.values import (
-    is_bool_text,
-    parse_bool,
-    parse_budget_gb,
-    parse_int,
-    parse_tile_policy,
-)
+from tiledmlp.config.patch import PatchConfig
+from tiledmlp.config.schema import Key, option_of
 from tiledmlp.ops.policy import TilePolicy
 
-__all__ = ["KEYS", "PREFIX", "KeyValue", "items_of", "read_keys"]
+__all__ = ["KEYS", "PREFIX", "KeyValue", "SchemaKey", "items_of", "key_table", "read_keys"]
 
 PREFIX = "tiledmlp_"
 _OURS = ("tiled", "tile_")  # key prefixes claimed by tiledmlp: unknown ones are typos
 
 
-def _tokens(value: Any, name: str) -> TilePolicy:
-    return TilePolicy.of("auto", parse_int(value, name))
-
-
-def _loss_tiles(value: Any, name: str) -> TilePolicy:
-    return parse_tile_policy(value, name)
-
-
-def _count(value: Any, name: str) -> int:
-    return parse_int(value, name)
-
-
 @dataclass(frozen=True)
-class _Key:
+class SchemaKey:
+    """A key of the schema and the PatchConfig field it sets ("" when it sets none)."""
+
     field: str
     parse: Callable[[Any, str], Any]
-    framework: str = "tiledmlp"
+    framework: str
+    key: Key
 
 
-# key -> the field it sets and its parser; "tiled_mlp" (a flag or a tile mode) is special-cased
-KEYS: dict[str, _Key] = {
-    "use_tiled_mlp": _Key("tiled_mlp", parse_bool, "ms-swift"),
-    "tiled_mlp": _Key("tiled_mlp", parse_bool, "axolotl / unsloth"),
-    "tiled_mlp_num_shards": _Key("tiles", parse_tile_policy, "ms-swift / axolotl"),
-    "num_tiles": _Key("tiles", parse_tile_policy),
-    "tile_tokens": _Key("tiles", _tokens),
-    "tile_budget_gb": _Key("tiles", parse_budget_gb),
-    "tiled_loss": _Key("tiled_loss", parse_bool),
-    "chunked_cross_entropy": _Key("tiled_loss", parse_bool, "axolotl"),
-    "loss_num_tiles": _Key("loss_tiles", _loss_tiles),
-    "chunked_cross_entropy_num_chunks": _Key("loss_tiles", _loss_tiles, "axolotl"),
-    "tiled_norms": _Key("tiled_norms", parse_bool),
-    "tiled_layers": _Key("tiled_layers", parse_bool),
-    "activation_offloading": _Key("activation_offloading", parse_bool),
-    "sequence_parallel_size": _Key("sequence_parallel_size", _count),
-    "sequence_parallel_degree": _Key("sequence_parallel_size", _count, "axolotl"),
-    "context_parallel_size": _Key("sequence_parallel_size", _count, "axolotl"),
-    "generic": _Key("generic", parse_bool),
-    "hidden_size": _Key("hidden_size", _count),
-    "tiled_mlp_use_original_mlp": _Key("", parse_bool, "axolotl"),
-}
+def _schema_keys() -> list[SchemaKey]:
+    """Every key of every PatchConfig field, in field order (the same key may appear once per
+    framework that spells it)."""
+    return [
+        SchemaKey(f.name if key.sets else "", key.parse, key.framework, key)
+        for f in dataclasses.fields(PatchConfig)
+        if (spec := option_of(f)) is not None
+        for key in spec.keys
+    ]
+
+
+SCHEMA_KEYS: tuple[SchemaKey, ...] = tuple(_schema_keys())
+# key -> the field it sets and its parser (tiledmlp's own spelling first)
+KEYS: dict[str, SchemaKey] = {}
+for _k in SCHEMA_KEYS:
+    KEYS.setdefault(_k.key.name, _k)
 
 
 @dataclass(frozen=True)
@@ -149,25 +119,23 @@ def read_keys(
 def _parse(name: str, raw: Any) -> list[tuple[str, Any]]:
     """(field, value) pairs one key sets."""
     spec = KEYS[name]
-    if name == "tiled_mlp" and not is_bool_text(raw):
-        # unsloth's modes under tiled_mlp: tiling on, with that policy
-        return [("tiled_mlp", True), ("tiles", parse_tile_policy(raw, name))]
     value = spec.parse(raw, name)
-    if name == "tiled_mlp_use_original_mlp":
-        if not value:
-            raise ValueError(
-                "tiled_mlp_use_original_mlp: false asks for a stand-in MLP; tiledmlp always "
-                "tiles the model's own MLP (exact for every recognised or generic module): "
-                "drop the key or set it to true"
-            )
-        return []
+    if not spec.field:
+        return []  # a key that is checked and sets nothing
+    if isinstance(value, TilePolicy) and spec.field not in _POLICY_FIELDS:
+        return [(spec.field, True), ("tiles", value)]  # a switch spelled as its policy (unsloth)
     return [(spec.field, value)]
+
+
+_POLICY_FIELDS = ("tiles", "loss_tiles")
 
 
 def _put(found: dict[str, KeyValue], field: str, new: KeyValue) -> None:
     old = found.get(field)
-    if old is None:
-        found[field] = new
+    if old is None or (old.value == TilePolicy() and isinstance(new.value, TilePolicy)):
+        found[field] = new  # "auto" (num_tiles' default) yields to tile_tokens or a budget
+    elif new.value == TilePolicy() and isinstance(old.value, TilePolicy):
+        return
     elif old.value != new.value:
         raise ValueError(f"{old.key}={old.raw!r} and {new.key}={new.raw!r} disagree; give one")
 
@@ -178,3 +146,16 @@ def _unknown(key: str, what: str, only: tuple[str, ...] | None) -> str:
     close = difflib.get_close_matches(plain.removeprefix(PREFIX), known, n=1, cutoff=0.5)
     hint = f"; did you mean {close[0]!r}?" if close else ""
     return f"unknown {what} {key!r}{hint} (tiledmlp's keys: {', '.join(sorted(known))})"
+
+
+def key_table() -> str:
+    """The docs' table of every option's keys, ours and other frameworks', from the schema."""
+    rows = ["| option | tiledmlp | other frameworks' keys |", "|---|---|---|"]
+    for f in dataclasses.fields(PatchConfig):
+        spec = option_of(f)
+        if spec is None or not spec.keys:
+            continue
+        ours = ", ".join(f"`{k.name}`" for k in spec.keys if k.ours)
+        theirs = "; ".join(f"{k.framework} `{k.name}`" for k in spec.keys if not k.ours)
+        rows.append(f"| `{f.name}` | {ours} | {theirs} |")
+    return "\n".join(rows) + "\n"

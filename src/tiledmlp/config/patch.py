@@ -1,4 +1,10 @@
-"""PatchConfig: everything patch_model can do, as one frozen, checked object.
+"""PatchConfig: everything patch_model can do, as one frozen, checked object, and the schema of
+every option.
+
+Each field is declared with config.schema.option: its help and every key that spells it (ours
+and ms-swift / axolotl / unsloth keys) with the parser of each live on the field, once; the key
+table (config/keys.py), `tiledmlp train`'s options and flags, the axolotl plugin's arguments and
+the docs' key table are derived from them.
 
 patch_model(model, **kwargs) builds one with PatchConfig.from_kwargs; patch_from_args builds one
 from any framework's keys (config/keys.py); both check nothing themselves.
@@ -10,62 +16,149 @@ keyword arguments are refused with the closest known one.
 from __future__ import annotations
 
 import difflib
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Any
 
+from tiledmlp.config.schema import Key, option, option_of
 from tiledmlp.config.tiled import TiledMLPConfig
+from tiledmlp.config.values import (
+    parse_bool,
+    parse_budget_gb,
+    parse_int,
+    parse_loss_tiles,
+    parse_original_mlp,
+    parse_tile_policy,
+    parse_tile_tokens,
+    parse_tiled_mlp,
+)
 from tiledmlp.ops.policy import TilePolicy
 from tiledmlp.ops.values import check_int
 
 __all__ = ["PatchConfig"]
-
-_SWITCHES = (
-    "tiled_mlp",
-    "generic",
-    "tiled_loss",
-    "tiled_norms",
-    "tiled_layers",
-    "activation_offloading",
-    "kernels",
-)
 
 
 @dataclass(frozen=True, kw_only=True)
 class PatchConfig:
     """What patch_model does to a model.
 
-    Attributes:
-        tiles: the MLPs' (and tiled norms') tile policy.
-        tiled_mlp: tile the MLPs (False: only the other options, e.g. the tiled loss alone).
-        generic: also tile token-wise MLP-like modules whose structure is not recognised, with
-            the generic path (otherwise they are an error).
-        hidden_size: the MLPs' hidden size; None: model.config's or the embedding's.
-        tiled_loss: compute the training loss with tiled_cross_entropy.
-        loss_tiles: the loss's tile policy (a count, tokens per tile or "auto"); None: derived
-            from `tiles` (TilePolicy.for_loss).
-        tiled_norms: also tile the normalisation layers over the hidden size.
-        tiled_layers: also tile the token-wise rest of each decoder layer (projections,
-            residuals, norms and MLP around the attention core).
-        activation_offloading: keep the checkpointed layers' inputs in host memory.
-        sequence_parallel_size: P > 1: Ulysses sequence parallelism over P ranks; None or 1:
-            none.
-        sequence_parallel_group: a process group of P ranks to use instead of consecutive ones.
-        kernels: let the fast path use the fused Triton elementwise kernels where they can run
-            (CUDA). False: PyTorch only.
+    Each field's meaning is its `help` (the option table of docs/guides/patching.md and
+    `PatchConfig.describe()` show them); `tiles` and `loss_tiles` are TilePolicy objects, the
+    switches bools, the sizes ints.
     """
 
-    tiles: TilePolicy = field(default_factory=TilePolicy)
-    tiled_mlp: bool = True
-    generic: bool = False
-    hidden_size: int | None = None
-    tiled_loss: bool = False
-    loss_tiles: TilePolicy | None = None
-    tiled_norms: bool = False
-    tiled_layers: bool = False
-    activation_offloading: bool = False
-    sequence_parallel_size: int | None = None
-    sequence_parallel_group: Any = None
-    kernels: bool = True
+    tiles: TilePolicy = option(  # noqa: RUF009 (option() returns a dataclasses.field)
+        default_factory=TilePolicy,
+        help="the MLPs' (and tiled norms') tile policy",
+        keys=(
+            Key("num_tiles", parse_tile_policy, metavar="POLICY", kind="int | str",
+                help="tiles per MLP: an int, 'auto', 'arctic' or 'target:<GB>' (the fewest tiles "
+                "whose working memory fits GB GiB) (default: auto)"),
+            Key("tile_tokens", parse_tile_tokens, metavar="N", kind="int",
+                help="tokens per tile, instead of --num-tiles"),
+            Key("tile_budget_gb", parse_budget_gb, metavar="GB", kind="float"),  # = target:<GB>
+            Key("tiled_mlp_num_shards", parse_tile_policy, "ms-swift / axolotl", metavar="N",
+                kind="int | str"),
+        ),
+    )  # fmt: skip
+    tiled_mlp: bool = option(
+        default=True,
+        help="tile the MLPs (False: only the other options, e.g. the tiled loss alone)",
+        keys=(
+            Key("use_tiled_mlp", parse_bool, metavar="true|false",
+                help="tile the MLPs (default: true)"),
+            Key("tiled_mlp", parse_tiled_mlp, "axolotl / unsloth", metavar="true|false|MODE",
+                kind="bool | str"),
+            Key("tiled_mlp_use_original_mlp", parse_original_mlp, "axolotl", sets=False),
+        ),
+        feature=True,
+    )  # fmt: skip
+    generic: bool = option(
+        default=False,
+        help="also tile token-wise MLP-like modules whose structure is not recognised, on the "
+        "generic path (otherwise they are an error)",
+        keys=(Key("generic", parse_bool, help="also tile MLP-like modules that are not "
+                  "recognised, on the generic path"),),
+    )  # fmt: skip
+    hidden_size: int | None = option(
+        default=None,
+        help="the MLPs' hidden size; None: model.config's or the embedding's",
+        keys=(Key("hidden_size", parse_int, metavar="H", kind="int",
+                  help="the MLPs' hidden size when the model's config does not say it"),),
+    )  # fmt: skip
+    tiled_loss: bool = option(
+        default=False,
+        help="compute the training loss from the last hidden states tile by tile "
+        "(tiled_cross_entropy)",
+        keys=(
+            Key("tiled_loss", parse_bool, help="compute the loss with tiled_cross_entropy"),
+            Key("chunked_cross_entropy", parse_bool, "axolotl"),
+        ),
+        feature=True,
+    )  # fmt: skip
+    loss_tiles: TilePolicy | None = option(  # noqa: RUF009 (option() returns a dataclasses.field)
+        default=None,
+        help="the loss's tile policy (a count, tokens per tile or 'auto'); None: the MLPs' "
+        "count, or 'auto' for the MLP-only policies (TilePolicy.for_loss)",
+        keys=(
+            Key("loss_num_tiles", parse_loss_tiles, metavar="N", kind="int | str",
+                help="the loss's tiles: an int or 'auto' (default: the MLPs' count, else auto)"),
+            Key("chunked_cross_entropy_num_chunks", parse_loss_tiles, "axolotl", metavar="N",
+                kind="int"),
+        ),
+    )  # fmt: skip
+    tiled_norms: bool = option(
+        default=False,
+        help="also tile the normalisation layers (LayerNorm / RMSNorm) over the hidden size",
+        keys=(Key("tiled_norms", parse_bool, help="also tile the LayerNorm/RMSNorm layers"),),
+        group="long context",
+        feature=True,
+    )  # fmt: skip
+    tiled_layers: bool = option(
+        default=False,
+        help="also tile the token-wise rest of each decoder layer (projections, residuals, "
+        "norms and MLP around the attention core)",
+        keys=(Key("tiled_layers", parse_bool, help="also tile the rest of each decoder layer "
+                  "that is token-wise: projections, residuals, norms and MLP around the "
+                  "attention core (Llama-family layers)"),),
+        group="long context",
+        feature=True,
+    )  # fmt: skip
+    activation_offloading: bool = option(
+        default=False,
+        help="keep the checkpointed layers' inputs in host memory between forward and "
+        "recompute",
+        keys=(
+            Key("activation_offloading", parse_bool, help="keep the checkpointed layers' inputs "
+                "in host memory between forward and recompute (needs --gradient-checkpointing)"),
+            Key("activation_offloading", parse_bool, "axolotl"),
+        ),
+        group="long context",
+        feature=True,
+    )  # fmt: skip
+    sequence_parallel_size: int | None = option(
+        default=None,
+        help="P > 1: Ulysses sequence parallelism over P ranks; None or 1: none",
+        keys=(
+            Key("sequence_parallel_size", parse_int, metavar="P", kind="int",
+                help="split each sequence over P ranks (Ulysses sequence parallelism; P divides "
+                "the world, the heads and --seq-len) (default: 1)"),
+            Key("sequence_parallel_size", parse_int, "ms-swift", kind="int"),
+            Key("sequence_parallel_degree", parse_int, "axolotl", kind="int"),
+            Key("context_parallel_size", parse_int, "axolotl", kind="int"),
+        ),
+        group="distributed",
+    )  # fmt: skip
+    sequence_parallel_group: Any = option(  # noqa: RUF009 (option() returns a dataclasses.field)
+        default=None,
+        help="a process group of P ranks to use instead of consecutive ones (Python only)",
+    )
+    kernels: bool = option(
+        default=True,
+        help="let the fast path use the fused Triton elementwise kernels where they can run "
+        "(CUDA); False: PyTorch only",
+        keys=(Key("kernels", parse_bool, help="use the fused Triton elementwise kernels for "
+                  "gated MLPs on CUDA (default: true; false: PyTorch only)"),),
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
         for name in ("tiles", "loss_tiles"):
@@ -80,9 +173,9 @@ class PatchConfig:
                 f"the loss's tile policy must be a number of tiles, tokens per tile or 'auto', "
                 f"got {self.loss_tiles}"
             )
-        for name in _SWITCHES:
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        for f in fields(self):
+            if f.type == "bool" and not isinstance(getattr(self, f.name), bool):
+                raise ValueError(f"{f.name} must be True or False, got {getattr(self, f.name)!r}")
         if self.hidden_size is not None:
             check_int("hidden_size", self.hidden_size)
         if self.sequence_parallel_size is not None:
@@ -91,17 +184,10 @@ class PatchConfig:
                 self.sequence_parallel_size,
                 hint="; use 1 or None to switch sequence parallelism off",
             )
-        if not (
-            self.tiled_mlp
-            or self.tiled_loss
-            or self.tiled_norms
-            or self.tiled_layers
-            or self.activation_offloading
-            or self.sequence_parallel
-        ):
+        if not (self.sequence_parallel or any(getattr(self, f) for f in FEATURES)):
+            others = ", ".join(f"{f}=True" for f in FEATURES if f != "tiled_mlp")
             raise ValueError(
-                "patch_model: nothing to do with tiled_mlp=False; ask for tiled_loss=True, "
-                "tiled_norms=True, tiled_layers=True, activation_offloading=True or "
+                f"patch_model: nothing to do with tiled_mlp=False; ask for {others} or "
                 "sequence_parallel_size=P"
             )
 
@@ -155,3 +241,16 @@ class PatchConfig:
                 None if count is None else TilePolicy.of(count, name="loss_num_tiles")
             )
         return cls(**values)
+
+    @classmethod
+    def describe(cls) -> str:
+        """Each option and its help, one per line (the schema as text)."""
+        return "\n".join(
+            f"{f.name}: {spec.help}" for f in fields(cls) if (spec := option_of(f)) is not None
+        )
+
+
+# the switches that turn a feature on by themselves (in field order; tiled_mlp first)
+FEATURES: tuple[str, ...] = tuple(
+    f.name for f in fields(PatchConfig) if (spec := option_of(f)) is not None and spec.feature
+)

@@ -39,8 +39,13 @@ class TiledMLPConfig:
 
     @classmethod
     def of(cls, policy: TilePolicy, kernels: bool = True) -> TiledMLPConfig:
-        """The config of a TilePolicy."""
-        return cls(num_tiles=policy.num_tiles, tile_tokens=policy.tile_tokens, kernels=kernels)
+        """The config of a TilePolicy, which it keeps as it is (num_tiles and tile_tokens show
+        it in tiled_mlp's keywords; nothing parses them again)."""
+        config = cls(kernels=kernels)
+        object.__setattr__(config, "num_tiles", policy.num_tiles)
+        object.__setattr__(config, "tile_tokens", policy.tile_tokens)
+        object.__setattr__(config, "policy", policy)
+        return config
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> TiledMLPConfig:

@@ -23,7 +23,11 @@ __all__ = [
     "parse_budget_gb",
     "parse_dtype",
     "parse_int",
+    "parse_loss_tiles",
+    "parse_original_mlp",
     "parse_tile_policy",
+    "parse_tile_tokens",
+    "parse_tiled_mlp",
 ]
 
 _TRUE = {"true", "1", "yes", "on"}
@@ -72,6 +76,38 @@ def parse_tile_policy(value: Any, name: str = "num_tiles") -> TilePolicy:
         elif text in ("auto", "arctic"):
             value = text
     return TilePolicy.of(value, name=name)
+
+
+def parse_tile_tokens(value: Any, name: str = "tile_tokens") -> TilePolicy:
+    """The tokens-per-tile policy of a positive int (or its text)."""
+    if isinstance(value, TilePolicy):
+        return value
+    return TilePolicy.of("auto", parse_int(value, name))
+
+
+def parse_loss_tiles(value: Any, name: str = "loss_num_tiles") -> TilePolicy:
+    """The loss's tile policy: a positive int, "auto" or their text (PatchConfig refuses the
+    MLP-only rules)."""
+    return parse_tile_policy(value, name)
+
+
+def parse_tiled_mlp(value: Any, name: str = "tiled_mlp") -> bool | TilePolicy:
+    """A flag, or one of unsloth's modes ("arctic", "target:<GB>"), which turns tiling on
+    with that policy (returned as the TilePolicy)."""
+    if value is None or is_bool_text(value):
+        return parse_bool(value, name)
+    return parse_tile_policy(value, name)
+
+
+def parse_original_mlp(value: Any, name: str = "tiled_mlp_use_original_mlp") -> bool:
+    """axolotl's switch to a stand-in MLP: accepted when true (tiledmlp always runs the model's
+    own MLP), refused when false."""
+    if not parse_bool(value, name):
+        raise ValueError(
+            f"{name}: false asks for a stand-in MLP; tiledmlp always tiles the model's own MLP "
+            "(exact for every recognised or generic module): drop the key or set it to true"
+        )
+    return True
 
 
 def parse_budget_gb(value: Any, name: str = "tile_budget_gb") -> TilePolicy:

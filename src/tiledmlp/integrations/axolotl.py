@@ -3,12 +3,11 @@
     plugins:
       - tiledmlp.integrations.axolotl.TiledMLPPlugin
     tiledmlp: true
-    tiledmlp_tiled_loss: true       # optional: tiledmlp_num_tiles, tiledmlp_tile_tokens,
-                                    # tiledmlp_tiled_norms, tiledmlp_tiled_layers,
-                                    # tiledmlp_activation_offloading,
-                                    # tiledmlp_sequence_parallel_size
+    tiledmlp_tiled_loss: true       # optional: tiledmlp_ + any of tiledmlp's keys
+                                    # (tiledmlp_num_tiles, tiledmlp_tile_tokens, ...)
 
-The keys are namespaced `tiledmlp*`, so they never collide with axolotl's own `tiled_mlp*`
+The plugin's arguments are derived from the schema (PatchConfig's fields): `tiledmlp_` + each
+of tiledmlp's own keys, typed as the key's value. They are namespaced `tiledmlp*`, so they never collide with axolotl's own `tiled_mlp*`
 (DeepSpeed's TiledMLP port, which axolotl applies by class). The plugin runs patch_model on
 the loaded model (after any LoRA adapter; `post_model_load`) and, when the installed TRL gives
 its trainers a fused LM head, lets the tiled loss serve it once the trainer is built
@@ -26,36 +25,52 @@ axolotl discovers plugins by the dotted names under `plugins:` only (its one ent
 `axolotl.cli_commands`, adds CLI commands), so that name is the way in.
 
 Invariant: with `tiledmlp: true` and a config the validators accept, the model axolotl trains is
-patched exactly as patch_model(model, **options) would patch it; nothing set is ignored.
+patched with the PatchConfig its `tiledmlp_*` keys parse to (read_keys, the same parsers as
+every other spelling); nothing set is ignored.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import logging
 from typing import Any
 
 from axolotl.integrations.base import BasePlugin
-from pydantic import BaseModel, model_validator
+from pydantic import BaseModel, create_model, model_validator
 
-__all__ = ["TiledMLPArgs", "TiledMLPPlugin", "patch_options"]
+from tiledmlp.config.keys import PREFIX as _PREFIX
+from tiledmlp.config.keys import read_keys
+from tiledmlp.config.patch import PatchConfig
+from tiledmlp.config.schema import option_of
+
+__all__ = ["TiledMLPArgs", "TiledMLPPlugin", "patch_config", "patch_options"]
 
 logger = logging.getLogger(__name__)
 
-_PREFIX = "tiledmlp_"
+_KINDS: dict[str, Any] = {
+    "bool": bool | None,
+    "int": int | None,
+    "float": float | None,
+    "int | str": int | str | None,
+    "bool | str": bool | str | None,
+}
 
 
-class TiledMLPArgs(BaseModel):
-    """The plugin's keys (merged into axolotl's config schema)."""
+def _plugin_keys() -> dict[str, str]:
+    """`tiledmlp_<key>` -> the kind of its value, for each of tiledmlp's own keys of the
+    schema."""
+    keys: dict[str, str] = {}
+    for field in dataclasses.fields(PatchConfig):
+        spec = option_of(field)
+        for key in spec.keys if spec is not None else ():
+            if key.ours:
+                keys.setdefault(_PREFIX + key.name, key.kind)
+    return keys
 
-    tiledmlp: bool | None = None
-    tiledmlp_num_tiles: int | str | None = None
-    tiledmlp_tile_tokens: int | None = None
-    tiledmlp_tiled_loss: bool | None = None
-    tiledmlp_tiled_norms: bool | None = None
-    tiledmlp_tiled_layers: bool | None = None
-    tiledmlp_activation_offloading: bool | None = None
-    tiledmlp_sequence_parallel_size: int | None = None
+
+class _Checks(BaseModel):
+    """The validators of the plugin's keys (TiledMLPArgs adds the keys from the schema)."""
 
     @model_validator(mode="before")
     @classmethod
@@ -80,6 +95,17 @@ class TiledMLPArgs(BaseModel):
         if why is not None:
             raise ValueError(f"tiledmlp: {why}")
         return data
+
+
+TiledMLPArgs: type[BaseModel] = create_model(  # type: ignore[call-overload]
+    "TiledMLPArgs",
+    __base__=_Checks,
+    __doc__="The plugin's keys (merged into axolotl's config schema): `tiledmlp` and "
+    "`tiledmlp_` + each of tiledmlp's keys.",
+    __module__=__name__,
+    tiledmlp=(bool | None, None),
+    **{name: (_KINDS[kind], None) for name, kind in _plugin_keys().items()},
+)
 
 
 def _contradiction(data: dict[str, Any]) -> str | None:
@@ -111,9 +137,15 @@ def _contradiction(data: dict[str, Any]) -> str | None:
     return None
 
 
+def _getter(cfg: Any) -> Any:
+    return cfg.get if hasattr(cfg, "get") else lambda k, d=None: getattr(cfg, k, d)
+
+
 def patch_options(cfg: Any) -> dict[str, Any]:
-    """patch_model's keyword arguments for an axolotl config (a DictDefault or a dict)."""
-    get = cfg.get if hasattr(cfg, "get") else lambda k, d=None: getattr(cfg, k, d)
+    """The `tiledmlp_*` keys an axolotl config (a DictDefault or a dict) sets, without the
+    prefix (patch_model's keyword spellings); sequence_parallel_size is left out under
+    axolotl's context parallelism (the attention is axolotl's)."""
+    get = _getter(cfg)
     options: dict[str, Any] = {}
     for field in TiledMLPArgs.model_fields:
         value = get(field, None)
@@ -122,6 +154,13 @@ def patch_options(cfg: Any) -> dict[str, Any]:
     if (get("context_parallel_size", None) or 1) > 1:
         options.pop("sequence_parallel_size", None)  # the attention is axolotl's
     return options
+
+
+def patch_config(cfg: Any) -> PatchConfig:
+    """The PatchConfig of an axolotl config's `tiledmlp_*` keys, parsed by read_keys (the same
+    parsers as every other spelling of each option)."""
+    found = read_keys(patch_options(cfg))
+    return PatchConfig(**{field: kv.value for field, kv in found.items()})
 
 
 class TiledMLPPlugin(BasePlugin):  # type: ignore[misc]
@@ -149,7 +188,7 @@ class TiledMLPPlugin(BasePlugin):  # type: ignore[misc]
             return
         from tiledmlp.patching.patch import patch_model
 
-        self.report = patch_model(model, **patch_options(cfg))
+        self.report = patch_model(model, patch_config(cfg))
         logger.info("tiledmlp: %s", self.report)
 
     def post_trainer_create(self, cfg: Any, trainer: Any) -> None:
@@ -158,4 +197,4 @@ class TiledMLPPlugin(BasePlugin):  # type: ignore[misc]
         from tiledmlp.integrations.trl import install, ready
 
         if ready():  # the installed TRL has a fused LM head for the tiled loss to serve
-            install(trainer, **patch_options(cfg))
+            install(trainer, patch_config(cfg))

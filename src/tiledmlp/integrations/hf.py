@@ -2,8 +2,8 @@
 
 `enable(**patch_kwargs)` makes every causal LM that transformers builds afterwards
 (`from_pretrained` or `from_config`, through any Auto class, by any trainer: the HF Trainer,
-TRL, axolotl) come back patched with `patch_model(model, **patch_kwargs)`; `disable()` undoes
-it. `TiledMLPCallback(**patch_kwargs)` patches the model a Trainer was given, when the Trainer
+TRL, axolotl) come back patched with `patch_model(model, config)`, `config` the PatchConfig
+of `patch_kwargs`, parsed once when enable() is called; `disable()` undoes it. `TiledMLPCallback(**patch_kwargs)` patches the model a Trainer was given, when the Trainer
 is built (before it wraps the model for DDP, FSDP or DeepSpeed).
 
 Why these two entry points. transformers 5.23 offers two official ways to change what it
@@ -32,13 +32,15 @@ from typing import Any
 
 from torch import nn
 
+from tiledmlp.config.patch import PatchConfig
 from tiledmlp.patching.loss import loss_patched
+from tiledmlp.patching.state import STATE
 
-__all__ = ["TiledMLPCallback", "disable", "enable", "enabled", "is_patched"]
+__all__ = ["TiledMLPCallback", "config_of", "disable", "enable", "enabled", "is_patched"]
 
 logger = logging.getLogger(__name__)
 
-_ENABLED: dict[str, Any] = {}  # "kwargs": the patch options; "saved": the replaced constructors
+_ENABLED: dict[str, Any] = {}  # "config": the PatchConfig; "saved": the replaced constructors
 _DEPTH = threading.local()
 
 
@@ -46,7 +48,7 @@ def is_patched(model: nn.Module) -> bool:
     """Whether patch_model has run on `model` (its MLPs, norms or loss)."""
     if loss_patched(model):
         return True
-    return any("_tiledmlp_patch" in m.__dict__ for m in model.modules())
+    return any(STATE in m.__dict__ for m in model.modules())
 
 
 def _causal_lm(model: Any) -> bool:
@@ -57,11 +59,11 @@ def _causal_lm(model: Any) -> bool:
 def _patch_loaded(model: Any) -> None:
     from tiledmlp.patching.patch import patch_model
 
-    kwargs = _ENABLED.get("kwargs")
-    if kwargs is None or not _causal_lm(model) or is_patched(model):
+    config = _ENABLED.get("config")
+    if config is None or not _causal_lm(model) or is_patched(model):
         return
     try:
-        report = patch_model(model, **kwargs)
+        report = patch_model(model, config)
     except ValueError as e:  # a model the switch does not understand still loads
         logger.warning("tiledmlp.enable: %s left unpatched: %s", type(model).__name__, e)
         return
@@ -87,7 +89,26 @@ def _wrap(original: Any) -> Any:
     return classmethod(construct)
 
 
-def enable(**patch_kwargs: Any) -> None:
+def config_of(config: PatchConfig | None, patch_kwargs: dict[str, Any], what: str) -> PatchConfig:
+    """The PatchConfig of an entry point's `config` or keyword arguments (one of them).
+
+    Raises:
+        TypeError: both, or an option patch_model does not take (with the closest one).
+        ValueError: a bad option value (see tiledmlp.PatchConfig).
+    """
+    if config is not None:
+        if patch_kwargs:
+            raise TypeError(f"{what}: give a PatchConfig or keyword options, not both")
+        if not isinstance(config, PatchConfig):
+            raise TypeError(f"{what}: config must be a tiledmlp.PatchConfig, got {config!r}")
+        return config
+    try:
+        return PatchConfig.from_kwargs(patch_kwargs)
+    except TypeError as e:
+        raise TypeError(f"{what}: {e}") from None
+
+
+def enable(config: PatchConfig | None = None, **patch_kwargs: Any) -> None:
     """Patches every causal LM transformers builds from now on.
 
     Call it once, before the model is loaded (by you, a Trainer, TRL, axolotl...):
@@ -99,8 +120,9 @@ def enable(**patch_kwargs: Any) -> None:
     Calling it again replaces the options. Models already built are left as they are.
 
     Args:
-        patch_kwargs: patch_model's options (num_tiles, tile_tokens, tiled_loss, tiled_norms,
-            activation_offloading, ...); checked now, so a typo fails here and not at load.
+        config: a PatchConfig, instead of the keyword options.
+        patch_kwargs: patch_model's options (num_tiles, tile_tokens, tiled_loss, ...); parsed
+            now into one PatchConfig, so a typo fails here and not at load.
 
     Raises:
         TypeError: an option patch_model does not take (with the closest one it does).
@@ -108,13 +130,8 @@ def enable(**patch_kwargs: Any) -> None:
     """
     from transformers import PreTrainedModel
 
-    from tiledmlp.config.patch import PatchConfig
-
-    try:
-        PatchConfig.from_kwargs(patch_kwargs)
-    except TypeError as e:
-        raise TypeError(f"tiledmlp.enable: {e}") from None
-    _ENABLED["kwargs"] = dict(patch_kwargs)
+    checked = config_of(config, patch_kwargs, "tiledmlp.enable")
+    _ENABLED["config"] = checked
     if "saved" not in _ENABLED:
         saved = {
             name: PreTrainedModel.__dict__[name] for name in ("from_pretrained", "_from_config")
@@ -122,7 +139,7 @@ def enable(**patch_kwargs: Any) -> None:
         _ENABLED["saved"] = saved
         for name, original in saved.items():
             setattr(PreTrainedModel, name, _wrap(original))
-    if patch_kwargs.get("tiled_loss"):
+    if checked.tiled_loss:
         from tiledmlp.integrations.trl import ready
 
         ready()
@@ -132,7 +149,7 @@ def disable() -> None:
     """Undoes enable(): transformers' constructors are restored; models already patched stay
     patched (unpatch_model undoes those)."""
     saved = _ENABLED.pop("saved", None)
-    _ENABLED.pop("kwargs", None)
+    _ENABLED.pop("config", None)
     if saved is None:
         return
     from transformers import PreTrainedModel
@@ -141,10 +158,10 @@ def disable() -> None:
         setattr(PreTrainedModel, name, original)
 
 
-def enabled() -> dict[str, Any] | None:
-    """The options enable() is patching with, or None."""
-    kwargs = _ENABLED.get("kwargs")
-    return None if kwargs is None else dict(kwargs)
+def enabled() -> PatchConfig | None:
+    """The PatchConfig enable() is patching with, or None."""
+    config: PatchConfig | None = _ENABLED.get("config")
+    return config
 
 
 def _callback_base() -> type:
@@ -165,11 +182,12 @@ class TiledMLPCallback(_callback_base()):  # type: ignore[misc]
     since, or built by model_init) is patched then. `report` holds the latest PatchReport.
 
     Args:
-        patch_kwargs: patch_model's options.
+        config: a PatchConfig, instead of the keyword options.
+        patch_kwargs: patch_model's options, parsed now into `config`.
     """
 
-    def __init__(self, **patch_kwargs: Any) -> None:
-        self.patch_kwargs = patch_kwargs
+    def __init__(self, config: PatchConfig | None = None, **patch_kwargs: Any) -> None:
+        self.config = config_of(config, patch_kwargs, "TiledMLPCallback")
         self.report: Any = None
 
     def _patch(self, model: Any) -> None:
@@ -177,7 +195,7 @@ class TiledMLPCallback(_callback_base()):  # type: ignore[misc]
 
         if model is None or is_patched(model):
             return
-        self.report = patch_model(model, **self.patch_kwargs)
+        self.report = patch_model(model, self.config)
         logger.info("TiledMLPCallback: %s", self.report)
 
     def on_init_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:

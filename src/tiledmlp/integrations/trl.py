@@ -32,6 +32,7 @@ head, and `fused_lm_head` never reaches the decoder.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import importlib
 import importlib.util
@@ -44,6 +45,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from tiledmlp.config.patch import PatchConfig
 from tiledmlp.ops.loss import tiled_token_stats
 from tiledmlp.patching.detect import text_config
 from tiledmlp.patching.loss import (
@@ -56,7 +58,7 @@ from tiledmlp.patching.loss import (
     softcap_of,
 )
 
-__all__ = ["TESTED", "install", "ready"]
+__all__ = ["TESTED", "install", "policy_config", "ready", "reference_config"]
 
 logger = logging.getLogger(__name__)
 
@@ -264,33 +266,55 @@ def _on_loss_patch(model: nn.Module) -> None:
     ready()
 
 
-def install(trainer: Any, **patch_kwargs: Any) -> Any:
+def install(trainer: Any, config: PatchConfig | None = None, **patch_kwargs: Any) -> Any:
     """Makes a built TRL trainer compute its loss (and its reference model's log-probabilities)
-    with the tiled LM head, and its MLPs tiled: patch_model(trainer.model, tiled_loss=True,
-    **patch_kwargs), and the loss of trainer.ref_model tiled when there is one.
+    with the tiled LM head, and its MLPs tiled: patch_model(trainer.model, config) with the
+    tiled loss on, and trainer.ref_model's loss tiled when there is one, with the policy
+    model's tile policies (reference_config).
 
     Args:
         trainer: a TRL trainer (SFTTrainer, DPOTrainer, GRPOTrainer, KTOTrainer, RLOOTrainer).
-        patch_kwargs: patch_model's options (num_tiles, tiled_norms, ...).
+        config: a PatchConfig, instead of the keyword options.
+        patch_kwargs: patch_model's options (num_tiles, tile_tokens, loss_num_tiles, ...).
 
     Returns:
         The policy model's PatchReport.
 
     Raises:
         RuntimeError: the installed TRL is outside TESTED.
+        TypeError, ValueError: bad options (see tiledmlp.PatchConfig).
     """
+    from tiledmlp.integrations.hf import config_of
     from tiledmlp.patching.patch import patch_model
 
+    policy = policy_config(config_of(config, patch_kwargs, "tiledmlp.integrations.trl.install"))
     _refuse_untested()
     ready()
-    report = patch_model(trainer.model, tiled_loss=True, **patch_kwargs)
+    report = patch_model(trainer.model, policy)
     if report.loss != "tiled":
         logger.warning("tiled loss not installed on the trainer's model: %s", report.loss)
     ref = getattr(trainer, "ref_model", None)
     if isinstance(ref, nn.Module) and ref is not trainer.model and not loss_patched(ref):
-        num_tiles = patch_kwargs.get("num_tiles", "auto")
-        patch_model(ref, tiled_mlp=False, tiled_loss=True, num_tiles=num_tiles)
+        patch_model(ref, reference_config(policy))
     return report
+
+
+def policy_config(config: PatchConfig) -> PatchConfig:
+    """The policy model's config: `config` with the tiled loss on."""
+    return config if config.tiled_loss else dataclasses.replace(config, tiled_loss=True)
+
+
+def reference_config(config: PatchConfig) -> PatchConfig:
+    """The reference model's config, derived from the policy model's: only the loss tiled
+    (the reference model runs without gradients, so its MLPs gain nothing from tiling), with
+    the same tile policies (the loss's own, tile_tokens included) and kernels."""
+    return PatchConfig(
+        tiles=config.tiles,
+        tiled_mlp=False,
+        tiled_loss=True,
+        loss_tiles=config.loss_policy,
+        kernels=config.kernels,
+    )
 
 
 register_fused_head(_serve)

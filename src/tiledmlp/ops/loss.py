@@ -36,7 +36,6 @@ from tiledmlp.ops.values import check_positive_number
 __all__ = [
     "CrossEntropyOutput",
     "TokenStats",
-    "loss_policy",
     "shift_labels",
     "tiled_cross_entropy",
     "tiled_token_logprobs",
@@ -76,11 +75,6 @@ def _shift(t: torch.Tensor, fill: int | bool) -> torch.Tensor:
     """t[..., 1:] with `fill` appended along the last dimension."""
     pad = torch.full((*t.shape[:-1], 1), fill, dtype=t.dtype, device=t.device)
     return torch.cat([t[..., 1:], pad], dim=-1)
-
-
-def loss_policy(num_tiles: int | str | TilePolicy, tile_tokens: int | None = None) -> int | str:
-    """The loss's tile policy for an MLP tile policy, as num_tiles (TilePolicy.for_loss)."""
-    return TilePolicy.of(num_tiles, tile_tokens).for_loss().num_tiles
 
 
 def _plan(num_tokens: int, hidden: int, elem: int, num_tiles: Any, tile_tokens: Any) -> TilePlan:

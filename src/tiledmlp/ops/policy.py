@@ -24,8 +24,8 @@ ACCELERATOR_SAVING (90%) of the saving the memory model says tiling can reach (u
 intermediates minus the accumulators), but never tiles whose working memory exceeds
 ACCELERATOR_MAX_TILE_BYTES (2 GiB: at very long sequences the last 10% would be many GiB) and
 never fewer than ACCELERATOR_MIN_TILE_TOKENS (8K) tokens per tile; untiled when that leaves
-fewer than two tiles or saves nothing. (Hidden 4096 / intermediate 12288 in bf16: untiled at 8K
-tokens, 2 tiles at 16K, 4 at 32K, 10 at 128K (13K-token tiles), 31 at 512K (2 GiB tiles).)
+fewer than two tiles or saves nothing (docs/benchmarks.md lists the tiles it picks for an
+8B-shaped MLP).
 
 For modules without a fast path "auto" uses the paper's rule beyond two tiles' worth of tokens
 and runs untiled below.
@@ -67,9 +67,6 @@ __all__ = [
     "MemoryModel",
     "TilePolicy",
     "assume_device",
-    "resolve_plan",
-    "target_bytes",
-    "validate_policy",
 ]
 
 Rule = Literal["auto", "arctic", "count", "tokens", "target"]
@@ -221,37 +218,6 @@ def _gib(text: str, name: str) -> float:
             "e.g. 'target:2' or 'target:0.5'"
         )
     return gb
-
-
-def target_bytes(num_tiles: object) -> float | None:
-    """The byte budget of a "target:<GB>" policy, or None for any other policy.
-
-    Raises:
-        ValueError: a "target:" string whose GB is not a positive number.
-    """
-    if not isinstance(num_tiles, str) or not num_tiles.startswith(_TARGET):
-        return None
-    return _gib(num_tiles, "num_tiles") * 2**30
-
-
-def validate_policy(num_tiles: object, tile_tokens: object) -> None:
-    """Raises ValueError unless (num_tiles, tile_tokens) is an allowed combination (see
-    TilePolicy.of)."""
-    TilePolicy.of(num_tiles, tile_tokens)  # type: ignore[arg-type]
-
-
-def resolve_plan(
-    num_tiles: int | str | TilePolicy,
-    tile_tokens: int | None,
-    num_tokens: int,
-    hidden_size: int,
-    model: MemoryModel | None,
-    element_size: int = 4,
-) -> TilePlan | None:
-    """TilePolicy.of(num_tiles, tile_tokens).resolve(...): the tile plan for a call, or None to
-    run the module untiled."""
-    policy = TilePolicy.of(num_tiles, tile_tokens)
-    return policy.resolve(num_tokens, hidden_size, model, element_size)
 
 
 def _auto_plan(num_tokens: int, hidden_size: int, model: MemoryModel | None) -> TilePlan | None:

@@ -3,10 +3,11 @@
 One name per option, the Hugging Face TrainingArguments name where one exists (max_steps,
 learning_rate, per_device_train_batch_size, ...). `options_from` accepts the same keys from any
 source, with dashes or underscores, today's short names (steps, lr, batch_size,
-deepspeed_config) and other frameworks' keys for tiledmlp's features (ms-swift's use_tiled_mlp
-/ tiled_mlp_num_shards, axolotl's tiled_mlp: true, unsloth's tiled_mlp: "arctic" |
-"target:<GB>", ...), read by tiledmlp.config.read_keys (the key table is in config/keys.py). A
-config file is YAML (.yaml/.yml) or JSON holding those keys; command-line flags override it.
+deepspeed_config) and every key of tiledmlp's features, ours and other frameworks' (ms-swift's
+use_tiled_mlp / tiled_mlp_num_shards, axolotl's tiled_mlp: true, unsloth's tiled_mlp: "arctic"
+| "target:<GB>", ...), declared once on PatchConfig's fields and read by
+tiledmlp.config.read_keys into the run's nested PatchConfig (`TrainOptions.patch`). A config
+file is YAML (.yaml/.yml) or JSON holding those keys; command-line flags override it.
 
 Invariant: every value is parsed here, once, by the parsers of tiledmlp.config, with a message
 naming the option, what was expected and how to fix it; nothing later re-interprets an option.
@@ -23,7 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from tiledmlp.config.keys import KEYS, PREFIX, read_keys
-from tiledmlp.config.patch import PatchConfig
+from tiledmlp.config.patch import FEATURES, PatchConfig
+from tiledmlp.config.schema import option_of
 from tiledmlp.config.values import DTYPES, parse_bool, parse_dtype
 from tiledmlp.ops.policy import TilePolicy
 from tiledmlp.ops.values import check_int, check_positive_number
@@ -33,6 +35,7 @@ from tiledmlp.train.model_source import model_name_error
 
 __all__ = [
     "ALIASES",
+    "DEFAULT_PATCH",
     "DTYPES",
     "TrainOptions",
     "canonical_key",
@@ -59,28 +62,21 @@ SCHEDULES = (
     "inverse_sqrt",
     "warmup_stable_decay",
 )
-# PatchConfig field (config/keys.py) -> TrainOptions field, for the keys read by read_keys
-_FEATURE_FIELDS = {
-    "tiled_mlp": "use_tiled_mlp",
-    "tiles": "num_tiles",
-    "tiled_loss": "tiled_loss",
-    "tiled_norms": "tiled_norms",
-    "tiled_layers": "tiled_layers",
-    "activation_offloading": "activation_offloading",
-    "sequence_parallel_size": "sequence_parallel_size",
-}
-_FEATURE_KEYS = tuple(k for k, spec in KEYS.items() if spec.field in _FEATURE_FIELDS)
+# what `tiledmlp train` patches when no key says otherwise: the tiled MLPs and the tiled loss
+DEFAULT_PATCH = PatchConfig(tiled_loss=True)
 
 
 @dataclass(frozen=True, kw_only=True)
 class TrainOptions:
     """A training run (see `tiledmlp train --help` for each field).
 
-    learning_rate None: the documented default for the model (train/presets.py).
+    learning_rate None: the documented default for the model (models/presets.py).
     data_field None: the records' "text" field, else their "messages" (chat turns through the
     tokenizer's chat template) (train/data.py).
     resume_from_checkpoint: a checkpoint directory, or "latest" (the newest checkpoint-N in
     output_dir).
+    patch: what patch_model applies to the model (None: nothing), parsed once from the
+    feature keys (options_from); default: the tiled MLPs and the tiled loss.
     """
 
     model: str = "tiny"
@@ -103,14 +99,8 @@ class TrainOptions:
     save_total_limit: int | None = None
     output_dir: Path | None = None
     resume_from_checkpoint: str | None = None
-    use_tiled_mlp: bool = True
-    num_tiles: int | str = "auto"
-    tiled_loss: bool = True
     gradient_checkpointing: bool = False
-    activation_offloading: bool = False
-    tiled_norms: bool = False
-    tiled_layers: bool = False
-    kernels: bool = True
+    patch: PatchConfig | None = DEFAULT_PATCH
     dtype: str = "float32"
     engine: str = "auto"
     deepspeed: Path | None = None
@@ -118,7 +108,6 @@ class TrainOptions:
     fsdp_config: Path | None = None
     seed: int = 0
     max_data_bytes: int = 4_000_000
-    sequence_parallel_size: int = 1
     ddp_timeout: int = 1800
 
     def __post_init__(self) -> None:
@@ -129,9 +118,12 @@ class TrainOptions:
         self._check_paths()
 
     def _check_numbers(self) -> None:
-        """The tile policy, the counts and the rates."""
-        TilePolicy.of(self.num_tiles, name="--num-tiles")
-        _check_positive("sequence_parallel_size", self.sequence_parallel_size)
+        """The patch configuration, the counts and the rates."""
+        if self.patch is not None and not isinstance(self.patch, PatchConfig):
+            raise TypeError(
+                f"TrainOptions.patch must be a PatchConfig or None, got {self.patch!r}; build "
+                "the options with options_from"
+            )
         check_sequence_divisible(
             self.seq_len,
             self.sequence_parallel_size,
@@ -172,18 +164,11 @@ class TrainOptions:
 
     def _check_switches(self) -> None:
         """Switches that need another one."""
-        if self.activation_offloading and not self.gradient_checkpointing:
+        offloading = self.patch is not None and self.patch.activation_offloading
+        if offloading and not self.gradient_checkpointing:
             raise ValueError(
                 "--activation-offloading moves the inputs of checkpointed layers: add "
                 "--gradient-checkpointing"
-            )
-        if self.tiled_norms and not self.use_tiled_mlp:
-            raise ValueError(
-                "--tiled-norms tiles on top of the tiled MLPs: drop --use-tiled-mlp false"
-            )
-        if self.tiled_layers and not self.use_tiled_mlp:
-            raise ValueError(
-                "--tiled-layers tiles on top of the tiled MLPs: drop --use-tiled-mlp false"
             )
 
     def _check_engine(self) -> None:
@@ -232,21 +217,39 @@ class TrainOptions:
             raise ValueError(model_error)
 
     def patch_config(self) -> PatchConfig | None:
-        """What patch_model applies for this run (None: nothing): the tiled MLPs with their
-        loss and norms when --use-tiled-mlp, offloading and sequence parallelism either way."""
-        tiled = self.use_tiled_mlp
-        if not (tiled or self.activation_offloading or self.sequence_parallel_size > 1):
-            return None
-        return PatchConfig(
-            tiles=TilePolicy.of(self.num_tiles),
-            tiled_mlp=tiled,
-            tiled_loss=tiled and self.tiled_loss,
-            tiled_norms=tiled and self.tiled_norms,
-            tiled_layers=tiled and self.tiled_layers,
-            activation_offloading=self.activation_offloading,
-            sequence_parallel_size=self.sequence_parallel_size,
-            kernels=self.kernels,
-        )
+        """What patch_model applies for this run (None: nothing)."""
+        return self.patch
+
+    @property
+    def sequence_parallel_size(self) -> int:
+        """P of Ulysses sequence parallelism (1: none)."""
+        return (self.patch.sequence_parallel_size or 1) if self.patch is not None else 1
+
+    def feature_summary(self) -> dict[str, Any]:
+        """Each feature option of the run under its key (the summary's and --json's names:
+        use_tiled_mlp, num_tiles, tile_tokens, tiled_loss, ...), from the schema; the tile
+        policies as tiled_mlp's keywords, None when the MLPs are not tiled."""
+        patch = self.patch
+        summary: dict[str, Any] = {}
+        for f in dataclasses.fields(PatchConfig):
+            spec = option_of(f)
+            if spec is None or not spec.keys:
+                continue
+            if patch is None:
+                value = False if f.name in FEATURES else f.default
+            else:
+                value = getattr(patch, f.name)
+            if isinstance(value, TilePolicy) or f.name == "tiles":
+                tiled = patch is not None and (patch.tiled_mlp or f.name != "tiles")
+                policy = value if tiled else None
+                prefix = "loss_" if f.name == "loss_tiles" else ""
+                summary[prefix + "num_tiles"] = None if policy is None else policy.num_tiles
+                summary[prefix + "tile_tokens"] = None if policy is None else policy.tile_tokens
+                continue
+            if f.name == "sequence_parallel_size":
+                value = value or 1
+            summary[spec.keys[0].name] = value
+        return summary
 
     def resolved_engine(self, world_size: int) -> str:
         """single, ddp, fsdp2 or deepspeed, from --engine, --deepspeed, --fsdp and the world."""
@@ -292,11 +295,17 @@ def read_config_file(path: Path) -> dict[str, Any]:
     return values
 
 
+def _option_fields() -> dict[str, dataclasses.Field[Any]]:
+    """TrainOptions' fields that options are read into (the patch comes from the feature
+    keys)."""
+    return {f.name: f for f in dataclasses.fields(TrainOptions) if f.name != "patch"}
+
+
 def known_keys() -> set[str]:
-    """Every canonical option name, and other frameworks' keys for the same options (also
-    with the prefix tiledmlp_)."""
-    features = {*_FEATURE_KEYS, *(PREFIX + k for k in _FEATURE_KEYS)}
-    return {f.name for f in dataclasses.fields(TrainOptions)} | features
+    """Every canonical option name, and every key of the feature options, ours and other
+    frameworks' (also with the prefix tiledmlp_)."""
+    features = {*KEYS, *(PREFIX + k for k in KEYS)}
+    return set(_option_fields()) | features
 
 
 def canonical_key(raw: str) -> str:
@@ -317,26 +326,48 @@ def options_from(values: Mapping[str, Any], source: str = "option") -> TrainOpti
         ValueError: an unknown key (with the known ones listed), a bad value, or two spellings
             of one option with different values.
     """
-    fields = {f.name: f for f in dataclasses.fields(TrainOptions)}
+    fields = _option_fields()
     canonical: dict[str, Any] = {}
     features: dict[str, Any] = {}
     for raw, value in values.items():
         key = canonical_key(raw)
-        if key.removeprefix(PREFIX) in _FEATURE_KEYS:
+        if key.removeprefix(PREFIX) in KEYS:
             if key in features and features[key] != value:
                 raise ValueError(f"{source} {key} given twice with different values")
             features[key] = value
             continue
         if key not in fields:
-            known = sorted({*fields, *ALIASES, *_FEATURE_KEYS})
+            known = sorted({*fields, *ALIASES, *KEYS})
             raise ValueError(f"unknown {source} {raw!r}; known: {', '.join(known)}")
         converted = _convert(key, value, fields[key].type)
         if key in canonical and canonical[key] != converted:
             raise ValueError(f"{source} {key} given twice with different values")
         canonical[key] = converted
-    for field, kv in read_keys(features, only=tuple(_FEATURE_FIELDS), what=source).items():
-        canonical[_FEATURE_FIELDS[field]] = kv.value.num_tiles if field == "tiles" else kv.value
+    canonical["patch"] = train_patch(
+        {field: kv.value for field, kv in read_keys(features, what=source).items()}
+    )
     return TrainOptions(**canonical)
+
+
+def train_patch(values: Mapping[str, Any]) -> PatchConfig | None:
+    """The run's PatchConfig from the PatchConfig fields its keys set (read_keys), over the
+    run's defaults (DEFAULT_PATCH: the tiled loss goes with the tiled MLPs unless a key says
+    otherwise); None when nothing is turned on."""
+    chosen = dict(values)
+    if chosen.setdefault("tiled_mlp", DEFAULT_PATCH.tiled_mlp):
+        chosen = {**_defaults_of(DEFAULT_PATCH), **chosen}
+    on = any(chosen.get(f) for f in FEATURES) or (chosen.get("sequence_parallel_size") or 1) > 1
+    return PatchConfig(**chosen) if on else None
+
+
+def _defaults_of(config: PatchConfig) -> dict[str, Any]:
+    """The fields where `config` differs from PatchConfig's defaults."""
+    base = PatchConfig()
+    return {
+        f.name: getattr(config, f.name)
+        for f in dataclasses.fields(PatchConfig)
+        if getattr(config, f.name) != getattr(base, f.name)
+    }
 
 
 def _convert(key: str, value: Any, kind: Any) -> Any:

@@ -1,0 +1,96 @@
+"""The schema of an option: its keys (ours and other frameworks'), their parsers and help.
+
+Each PatchConfig field (config/patch.py) is declared with `option(...)`, which keeps its
+`Option` in the field's metadata: the help text, the keys that set it and, per key, the parser
+that turns a spelled value (text, a number, a bool) into the field's typed value, the framework
+that spells it so, and the help and metavar a command line shows. Everything else that names an
+option is derived from these fields: the key table (config/keys.py), the options of `tiledmlp
+train` and their flags, the axolotl plugin's arguments and the documentation's key table.
+
+Invariant: adding an option is one `option(...)` field here plus the feature that applies it;
+no other table lists options.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["OURS", "Key", "Option", "option", "option_of"]
+
+OURS = "tiledmlp"
+
+
+@dataclass(frozen=True)
+class Key:
+    """One spelling of an option.
+
+    Attributes:
+        name: the key as written in a config file or keyword (underscores); a command-line flag
+            is `--` + the name with dashes.
+        parse: (value, key name) -> the field's typed value; raises ValueError naming the key.
+        framework: who spells it so: tiledmlp, or another framework's name ("ms-swift",
+            "axolotl", "unsloth", ...), for documentation and hidden flags.
+        help: what a command line shows for it ("" for other frameworks' spellings: accepted,
+            not listed in --help).
+        metavar: the value's placeholder in --help; "" for a flag (true or false).
+        kind: the value's Python type as a plugin's schema declares it ("bool", "int",
+            "float", "int | str").
+        sets: False for a key that is checked but sets nothing (axolotl's
+            `tiled_mlp_use_original_mlp: true`).
+    """
+
+    name: str
+    parse: Callable[[Any, str], Any]
+    framework: str = OURS
+    help: str = ""
+    metavar: str = ""
+    kind: str = "bool"
+    sets: bool = True
+
+    @property
+    def ours(self) -> bool:
+        return self.framework == OURS
+
+
+@dataclass(frozen=True)
+class Option:
+    """What a PatchConfig field's metadata holds (see `option`).
+
+    Attributes:
+        help: one line on what the option does (the docs' and the API's wording).
+        keys: its spellings; the first of ours is the main one.
+        group: where `tiledmlp train --help` lists it ("tiling", "long context",
+            "distributed").
+        feature: True for a switch that turns a feature on by itself (a PatchConfig must turn
+            one on, or sequence parallelism).
+    """
+
+    help: str
+    keys: tuple[Key, ...] = ()
+    group: str = "tiling"
+    feature: bool = False
+
+
+def option(
+    *,
+    help: str,
+    keys: tuple[Key, ...] = (),
+    group: str = "tiling",
+    feature: bool = False,
+    default: Any = dataclasses.MISSING,
+    default_factory: Any = dataclasses.MISSING,
+) -> Any:
+    """A dataclass field that carries its Option (the one place the option is described)."""
+    meta = {"option": Option(help=help, keys=keys, group=group, feature=feature)}
+    if default_factory is not dataclasses.MISSING:
+        return dataclasses.field(default_factory=default_factory, metadata=meta)
+    return dataclasses.field(default=default, metadata=meta)
+
+
+def option_of(field: dataclasses.Field[Any]) -> Option | None:
+    """The Option of a dataclass field, or None when the field has none."""
+    found = field.metadata.get("option")
+    return found if isinstance(found, Option) else None
