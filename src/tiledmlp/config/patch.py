@@ -55,7 +55,7 @@ class PatchConfig:
                 "whose working memory fits GB GiB) (default: auto)"),
             Key("tile_tokens", parse_tile_tokens, metavar="N", kind="int",
                 help="tokens per tile, instead of --num-tiles"),
-            Key("tile_budget_gb", parse_budget_gb, metavar="GB", kind="float"),  # = target:<GB>
+            Key("tile_budget_gb", parse_budget_gb, metavar="GB", kind="float | str"),  # target:<GB>
             Key("tiled_mlp_num_shards", parse_tile_policy, "ms-swift / axolotl", metavar="N",
                 kind="int | str"),
         ),

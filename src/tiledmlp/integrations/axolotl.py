@@ -51,7 +51,7 @@ logger = logging.getLogger(__name__)
 _KINDS: dict[str, Any] = {
     "bool": bool | None,
     "int": int | None,
-    "float": float | None,
+    "float | str": float | str | None,
     "int | str": int | str | None,
     "bool | str": bool | str | None,
 }

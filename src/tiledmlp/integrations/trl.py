@@ -287,6 +287,8 @@ def install(trainer: Any, config: PatchConfig | None = None, **patch_kwargs: Any
     from tiledmlp.integrations.hf import config_of
     from tiledmlp.patching.patch import patch_model
 
+    if config is None:
+        patch_kwargs = {"tiled_loss": True, **patch_kwargs}
     policy = policy_config(config_of(config, patch_kwargs, "tiledmlp.integrations.trl.install"))
     _refuse_untested()
     ready()
