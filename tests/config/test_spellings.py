@@ -243,3 +243,39 @@ def test_enable_callback_and_trl_install_keep_the_keyword_apis_config(
 
 class _Module(nn.Module):
     pass
+
+
+_DOCS = Path(__file__).resolve().parents[2] / "docs"
+
+
+def _generated(page: str, what: str) -> str:
+    text = (_DOCS / page).read_text()
+    start = text.index(f"<!-- {what}: generated from the schema")
+    start = text.index("\n", start) + 1
+    return text[start : text.index(f"<!-- end of {what} -->", start)]
+
+
+def test_the_docs_tables_are_the_schemas() -> None:
+    from tiledmlp.config.keys import key_table, option_table
+
+    assert _generated("guides/integrations.md", "key table") == key_table(), (
+        "docs/guides/integrations.md's key table differs from the schema: paste "
+        "tiledmlp.config.key_table() between its markers"
+    )
+    assert _generated("reference/api.md", "option table") == option_table(), (
+        "docs/reference/api.md's option table differs from the schema: paste "
+        "tiledmlp.config.keys.option_table() between its markers"
+    )
+
+
+def test_the_patching_guides_option_table_names_every_option() -> None:
+    import re
+
+    text = (_DOCS / "guides" / "patching.md").read_text()
+    table = text[text.index("| option | what it does | guide |") :].split("\n\n")[0]
+    named = {n for row in table.splitlines()[2:] for n in re.findall(r"`(\w+)`", row.split("|")[1])}
+    for f in dataclasses.fields(PatchConfig):
+        spellings = {f.name} | {n for n, k in KEYS.items() if k.field == f.name and k.key.ours}
+        assert spellings & named, f"docs/guides/patching.md's option table misses {f.name}"
+    fields = {f.name for f in dataclasses.fields(PatchConfig)}
+    assert named <= {"config"} | fields | set(KEYS), named - fields - set(KEYS)

@@ -27,7 +27,16 @@ from tiledmlp.config.patch import PatchConfig
 from tiledmlp.config.schema import Key, option_of
 from tiledmlp.ops.policy import TilePolicy
 
-__all__ = ["KEYS", "PREFIX", "KeyValue", "SchemaKey", "items_of", "key_table", "read_keys"]
+__all__ = [
+    "KEYS",
+    "PREFIX",
+    "KeyValue",
+    "SchemaKey",
+    "items_of",
+    "key_table",
+    "option_table",
+    "read_keys",
+]
 
 PREFIX = "tiledmlp_"
 _OURS = ("tiled", "tile_")  # key prefixes claimed by tiledmlp: unknown ones are typos
@@ -158,4 +167,17 @@ def key_table() -> str:
         ours = ", ".join(f"`{k.name}`" for k in spec.keys if k.ours)
         theirs = "; ".join(f"{k.framework} `{k.name}`" for k in spec.keys if not k.ours)
         rows.append(f"| `{f.name}` | {ours} | {theirs} |")
+    return "\n".join(rows) + "\n"
+
+
+def option_table() -> str:
+    """The docs' table of PatchConfig's fields (type, default, help), from the schema."""
+    rows = ["| field | type | default | what it does |", "|---|---|---|---|"]
+    for f in dataclasses.fields(PatchConfig):
+        spec = option_of(f)
+        if spec is None:
+            continue
+        default = f.default_factory() if f.default is dataclasses.MISSING else f.default  # type: ignore[misc]
+        kind = str(f.type).replace("|", "\\|")
+        rows.append(f"| `{f.name}` | `{kind}` | `{default}` | {spec.help} |")
     return "\n".join(rows) + "\n"

@@ -66,6 +66,7 @@ class PatchConfig:
         keys=(
             Key("use_tiled_mlp", parse_bool, metavar="true|false",
                 help="tile the MLPs (default: true)"),
+            Key("use_tiled_mlp", parse_bool, "ms-swift"),
             Key("tiled_mlp", parse_tiled_mlp, "axolotl / unsloth", metavar="true|false|MODE",
                 kind="bool | str"),
             Key("tiled_mlp_use_original_mlp", parse_original_mlp, "axolotl", sets=False),
