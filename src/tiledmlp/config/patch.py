@@ -47,6 +47,7 @@ class PatchConfig:
     """
 
     tiles: TilePolicy = option(  # noqa: RUF009 (option() returns a dataclasses.field)
+        same_losses=True,
         default_factory=TilePolicy,
         help="the MLPs' (and tiled norms') tile policy",
         keys=(
@@ -61,6 +62,7 @@ class PatchConfig:
         ),
     )  # fmt: skip
     tiled_mlp: bool = option(
+        same_losses=True,
         default=True,
         help="tile the MLPs (False: only the other options, e.g. the tiled loss alone)",
         keys=(
@@ -74,6 +76,7 @@ class PatchConfig:
         feature=True,
     )  # fmt: skip
     generic: bool = option(
+        same_losses=True,
         default=False,
         help="also tile token-wise MLP-like modules whose structure is not recognised, on the "
         "generic path (otherwise they are an error)",
@@ -87,6 +90,7 @@ class PatchConfig:
                   help="the MLPs' hidden size when the model's config does not say it"),),
     )  # fmt: skip
     tiled_loss: bool = option(
+        same_losses=True,
         default=False,
         help="compute the training loss from the last hidden states tile by tile "
         "(tiled_cross_entropy)",
@@ -97,6 +101,7 @@ class PatchConfig:
         feature=True,
     )  # fmt: skip
     loss_tiles: TilePolicy | None = option(  # noqa: RUF009 (option() returns a dataclasses.field)
+        same_losses=True,
         default=None,
         help="the loss's tile policy (a count, tokens per tile or 'auto'); None: the MLPs' "
         "count, or 'auto' for the MLP-only policies (TilePolicy.for_loss)",
@@ -108,6 +113,7 @@ class PatchConfig:
         ),
     )  # fmt: skip
     tiled_norms: bool = option(
+        same_losses=True,
         default=False,
         help="also tile the normalisation layers (LayerNorm / RMSNorm) over the hidden size",
         keys=(Key("tiled_norms", parse_bool, help="also tile the LayerNorm/RMSNorm layers"),),
@@ -115,6 +121,7 @@ class PatchConfig:
         feature=True,
     )  # fmt: skip
     tiled_layers: bool = option(
+        same_losses=True,
         default=False,
         help="also tile the token-wise rest of each decoder layer (projections, residuals, "
         "norms and MLP around the attention core)",
@@ -125,6 +132,7 @@ class PatchConfig:
         feature=True,
     )  # fmt: skip
     activation_offloading: bool = option(
+        same_losses=True,
         default=False,
         help="keep the checkpointed layers' inputs in host memory between forward and "
         "recompute",
@@ -154,6 +162,7 @@ class PatchConfig:
         help="a process group of P ranks to use instead of consecutive ones (Python only)",
     )
     kernels: bool = option(
+        same_losses=True,
         default=True,
         help="let the fast path use the fused Triton elementwise kernels where they can run "
         "(CUDA); False: PyTorch only",
@@ -251,6 +260,10 @@ class PatchConfig:
         )
 
 
+# the fields that change memory and speed, not the losses (a resumed run may change them)
+SAME_LOSSES: tuple[str, ...] = tuple(
+    f.name for f in fields(PatchConfig) if (spec := option_of(f)) is not None and spec.same_losses
+)
 # the switches that turn a feature on by themselves (in field order; tiled_mlp first)
 FEATURES: tuple[str, ...] = tuple(
     f.name for f in fields(PatchConfig) if (spec := option_of(f)) is not None and spec.feature

@@ -66,12 +66,15 @@ class Option:
             "distributed").
         feature: True for a switch that turns a feature on by itself (a PatchConfig must turn
             one on, or sequence parallelism).
+        same_losses: True when the option changes memory and speed but not the losses (a
+            resumed run may change it; see SAME_LOSSES in config/patch.py).
     """
 
     help: str
     keys: tuple[Key, ...] = ()
     group: str = "tiling"
     feature: bool = False
+    same_losses: bool = False
 
 
 def option(
@@ -80,11 +83,16 @@ def option(
     keys: tuple[Key, ...] = (),
     group: str = "tiling",
     feature: bool = False,
+    same_losses: bool = False,
     default: Any = dataclasses.MISSING,
     default_factory: Any = dataclasses.MISSING,
 ) -> Any:
     """A dataclass field that carries its Option (the one place the option is described)."""
-    meta = {"option": Option(help=help, keys=keys, group=group, feature=feature)}
+    meta = {
+        "option": Option(
+            help=help, keys=keys, group=group, feature=feature, same_losses=same_losses
+        )
+    }
     if default_factory is not dataclasses.MISSING:
         return dataclasses.field(default_factory=default_factory, metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
