@@ -31,7 +31,7 @@ def _roundtrip(model: torch.nn.Module, how: str) -> torch.nn.Module:
 
 def _tiles_run(model: torch.nn.Module, ids: torch.Tensor) -> list[int]:
     """Tile counts the model's MLPs ran in one forward (counted at the op)."""
-    import tiledmlp.patching.patch as patch_module
+    import tiledmlp.patching.features.tiled_modules as patch_module
 
     counts: list[int] = []
     real = patch_module.tiled_mlp

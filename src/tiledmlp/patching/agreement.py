@@ -8,6 +8,8 @@ layer). Without an initialised process group (or with one rank) nothing is excha
 
 Invariant: every rank calls the all-reduce exactly once per root forward, whatever its inputs
 (a rank without a recognisable input contributes 0), so the collective itself cannot deadlock.
+The root holds one agreement while any module of it is tiled (step_tokens installs it,
+remove_agreement takes it off).
 """
 
 from __future__ import annotations
@@ -23,7 +25,9 @@ from torch.utils.hooks import RemovableHandle
 
 from tiledmlp.sequence_parallel.collectives import guarded
 
-__all__ = ["StepTokens", "agree", "install_agreement"]
+__all__ = ["StepTokens", "agree", "install_agreement", "remove_agreement", "step_tokens"]
+
+_AGREEMENT = "_tiledmlp_agreement"
 
 
 @dataclass
@@ -66,3 +70,22 @@ def install_agreement(model: nn.Module, step: StepTokens) -> RemovableHandle:
     pickles.
     """
     return model.register_forward_pre_hook(functools.partial(agree, step), with_kwargs=True)
+
+
+def step_tokens(model: nn.Module) -> StepTokens:
+    """The root's once-per-step token count, its agreement installed on first use."""
+    existing = model.__dict__.get(_AGREEMENT)
+    if existing is not None:
+        return existing[0]  # type: ignore[no-any-return]
+    step = StepTokens()
+    model.__dict__[_AGREEMENT] = (step, install_agreement(model, step))
+    return step
+
+
+def remove_agreement(model: nn.Module) -> bool:
+    """Takes the root's agreement off; returns whether it had one."""
+    agreement = model.__dict__.pop(_AGREEMENT, None)
+    if agreement is None:
+        return False
+    agreement[1].remove()
+    return True

@@ -37,13 +37,16 @@ from tiledmlp.patching.detect import probing, text_config
 
 __all__ = [
     "decoder_of",
+    "install_loss",
     "lifted",
+    "loss_refusal",
     "loss_patched",
     "patch_loss",
     "register_fused_head",
     "register_on_loss_patch",
     "replaced_forward",
     "softcap_of",
+    "unannounced",
     "unpatch_loss",
 ]
 
@@ -56,6 +59,7 @@ _TOLD: list[bool] = []  # the evaluation note is logged once per process
 _FUSED_SERVER: list[Callable[..., Any]] = []
 #: called with the causal LM after its loss is patched (an integration readies its slot)
 _ON_PATCH: list[Callable[[nn.Module], None]] = []
+_UNANNOUNCED: list[bool] = []  # non-empty inside unannounced()
 
 
 def register_fused_head(server: Callable[..., Any]) -> None:
@@ -318,34 +322,68 @@ def _large_logits(model: nn.Module, head: nn.Module, ids: torch.Tensor) -> Itera
         head._parameters["weight"] = weight
 
 
-def patch_loss(model: nn.Module, num_tiles: TilePolicy) -> str | None:
+def loss_refusal(model: nn.Module, num_tiles: TilePolicy) -> str | None:
+    """The probe of the tiled loss: None when the loss of `model` can be routed through
+    tiled_cross_entropy (or already is), else why not. Runs the model on random ids at a
+    scaled LM head (see _probe); changes nothing.
+
+    A PEFT model (PeftModel and kin, which call their base model's forward with the labels) is
+    probed through the causal LM it wraps.
+    """
+    model = _causal_lm(model)
+    if _STATE in model.__dict__:
+        return None
+    # _probe calls the patched forward directly: it reads the state, present for the probe only
+    model.__dict__[_STATE] = _LossState(model.__dict__.get("forward"), num_tiles)
+    try:
+        return _probe(model)
+    finally:
+        del model.__dict__[_STATE]
+
+
+def install_loss(model: nn.Module, num_tiles: TilePolicy) -> None:
     """Routes the training loss of `model` through tiled_cross_entropy, with the tile policy
-    `num_tiles` (a loss policy: a count, tokens per tile or "auto"; PatchConfig.loss_policy).
-
-    A PEFT model (PeftModel and kin, which call their base model's forward with the labels) has
-    the causal LM it wraps patched.
-
-    Returns:
-        None when patched (or already patched; the tile policy is updated), else the reason it
-        was left alone.
+    `num_tiles` (a loss policy: a count, tokens per tile or "auto"; PatchConfig.loss_policy);
+    on a loss-patched model, updates the policy. Reads no values (the probe, loss_refusal, is
+    the caller's): it installs on a model built under fake tensors as on a real one.
     """
     model = _causal_lm(model)
     state = model.__dict__.get(_STATE)
     if state is not None:
         state.num_tiles = num_tiles
         state.active = True
-        return None
+        return
     model.__dict__[_STATE] = _LossState(model.__dict__.get("forward"), num_tiles)
-    why = _probe(model)
-    if why is not None:
-        del model.__dict__[_STATE]
-        return why
     # Bound with its module (picklable, deep-copied with it), advertising the model's own
     # forward signature: the Hugging Face Trainer inspects it to decide which inputs to pass.
     model.forward = bind(_loss_forward, model, _original)  # type: ignore[method-assign]
-    for hook in _ON_PATCH:
+    for hook in _ON_PATCH if not _UNANNOUNCED else ():
         hook(model)
-    return None
+
+
+@contextlib.contextmanager
+def unannounced() -> Iterator[None]:
+    """Within the block, a loss patch does not call the hooks integrations registered
+    (register_on_loss_patch): for a model that is never trained, the planner's fake one, which
+    needs no integration readied (TRL's import takes seconds)."""
+    _UNANNOUNCED.append(True)
+    try:
+        yield
+    finally:
+        _UNANNOUNCED.pop()
+
+
+def patch_loss(model: nn.Module, num_tiles: TilePolicy) -> str | None:
+    """The probe and, when it passes, the install (loss_refusal, install_loss).
+
+    Returns:
+        None when patched (or already patched; the tile policy is updated), else the reason it
+        was left alone.
+    """
+    why = loss_refusal(model, num_tiles)
+    if why is None:
+        install_loss(model, num_tiles)
+    return why
 
 
 def loss_patched(model: nn.Module) -> bool:

@@ -1,7 +1,7 @@
 """What a patched MLP records on its instance, and the forward it replaced.
 
-Detection (detect.py) reads the original forward of an already patched module, patching
-(patch.py) writes the record: both import this module, neither imports the other.
+Detection (detect.py) reads the original forward of an already patched module, the tiling
+features (features/tiled_modules.py, layers.py) write the record: all import this module.
 
 Invariant: a module is patched exactly when its __dict__ holds a PatchState under STATE.
 """
