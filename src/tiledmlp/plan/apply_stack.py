@@ -1,28 +1,33 @@
-"""The planner's application of a stack to a fake model: which modules are tiled, and how.
+"""The planner's application of a stack to a fake model: patch_model's own features.
 
-This module re-implements what patch_model installs (tiled MLPs, tiled norms, tiled decoder
-layers) because patch_model's detection probes modules with real values, which fake tensors
-lack. It is meant to shrink to calls into patching's own feature code once each feature's probe
-is separate from its application; until then a change to what patch_model installs must be
-mirrored here.
+A stack is a set of patch_model options (config/stacks.py). The model, built under fake
+tensors, gets them through the same feature code patch_model runs (patching/features/): each
+feature's application is the product's, so a change to what training runs changes the
+prediction. Only the probes that need real values are replaced by a declaration from structure:
+the MLPs are the decoder layers' dense MLPs, recognised by their projections' shapes
+(layer.py's dense_mlp), and the loss is declared tiled (its probe compares values). The other
+probes run on the fake model as they are (norms by structure; a decoder layer's probe only
+records how it calls its attention on fake parameters). Activation offloading's host buffers go
+to the meta device: host memory is not device memory.
 
-Invariant: a stack applied here tiles the same modules, with the same tile policy, as
-patch_model with that stack's options.
+Invariant: a stack applied here installs what patch_model installs with that stack's options.
 """
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
 from torch import nn
 
-from tiledmlp.config.stacks import stack_option
-from tiledmlp.config.tiled import TiledMLPConfig
-from tiledmlp.ops.functional import tiled_mlp
-from tiledmlp.patching.detect import norms_of
-from tiledmlp.patching.layers import install_layer, layer_parts
+from tiledmlp.config.patch import PatchConfig
+from tiledmlp.config.stacks import STACK_OPTIONS
+from tiledmlp.ops.structure import recognise
+from tiledmlp.patching.detect import Candidate
+from tiledmlp.patching.features.tiled_mlp import FoundModules
+from tiledmlp.patching.loss import unannounced
+from tiledmlp.patching.offloading import offloader_of
+from tiledmlp.patching.patch import PatchReport, apply_features, probe_features
 from tiledmlp.plan.layer import cut_config, dense_mlp
 
 __all__ = ["apply_stack", "build_model", "decoder_layers_of"]
@@ -36,32 +41,36 @@ def build_model(config: Any, dtype: torch.dtype, layers: int) -> Any:
     ).train()
 
 
-def apply_stack(model: nn.Module, hidden: int, num_tiles: int | str, stack: str) -> None:
-    """Every decoder MLP (and as the stack says, every norm over the hidden size and every
-    decoder layer) through tiled_mlp, as patch_model does; patch_model's detection probes
-    values, which fake tensors lack (a decoder layer's probe only records, see
-    patching/layers.py)."""
-    modules = [dense_mlp(layer, hidden) for layer in decoder_layers_of(model)]
-    if stack_option(stack, "tiled_norms"):
-        modules += [c.module for c in norms_of(model, hidden)]
-    if stack_option(stack, "tiled_layers"):
-        # A tiled layer runs its MLP and norms untiled inside its own tiles (patch_model's
-        # patches on them are bypassed there): only the modules outside the layers are tiled.
-        inside = {id(m) for layer in decoder_layers_of(model) for m in layer.modules()}
-        modules = [m for m in modules if id(m) not in inside]
-    for module in modules:
-        original = type(module).forward.__get__(module)
-        module.forward = functools.partial(tiled_mlp, module, num_tiles=num_tiles, forward=original)
-    if stack_option(stack, "tiled_layers"):
-        config = TiledMLPConfig(num_tiles=num_tiles)
-        for i, layer in enumerate(decoder_layers_of(model)):
-            parts = layer_parts(layer)
-            if isinstance(parts, str):
-                raise ValueError(
-                    f"{type(model).__name__}: decoder layer {i} cannot be tiled ({parts}); "
-                    f"the {stack} stack cannot be planned for this model"
-                )
-            install_layer(layer, parts, config)
+def apply_stack(model: nn.Module, hidden: int, num_tiles: int | str, stack: str) -> PatchReport:
+    """Applies `stack`'s patch_model options with `num_tiles` to the fake `model` through
+    patch_model's features (module docstring); returns the report patch_model would give.
+
+    Raises:
+        ValueError: a decoder MLP that is not a dense MLP recognised by shape, a decoder layer
+            that cannot be tiled (the tiled_layer stack): the stack cannot be planned.
+    """
+    options = STACK_OPTIONS[stack]
+    if options is None:
+        raise ValueError(f"the {stack} stack patches nothing; leave the model as it is")
+    config = PatchConfig.from_kwargs({**options, "num_tiles": num_tiles, "hidden_size": hidden})
+    names = {id(m): name for name, m in model.named_modules()}
+    mlps = []
+    for layer in decoder_layers_of(model):
+        mlp = dense_mlp(layer, hidden)
+        structure = recognise(mlp)
+        assert structure is not None  # dense_mlp checked it
+        mlps.append(Candidate(names[id(mlp)], mlp, "fast", structure.kind.value))
+    declared = {"tiled_mlp": FoundModules(mlps), "tiled_loss": None}
+    try:
+        found = probe_features(model, config, declared)
+    except ValueError as e:
+        raise ValueError(f"{e}; the {stack} stack cannot be planned for this model") from None
+    with unannounced():  # no integration (TRL's fused head) readied for a fake model
+        report = apply_features(model, config, found)
+    offloader = offloader_of(model)
+    if offloader is not None:
+        offloader.pool.device = torch.device("meta")
+    return report
 
 
 def decoder_layers_of(model: Any) -> nn.ModuleList:

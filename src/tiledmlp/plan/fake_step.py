@@ -18,11 +18,8 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from tiledmlp.config.stacks import stack_option
-from tiledmlp.ops.loss import tiled_cross_entropy
-from tiledmlp.ops.offload import ActivationOffloader
-from tiledmlp.ops.policy import TilePolicy, assume_device
-from tiledmlp.patching.offloading import before_forward, enable_checkpointing
+from tiledmlp.ops.policy import assume_device
+from tiledmlp.patching.offloading import enable_checkpointing
 from tiledmlp.plan.apply_stack import apply_stack, build_model, decoder_layers_of
 from tiledmlp.plan.exchange import register_exchanged
 from tiledmlp.plan.phase_tracker import PhaseTracker
@@ -97,14 +94,8 @@ def simulate(
         # With 4 layers both marks close at once; fewer layers are simulated whole (no marks).
         marks = [len(decoder_layers) - 2, 2] if len(decoder_layers) >= SHORT else []
         checkpoint_inputs, hooks = _watchdecoder_layers_of(decoder_layers, tracker, marks)
-        if stack_option(stack, "activation_offloading"):
-            # The real mechanism (what the root's pre-hook does before each training forward),
-            # with host buffers on the meta device: host memory is not counted.
-            offloader = ActivationOffloader()
-            offloader.pool.device = torch.device("meta")
-            before_forward(offloader, list(decoder_layers), model, ())
         with tracker:
-            _step(model, stack, ids, step.opt, tracker, num_tiles)
+            _step(model, ids, step.opt, tracker)
         for h in hooks:
             h.remove()
         if marks and len(tracker.segments) != 3:
@@ -153,38 +144,22 @@ def _watchdecoder_layers_of(
 
 
 def _step(
-    model: Any,
-    stack: str,
-    ids: torch.Tensor,
-    opt: torch.optim.Optimizer | None,
-    tracker: PhaseTracker,
-    num_tiles: int | str,
+    model: Any, ids: torch.Tensor, opt: torch.optim.Optimizer | None, tracker: PhaseTracker
 ) -> None:
-    """The training step itself, each phase named on the tracker; the last segment closed."""
-    text = model.config.get_text_config()
+    """The training step itself, as a trainer runs it (the model called with labels: its own
+    loss, or the tiled loss patched on it), each phase named on the tracker; the last segment
+    closed."""
     seq_len = ids.shape[1]
     decoder = getattr(model, model.base_model_prefix)
-    head = model.get_output_embeddings()
     # A prepared 4-D mask (one stored byte) stops the model from building a (seq, seq) one
     # it cannot prove unnecessary on fake tensors; the layers then get none (_without_mask).
     causal = torch.ones((), dtype=torch.bool).expand(1, 1, seq_len, seq_len)
-    hidden = decoder(input_ids=ids, attention_mask=causal).last_hidden_state
-    tracker.phase = "loss"
-    if not stack_option(stack, "tiled_loss"):
-        logits = head(hidden)
-        loss = model.loss_function(logits, ids, vocab_size=text.vocab_size)
-        del logits
-    else:
-        # the loss's policy as patch_model(tiled_loss=True) sets it
-        loss = tiled_cross_entropy(
-            hidden,
-            head.weight,
-            ids,
-            bias=head.bias,
-            num_tiles=TilePolicy.of(num_tiles).for_loss(),
-            shift=True,
-        )
-    del hidden
+    # what is created once the decoder has returned its last hidden states is the loss's
+    hook = decoder.register_forward_hook(lambda *_: setattr(tracker, "phase", "loss"))
+    try:
+        loss = model(input_ids=ids, attention_mask=causal, labels=ids).loss
+    finally:
+        hook.remove()
     tracker.phase = "backward"
     loss.backward()
     del loss
