@@ -25,9 +25,14 @@ def test_table_columns_and_ratios() -> None:
     ]
     lines = markdown_table(records).splitlines()
     assert lines[0] == "| " + " | ".join(CONTRACT_COLUMNS) + " | Tiles | Tiled FLOPs (x) |"
-    # rows sorted by length; Speed (+%) = tiled/regular - 1, Memory (-%) = 1 - tiled/regular
-    assert lines[2] == "| 1024 | 50.0 | 45.0 | -10.0 | 200.0 | 150.0 | 25.0 | 2 | 1.222 |"
-    assert lines[3] == "| 2048 | 100.0 | 125.0 | +25.0 | 400.0 | 100.0 | 75.0 | 4 | 1.222 |"
+    # rows sorted by length; Speed (+%) = tiled/regular - 1, Memory (-%) = 1 - tiled/regular,
+    # each said in words (a positive "Speed" is a slowdown, not a gain)
+    assert lines[2] == (
+        "| 1024 | 50.0 | 45.0 | 10.0% faster | 200.0 | 150.0 | 25.0% less | 2 | 1.222 |"
+    )
+    assert lines[3] == (
+        "| 2048 | 100.0 | 125.0 | 25.0% slower | 400.0 | 100.0 | 75.0% less | 4 | 1.222 |"
+    )
 
 
 def test_deepspeed_columns_when_present_and_missing_cells_blank() -> None:
@@ -42,6 +47,7 @@ def test_deepspeed_columns_when_present_and_missing_cells_blank() -> None:
         "DeepSpeed FLOPs (x) |"
     )
     assert lines[2] == (
-        "| 4096 | 10.0 | 11.0 | +10.0 | 80.0 | 20.0 | 75.0 | 12.0 | 22.0 | 4 | 1.222 | 1.333 |"
+        "| 4096 | 10.0 | 11.0 | 10.0% slower | 80.0 | 20.0 | 75.0% less | 12.0 | 22.0 | 4 | 1.222 "
+        "| 1.333 |"
     )
     assert lines[3] == "| 8192 |  | 22.0 |  |  | 40.0 |  |  |  | 8 |  |  |"

@@ -3,9 +3,9 @@ sequence length.
 
 Columns: Seq Length | Regular (ms) | Tiled (ms) | Speed (+%) | Regular (MB) | Tiled (MB) |
 Memory (-%), then, when present, DeepSpeed's TiledMLP (ms, MB) and the FLOP ratio of each tiled
-variant. "Regular" is the untiled MLP, "Tiled" is tiledmlp. Speed (+%) is the tiled time's
-change against regular (positive: slower), Memory (-%) the tiled peak's saving against regular
-(positive: less memory). MB are 2**20 bytes.
+variant. "Regular" is the untiled MLP, "Tiled" is tiledmlp. Speed (+%) is the tiled time
+against regular in words ("25.0% slower", "3.0% faster"), Memory (-%) the tiled peak against
+regular ("75.0% less", "2.0% more"). MB are 2**20 bytes.
 
 Invariant: every number in the table is read from the records; ratios are against the untiled
 variant of the same sequence length.
@@ -41,12 +41,14 @@ def _mb(r: Row) -> str:
 
 
 def _change(r: Row, base: Row, key: str, *, saving: bool) -> str:
-    """Percent change of r[key] against base[key]: a saving (1 - r/base) or an increase."""
+    """Percent change of r[key] against base[key], in words: memory "75.0% less" / "3.0% more"
+    (saving), time "25.0% slower" / "10.0% faster"."""
     if r is None or base is None or not base[key]:
         return ""
+    change = 100 * (r[key] / base[key] - 1)
     if saving:
-        return f"{100 * (1 - r[key] / base[key]):.1f}"
-    return f"{100 * (r[key] / base[key] - 1):+.1f}"
+        return f"{-change:.1f}% less" if change <= 0 else f"{change:.1f}% more"
+    return f"{change:.1f}% slower" if change >= 0 else f"{-change:.1f}% faster"
 
 
 def _flops(r: Row, base: Row) -> str:

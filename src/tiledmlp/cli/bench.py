@@ -276,8 +276,8 @@ def _write_report(
     (args.out / "bench.md").write_text(
         f"{title}, torch {torch.__version__}"
         f"{', each measurement in a fresh process' if cfg.isolate else ''}\n\n{table}\n"
-        "Speed (+%): tiled time against regular (positive = slower). Memory (-%): tiled peak "
-        "against regular (positive = less). MB = 2**20 bytes, tensor-level peak.\n"
+        "Speed (+%): the tiled time against regular (slower or faster). Memory (-%): the tiled "
+        "peak against regular (less or more). MB = 2**20 bytes, tensor-level peak.\n"
     )
     written = [args.out / "bench.jsonl", args.out / "bench.md"]
     if args.memory_snapshot is not None:
