@@ -177,7 +177,7 @@ def option_table() -> str:
         spec = option_of(f)
         if spec is None:
             continue
-        default = f.default_factory() if f.default is dataclasses.MISSING else f.default  # type: ignore[misc]
+        default = getattr(PatchConfig(), f.name)
         kind = str(f.type).replace("|", "\\|")
         rows.append(f"| `{f.name}` | `{kind}` | `{default}` | {spec.help} |")
     return "\n".join(rows) + "\n"

@@ -235,17 +235,17 @@ class TrainOptions:
             spec = option_of(f)
             if spec is None or not spec.keys:
                 continue
-            if patch is None:
-                value = False if f.name in FEATURES else f.default
-            else:
-                value = getattr(patch, f.name)
-            if isinstance(value, TilePolicy) or f.name == "tiles":
-                tiled = patch is not None and (patch.tiled_mlp or f.name != "tiles")
-                policy = value if tiled else None
-                prefix = "loss_" if f.name == "loss_tiles" else ""
+            if "TilePolicy" in str(f.type):  # as tiled_mlp's num_tiles and tile_tokens
+                used = patch is not None and (patch.tiled_mlp or f.name != "tiles")
+                policy: TilePolicy | None = getattr(patch, f.name) if used else None
+                prefix = "" if f.name == "tiles" else "loss_"
                 summary[prefix + "num_tiles"] = None if policy is None else policy.num_tiles
                 summary[prefix + "tile_tokens"] = None if policy is None else policy.tile_tokens
                 continue
+            if patch is not None:
+                value = getattr(patch, f.name)
+            else:
+                value = False if f.name in FEATURES else f.default
             if f.name == "sequence_parallel_size":
                 value = value or 1
             summary[spec.keys[0].name] = value
