@@ -1,85 +1,221 @@
 """The measurement suite (python -m tiledmlp.bench.suite): `--smoke` runs every part at toy
-sizes on this machine and writes its records and summary; a failing part is recorded with its
-error and the suite goes on.
-"""
+sizes on this machine and writes its records and summary; a failing piece is recorded with its
+error and the suite goes on; a small `--budget` skips what its estimate would not fit and
+records each skip with its reason; the estimates read the committed GPU records."""
 
 from __future__ import annotations
 
+import datetime
 import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 
-from tiledmlp.bench import suite
-from tiledmlp.bench.suite_parts import PARTS
-from tiledmlp.config.stacks import STACKS
+from tiledmlp.bench import budget, suite, suite_steps
+from tiledmlp.bench.suite import PARTS
+from tiledmlp.bench.suite_parts import ROOT, Context, Task, full_sizes, smoke_sizes
 
 # Fields each part's records must carry (beyond part, status and the environment).
 _KEYS = {
-    "mlp_table": {"seq_len", "variant", "num_tiles", "tiles", "time_ms", "peak_mib", "flops"},
-    "grad_error": {"variant", "weight", "rel_error"},
-    "kernels": {"check"},
     "model_steps": {
         "seq_len",
         "stack",
         "time_ms",
         "planned_peak_mib",
+        "planned_breakdown_mib",
         "planned_device_overhead_mib",
     },
+    "attention": {"seq_len", "variant", "groups", "time_ms", "step_peak_mib"},
+    "allocator": {"seq_len", "stack", "alloc_conf", "time_ms"},
+    "mlp_table": {"seq_len", "variant", "num_tiles", "tiles", "time_ms", "peak_mib", "flops"},
+    "grad_error": {"variant", "weight", "rel_error"},
+    "kernels": {"check"},
     "offload": {"variant", "median_ms", "steps"},
-    "train": {"tiled", "first_loss", "last_loss", "tokens_per_s", "peak_mib"},
+    "train": {"tiled", "first_loss", "last_loss", "tokens_per_s", "peak_mib", "cuda_alloc_conf"},
     "gpu_tests": {"summary"},
 }
-_ENV = {"device", "device_name", "torch", "git_sha", "versions", "smoke", "part_seconds"}
+_ENV = {"device", "device_name", "torch", "git_sha", "versions", "smoke", "seconds", "what"}
+_ENV |= {"estimate_s", "budget_s", "cuda_alloc_conf"}
 
 
 @pytest.mark.slow
 def test_smoke_suite_writes_every_part(tmp_path: Path) -> None:
     out = tmp_path / "suite"
     proc = subprocess.run(
-        [sys.executable, "-m", "tiledmlp.bench.suite", "--out", str(out), "--smoke"],
+        # a budget no CI machine reaches: every part must run (its skips are tested below)
+        [
+            sys.executable,
+            "-m",
+            "tiledmlp.bench.suite",
+            "--out",
+            str(out),
+            "--smoke",
+            "--budget",
+            "3000",
+        ],
         capture_output=True,
         text=True,
         timeout=900,
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     records = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
-    assert [p for p in dict.fromkeys(r["part"] for r in records)] == list(PARTS)
+    assert list(dict.fromkeys(r["part"] for r in records)) == list(PARTS)
     for r in records:
         assert r["status"] == "ok", r
         missing = (_KEYS[r["part"]] | _ENV) - set(r)
         assert not missing, (r["part"], missing)
     stacks = [r["stack"] for r in records if r["part"] == "model_steps"]
-    assert stacks == list(STACKS)
+    assert stacks == list(smoke_sizes(torch.device("cpu")).model_lengths[0][1])
+    assert [r["alloc_conf"] for r in records if r["part"] == "allocator"] == [
+        "expandable_segments:False",
+        "expandable_segments:True",
+    ]
     variants = {str(r["num_tiles"]) for r in records if r["part"] == "mlp_table"}
     assert {"None", "arctic", "4", "auto"} <= variants
     summary = (out / "summary.md").read_text()
     for part in PARTS:
         assert f"## {part} (" in summary
-    assert "Every part succeeded." in summary
+    assert "Nothing failed." in summary
 
 
-def test_a_failing_part_is_recorded_and_the_suite_goes_on(
+def _task(part: str, estimate: float, records: list[dict[str, Any]]) -> Task:
+    return Task(part, "all", estimate, lambda left: records)
+
+
+def test_a_small_budget_skips_what_would_pass_it_and_records_why(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    def broken(sizes, device, out):  # type: ignore[no-untyped-def]
-        raise RuntimeError("out of memory at 131072 tokens\nsecond line")
+    ran: list[float] = []
 
-    monkeypatch.setitem(PARTS, "broken", broken)
+    def cheap(ctx: Context) -> list[Task]:
+        return [Task("cheap", "all", 1.0, lambda left: ran.append(left) or [{"x": 1}])]
+
+    def costly(ctx: Context) -> list[Task]:
+        return [_task("costly", 1000.0, [{"x": 2}]), _task("costly", 2.0, [{"x": 3}])]
+
+    monkeypatch.setitem(PARTS, "cheap", cheap)
+    monkeypatch.setitem(PARTS, "costly", costly)
+    records = suite.run_suite(
+        tmp_path, smoke=True, device="cpu", parts=["costly", "cheap"], budget_s=60
+    )
+    # in the order of PARTS (of value), not of the argument
+    assert [(r["part"], r["status"]) for r in records] == [
+        ("cheap", "ok"),
+        ("costly", "skipped"),
+        ("costly", "ok"),
+    ]
+    assert records[1]["reason"].startswith("estimated 1000 s, ")
+    assert records[1]["reason"].endswith(" s left of the 60 s budget")
+    assert records[1]["estimate_s"] == 1000.0 and records[2]["x"] == 3
+    assert 0 < ran[0] <= 60
+    lines = (tmp_path / "records.jsonl").read_text().splitlines()
+    assert [json.loads(line)["status"] for line in lines] == ["ok", "skipped", "ok"]
+    summary = (tmp_path / "summary.md").read_text()
+    assert "## Skipped" in summary and "| costly | all | estimated 1000 s" in summary
+    assert "Budget 60 s" in summary and "Nothing failed." in summary
+
+
+def test_a_tiny_budget_skips_every_real_part_and_still_writes_the_summary(
+    tmp_path: Path,
+) -> None:
+    assert (
+        suite.main(["--out", str(tmp_path), "--smoke", "--device", "cpu", "--budget", "0.5"]) == 0
+    )
+    records = [json.loads(line) for line in (tmp_path / "records.jsonl").read_text().splitlines()]
+    assert {r["status"] for r in records} == {"skipped"}
+    assert list(dict.fromkeys(r["part"] for r in records)) == list(PARTS)
+    assert all("of the 0 s budget" in r["reason"] or "budget" in r["reason"] for r in records)
+    assert "## Skipped" in (tmp_path / "summary.md").read_text()
+
+
+def test_stacks_of_a_length_that_do_not_fit_are_skipped_one_by_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    given: list[str] = []
+
+    def fake_steps(jobs, timeout, env=None):  # type: ignore[no-untyped-def]
+        given.extend(j.stack for j in jobs)
+        return [{"seq_len": j.seq_len, "stack": j.stack, "time_ms": 1.0} for j in jobs]
+
+    monkeypatch.setattr(suite_steps, "run_steps", fake_steps)
+    monkeypatch.setattr(suite_steps, "_start_plans", lambda ctx: None)
+    ctx = Context(smoke_sizes(torch.device("cpu")), torch.device("cpu"), tmp_path, budget.CPU)
+    (task,) = suite_steps.model_steps_tasks(ctx)
+    stacks = ctx.sizes.model_lengths[0][1]
+    assert task.total_s is not None and task.total_s > task.estimate_s
+    records = task.run(task.estimate_s + 0.01)  # time for the first stack only
+    assert given == [stacks[0]]
+    assert [r["stack"] for r in records] == list(stacks)
+    assert all("skipped" in r for r in records[1:])
+    assert records[0]["plan"] == "not started" and records[0]["planned_peak_mib"] is None
+
+
+def test_a_failing_piece_is_recorded_and_the_suite_goes_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken(ctx: Context) -> list[Task]:
+        def run(left: float) -> list[dict[str, Any]]:
+            raise RuntimeError("out of memory at 131072 tokens\nsecond line")
+
+        return [Task("broken", "all", 1.0, run)]
+
+    monkeypatch.setattr(suite, "PARTS", {"broken": broken, **PARTS})  # the first part fails
     records = suite.run_suite(tmp_path, smoke=True, device="cpu", parts=["broken", "grad_error"])
-    assert [r["part"] for r in records][:1] == ["broken"]
-    assert records[0]["status"] == "error"
+    assert records[0]["part"] == "broken" and records[0]["status"] == "error"
     assert records[0]["error"] == "RuntimeError: out of memory at 131072 tokens"
     assert {r["status"] for r in records[1:]} == {"ok"} and len(records) == 7
-    lines = (tmp_path / "records.jsonl").read_text().splitlines()
-    assert len(lines) == len(records)
     summary = (tmp_path / "summary.md").read_text()
-    assert "**error**: RuntimeError: out of memory" in summary
+    assert "**error** (all): RuntimeError: out of memory" in summary
     assert "Parts failed: broken." in summary
 
 
-def test_unknown_part_is_a_usage_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_bad_input_is_a_usage_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert suite.main(["--out", str(tmp_path), "--parts", "mlp_table,nope"]) == 2
     assert "unknown parts ['nope']" in capsys.readouterr().err
+    assert suite.main(["--out", str(tmp_path), "--budget", "-5"]) == 2
+    assert "--budget must be a positive number of seconds, got -5.0" in capsys.readouterr().err
+
+
+def test_the_committed_h100_records_correct_the_estimates() -> None:
+    sizes = full_sizes()
+    found = budget.load_corrections(ROOT / "benchmarks" / "results" / "gpu", "h100", sizes.model)
+    assert any(s.endswith("2026-11-25-h100/whole_steps.jsonl") for s in found.sources)
+    assert found.whole_step_s[(4096, 4, 32768, "untiled")] == pytest.approx((2.8, 0.94858))
+    assert found.whole_step_ratio is not None and 0.1 < found.whole_step_ratio < 10
+    assert found.attention_by_heads_ratio is not None and found.attention_by_heads_ratio > 1
+    assert found.part_s[("kernels", False)] == 4.2
+    none = budget.load_corrections(ROOT / "benchmarks" / "results" / "gpu", "b200")
+    assert none.whole_step_s == {} and none.whole_step_ratio is None
+    gpu = Context(sizes, torch.device("cuda"), Path("unused"), budget.GPU, found)
+    recorded = suite_steps._job_seconds(gpu, 32768, "untiled", snapshot=True)
+    assert recorded == pytest.approx(2.8)
+    bare = Context(sizes, torch.device("cuda"), Path("unused"), budget.GPU)
+    assert suite_steps._job_seconds(bare, 32768, "untiled", snapshot=True) != recorded
+
+
+def test_the_default_order_and_the_estimates_of_one_h100(tmp_path: Path) -> None:
+    """The tasks of the default run in order of value, with positive estimates (planning
+    only: nothing runs, no GPU needed)."""
+    sizes = full_sizes()
+    found = budget.load_corrections(ROOT / "benchmarks" / "results" / "gpu", "h100", sizes.model)
+    ctx = Context(sizes, torch.device("cuda"), tmp_path, budget.GPU, found)
+    tasks = suite.plan_tasks(ctx)
+    order = list(dict.fromkeys(t.part for t in tasks))
+    assert order == list(PARTS)
+    firsts = [t.what for t in tasks[:3]]
+    assert firsts == ["seq_len=32768", "seq_len=131072", "seq_len=32768"]
+    late = [t.what for t in tasks if t.part == "model_steps"][2:]
+    assert late == ["seq_len=262144", "seq_len=65536"]
+    assert all(t.estimate_s > 0 for t in tasks)
+
+
+def test_device_slugs_and_the_default_folder() -> None:
+    assert budget.device_slug("NVIDIA H100 80GB HBM3") == "h100"
+    assert budget.device_slug("NVIDIA H200") == "h200"
+    assert budget.device_slug("Some Card X") == "some-card-x"
+    out = suite.default_out(torch.device("cpu"), smoke=True, today=datetime.date(2026, 11, 26))
+    assert out == ROOT / "benchmarks" / "results" / "gpu" / "2026-11-26-cpu-smoke"

@@ -1,12 +1,16 @@
-"""The parts of the measurement suite (bench/suite.py): each measures one thing and returns
-records (dicts, one JSON line each). Sizes come from a `Sizes` object: the GPU-scale figures, or
-toy ones for `--smoke`.
+"""The parts of the measurement suite (bench/suite.py), in order of value: each part gives the
+suite its pieces of work (`Task`: one length, one variant set, or the whole part), each with an
+estimate of its seconds from the sizes (bench/budget.py), so that the suite can skip what would
+pass its deadline. Sizes come from a `Sizes` object: the GPU-scale figures, or toy ones for
+`--smoke`.
 
-Where memory is measured, every measurement runs in a fresh process (bench.measure for the MLP
-table, bench.whole_step for the model steps, the CLI for planning and training), so that one
-measurement's allocator caches and compiled kernels never reach the next.
+Isolation: whole steps run in a fresh process per length, every stack of that length in a row
+in it (bench/whole_step.py releases each model and resets the peak statistics before the next);
+the allocator comparison in a fresh process per setting (the setting is read when CUDA starts);
+the MLP table in fresh processes on the CPU (process memory) and in this process on a GPU (peak
+statistics reset per measurement); the planner and `tiledmlp train` through the CLI.
 
-Invariant: a part raises on failure (the suite records the error and goes on); it never returns
+Invariant: a task raises on failure (the suite records the error and goes on); it never returns
 a record it did not measure.
 """
 
@@ -19,23 +23,25 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from tiledmlp.bench import budget
 from tiledmlp.bench.harness import BenchConfig, run_sweep
 from tiledmlp.bench.variants import Variant, deepspeed_available, liger_available, make_variant
-from tiledmlp.bench.whole_step import StepJob, job_json
 from tiledmlp.models.mlps import GatedMLP
 from tiledmlp.ops import glu_kernels
 from tiledmlp.ops.tiles import arctic_num_tiles
 
-__all__ = ["PARTS", "Sizes", "full_sizes", "smoke_sizes"]
+__all__ = ["Context", "Sizes", "Task", "full_sizes", "smoke_sizes"]
 
 MiB = 2**20
 Record = dict[str, Any]
+ROOT = Path(__file__).resolve().parents[3]  # the source checkout (tests, benchmarks/)
 
 
 @dataclass(frozen=True)
@@ -51,21 +57,42 @@ class Sizes:
     kernel_rows: int
     kernel_cols: int
     model: dict[str, Any]  # LlamaConfig keyword arguments of the whole-model steps
-    model_seq_lens: tuple[int, ...]
+    # (tokens, stacks) in order of value; the lengths in `model_late` run after the attention
+    # and allocator parts
+    model_lengths: tuple[tuple[int, tuple[str, ...]], ...]
+    model_late: tuple[int, ...]
     model_dtype: str
     model_steps: int
+    attention_seq_lens: tuple[int, ...]
+    attention_repeats: int
+    attention_heads: int
+    attention_kv_heads: int
+    attention_head_dim: int
+    alloc_stack: str  # the long stack measured with and without expandable segments
+    alloc_seq_len: int
     offload_steps: int
     offload_seq_len: int
     train: tuple[str, ...]  # `tiledmlp train` arguments, tiled; "--use-tiled-mlp false" added
     gpu_tests: tuple[str, ...]  # pytest arguments after -m gpu
 
 
+ALL_STACKS = (
+    "untiled",
+    "tiled_mlp",
+    "tiled_mlp_loss",
+    "tiled_mlp_loss_offload",
+    "tiled_mlp_loss_offload_norms",
+    "tiled_layer",
+)
+LONG_STACKS = ("tiled_mlp_loss", "tiled_mlp_loss_offload_norms", "tiled_layer")
+
+
 def full_sizes() -> Sizes:
-    """The GPU-scale suite (one H100: about 20 minutes)."""
+    """The GPU-scale suite: a 4-layer Llama-3-8B shape from 32K to 256K tokens."""
     return Sizes(
         mlp_hidden=4096,
         mlp_intermediate=12288,
-        mlp_seq_lens=(2048, 8192, 32768, 131072),
+        mlp_seq_lens=(32768, 131072, 8192, 2048),
         mlp_dtype="bfloat16",
         repeats=3,
         error_tokens=16384,
@@ -78,16 +105,29 @@ def full_sizes() -> Sizes:
             "num_attention_heads": 32,
             "num_key_value_heads": 8,
             "vocab_size": 128256,
-            "max_position_embeddings": 131072,
+            "max_position_embeddings": 262144,
             "rope_theta": 500000.0,
             "tie_word_embeddings": False,
         },
-        model_seq_lens=(16384, 32768, 65536, 131072),
+        model_lengths=(
+            (32768, ALL_STACKS),
+            (131072, LONG_STACKS),
+            (262144, ("tiled_layer", "tiled_mlp_loss_offload_norms")),
+            (65536, ("tiled_mlp_loss", "tiled_layer")),
+        ),
+        model_late=(262144, 65536),
         model_dtype="bfloat16",
-        model_steps=2,
-        offload_steps=20,
+        model_steps=1,
+        attention_seq_lens=(32768, 131072, 262144),
+        attention_repeats=2,
+        attention_heads=32,
+        attention_kv_heads=8,
+        attention_head_dim=128,
+        alloc_stack="tiled_mlp_loss",
+        alloc_seq_len=131072,
+        offload_steps=6,
         offload_seq_len=32768,
-        train=("--model", "small", "--dtype", "bfloat16", "--seq-len", "16384", "--max-steps", "8"),
+        train=("--model", "small", "--dtype", "bfloat16", "--seq-len", "16384", "--max-steps", "6"),
         gpu_tests=("tests",),
     )
 
@@ -114,9 +154,17 @@ def smoke_sizes(device: torch.device) -> Sizes:
             "max_position_embeddings": 4096,
             "tie_word_embeddings": False,
         },
-        model_seq_lens=(256,),
+        model_lengths=((256, ALL_STACKS),),
+        model_late=(),
         model_dtype=low,
         model_steps=1,
+        attention_seq_lens=(256,),
+        attention_repeats=1,
+        attention_heads=4,
+        attention_kv_heads=2,
+        attention_head_dim=16,
+        alloc_stack="untiled",
+        alloc_seq_len=256,
         offload_steps=3,
         offload_seq_len=128,
         train=("--model", "tiny", "--dtype", low, "--seq-len", "128", "--max-steps", "2"),
@@ -124,13 +172,68 @@ def smoke_sizes(device: torch.device) -> Sizes:
     )
 
 
-def _python(*args: str, timeout: float = 3600.0) -> str:
+@dataclass(frozen=True)
+class Task:
+    """One piece of work the suite runs or skips.
+
+    Attributes:
+        part: the part's name.
+        what: which piece ("seq_len=131072", "all").
+        estimate_s: the cost model's seconds (bench/budget.py), margin included.
+        run: does the work; its argument is the seconds left before the deadline (a bound for
+            its subprocesses); returns the records.
+        rank: where it runs among the parts (the suite sorts by rank, then keeps the order);
+            None: with its part (the part's index in the suite's order of value).
+        total_s: the estimate of all its work where the task can do part of it (the stacks of
+            one length: `estimate_s` is its first stack's, the rest are checked as it runs);
+            None: `estimate_s`.
+    """
+
+    part: str
+    what: str
+    estimate_s: float
+    run: Callable[[float], list[Record]]
+    rank: float | None = None
+    total_s: float | None = None
+
+
+@dataclass
+class Context:
+    """What the parts share in one suite run: sizes, device, output folder, the cost model and
+    the records' corrections, and the planner's processes started in the background."""
+
+    sizes: Sizes
+    device: torch.device
+    out: Path
+    machine: budget.Machine
+    corrections: budget.Corrections = field(default_factory=budget.Corrections)
+    background: dict[str, subprocess.Popen[str]] = field(default_factory=dict)
+
+    @property
+    def cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    def close(self) -> None:
+        """Stops the background processes still running."""
+        for proc in self.background.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+def _python(*args: str, timeout: float = 3600.0, env: dict[str, str] | None = None) -> str:
     """Runs `python <args>` in a fresh process; its stdout, or RuntimeError with its stderr."""
-    res = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout)
+    res = subprocess.run(
+        [sys.executable, *args], capture_output=True, text=True, timeout=timeout, env=env
+    )
     if res.returncode != 0:
         tail = " | ".join(res.stderr.strip().splitlines()[-4:])
         raise RuntimeError(f"`python {' '.join(args)[:120]}` exited {res.returncode}: {tail}")
     return res.stdout
+
+
+def _json_lines(text: str) -> list[Record]:
+    return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
 
 
 def _last_json(text: str) -> Record:
@@ -140,25 +243,33 @@ def _last_json(text: str) -> Record:
     return json.loads(lines[-1])  # type: ignore[no-any-return]
 
 
-# -- parts -----------------------------------------------------------------------------------
+def _margin(seconds: float) -> float:
+    return budget.ceil_s(seconds * budget.MARGIN)
 
 
-def mlp_table(sizes: Sizes, device: torch.device, out: Path) -> list[Record]:
-    """The MLP table: untiled, ours (arctic tiles, 4 tiles, "auto"), DeepSpeed's TiledMLP and
-    Liger's tiled SwiGLU (arctic tile count; where installed), each in a fresh process."""
-    del out
+# -- parts measured as a whole -----------------------------------------------------------------
+
+
+def _mlp_variants(device: torch.device) -> tuple[bool, bool]:
+    """(DeepSpeed's TiledMLP, Liger's tiled SwiGLU) available here."""
+    return deepspeed_available(), device.type == "cuda" and liger_available()
+
+
+def mlp_table(sizes: Sizes, device: torch.device, seq_len: int) -> list[Record]:
+    """The MLP table at one length: untiled, ours (arctic tiles, 4 tiles, "auto"), DeepSpeed's
+    TiledMLP and Liger's tiled SwiGLU (arctic tile count; where installed); each in a fresh
+    process on the CPU (process memory), in this process on a GPU."""
     cfg = BenchConfig(
         hidden=sizes.mlp_hidden,
         intermediate=sizes.mlp_intermediate,
-        seq_lens=sizes.mlp_seq_lens,
+        seq_lens=(seq_len,),
         dtype=getattr(torch, sizes.mlp_dtype),
         device=device,
         repeats=sizes.repeats,
         warmup=1,
-        isolate=True,
+        isolate=device.type == "cpu",
     )
-    use_ds = deepspeed_available()
-    use_liger = device.type == "cuda" and liger_available()
+    use_ds, use_liger = _mlp_variants(device)
 
     def variants(seq: int) -> list[Variant]:
         n = arctic_num_tiles(seq, cfg.hidden)
@@ -173,10 +284,9 @@ def mlp_table(sizes: Sizes, device: torch.device, out: Path) -> list[Record]:
     return run_sweep(cfg, variants)
 
 
-def grad_error(sizes: Sizes, device: torch.device, out: Path) -> list[Record]:
+def grad_error(sizes: Sizes, device: torch.device) -> list[Record]:
     """Relative error of each weight gradient of bf16 runs (untiled; 32 tiles) against the
     float32 module's, same weights and inputs: the tiles' sum is accumulated in float32."""
-    del out
     torch.manual_seed(0)
     ref = GatedMLP(sizes.mlp_hidden, sizes.mlp_intermediate).to(device)
     x = torch.randn(1, sizes.error_tokens, sizes.mlp_hidden, device=device)
@@ -210,11 +320,10 @@ def grad_error(sizes: Sizes, device: torch.device, out: Path) -> list[Record]:
     return records
 
 
-def kernels(sizes: Sizes, device: torch.device, out: Path) -> list[Record]:
+def kernels(sizes: Sizes, device: torch.device) -> list[Record]:
     """On CUDA: the fused GLU kernels against their PyTorch references (largest difference
     and time of each). Elsewhere the kernels cannot run: every variant is compiled for sm_90
     instead (tiledmlp env --compile-kernels), which needs no GPU."""
-    del out
     if device.type != "cuda" or not glu_kernels.kernels_available(device):
         from tiledmlp.ops.glu_compile import compile_variants
 
@@ -282,73 +391,29 @@ def _cuda_ms(fn: Callable[[], object], repeats: int = 5) -> float:
     return round(start.elapsed_time(stop) / repeats, 3)
 
 
-def model_steps(sizes: Sizes, device: torch.device, out: Path) -> list[Record]:
-    """The Llama-shaped model (checkpointed) at each length, every stack in a fresh process,
-    with the planner's prediction for the same step beside it (`tiledmlp plan --json`)."""
-    from tiledmlp.bench.whole_step import STACKS
-
-    config_dir = out / "model-config"
-    config_dir.mkdir(parents=True, exist_ok=True)
-    (config_dir / "config.json").write_text(
-        json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"], **sizes.model})
-    )
-    records = []
-    for seq in sizes.model_seq_lens:
-        plan = _plan(config_dir, seq, sizes.model_dtype, device)
-        for stack in STACKS:
-            job = StepJob(
-                config=sizes.model,
-                seq_len=seq,
-                stack=stack,
-                dtype=sizes.model_dtype,
-                device=str(device),
-                steps=sizes.model_steps,
-            )
-            try:
-                rec = _last_json(_python("-m", "tiledmlp.bench.whole_step", job_json(job)))
-            except RuntimeError as e:
-                rec = {"seq_len": seq, "stack": stack, "error": str(e)[:500]}
-            predicted = plan.get("model", {}).get(stack, {})
-            # Tensor-level peak (compare with max_memory_allocated) and, with the device
-            # overhead, what the card must hold (compare with reserved + outside_allocator).
-            rec["planned_peak_mib"] = predicted.get("peak_mib")
-            rec["planned_device_overhead_mib"] = predicted.get("device_overhead_mib")
-            records.append(rec)
-    return records
-
-
-def _plan(config_dir: Path, seq: int, dtype: str, device: torch.device) -> Record:
-    args = ["-m", "tiledmlp", "plan", "--model", str(config_dir), "--seq-len", str(seq)]
-    args += ["--dtype", dtype, "--gradient-checkpointing", "--json"]
-    args += ["--device", "cuda" if device.type == "cuda" else "cpu"]
-    return _last_json(_python(*args))
-
-
-def offload(sizes: Sizes, device: torch.device, out: Path) -> list[Record]:
+def offload(sizes: Sizes, timeout: float) -> list[Record]:
     """Activation offloading's step-time overhead and host memory over several steps
     (bench.offload_step, one process, the variants interleaved)."""
-    del out
     m = sizes.model
     args = ["-m", "tiledmlp.bench.offload_step", "--layers", str(m["num_hidden_layers"])]
     args += ["--seq-len", str(sizes.offload_seq_len), "--steps", str(sizes.offload_steps)]
     args += ["--hidden", str(m["hidden_size"]), "--intermediate", str(m["intermediate_size"])]
     args += ["--heads", str(m["num_attention_heads"]), "--kv-heads", str(m["num_key_value_heads"])]
-    text = _python(*args)
+    text = _python(*args, timeout=timeout)
     records = [json.loads(line) for line in text.splitlines() if line.startswith("{")]
     if len(records) == 2 and records[0]["median_ms"] and records[1]["median_ms"]:
         records[1]["overhead"] = round(records[1]["median_ms"] / records[0]["median_ms"] - 1, 4)
     return records
 
 
-def train(sizes: Sizes, device: torch.device, out: Path) -> list[Record]:
+def train(sizes: Sizes, timeout: float) -> list[Record]:
     """`tiledmlp train` tiled and untiled: loss, throughput, peak memory (nothing saved)."""
-    del device, out
     records = []
     for tiled in (True, False):
         args = ["-m", "tiledmlp", "train", *sizes.train, "--json"]
         if not tiled:
             args += ["--use-tiled-mlp", "false"]
-        s = _last_json(_python(*args))
+        s = _last_json(_python(*args, timeout=timeout))
         keys = ("model", "dtype", "seq_len", "steps", "first_loss", "last_loss", "tokens_per_s")
         records.append(
             {
@@ -356,15 +421,15 @@ def train(sizes: Sizes, device: torch.device, out: Path) -> list[Record]:
                 **{k: s.get(k) for k in keys},
                 "peak_mib": s.get("peak_mib"),
                 "peak_kind": s.get("peak_kind"),
+                "cuda_alloc_conf": s.get("cuda_alloc_conf"),
             }
         )
     return records
 
 
-def gpu_tests(sizes: Sizes, device: torch.device, out: Path) -> list[Record]:
+def gpu_tests(sizes: Sizes, timeout: float) -> list[Record]:
     """`pytest -m gpu` from the source tree (the tests are not installed with the package)."""
-    del device, out
-    root = Path(__file__).resolve().parents[3]
+    root = ROOT
     paths = [root / p for p in sizes.gpu_tests]
     if not all(p.exists() for p in paths):
         raise RuntimeError(f"no test tree at {root} (run the suite from a source checkout)")
@@ -385,7 +450,7 @@ def gpu_tests(sizes: Sizes, device: torch.device, out: Path) -> list[Record]:
         text=True,
         cwd=root,
         env={**os.environ, "PYTHONWARNINGS": "ignore"},
-        timeout=3600,
+        timeout=timeout,
     )
     tail = res.stdout.strip().splitlines()[-1] if res.stdout.strip() else ""
     counts = {
@@ -396,12 +461,101 @@ def gpu_tests(sizes: Sizes, device: torch.device, out: Path) -> list[Record]:
     return [{"summary": tail, **counts, "seconds": round(time.perf_counter() - start, 1)}]
 
 
-PARTS: dict[str, Callable[[Sizes, torch.device, Path], list[Record]]] = {
-    "mlp_table": mlp_table,
-    "grad_error": grad_error,
-    "kernels": kernels,
-    "model_steps": model_steps,
-    "offload": offload,
-    "train": train,
-    "gpu_tests": gpu_tests,
-}
+# -- the tasks of these parts, with their estimates ---------------------------------------------
+
+
+def _fixed(ctx: Context, part: str, key: str) -> float:
+    """A part estimated as a whole: its recorded seconds at these sizes, else the machine's."""
+    smoke = ctx.sizes.repeats == 1  # the smoke sizes time one repeat
+    recorded = ctx.corrections.part_s.get((part, smoke))
+    return _margin(recorded if recorded is not None else ctx.machine.fixed_s[key])
+
+
+def _mlp_table_task(ctx: Context, seq: int, left: float) -> list[Record]:
+    del left  # each measurement is short; the table runs as a whole
+    return mlp_table(ctx.sizes, ctx.device, seq)
+
+
+def mlp_table_tasks(ctx: Context) -> list[Task]:
+    """One task per length; estimate: per variant, (warm-up + repeats + the FLOP count and
+    the memory measurement) steps of 9 U or 11 U, plus a process start per variant on the CPU."""
+    sz = ctx.sizes
+    use_ds, use_liger = _mlp_variants(ctx.device)
+    tiled_variants = 3 + int(use_ds) + int(use_liger)
+    tasks = []
+    for seq in sz.mlp_seq_lens:
+        steps = 1 + sz.repeats + 2
+        flops = steps * (
+            budget.mlp_step_flops(seq, sz.mlp_hidden, sz.mlp_intermediate, tiled=False)
+            + tiled_variants
+            * budget.mlp_step_flops(seq, sz.mlp_hidden, sz.mlp_intermediate, tiled=True)
+        )
+        starts = (1 + tiled_variants) * ctx.machine.process_s if not ctx.cuda else 0.0
+        tasks.append(
+            Task(
+                "mlp_table",
+                f"seq_len={seq}",
+                _margin(flops / ctx.machine.flops + starts + 2.0),
+                partial(_mlp_table_task, ctx, seq),
+            )
+        )
+    return tasks
+
+
+def grad_error_tasks(ctx: Context) -> list[Task]:
+    return [
+        Task(
+            "grad_error",
+            "all",
+            _fixed(ctx, "grad_error", "grad_error"),
+            lambda left: grad_error(ctx.sizes, ctx.device),
+        )
+    ]
+
+
+def kernels_tasks(ctx: Context) -> list[Task]:
+    return [
+        Task(
+            "kernels",
+            "all",
+            _fixed(ctx, "kernels", "kernels"),
+            lambda left: kernels(ctx.sizes, ctx.device),
+        )
+    ]
+
+
+def offload_tasks(ctx: Context) -> list[Task]:
+    """Estimate: a process start, two builds and 2 x steps checkpointed steps of the model at
+    the offloading length (the offloaded copies overlap the compute)."""
+    sz = ctx.sizes
+    step = budget.whole_step_flops(sz.model, sz.offload_seq_len, "tiled_mlp_loss_offload")
+    dtype_bytes = 2 if ctx.cuda else 4
+    build = (
+        budget.model_bytes({**sz.model, "vocab_size": 32000}, dtype_bytes) / ctx.machine.bandwidth
+    )
+    seconds = (
+        ctx.machine.process_s + 2 * (build + 1) + 2 * sz.offload_steps * step / ctx.machine.flops
+    )
+    return [Task("offload", "all", _margin(seconds), lambda left: offload(ctx.sizes, timeout=left))]
+
+
+def train_tasks(ctx: Context) -> list[Task]:
+    return [
+        Task(
+            "train",
+            "tiled and untiled",
+            _margin(2 * ctx.machine.fixed_s["train_run"]),
+            lambda left: train(ctx.sizes, timeout=left),
+        )
+    ]
+
+
+def gpu_tests_tasks(ctx: Context) -> list[Task]:
+    return [
+        Task(
+            "gpu_tests",
+            "all",
+            _fixed(ctx, "gpu_tests", "gpu_tests"),
+            lambda left: gpu_tests(ctx.sizes, timeout=left),
+        )
+    ]

@@ -10,8 +10,9 @@ backward: one warm-up step, then `steps` timed steps. Memory is that of the time
 beside them (`torch.cuda.mem_get_info`: CUDA context, cuBLAS workspaces, other processes); on the
 CPU the process's peak resident memory (VmHWM) over the timed steps.
 
-On CUDA one more, untimed step runs with the allocator's history recorded, and the record names
-every byte alive at that step's peak by category ("peak_categories_mib", bench/peak_memory.py:
+On CUDA the last timed step runs with the allocator's history recorded (Python stacks per
+allocation: a few microseconds each), and the record names every byte alive at that step's peak
+by category ("peak_categories_mib", bench/peak_memory.py:
 weights, gradients, checkpointed layer inputs, the current layer's recompute, the loss tile, the
 attention kernel's buffers, offloading's buffers, the rest by allocating frame).
 
@@ -61,8 +62,8 @@ class StepJob:
         dtype: "bfloat16", "float32" or "float16".
         device: "cuda", "cpu", ...
         steps: timed steps after one warm-up step.
-        peak_snapshot: on CUDA, one more step with the allocator's history recorded, its peak
-            named by category.
+        peak_snapshot: on CUDA, the last timed step runs with the allocator's history recorded,
+            its peak named by category.
     """
 
     config: dict[str, Any] = field(default_factory=dict)
@@ -90,13 +91,10 @@ def _tensor_addresses(model: Any) -> TensorAddresses:
     )
 
 
-def _peak_by_category(step: Any, model: Any, device: torch.device) -> dict[str, Any]:
-    """One step under the allocator's history; its peak grouped by category."""
+def _peak_by_category(model: Any, device: torch.device) -> dict[str, Any]:
+    """The recorded step's peak grouped by category (the history stopped, gradients freed)."""
     mem = torch.cuda.memory
-    torch.cuda.synchronize(device)
-    mem._record_memory_history(enabled="all", context="alloc", stacks="python", device=device)
     try:
-        step(keep_grads=True)
         snapshot = mem._snapshot(device)
     finally:
         mem._record_memory_history(enabled=None, device=device)
@@ -146,7 +144,18 @@ def measure_whole_step(job: StepJob) -> dict[str, Any]:
     else:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # VmHWM restarts from the current resident memory
-    times = [step() for _ in range(max(1, job.steps))]
+    steps = max(1, job.steps)
+    record_peak = cuda and job.peak_snapshot
+    times = []
+    for i in range(steps):
+        last = i == steps - 1
+        if last and record_peak:
+            # Python stacks per allocation: a few microseconds each, small against a step
+            torch.cuda.synchronize(device)
+            torch.cuda.memory._record_memory_history(
+                enabled="all", context="alloc", stacks="python", device=device
+            )
+        times.append(step(keep_grads=last and record_peak))
     if cuda:
         free, total = torch.cuda.mem_get_info(device)
         reserved = torch.cuda.memory_reserved(device)
@@ -158,8 +167,8 @@ def measure_whole_step(job: StepJob) -> dict[str, Any]:
             outside_allocator_mib=round((total - free - reserved) / MiB, 1),
             device_total_mib=round(total / MiB, 1),
         )
-        if job.peak_snapshot:
-            record.update(_peak_by_category(step, model, device))
+        if record_peak:
+            record.update(_peak_by_category(model, device))
     else:
         hwm = proc_status_bytes("VmHWM")
         record["process_peak_mib"] = None if hwm is None else round(hwm / MiB, 1)

@@ -119,12 +119,15 @@ def _cached_hub_folder(name: str) -> Path | None:
     return None
 
 
-def load_model(name: str, dtype: str, seq_len: int, seed: int) -> tuple[Any, Any]:
-    """(model in train mode, tokenizer): a preset (random init, byte tokenizer), a model
-    folder or a Hub id. Raises ValueError, in one line, when it cannot be loaded."""
+def load_model(
+    name: str, dtype: str, seq_len: int, seed: int, build_on: torch.device | None = None
+) -> tuple[Any, Any]:
+    """(model in train mode, tokenizer): a preset (random init, byte tokenizer, its parameters
+    created on `build_on`, default the CPU), a model folder or a Hub id. Raises ValueError, in
+    one line, when it cannot be loaded."""
     if name in PRESETS:
         tokenizer = byte_tokenizer()
-        model = build_preset(name, VOCAB_SIZE, seq_len, seed)
+        model = build_preset(name, VOCAB_SIZE, seq_len, seed, device=build_on or "cpu")
     else:
         import transformers
 

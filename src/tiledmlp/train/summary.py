@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from tiledmlp.allocator import allocator_setting
 from tiledmlp.patching import tile_counts
 from tiledmlp.patching.offloading import offloader_of
 from tiledmlp.process_memory import proc_status_bytes
@@ -94,6 +95,7 @@ def summary(
         "peak_kind": "max_memory_allocated" if facts["device"] == "cuda" else "process max RSS",
         "device": facts["device"],
         "torch": torch.__version__,
+        "cuda_alloc_conf": allocator_setting(),
         "interrupted": facts["interrupted"],
         "checkpoint": None,
         "output_dir": str(opts.output_dir) if opts.output_dir is not None else None,

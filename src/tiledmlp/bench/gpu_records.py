@@ -1,0 +1,183 @@
+"""The GPU tables of the docs, rendered from the committed records
+(benchmarks/results/gpu/<date>-<device>/*.jsonl), so that a page never says what a record does
+not.
+
+A page marks each table with `<!-- gpu-table: FOLDER/KIND -->` ... `<!-- /gpu-table -->`
+(FOLDER under benchmarks/results/gpu, KIND one of TABLES); `python -m tiledmlp.bench.gpu_records
+PAGE...` checks every marked table against its records (exit 1 on a difference), `--write`
+rewrites them. tests/bench/test_gpu_records.py runs the check on the docs.
+
+Invariant: a table is a pure function of its records file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["TABLES", "check_page", "render", "update_page"]
+
+Record = dict[str, Any]
+ROOT = Path(__file__).resolve().parents[3]
+RECORDS = ROOT / "benchmarks" / "results" / "gpu"
+_MARK = re.compile(
+    r"(<!-- gpu-table: (?P<folder>[\w.-]+)/(?P<kind>\w+) -->\n)(?P<body>.*?)(<!-- /gpu-table -->)",
+    re.S,
+)
+
+
+def _load(path: Path) -> list[Record]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.startswith("{")]
+
+
+def _k(tokens: int) -> str:
+    return f"{tokens // 1024}K" if tokens % 1024 == 0 else str(tokens)
+
+
+def _n(value: float | None, digits: int = 1) -> str:
+    return "" if value is None else f"{value:,.{digits}f}"
+
+
+def _table(head: Sequence[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def mlp_op(folder: Path) -> str:
+    """The MLP op per length: each variant's median ms and peak MiB, ours against the faster
+    of DeepSpeed's and Liger's."""
+    records = [r for r in _load(folder / "mlp_op.jsonl") if "variant" in r]
+    by = {(r["seq"], r["variant"]): r for r in records}
+    rows = []
+    names = ("untiled", "ours", "ours_auto", "deepspeed", "liger")
+    for seq in sorted({r["seq"] for r in records}):
+        got: dict[str, Record] = {v: by[(seq, v)] for v in names if (seq, v) in by}
+        others = [got[v]["ms"] for v in ("deepspeed", "liger") if v in got]
+        ours = got.get("ours")
+        ratio = f"{ours['ms'] / min(others):.3f}" if ours and others else ""
+        rows.append(
+            [_k(seq), str(ours["tiles"] if ours else "")]
+            + [_n(got[v]["ms"], 2) if v in got else "" for v in names]
+            + [ratio]
+            + [
+                _n(got[v]["peak_mib"], 0) if v in got else ""
+                for v in ("untiled", "ours", "deepspeed", "liger")
+            ]
+        )
+    head = ["tokens", "tiles", "untiled ms", "ours ms", "ours auto ms", "DeepSpeed ms", "Liger ms"]
+    head += ["ours / best other", "untiled MiB", "ours MiB", "DeepSpeed MiB", "Liger MiB"]
+    return _table(head, rows)
+
+
+def attention(folder: Path) -> str:
+    """The attention core per length: SDPA against by groups of heads, time and step peak."""
+    records = [r for r in _load(folder / "attention_by_heads.jsonl") if "variant" in r]
+    by = {(r["seq"], r["variant"]): r for r in records}
+    rows = []
+    for seq in sorted({r["seq"] for r in records}):
+        sdpa, heads = by.get((seq, "sdpa")), by.get((seq, "by_heads"))
+        if not (sdpa and heads):
+            continue
+        rows.append(
+            [
+                _k(seq),
+                _n(sdpa["ms"], 2),
+                _n(heads["ms"], 2),
+                str(heads["groups"]),
+                f"{heads['ms'] / sdpa['ms']:.2f}",
+                _n(sdpa["step_peak_mib"], 0),
+                _n(heads["step_peak_mib"], 0),
+            ]
+        )
+    head = ["tokens", "SDPA ms", "by heads ms", "groups", "time ratio", "SDPA step MiB"]
+    head += ["by heads step MiB"]
+    return _table(head, rows)
+
+
+def whole_steps(folder: Path) -> str:
+    """Whole steps per length and stack: time, allocated and reserved peaks, what the card held
+    (reserved + outside the allocator)."""
+    records = [r for r in _load(folder / "whole_steps.jsonl") if "time_ms" in r]
+    records.sort(key=lambda r: (r["seq_len"], r["max_memory_allocated_mib"]))
+    rows = [
+        [
+            _k(r["seq_len"]),
+            r["stack"],
+            _n(r["time_ms"]),
+            _n(r["max_memory_allocated_mib"], 0),
+            _n(r["max_memory_reserved_mib"], 0),
+            f"{r['max_memory_reserved_mib'] / r['max_memory_allocated_mib'] - 1:.1%}",
+            _n(r["max_memory_reserved_mib"] + r["outside_allocator_mib"], 0),
+        ]
+        for r in records
+    ]
+    head = ["tokens", "stack", "ms", "allocated MiB", "reserved MiB", "reserved beyond"]
+    head += ["card MiB"]
+    return _table(head, rows)
+
+
+TABLES: dict[str, Callable[[Path], str]] = {
+    "mlp_op": mlp_op,
+    "attention": attention,
+    "whole_steps": whole_steps,
+}
+
+
+def render(folder: str, kind: str, root: Path = RECORDS) -> str:
+    """The table `kind` of the records in root/folder.
+
+    Raises:
+        ValueError: an unknown kind or a folder without records.
+    """
+    if kind not in TABLES:
+        raise ValueError(f"unknown GPU table {kind!r}; expected one of {sorted(TABLES)}")
+    path = root / folder
+    if not path.is_dir():
+        raise ValueError(f"no records folder {path}")
+    return TABLES[kind](path)
+
+
+def check_page(text: str, root: Path = RECORDS) -> list[str]:
+    """Every marked table of the page that differs from its records, as one line each."""
+    wrong = []
+    for m in _MARK.finditer(text):
+        want = render(m["folder"], m["kind"], root)
+        if m["body"] != want:
+            wrong.append(f"{m['folder']}/{m['kind']}: the table differs from its records")
+    return wrong
+
+
+def update_page(text: str, root: Path = RECORDS) -> str:
+    """The page with every marked table rendered from its records."""
+    return _MARK.sub(lambda m: m.group(1) + render(m["folder"], m["kind"], root) + m.group(5), text)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m tiledmlp.bench.gpu_records",
+        description="Checks (or with --write, rewrites) the GPU tables of doc pages against the "
+        "committed records.",
+    )
+    p.add_argument("pages", nargs="+", type=Path, help="Markdown pages with gpu-table marks")
+    p.add_argument("--write", action="store_true", help="rewrite the tables from the records")
+    a = p.parse_args(argv)
+    status = 0
+    for page in a.pages:
+        text = page.read_text()
+        if a.write:
+            page.write_text(update_page(text))
+            continue
+        for line in check_page(text):
+            print(f"{page}: {line}", file=sys.stderr)
+            status = 1
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,47 @@
+"""The GPU tables of the docs are the committed records (bench/gpu_records.py): every marked
+table of the pages equals the table rendered from its records folder, and a changed number is
+caught."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tiledmlp.bench import gpu_records
+
+ROOT = Path(__file__).resolve().parents[2]
+PAGES = [ROOT / "docs" / "benchmarks.md", ROOT / "docs" / "guides" / "gpus.md"]
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_the_gpu_tables_of_the_docs_are_the_committed_records(page: Path) -> None:
+    assert gpu_records.check_page(page.read_text()) == []
+
+
+def test_every_kind_of_table_is_on_a_page() -> None:
+    text = "".join(p.read_text() for p in PAGES)
+    for kind in gpu_records.TABLES:
+        assert f"/{kind} -->" in text, kind
+
+
+def test_a_changed_number_is_caught_and_rewritten(tmp_path: Path) -> None:
+    page = "<!-- gpu-table: 2026-11-25-h100/whole_steps -->\n"
+    page += gpu_records.render("2026-11-25-h100", "whole_steps")
+    page += "<!-- /gpu-table -->\n"
+    assert gpu_records.check_page(page) == []
+    wrong = page.replace("11,587", "11,000")
+    assert gpu_records.check_page(wrong) == [
+        "2026-11-25-h100/whole_steps: the table differs from its records"
+    ]
+    assert gpu_records.update_page(wrong) == page
+    path = tmp_path / "page.md"
+    path.write_text(wrong)
+    assert gpu_records.main([str(path)]) == 1
+    assert gpu_records.main(["--write", str(path)]) == 0
+    assert path.read_text() == page
+
+
+def test_an_unknown_table_is_refused() -> None:
+    with pytest.raises(ValueError, match="unknown GPU table 'nope'"):
+        gpu_records.render("2026-11-25-h100", "nope")
