@@ -1,6 +1,6 @@
-"""plan/device_overhead.py's attention term: flash attention's backward buffers for the heads the
-kernel sees (grouped-query expansion included), under sequence parallelism, and one head
-group's with tiled decoder layers."""
+"""plan/device_overhead.py's attention term: cuDNN attention's backward buffers (SDPA on Hopper)
+for the heads the kernel sees, under sequence parallelism, and the flash kernel's for one head
+group with tiled decoder layers (grouped-query expansion included)."""
 
 from __future__ import annotations
 
@@ -16,24 +16,31 @@ M = 1 << 20
 def test_an_8b_layer_at_1m_tokens_whole_and_by_heads() -> None:
     cfg = load_config("llama3-8b")  # 32 query heads, 8 key/value heads of 128
     whole = device_overhead(cfg, "cuda").terms(peak=0, tokens=M)["attention_backward"]
-    # dq accumulator and row sums (float32) + dk and dv expanded to 32 heads (bf16)
-    assert whole == M * 32 * 129 * 4 + 2 * M * 32 * 128 * 2
+    # cuDNN: dq accumulator and row sums (float32) + one output-sized buffer (bf16), no expansion
+    assert whole == M * 32 * 129 * 4 + M * 32 * 128 * 2
     grouped = device_overhead(cfg, "cuda", by_heads=True).terms(0, M)["attention_backward"]
     assert grouped == M * 129 * 4  # one query head per call: its dq accumulator, no expansion
-    # float32 models expand in float32
+    # float32 models: the output-sized buffer in float32
     wide = device_overhead(cfg, "cuda", itemsize=4).terms(0, M)["attention_backward"]
-    assert wide == M * 32 * 129 * 4 + 2 * M * 32 * 128 * 4
+    assert wide == M * 32 * 129 * 4 + M * 32 * 128 * 4
 
 
-@pytest.mark.parametrize("p,expanded", [(8, True), (32, False)])
-def test_sequence_parallel_kernels_see_the_whole_sequence_with_heads_over_p(
-    p: int, expanded: bool
-) -> None:
+def test_the_cudnn_term_and_the_h100_record_of_sdpa() -> None:
+    """The record's SDPA step (32 query, 8 key/value heads of 128, bf16): 53,504 bytes per token
+    = output, row statistics, upstream gradient, dq, dk, dv (tensors) + the term."""
+    cfg = load_config("llama3-8b")
+    term = device_overhead(cfg, "cuda").terms(0, 131072)["attention_backward"]
+    tensors = 131072 * (3 * 32 * 128 * 2 + 32 * 4 + 2 * 8 * 128 * 2)
+    assert tensors + term == 6688 * 2**20  # attention_by_heads.jsonl, "sdpa" at 131072
+
+
+@pytest.mark.parametrize("p", [8, 32])
+def test_sequence_parallel_kernels_see_the_whole_sequence_with_heads_over_p(p: int) -> None:
     cfg = load_config("llama3-8b")
     local = M // p
     got = device_overhead(cfg, "cuda", sequence_parallel_size=p).terms(0, local)
-    heads = 32 // p  # key/value heads: 8 // p, or 1 repeated when P > 8 (no expansion at 1:1)
-    want = M * heads * 129 * 4 + (2 * M * heads * 128 * 2 if expanded else 0)
+    heads = 32 // p
+    want = M * heads * 129 * 4 + M * heads * 128 * 2
     assert got["attention_backward"] == want
     # by heads, one query head per call at 1M tokens under either P
     grouped = device_overhead(cfg, "cuda", sequence_parallel_size=p, by_heads=True)
@@ -44,6 +51,7 @@ def test_short_sequences_are_one_call_even_by_heads() -> None:
     cfg = load_config("llama3-8b")
     for tokens in (1024, 4096):
         a = device_overhead(cfg, "cuda", by_heads=True).terms(0, tokens)
-        b = device_overhead(cfg, "cuda").terms(0, tokens)
-        assert a == b
+        # one flash call over all heads: dk and dv expanded to the 32 query heads
+        want = tokens * 32 * 129 * 4 + 2 * tokens * 32 * 128 * 2
+        assert a["attention_backward"] == want
     assert device_overhead(cfg, "cpu", by_heads=True).total(10 * GiB, M) == 0

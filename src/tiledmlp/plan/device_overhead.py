@@ -3,35 +3,53 @@
 The planner's peaks (plan/model.py) are tensor-level: every storage the step creates, exactly.
 A CUDA process also holds memory no tensor accounts for. Each term, with its source:
 
-- "cuda_context": the CUDA context and the kernels loaded into it. With lazy module loading
-  (PyTorch sets CUDA_MODULE_LOADING=LAZY since 1.13) PyTorch measured 287,047,680 bytes for the
-  context against 666,632,192 loaded eagerly (pytorch/pytorch#86509); cuBLAS, cuDNN and the
-  attention kernels a training step loads add to it: 512 MiB.
+- "outside_allocator": what the process holds outside PyTorch's caching allocator (the CUDA
+  context and the modules of CUDA, cuBLAS, cuDNN and the attention kernels loaded into it):
+  the largest of the figures measured beside whole training steps on an H100
+  (benchmarks/results/gpu/2026-11-25-h100/whole_steps.jsonl, "outside_allocator_mib":
+  766.8 to 848.8 MiB): 849 MiB.
 - "cublas_workspace": PyTorch gives each cuBLAS handle and stream a workspace of
   CUBLAS_WORKSPACE_CONFIG's default 8.125 MiB (the 8,519,680-byte block every matmul user sees
   in a memory snapshot) and cuBLASLt 32 MiB on Hopper (4 MiB on Ampere cards of 24 GB and more;
-  pytorch/pytorch#120925, after the cuBLAS guide's recommendation): 40.125 MiB, Hopper's.
-- "attention_backward": the flash-attention backward (PyTorch's SDPA flash kernel, a copy of
-  flash-attention's mha_bwd) allocates inside the kernel call, for the heads it is given, a
-  float32 accumulator for dq (tokens x heads x head_dim) and float32 row sums (heads x tokens),
-  and, for grouped-query attention (fewer key/value heads than query heads at the kernel), dk
-  and dv expanded to the query heads (2 x tokens x heads x head_dim in the model's dtype), all
-  invisible to a tensor-level trace; one layer at a time. Under sequence parallelism the kernel
-  sees the whole sequence with heads / P (and the key/value heads Ulysses sends). With tiled
-  decoder layers the attention core runs by groups of heads
-  (ops/attention_heads.py: head_groups), and the buffers are one group's.
-- "allocator": PyTorch's caching allocator rounds every block up (512 bytes; large blocks come
-  from 2 MiB-granular segments) and cannot always reuse freed blocks for differently sized
-  requests (fragmentation: reserved minus allocated). Modelled as a fraction of the peak
-  (tensors plus the attention buffers), from the two observations made on an H100 80GB
-  (79.2 GiB as torch reports it; bf16 8B shape, checkpointing, weights and gradients on the
-  card): an untiled step at 32K tokens did not fit (this planner: 70.9 GiB of tensors and
-  1.0 GiB of attention buffers), which needs a fraction above 9.3%; a step with the tiled loss
-  at 128K tokens fit (69.8 GiB of tensors, 4.0 GiB of attention buffers), which allows at most
-  6.6%. No one fraction explains both; 11% predicts the out-of-memory step and errs on the safe
-  side for the other (3.3 GiB over the card). `python -m tiledmlp.bench.suite` records
-  max_memory_reserved / max_memory_allocated and the memory outside the allocator per step, to
-  replace this term with measured figures.
+  pytorch/pytorch#120925, after the cuBLAS guide's recommendation): 40.125 MiB, Hopper's,
+  taken from the caching allocator.
+- "attention_backward": buffers an attention backward allocates inside the kernel call, for
+  the heads it is given, invisible to a tensor-level trace (its dq, dk and dv are tensors the
+  simulation counts); one layer at a time. See Note [Attention backward buffers].
+- "allocator": the caching allocator's reserve beyond the allocated peak, which an
+  out-of-memory error counts. See Note [Allocator reserve].
+
+Note [Attention backward buffers]: a model's own attention calls
+`F.scaled_dot_product_attention`, which on Hopper runs cuDNN attention
+(`aten._scaled_dot_product_cudnn_attention`; docs/guides/gpus.md). cuDNN's backward takes a
+workspace holding a float32 dq accumulator (tokens x heads x head_dim) and float32 row sums
+(heads x tokens); grouped-query attention is taken natively, the per-query-head dk and dv
+being virtual tensors that take no workspace (cudnn-frontend, CompositeSDPABackwardNode:
+get_fe_workspace_size_node). The H100 record of the op
+(benchmarks/results/gpu/2026-11-25-h100/attention_by_heads.jsonl, "sdpa": 53,504 bytes per
+token at 8K, 32K and 128K tokens for 32 query and 8 key/value heads of 128, bf16) equals the
+output, its row statistics, the upstream gradient, dq, dk, dv and that workspace plus one more
+buffer of the output's size; it is counted too (heads x head_dim in the model's dtype per
+token), the record being its source. The same record with key/value repeated to 32 heads
+("sdpa_repeat", 65,792 bytes per token) adds exactly the repeated dk and dv, which confirms that
+no expanded dk and dv are allocated. With tiled decoder layers the attention core calls the
+flash kernel by groups of heads (ops/attention_heads.py: head_groups,
+attention_buffer_bytes: flash's float32 dq accumulator and row sums, dk and dv expanded to the
+query heads under grouped-query attention), and the buffers are one group's. Under sequence
+parallelism the kernel sees the whole sequence with heads / P (and the key/value heads Ulysses
+sends).
+
+Note [Allocator reserve]: PyTorch's caching allocator keeps the segments it obtained from the
+driver. Without expandable segments, a freed block can serve only requests no larger than
+itself, so a step whose tensors change size from phase to phase holds segments it cannot
+reuse: the whole-step records measured max_memory_reserved 9.1% to 23.3% above
+max_memory_allocated (whole_steps.jsonl, 2026-11-25, without expandable segments). The term
+is the largest measured ratio, 23.3% of the allocated peak (tensors, attention buffers and
+workspace): a measured bound, not a mechanism the planner follows allocation by allocation.
+With `expandable_segments:True` (PyTorch's CUDA semantics notes: a segment grows by mapping
+2 MiB pages as requests need them, so freed memory at its end is reused by a larger request),
+the reserve is the rounding of the peak up to whole 2 MiB pages per segment, one segment per
+stream: 2 MiB. That figure is the mechanism's; it is still to be measured on a GPU.
 
 On the CPU none of these terms exists (no context or workspaces are reserved from a device, the
 allocator is the system's): the overhead is zero, and `--memory-gb` there is the memory the
@@ -52,9 +70,12 @@ from tiledmlp.sequence_parallel.attention import kv_repeat
 __all__ = ["AttentionKernel", "DeviceOverhead", "device_overhead"]
 
 MiB = 2**20
-_CONTEXT = 512 * MiB
+_OUTSIDE_ALLOCATOR = 849 * MiB  # whole_steps.jsonl: the largest outside_allocator_mib, rounded up
 _CUBLAS = int(8.125 * MiB) + 32 * MiB
-_ALLOCATOR_FRACTION = 0.11
+# Note [Allocator reserve]: max_memory_reserved / max_memory_allocated - 1, the largest of the
+# 2026-11-25 whole-step records (45,070 / 36,552.7 MiB at 131072 tokens, tiled_mlp_loss).
+_RESERVE_FIXED_SEGMENTS = 45070.0 / 36552.7 - 1.0
+_EXPANDABLE_PAGE = 2 * MiB
 
 
 @dataclass(frozen=True)
@@ -67,7 +88,9 @@ class AttentionKernel:
         head_dim: per-head size.
         itemsize: bytes per element of the model's dtype.
         sequence_parallel_size: P (Ulysses): the kernel sees the whole sequence, heads / P.
-        by_heads: the attention core runs by groups of heads (tiled decoder layers).
+        by_heads: the attention core runs by groups of heads (tiled decoder layers) through the
+            flash kernel; otherwise SDPA runs cuDNN attention (Note [Attention backward
+            buffers]).
     """
 
     heads: int
@@ -78,12 +101,15 @@ class AttentionKernel:
     by_heads: bool = False
 
     def buffer_bytes(self, tokens: int) -> int:
-        """The backward's buffers for `tokens` tokens per GPU (ops/attention_heads.py)."""
+        """The backward's buffers for `tokens` tokens per GPU."""
         p = self.sequence_parallel_size
         seq, heads = tokens * p, self.heads // p
         kv = self.kv_heads * kv_repeat(self.heads, self.kv_heads, p) // p
-        groups = head_groups(1, heads, kv, seq) if self.by_heads else 1
-        return attention_buffer_bytes(1, heads, kv, seq, self.head_dim, self.itemsize, groups)
+        if self.by_heads:
+            groups = head_groups(1, heads, kv, seq)
+            return attention_buffer_bytes(1, heads, kv, seq, self.head_dim, self.itemsize, groups)
+        workspace = seq * heads * (self.head_dim + 1) * 4  # float32 dq accumulator, row sums
+        return workspace + seq * heads * self.head_dim * self.itemsize  # the record's buffer
 
 
 @dataclass(frozen=True)
@@ -91,24 +117,28 @@ class DeviceOverhead:
     """A device's overhead beyond the step's tensors.
 
     Attributes:
-        fixed: bytes per term that do not depend on the step ("cuda_context", ...).
+        fixed: bytes per term that do not depend on the step ("outside_allocator", ...).
         attention: the attention kernel whose backward buffers no tensor shows
             ("attention_backward"); None: none (the CPU).
-        fraction: allocator rounding and fragmentation, as a fraction of the peak.
+        fraction: the allocator's reserve as a fraction of the allocated peak (without
+            expandable segments).
+        page: the allocator's reserve in bytes with expandable segments (0: without them).
     """
 
     fixed: dict[str, int]
     attention: AttentionKernel | None
     fraction: float
+    page: int = 0
 
     def terms(self, peak: int, tokens: int) -> dict[str, int]:
         """Each term in bytes, for a step whose tensors peak at `peak` bytes over `tokens`
         tokens per GPU."""
         attention = self.attention.buffer_bytes(tokens) if self.attention is not None else 0
+        allocated = peak + attention + self.fixed.get("cublas_workspace", 0)
         return {
             **self.fixed,
             "attention_backward": attention,
-            "allocator": int(self.fraction * (peak + attention)),
+            "allocator": int(self.fraction * allocated) + self.page,
         }
 
     def total(self, peak: int, tokens: int) -> int:
@@ -131,6 +161,7 @@ def device_overhead(
     itemsize: int = 2,
     sequence_parallel_size: int = 1,
     by_heads: bool = False,
+    expandable_segments: bool = True,
 ) -> DeviceOverhead:
     """The overhead of a training process for the model `config` on `device_type`.
 
@@ -140,20 +171,23 @@ def device_overhead(
         itemsize: bytes per element of the model's dtype (2: bf16).
         sequence_parallel_size: Ulysses' P.
         by_heads: the attention core runs by head groups (tiled decoder layers).
+        expandable_segments: the caching allocator runs with `expandable_segments:True` (what
+            tiledmlp's own entry points set unless PYTORCH_CUDA_ALLOC_CONF is set).
 
     Returns:
         A DeviceOverhead; all zero on the CPU.
     """
     if device_type == "cpu":
-        return DeviceOverhead(fixed={"cuda_context": 0, "cublas_workspace": 0}, attention=None,
-                              fraction=0.0)  # fmt: skip
+        return DeviceOverhead(fixed={"outside_allocator": 0, "cublas_workspace": 0},
+                              attention=None, fraction=0.0)  # fmt: skip
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     heads = int(text.num_attention_heads)
     kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
     head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // heads)
     kernel = AttentionKernel(heads, kv_heads, head_dim, itemsize, sequence_parallel_size, by_heads)
     return DeviceOverhead(
-        fixed={"cuda_context": _CONTEXT, "cublas_workspace": _CUBLAS},
+        fixed={"outside_allocator": _OUTSIDE_ALLOCATOR, "cublas_workspace": _CUBLAS},
         attention=kernel,
-        fraction=_ALLOCATOR_FRACTION,
+        fraction=0.0 if expandable_segments else _RESERVE_FIXED_SEGMENTS,
+        page=_EXPANDABLE_PAGE if expandable_segments else 0,
     )

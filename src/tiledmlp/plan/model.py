@@ -113,6 +113,7 @@ def plan_model(
     sequence_parallel_size: int = 1,
     engine: str = "ddp",
     offload_params: bool = False,
+    expandable_segments: bool = True,
 ) -> dict[str, Any]:
     """Every stack's peak MiB and breakdown at `seq_len`; with a budget, each stack's longest
     sequence that fits ("max_seq_len", a multiple of `granularity`). The tile policy resolves
@@ -121,7 +122,8 @@ def plan_model(
     "max_seq_len" is the whole sequence's length (a multiple of P x granularity). `engine`
     "zero3" or "fsdp2" shards the parameters, gradients and optimizer states over the P GPUs
     (plan/engines.py; "ddp", the default, keeps them whole); `offload_params` keeps the
-    parameters and gradients on the host.
+    parameters and gradients on the host. `expandable_segments`: the CUDA caching allocator's
+    setting the step will run with (plan/device_overhead.py, Note [Allocator reserve]).
 
     "peak_mib" is tensor-level; "device_overhead_mib" is what the process holds on the device
     beside the tensors (plan/device_overhead.py, per term in "device_overhead_breakdown_mib";
@@ -158,7 +160,9 @@ def plan_model(
         logger.info(
             "%s (%d of %d): one step at %s tokens", stack, i, len(stacks), f"{seq_len // p:,}"
         )
-        out[stack] = _plan_stack(config, stack, seq_len, p, budget_bytes, granularity, options)
+        out[stack] = _plan_stack(
+            config, stack, seq_len, p, budget_bytes, granularity, options, expandable_segments
+        )
     return out
 
 
@@ -170,6 +174,7 @@ def _plan_stack(
     budget_bytes: int | None,
     granularity: int,
     options: dict[str, Any],
+    expandable_segments: bool = True,
 ) -> dict[str, Any]:
     """One stack's entry of plan_model's answer."""
     local = seq_len // p
@@ -180,6 +185,7 @@ def _plan_stack(
         itemsize=options["dtype"].itemsize,
         sequence_parallel_size=p,
         by_heads=stack_option(stack, "tiled_layers"),
+        expandable_segments=expandable_segments,
     )
     est = estimate_step(config, seq_len=local, stack=stack, **options)
     if p > 1:

@@ -26,6 +26,7 @@ def max_seq_len(
     upper: int = 1 << 24,
     hint: int | None = None,
     extra_bytes_per_token: float = 0.0,
+    extra_bytes: int = 0,
     overhead: DeviceOverhead | None = None,
     **options: Any,
 ) -> int:
@@ -36,7 +37,8 @@ def max_seq_len(
     the search extrapolates along the line through its last two estimates until it has a length
     that does not fit, then interpolates inside that bracket; every answer is verified (it fits,
     one more granule does not). `hint` (tokens) is a first guess, e.g. a length already planned.
-    `extra_bytes_per_token` adds memory the simulation does not see (the all-to-all's buffers);
+    `extra_bytes_per_token` and `extra_bytes` add memory the simulation does not see (the
+    all-to-all's buffers; a measured correction, plan/measured.py);
     `overhead` adds the device's own (plan/device_overhead.py: CUDA context, workspaces,
     attention backward buffers, allocator), so that the step fits a card of `budget_bytes`.
     """
@@ -46,7 +48,7 @@ def max_seq_len(
         if n not in cache:
             tokens = n * granularity
             step = estimate_step(config, seq_len=tokens, stack=stack, **options).peak
-            step += int(extra_bytes_per_token * tokens)
+            step += int(extra_bytes_per_token * tokens) + extra_bytes
             cache[n] = step + (overhead.total(step, tokens) if overhead is not None else 0)
             logger.info("  %s tokens: %.1f GiB", f"{tokens:,}", cache[n] / 2**30)
         return cache[n]
