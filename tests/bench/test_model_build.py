@@ -14,6 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 transformers = pytest.importorskip("transformers")
 
+from tiledmlp.bench import offload_step  # noqa: E402
 from tiledmlp.models.build import build_causal_lm, config_from_dir, has_weights, llama_config  # noqa: E402
 from tiledmlp.models.presets import build_preset  # noqa: E402
 
@@ -71,13 +72,16 @@ def test_preset_on_the_cpu_keeps_its_weights_for_a_seed() -> None:
     assert _same(got, want)
 
 
-@pytest.mark.parametrize("build", ["config", "preset"])
+@pytest.mark.parametrize("build", ["config", "preset", "offload_step"])
 def test_nothing_is_created_off_the_target_device(build: str) -> None:
     with _Devices() as seen:
         if build == "config":
             model = build_causal_lm(llama_config(**FIELDS), device="meta", dtype=torch.bfloat16)
-        else:
+        elif build == "preset":
             model = build_preset("tiny", 300, 128, 0, device="meta")
+        else:  # the offloading bench's model
+            meta = torch.device("meta")
+            model = offload_step._model(2, 64, 160, 4, 2, torch.bfloat16, meta)
     assert seen.created, "the build ran no op through the dispatcher"
     elsewhere = [c for c in seen.created if c[1] != "meta"]
     assert not elsewhere, elsewhere[:5]

@@ -5,7 +5,8 @@ Usage (prints one JSON object per variant, then a summary line):
     python -m tiledmlp.bench.offload_step --layers 8 --seq-len 32768 --steps 50
 
 The model is a random-init Llama of the llama3-8b preset's layer shape (hidden 4096,
-intermediate 14336, 32 heads / 8 KV heads) cut to --layers layers, in bfloat16 on CUDA (float32
+intermediate 14336, 32 heads / 8 KV heads) cut to --layers layers, built on the device
+(models/build.py), in bfloat16 on CUDA (float32
 and a small shape on the CPU, where the mechanism runs but saves nothing); every variant uses
 non-reentrant checkpointing, the tiled MLP and the tiled loss; "offload" adds activation
 offloading. Steps alternate between the variants so that drift affects both alike; time is the
@@ -26,6 +27,8 @@ from typing import Any
 
 import torch
 
+from tiledmlp.allocator import prefer_expandable_segments
+from tiledmlp.models.build import build_causal_lm, llama_config
 from tiledmlp.patching import patch_model
 from tiledmlp.patching.offloading import enable_checkpointing, offloader_of
 from tiledmlp.process_memory import proc_status_bytes
@@ -35,10 +38,17 @@ __all__ = ["measure_offload"]
 MiB = 2**20
 
 
-def _model(layers: int, hidden: int, intermediate: int, heads: int, kv: int, dtype: Any) -> Any:
-    import transformers as tr
-
-    cfg = tr.LlamaConfig(
+def _model(
+    layers: int,
+    hidden: int,
+    intermediate: int,
+    heads: int,
+    kv: int,
+    dtype: Any,
+    device: torch.device,
+) -> Any:
+    """The random-init Llama, built directly on `device` in `dtype` (seed 0)."""
+    cfg = llama_config(
         vocab_size=32000,
         hidden_size=hidden,
         intermediate_size=intermediate,
@@ -46,10 +56,8 @@ def _model(layers: int, hidden: int, intermediate: int, heads: int, kv: int, dty
         num_attention_heads=heads,
         num_key_value_heads=kv,
         max_position_embeddings=1 << 21,
-        use_cache=False,
     )
-    torch.manual_seed(0)
-    return tr.LlamaForCausalLM._from_config(cfg, attn_implementation="sdpa", dtype=dtype)
+    return build_causal_lm(cfg, device=device, dtype=dtype, seed=0, attn_implementation="sdpa")
 
 
 def measure_offload(
@@ -69,7 +77,7 @@ def measure_offload(
     dtype = torch.bfloat16 if cuda else torch.float32
     models = {}
     for variant in ("checkpointing", "offload"):
-        model = _model(layers, hidden, intermediate, heads, kv_heads, dtype).to(device).train()
+        model = _model(layers, hidden, intermediate, heads, kv_heads, dtype, device)
         enable_checkpointing(model)
         patch_model(model, tiled_loss=True, activation_offloading=variant == "offload")
         models[variant] = model
@@ -127,6 +135,7 @@ def measure_offload(
 
 
 def main(argv: list[str] | None = None) -> None:
+    prefer_expandable_segments()  # before CUDA initialises; a user's setting is kept
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layers", type=int, default=8, help="decoder layers (default: 8)")
     p.add_argument("--seq-len", type=int, default=32768, help="tokens, batch 1 (default: 32768)")
