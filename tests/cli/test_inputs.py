@@ -135,3 +135,28 @@ def test_one_error_style_in_every_subcommand(tmp_path: Path) -> None:
     runs = run_many([argv for argv, _ in cases], env_for(tmp_path))
     for (_, expected), run in zip(cases, runs, strict=True):
         assert_one_line(run, *expected)
+
+
+@pytest.mark.slow
+def test_a_hub_id_loads_from_the_local_cache_offline(tmp_path: Path) -> None:
+    # The layout huggingface_hub writes: models--ORG--NAME/{refs/main, snapshots/REVISION/...}
+    from tiledmlp.models.presets import build_preset
+    from tiledmlp.train.tokenizer import VOCAB_SIZE, byte_tokenizer
+
+    env = env_for(tmp_path)
+    repo = Path(env["HF_HUB_CACHE"]) / "models--some-org--tiny-model"
+    revision = "0" * 40
+    snapshot = repo / "snapshots" / revision
+    build_preset("tiny", VOCAB_SIZE, 64, 0).save_pretrained(snapshot)
+    byte_tokenizer().save_pretrained(snapshot)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(revision)
+    res = subprocess.run(
+        [sys.executable, "-m", "tiledmlp", "train", "--model", "some-org/tiny-model",
+         "--seq-len", "32", "--max-steps", "1", "--json"],
+        capture_output=True, text=True, timeout=600, env=env,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    summary = json.loads(res.stdout)
+    assert summary["model"] == "some-org/tiny-model" and summary["steps"] == 1
+    assert summary["learning_rate"] == 2e-5  # a pretrained model's fine-tuning default

@@ -168,7 +168,11 @@ def test_ctrl_c_saves_a_checkpoint_and_exits_cleanly(tmp_path: Path) -> None:
     assert "Traceback" not in stderr, stderr[-3000:]
     saved = sorted(out.glob("checkpoint-*"))
     assert len(saved) == 1 and (saved[0] / "trainer_state.json").is_file()
-    assert f"--resume-from-checkpoint {saved[0]}" in stdout
+    # the whole command that continues the run, ready to paste
+    assert (
+        f"continue with: tiledmlp train --seq-len 64 --max-steps 100000 --output-dir {out} "
+        f"--resume-from-checkpoint {saved[0]}"
+    ) in stdout, stdout
     step = int(saved[0].name.split("-")[1])
     more = summary("--seq-len", "64", "--max-steps", str(step + 1), "--output-dir", str(out),
                    "--resume-from-checkpoint", "latest")  # fmt: skip
@@ -269,9 +273,9 @@ def _bad_files(tmp: Path) -> dict[str, str]:
         (["--activation-offloading"], "add --gradient-checkpointing"),
         (["--data", "/nonexistent.txt"], "is not a file"),
         (["--data", "TMP/bin.txt"], "bin.txt is not UTF-8 text"),
-        (["--data", "TMP/no-text.csv"], 'no-text.csv has no "text" column'),
+        (["--data", "TMP/no-text.csv"], 'no-text.csv record 0 has no field "text" (fields: body'),
         (["--model", "no-such-model"], "neither a preset"),
-        (["--model", "TMP/no-tokenizer"], "its tokenizer could not be loaded"),
+        (["--model", "TMP/no-tokenizer"], "no-tokenizer has no weights (model.safetensors"),
         (["--config", "TMP/bad.yaml"], "unknown key 'max_step'; did you mean 'max_steps'?"),
         (["--config", "TMP/list.yaml"], "must hold a mapping"),
         (["--config", "TMP/none.yaml"], "is not a file"),
@@ -413,3 +417,42 @@ def test_a_rank_that_leaves_mid_run_is_named_and_nothing_hangs(tmp_path: Path) -
     assert named and "tiledmlp train: error: tiledmlp: " in named[0], res.stderr[-3000:]
     assert "failed on rank 0" in named[0]
     assert elapsed < 240, elapsed
+
+
+@pytest.mark.slow
+def test_a_resume_continues_the_runs_settings_and_says_or_refuses_a_change(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    settings = ("--learning-rate", "1e-3", "--lr-scheduler-type", "cosine",
+                "--gradient-accumulation-steps", "2", "--seq-len", "32")  # fmt: skip
+    first = summary(*settings, "--max-steps", "3", "--save-steps", "1", "--output-dir", str(out))
+    checkpoint = out / "checkpoint-1"
+    assert (checkpoint / "tiledmlp_run.json").is_file()
+    # Given the checkpoint alone, the run goes on with its own settings, not the defaults.
+    again = summary("--resume-from-checkpoint", str(checkpoint))
+    assert (again["learning_rate"], again["lr_scheduler_type"]) == (1e-3, "cosine")
+    assert (again["gradient_accumulation_steps"], again["seq_len"]) == (2, 32)
+    assert again["max_steps"] == 3 and again["resumed_from_step"] == 1
+    assert again["losses"] == pytest.approx(first["losses"][1:], rel=0, abs=1e-6)
+    # An option that changes the run is refused in one line, before any work.
+    refused = train("--resume-from-checkpoint", str(checkpoint), "--lr-scheduler-type", "linear")
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr
+    assert (
+        refused.stderr.strip()
+        .splitlines()[-1]
+        .endswith(
+            f"the run used --lr-scheduler-type cosine, this command gives linear; a resume continues "
+            f"the same run: drop --lr-scheduler-type, or start a new run from the saved model with "
+            f"--model {checkpoint}"
+        )
+    ), refused.stderr
+    assert "loading" not in refused.stderr
+    # One that changes only memory and speed is applied and said; a shorter --max-steps too.
+    res = train("--resume-from-checkpoint", str(checkpoint), "--num-tiles", "2",
+                "--max-steps", "2", "--json")  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    notes = [line for line in res.stderr.splitlines() if line.startswith("tiledmlp train: --")]
+    assert any("--num-tiles 2: applied on resume (the run had auto)" in n for n in notes), notes
+    assert any("stopping at step 2 of the 3 the run was planned for" in n for n in notes), notes
+    short = json.loads(res.stdout)
+    assert short["steps"] == 1 and short["learning_rate"] == 1e-3
+    assert short["losses"] == pytest.approx(first["losses"][1:2], rel=1e-5)

@@ -159,7 +159,10 @@ def test_without_datasets_the_formats_that_need_it_are_refused_and_jsonl_works(
     )  # fmt: skip
     assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr
     last = refused.stderr.strip().splitlines()[-1]
-    assert "reading parquet files needs the datasets library: pip install 'tiledmlp[data]'" in last
+    assert (
+        "reading parquet files needs the datasets library: pip install -c constraints.txt "
+        "-e '.[data]'" in last
+    )
     works = subprocess.run(
         [*base, "--data", str(jsonl), "--json"], capture_output=True, text=True, timeout=600,
         env=env,

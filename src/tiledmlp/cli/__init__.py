@@ -20,7 +20,6 @@ import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
-from tiledmlp.allocator import prefer_expandable_segments
 from tiledmlp.cli import bench, env, plan, train
 from tiledmlp.cli.common import UsageError
 from tiledmlp.cli.output import results_only
@@ -32,12 +31,17 @@ logger = logging.getLogger("tiledmlp")
 _COMMANDS = {"bench": bench, "train": train, "plan": plan, "env": env}
 
 
-class _ParseError(Exception):
-    """A usage error found while parsing: `prog` and the one-line message."""
+class _ParseError(SystemExit):
+    """A usage error found while parsing: `prog` and the one-line message (a SystemExit with
+    status 2, as argparse's own, for callers of the parser that catch that)."""
 
     def __init__(self, prog: str, message: str) -> None:
-        super().__init__(message)
+        super().__init__(2)
         self.prog = prog
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
 
 
 class _Parser(argparse.ArgumentParser):
@@ -147,9 +151,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         # bitsandbytes (imported with the Trainer's PEFT support) warns on every CPU start that
         # an optional kernel package is missing; nothing here uses it.
         logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
-    # before anything initialises CUDA: train and bench run with expandable segments unless
-    # PYTORCH_CUDA_ALLOC_CONF says otherwise (tiledmlp/allocator.py)
-    prefer_expandable_segments()
     try:
         with results_only():
             return int(_COMMANDS[args.command].run(args))

@@ -185,13 +185,16 @@ def _add_output_flags(groups: _Groups) -> None:
     output("--save-steps", help="save OUTPUT_DIR/checkpoint-N every N steps (default: never)")
     output("--save-total-limit", help="keep at most this many checkpoints (default: all)")
     output("--resume-from-checkpoint", metavar="DIR|latest", help="continue that run from "
-           "OUTPUT_DIR/checkpoint-N, or the newest one with 'latest' (the same schedule: "
-           "--max-steps at most the run's own)")  # fmt: skip
+           "OUTPUT_DIR/checkpoint-N, or the newest one with 'latest', with the run's own settings "
+           "(recorded in the checkpoint; an option given that changes the run is refused, one "
+           "that changes only memory or speed is applied and said; --max-steps at most the "
+           "run's own)")  # fmt: skip
     output("--logging-steps", help="log the loss every N steps (default: 1)")
     output(
         "--report-to",
         metavar="LIST",
-        help="none, tensorboard, wandb, ... comma-separated (default: none)",
+        help="none, tensorboard, wandb, ... comma-separated; each needs its package (pip "
+        "install tensorboard) (default: none)",
     )
     output.group.add_argument("--json", action="store_true", default=False,
                               help="print the summary as one JSON object on stdout")  # fmt: skip

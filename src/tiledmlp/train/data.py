@@ -58,7 +58,7 @@ _KINDS = (
     ".txt/.md (plain text), .jsonl, .json (an array of records), .csv, .parquet, .arrow, or a "
     "folder written by datasets' save_to_disk"
 )
-INSTALL = "pip install 'tiledmlp[data]' (or: pip install datasets)"
+INSTALL = "pip install -c constraints.txt -e '.[data]' (the data extra: datasets)"
 CHAT_FIELD = "messages"
 
 Document = str | list[dict[str, Any]]  # a text, or chat turns for the chat template

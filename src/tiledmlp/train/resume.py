@@ -21,6 +21,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from tiledmlp.config.patch import SAME_LOSSES
 from tiledmlp.train.checkpoints import resolve_resume
 from tiledmlp.train.options import TrainOptions, canonical_key, options_from
 
@@ -32,12 +33,9 @@ PER_INVOCATION = frozenset({
     "resume_from_checkpoint", "output_dir", "logging_steps", "report_to", "save_steps",
     "save_total_limit", "ddp_timeout", "engine", "deepspeed", "fsdp", "fsdp_config", "max_steps",
 })  # fmt: skip
-# fields (of TrainOptions and of its PatchConfig) that change memory and speed, not the
-# losses: applied with a note when they differ
-_SAFE = frozenset({
-    "gradient_checkpointing", "tiles", "tiled_mlp", "generic", "tiled_loss", "loss_tiles",
-    "tiled_norms", "tiled_layers", "activation_offloading", "kernels",
-})  # fmt: skip
+# fields (of TrainOptions and of its PatchConfig, whose schema marks them) that change memory
+# and speed, not the losses: applied with a note when they differ
+_SAFE = frozenset({"gradient_checkpointing", *SAME_LOSSES})
 # a field's flag where the two differ
 _FLAGS = {"tiles": "--num-tiles", "tiled_mlp": "--use-tiled-mlp", "patch": "the tiling options"}
 
@@ -201,7 +199,8 @@ def _differences(a: Any, b: Any, prefix: str = "") -> list[tuple[str, Any, Any]]
         x, y = getattr(a, f.name), getattr(b, f.name)
         if x == y:
             continue
-        if dataclasses.is_dataclass(x) and dataclasses.is_dataclass(y) and type(x) is type(y):
+        nested = not prefix and dataclasses.is_dataclass(x) and type(x) is type(y)
+        if nested:  # the run's PatchConfig, field by field (a tile policy is one value)
             out.extend(_differences(x, y, f"{prefix}{f.name}."))
         else:
             out.append((f"{prefix}{f.name}", x, y))
@@ -211,6 +210,8 @@ def _differences(a: Any, b: Any, prefix: str = "") -> list[tuple[str, Any, Any]]
 def _shown(value: Any) -> str:
     if value is None:
         return "(not set)"
+    if hasattr(value, "num_tiles") and hasattr(value, "tile_tokens"):  # a TilePolicy
+        return str(value.num_tiles if value.num_tiles is not None else value.tile_tokens)
     if isinstance(value, bool):
         return str(value).lower()
     return str(value)
