@@ -20,6 +20,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
+from tiledmlp.allocator import prefer_expandable_segments
 from tiledmlp.cli import bench, env, plan, train
 from tiledmlp.cli.common import UsageError
 from tiledmlp.cli.output import results_only
@@ -151,6 +152,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         # bitsandbytes (imported with the Trainer's PEFT support) warns on every CPU start that
         # an optional kernel package is missing; nothing here uses it.
         logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
+    # before anything initialises CUDA: train and bench run with expandable segments unless
+    # PYTORCH_CUDA_ALLOC_CONF says otherwise (tiledmlp/allocator.py)
+    prefer_expandable_segments()
     try:
         with results_only():
             return int(_COMMANDS[args.command].run(args))
