@@ -1,0 +1,145 @@
+"""patch_model's keywords and its features: the keywords are PatchConfig's schema (fields and the
+tile policies' spellings), the feature list covers every switch, and a feature's application
+reads no values (applied to a model on the meta device from declared probe results, it
+installs what patch_model installs on a real one)."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from hf_models import BASE, tiny_causal_lm
+from tiledmlp import PatchConfig, patch_model, unpatch_model
+from tiledmlp.patching import patch as hub
+from tiledmlp.patching.detect import Candidate
+from tiledmlp.patching.features import FEATURES
+from tiledmlp.patching.features.tiled_mlp import FoundModules
+from tiledmlp.patching.loss import unannounced
+from tiledmlp.patching.patch import apply_features, patch_report, probe_features
+
+# patch_model's keywords as documented before they were derived from PatchConfig: public API
+PUBLIC = {
+    "num_tiles",
+    "tile_tokens",
+    "generic",
+    "hidden_size",
+    "tiled_loss",
+    "loss_num_tiles",
+    "activation_offloading",
+    "tiled_norms",
+    "tiled_layers",
+    "tiled_mlp",
+    "sequence_parallel_size",
+    "sequence_parallel_group",
+    "kernels",
+}
+SPELLINGS = {"num_tiles", "tile_tokens", "loss_num_tiles"}  # of the fields tiles, loss_tiles
+SCHEMA = {f.name for f in dataclasses.fields(PatchConfig)} | SPELLINGS
+
+
+class _Gated(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(8, 16, bias=False)
+        self.up_proj = nn.Linear(8, 16, bias=False)
+        self.down_proj = nn.Linear(16, 8, bias=False)
+        self.act_fn = nn.SiLU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+def _tiny() -> nn.Module:
+    return nn.Sequential(nn.Embedding(11, 8), _Gated())
+
+
+def _default(name: str) -> Any:
+    if name in hub.SPELLED:
+        return hub.SPELLED[name]
+    field = next(f for f in dataclasses.fields(PatchConfig) if f.name == name)
+    factory = field.default_factory
+    return factory() if factory is not dataclasses.MISSING else field.default
+
+
+def test_patch_model_takes_config_or_the_schema_by_keyword() -> None:
+    params = list(inspect.signature(patch_model).parameters.values())
+    assert [p.name for p in params[:2]] == ["model", "config"]
+    assert [p.kind for p in params[2:]] == [inspect.Parameter.VAR_KEYWORD]
+    assert hub.SPELLED.keys() == SPELLINGS
+    assert PUBLIC <= SCHEMA, PUBLIC - SCHEMA  # every public keyword still exists
+
+
+@pytest.mark.parametrize("name", sorted(SCHEMA))
+def test_every_schema_keyword_is_accepted_alone_and_beside_a_config(name: str) -> None:
+    model = _tiny()
+    value = _default(name)
+    assert patch_model(model, **{name: value}).patched == ["1"]
+    unpatch_model(model)
+    # at its default, beside a config: the config decides
+    assert patch_model(model, PatchConfig(), **{name: value}).patched == ["1"]
+    unpatch_model(model)
+
+
+def test_keywords_outside_the_schema_and_beside_a_config_are_refused() -> None:
+    with pytest.raises(TypeError, match=r"unknown option 'num_tile'.*did you mean 'num_tiles'"):
+        patch_model(_tiny(), num_tile=4)
+    with pytest.raises(TypeError, match=r"not both .*num_tiles beside config"):
+        patch_model(_tiny(), PatchConfig(), num_tiles=4)
+    with pytest.raises(TypeError, match="unknown option 'num_tile'"):
+        patch_model(_tiny(), PatchConfig(), num_tile=4)
+
+
+def test_the_feature_list_covers_every_switch_once() -> None:
+    names = [f.name for f in FEATURES]
+    assert len(set(names)) == len(names)
+    switches = {
+        "tiled_mlp",
+        "tiled_norms",
+        "tiled_layers",
+        "tiled_loss",
+        "activation_offloading",
+        "sequence_parallel",
+    }
+    assert set(names) == switches
+    # the switches are PatchConfig's (sequence_parallel: its property over size and group)
+    assert all(hasattr(PatchConfig(), name) for name in switches)
+
+
+STACK = {"tiled_loss": True, "activation_offloading": True, "tiled_norms": True}
+
+
+@pytest.mark.parametrize("layers", [False, True])
+def test_applied_on_the_meta_device_from_declared_results_as_patch_model_on_real(
+    layers: bool,
+) -> None:
+    import transformers as tr
+
+    config = PatchConfig.from_kwargs({**STACK, "tiled_layers": layers, "num_tiles": 2})
+    real = tiny_causal_lm("llama")
+    found = probe_features(real, config)
+    with unannounced():  # (no integration readied: TRL's import is slow)
+        report = apply_features(real, config, found)  # patch_model(real, config)
+    with torch.device("meta"):
+        meta = tr.LlamaForCausalLM(tr.LlamaConfig(**BASE))
+    modules = dict(meta.named_modules())
+    # the probes that need values (MLP detection, the loss's comparison) declared from the
+    # real model's answers; the others run on the meta model (norms by structure, layers
+    # recorded without values)
+    mlps = [
+        Candidate(c.name, modules[c.name], c.path, c.kind) for c in found["tiled_mlp"].candidates
+    ]
+    declared = {"tiled_mlp": FoundModules(mlps), "tiled_loss": found["tiled_loss"]}
+    with unannounced():
+        on_meta = apply_features(meta, config, probe_features(meta, config, declared))
+    assert str(on_meta) == str(report)
+    assert str(patch_report(meta)) == str(patch_report(real))
+    restored = unpatch_model(meta)
+    assert sorted(restored) == sorted(unpatch_model(real))
+    assert patch_report(meta) is None
+    assert all(not k.startswith("_tiledmlp") for m in meta.modules() for k in m.__dict__)
+    assert all("forward" not in m.__dict__ for m in meta.modules())
