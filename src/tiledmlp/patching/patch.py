@@ -52,7 +52,12 @@ def patch_model(model: nn.Module, config: PatchConfig | None = None, **options: 
     MLPs are found by structure (see tiledmlp.patching.detect): gated, fused gated and plain
     MLPs take the minimal-recompute fast path; LoRA-wrapped, Conv1D and dropout MLPs and MoE
     experts take the generic path (MoE routers stay untiled, so router logits keep their
-    gradients).
+    gradients). Activation offloading needs the model's own non-reentrant gradient
+    checkpointing, checked at each training forward (it may be turned on after this call). With
+    sequence parallelism, call this on every rank before an engine wraps the model; every
+    forward then takes this rank's shard of each sequence with its position_ids
+    (tiledmlp.sequence_parallel.shard_batch), and the model's loss (given the shard's
+    shift_labels) is the exact token-weighted loss over the whole sequences.
 
     Args:
         model: a Hugging Face causal LM or any nn.Module containing MLPs.
