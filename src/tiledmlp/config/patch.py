@@ -253,6 +253,27 @@ class PatchConfig:
         return cls(**values)
 
     @classmethod
+    def given(cls, config: PatchConfig | None, kwargs: dict[str, Any], what: str) -> PatchConfig:
+        """The PatchConfig an entry point (`what`) was given: `config` as it is, or the one of
+        its keyword arguments (from_kwargs), never both.
+
+        Raises:
+            TypeError: both, a config that is not a PatchConfig, or an unknown keyword (with
+                the closest known one).
+            ValueError: a bad option value.
+        """
+        if config is None:
+            try:
+                return cls.from_kwargs(kwargs)
+            except TypeError as e:
+                raise TypeError(f"{what}: {e}") from None
+        if kwargs:
+            raise TypeError(f"{what}: give a PatchConfig or keyword options, not both")
+        if not isinstance(config, PatchConfig):
+            raise TypeError(f"{what}: config must be a tiledmlp.PatchConfig, got {config!r}")
+        return config
+
+    @classmethod
     def describe(cls) -> str:
         """Each option and its help, one per line (the schema as text)."""
         return "\n".join(

@@ -36,7 +36,7 @@ from tiledmlp.config.patch import PatchConfig
 from tiledmlp.patching.loss import loss_patched
 from tiledmlp.patching.state import STATE
 
-__all__ = ["TiledMLPCallback", "config_of", "disable", "enable", "enabled", "is_patched"]
+__all__ = ["TiledMLPCallback", "disable", "enable", "enabled", "is_patched"]
 
 logger = logging.getLogger(__name__)
 
@@ -89,25 +89,6 @@ def _wrap(original: Any) -> Any:
     return classmethod(construct)
 
 
-def config_of(config: PatchConfig | None, patch_kwargs: dict[str, Any], what: str) -> PatchConfig:
-    """The PatchConfig of an entry point's `config` or keyword arguments (one of them).
-
-    Raises:
-        TypeError: both, or an option patch_model does not take (with the closest one).
-        ValueError: a bad option value (see tiledmlp.PatchConfig).
-    """
-    if config is not None:
-        if patch_kwargs:
-            raise TypeError(f"{what}: give a PatchConfig or keyword options, not both")
-        if not isinstance(config, PatchConfig):
-            raise TypeError(f"{what}: config must be a tiledmlp.PatchConfig, got {config!r}")
-        return config
-    try:
-        return PatchConfig.from_kwargs(patch_kwargs)
-    except TypeError as e:
-        raise TypeError(f"{what}: {e}") from None
-
-
 def enable(config: PatchConfig | None = None, **patch_kwargs: Any) -> None:
     """Patches every causal LM transformers builds from now on.
 
@@ -130,7 +111,7 @@ def enable(config: PatchConfig | None = None, **patch_kwargs: Any) -> None:
     """
     from transformers import PreTrainedModel
 
-    checked = config_of(config, patch_kwargs, "tiledmlp.enable")
+    checked = PatchConfig.given(config, patch_kwargs, "tiledmlp.enable")
     _ENABLED["config"] = checked
     if "saved" not in _ENABLED:
         saved = {
@@ -187,7 +168,7 @@ class TiledMLPCallback(_callback_base()):  # type: ignore[misc]
     """
 
     def __init__(self, config: PatchConfig | None = None, **patch_kwargs: Any) -> None:
-        self.config = config_of(config, patch_kwargs, "TiledMLPCallback")
+        self.config = PatchConfig.given(config, patch_kwargs, "TiledMLPCallback")
         self.report: Any = None
 
     def _patch(self, model: Any) -> None:

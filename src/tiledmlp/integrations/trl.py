@@ -284,12 +284,12 @@ def install(trainer: Any, config: PatchConfig | None = None, **patch_kwargs: Any
         RuntimeError: the installed TRL is outside TESTED.
         TypeError, ValueError: bad options (see tiledmlp.PatchConfig).
     """
-    from tiledmlp.integrations.hf import config_of
     from tiledmlp.patching.patch import patch_model
 
     if config is None:
         patch_kwargs = {"tiled_loss": True, **patch_kwargs}
-    policy = policy_config(config_of(config, patch_kwargs, "tiledmlp.integrations.trl.install"))
+    given = PatchConfig.given(config, patch_kwargs, "tiledmlp.integrations.trl.install")
+    policy = policy_config(given)
     _refuse_untested()
     ready()
     report = patch_model(trainer.model, policy)
