@@ -208,8 +208,11 @@ def test_the_default_order_and_the_estimates_of_one_h100(tmp_path: Path) -> None
     assert order == list(PARTS)
     firsts = [t.what for t in tasks[:3]]
     assert firsts == ["seq_len=32768", "seq_len=131072", "seq_len=32768"]
-    late = [t.what for t in tasks if t.part == "model_steps"][2:]
-    assert late == ["seq_len=262144", "seq_len=65536"]
+    parts = [t.part for t in tasks]
+    after_allocator = tasks[parts.index("allocator") + 1]
+    after_kernels = tasks[parts.index("kernels") + 1]
+    assert (after_allocator.part, after_allocator.what) == ("model_steps", "seq_len=262144")
+    assert (after_kernels.part, after_kernels.what) == ("model_steps", "seq_len=65536")
     assert all(t.estimate_s > 0 for t in tasks)
 
 
@@ -219,3 +222,26 @@ def test_device_slugs_and_the_default_folder() -> None:
     assert budget.device_slug("Some Card X") == "some-card-x"
     out = suite.default_out(torch.device("cpu"), smoke=True, today=datetime.date(2026, 11, 26))
     assert out == ROOT / "benchmarks" / "results" / "gpu" / "2026-11-26-cpu-smoke"
+
+
+@pytest.mark.parametrize(
+    ("setting", "flag"),
+    [("expandable_segments:True", False), ("expandable_segments:False", True), ("", True)],
+)
+def test_the_planner_is_told_the_allocator_setting_of_the_steps(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, setting: str, flag: bool
+) -> None:
+    started: list[list[str]] = []
+
+    class FakePopen:
+        def __init__(self, args: list[str], **kwargs: Any) -> None:
+            started.append(args)
+
+    monkeypatch.setattr(suite_steps.subprocess, "Popen", FakePopen)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", setting)
+    ctx = Context(smoke_sizes(torch.device("cpu")), torch.device("cpu"), tmp_path, budget.CPU)
+    suite_steps._start_plans(ctx)
+    (args,) = started
+    assert args[1:5] == ["-m", "tiledmlp", "plan", "--model"]
+    assert ("--expandable-segments" in args) == flag
+    assert (tmp_path / "model-config" / "config.json").is_file()

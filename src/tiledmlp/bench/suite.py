@@ -8,8 +8,9 @@ record with the bytes alive at its peak by category and the planner's prediction
 against DeepSpeed and Liger ("mlp_table"); the weight-gradient error of bf16 against float32
 ("grad_error"); the fused kernels against their references ("kernels"); activation
 offloading's overhead and host memory ("offload"); `tiledmlp train` tiled against untiled
-("train"); `pytest -m gpu` ("gpu_tests"). The longest whole-step lengths run after the attention
-and allocator parts. `--smoke` runs every part at toy sizes on whatever device there is.
+("train"); `pytest -m gpu` ("gpu_tests"). The 256K whole step runs after the allocator part,
+the 64K ones after the kernels. `--smoke` runs every part at toy sizes on whatever device there
+is.
 
 The budget: every piece of work has an estimate (bench/budget.py: a cost model from the sizes,
 corrected by the committed GPU records of the same device kind); a piece whose estimate passes
@@ -103,12 +104,12 @@ def default_out(device: torch.device, smoke: bool, today: datetime.date | None =
 
 
 def plan_tasks(ctx: Context, parts: Sequence[str] = ()) -> list[Task]:
-    """Every task of the chosen parts (default: all), in the order they run: by rank (a task's
-    own, else its part's index in PARTS), then as listed."""
+    """Every task of the chosen parts (default: all), in the order they run: with its part in
+    the order of PARTS, or right after the part it names (`Task.after`), then as listed."""
     names = list(parts) or list(PARTS)
     index = {name: i for i, name in enumerate(PARTS)}
     tasks = [t for name in names for t in PARTS[name](ctx)]
-    return sorted(tasks, key=lambda t: t.rank if t.rank is not None else index[t.part])
+    return sorted(tasks, key=lambda t: index[t.part] if t.after is None else index[t.after] + 0.5)
 
 
 def run_suite(

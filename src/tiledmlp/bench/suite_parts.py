@@ -57,10 +57,10 @@ class Sizes:
     kernel_rows: int
     kernel_cols: int
     model: dict[str, Any]  # LlamaConfig keyword arguments of the whole-model steps
-    # (tokens, stacks) in order of value; the lengths in `model_late` run after the attention
-    # and allocator parts
+    # (tokens, stacks) in order of value; a length in `model_after` runs right after the part
+    # it names instead of with its own part
     model_lengths: tuple[tuple[int, tuple[str, ...]], ...]
-    model_late: tuple[int, ...]
+    model_after: tuple[tuple[int, str], ...]
     model_dtype: str
     model_steps: int
     attention_seq_lens: tuple[int, ...]
@@ -112,10 +112,10 @@ def full_sizes() -> Sizes:
         model_lengths=(
             (32768, ALL_STACKS),
             (131072, LONG_STACKS),
-            (262144, ("tiled_layer", "tiled_mlp_loss_offload_norms")),
+            (262144, ("tiled_layer",)),
             (65536, ("tiled_mlp_loss", "tiled_layer")),
         ),
-        model_late=(262144, 65536),
+        model_after=((262144, "allocator"), (65536, "kernels")),
         model_dtype="bfloat16",
         model_steps=1,
         attention_seq_lens=(32768, 131072, 262144),
@@ -155,7 +155,7 @@ def smoke_sizes(device: torch.device) -> Sizes:
             "tie_word_embeddings": False,
         },
         model_lengths=((256, ALL_STACKS),),
-        model_late=(),
+        model_after=(),
         model_dtype=low,
         model_steps=1,
         attention_seq_lens=(256,),
@@ -182,8 +182,8 @@ class Task:
         estimate_s: the cost model's seconds (bench/budget.py), margin included.
         run: does the work; its argument is the seconds left before the deadline (a bound for
             its subprocesses); returns the records.
-        rank: where it runs among the parts (the suite sorts by rank, then keeps the order);
-            None: with its part (the part's index in the suite's order of value).
+        after: the part it runs right after, instead of with its own part (the suite runs
+            the parts in order of value, each task with its part or after the one named).
         total_s: the estimate of all its work where the task can do part of it (the stacks of
             one length: `estimate_s` is its first stack's, the rest are checked as it runs);
             None: `estimate_s`.
@@ -193,7 +193,7 @@ class Task:
     what: str
     estimate_s: float
     run: Callable[[float], list[Record]]
-    rank: float | None = None
+    after: str | None = None
     total_s: float | None = None
 
 

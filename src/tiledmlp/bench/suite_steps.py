@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from tiledmlp.allocator import ALLOC_CONF_ENV, EXPANDABLE
+from tiledmlp.allocator import ALLOC_CONF_ENV, EXPANDABLE, allocator_setting
 from tiledmlp.bench import budget
 from tiledmlp.bench.suite_parts import Context, Record, Task, _margin
 from tiledmlp.bench.whole_step import StepJob, job_json
@@ -99,6 +99,13 @@ def _config_dir(ctx: Context) -> Path:
     return folder
 
 
+def _expandable() -> bool:
+    """Whether this process's allocator setting turns expandable segments on (the whole steps'
+    processes inherit it)."""
+    value = allocator_setting()["value"].replace(" ", "").lower()
+    return "expandable_segments:true" in value
+
+
 def _start_plans(ctx: Context) -> None:
     """The planner for every length, in the background (CPU only: it overlaps the GPU work)."""
     if any(k.startswith("plan-") for k in ctx.background):
@@ -108,6 +115,8 @@ def _start_plans(ctx: Context) -> None:
         args = ["-m", "tiledmlp", "plan", "--model", str(folder), "--seq-len", str(seq)]
         args += ["--dtype", ctx.sizes.model_dtype, "--gradient-checkpointing", "--json"]
         args += ["--device", "cuda" if ctx.cuda else "cpu", "--stacks", ",".join(stacks)]
+        if not _expandable():
+            args += ["--expandable-segments", "false"]  # the planner's default is true
         ctx.background[f"plan-{seq}"] = subprocess.Popen(
             [sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
         )
@@ -187,15 +196,10 @@ def model_steps_tasks(ctx: Context) -> list[Task]:
             plan, why = _plan(ctx, seq, min(wait, 120.0)) if jobs else ({}, None)
             return [_with_plan(r, plan, why) for r in records] + skipped
 
-        rank = LATE_RANK if seq in sz.model_late else None
+        after = dict(sz.model_after).get(seq)
         total = budget.ceil_s(_margin(ctx.machine.process_s) + sum(each.values()))
-        tasks.append(Task("model_steps", f"seq_len={seq}", first, run, rank, total))
+        tasks.append(Task("model_steps", f"seq_len={seq}", first, run, after, total))
     return tasks
-
-
-# The long lengths of "model_steps" run after the attention and allocator parts (the suite's
-# second and third): those two are cheap and as valuable.
-LATE_RANK = 2.5
 
 
 # -- the allocator -----------------------------------------------------------------------------
