@@ -20,11 +20,11 @@ measures this).
 "auto" for a recognised MLP on an accelerator (any device but the CPU) is time-aware: small tiles
 lose GEMM efficiency and add a pass over every weight-sized accumulator per tile, while the
 memory saving is nearly all captured by a few large tiles. It takes the largest tiles that keep
-ACCELERATOR_SAVING (90%) of the saving the memory model says tiling can reach (untiled
-intermediates minus the accumulators), but never tiles whose working memory exceeds
-ACCELERATOR_MAX_TILE_BYTES (2 GiB: at very long sequences the last 10% would be many GiB) and
-never fewer than ACCELERATOR_MIN_TILE_TOKENS (8K) tokens per tile; untiled when that leaves
-fewer than two tiles or saves nothing (docs/benchmarks.md lists the tiles it picks for an
+ACCELERATOR_SAVING of the saving the memory model says tiling can reach (untiled intermediates
+minus the accumulators), but never tiles whose working memory exceeds ACCELERATOR_MAX_TILE_BYTES
+(at very long sequences the last part of the saving would cost many GiB) and never fewer than
+ACCELERATOR_MIN_TILE_TOKENS tokens per tile (the three in ops/memory_model.py); untiled when that
+leaves fewer than two tiles or saves nothing (docs/benchmarks.md lists the tiles it picks for an
 8B-shaped MLP).
 
 For modules without a fast path "auto" uses the paper's rule beyond two tiles' worth of tokens
@@ -48,26 +48,11 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-from tiledmlp.ops.memory_model import (
-    ACCELERATOR_MAX_TILE_BYTES,
-    ACCELERATOR_MIN_TILE_TOKENS,
-    ACCELERATOR_SAVING,
-    GENERIC_WIDTH,
-    MemoryModel,
-    assume_device,
-)
+from tiledmlp.ops.memory_model import GENERIC_WIDTH, MemoryModel, assume_device
 from tiledmlp.ops.tiles import TilePlan, arctic_num_tiles, split_by_tile_tokens, split_even
 from tiledmlp.ops.values import check_int, is_int, positive_number
 
-__all__ = [
-    "ACCELERATOR_MAX_TILE_BYTES",
-    "ACCELERATOR_MIN_TILE_TOKENS",
-    "ACCELERATOR_SAVING",
-    "GENERIC_WIDTH",
-    "MemoryModel",
-    "TilePolicy",
-    "assume_device",
-]
+__all__ = ["MemoryModel", "TilePolicy", "assume_device"]
 
 Rule = Literal["auto", "arctic", "count", "tokens", "target"]
 _TARGET = "target:"
