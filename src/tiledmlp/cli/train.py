@@ -121,8 +121,9 @@ def _add_tiling_flags(groups: _Groups) -> None:
             text = key.help if shown else argparse.SUPPRESS
             if shown and key.kind == "bool" and "(default" not in text:
                 text += f" (default: {str(getattr(DEFAULT_PATCH, field.name)).lower()})"
-            if key.kind == "bool":
-                _Switch(adder.group)(flag, help=text)
+            if key.kind == "bool":  # alone: true; the value is parsed by the key's parser
+                adder.group.add_argument(flag, nargs="?", const="true", metavar="true|false",
+                                         help=text)  # fmt: skip
             else:
                 adder(flag, metavar=key.metavar or "N", help=text)
 
