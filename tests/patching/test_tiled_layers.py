@@ -6,12 +6,16 @@ refused with one line."""
 from __future__ import annotations
 
 import copy
+import gc
+import weakref
 
 import pytest
 import torch
 
 from hf_models import VOCAB, tiny_causal_lm
 from tiledmlp import patch_model, unpatch_model
+from tiledmlp.config.stacks import STACK_OPTIONS, STACKS
+from tiledmlp.integrations import trl
 from tiledmlp.patching.layers import LAYER, layer_parts
 from tiledmlp.patching.offloading import enable_checkpointing
 from tiledmlp.patching.patch import tile_counts
@@ -192,3 +196,27 @@ def test_the_probe_leaves_weights_modes_and_rng_alone() -> None:
 @pytest.mark.parametrize("family", RECOGNISED)
 def test_bf16_error_at_most_twice_the_untiled_error(family: str) -> None:
     assert_tiled_layers_bf16_within_twice_untiled(tiny_causal_lm(family), _ids())
+
+
+@pytest.mark.parametrize("stack", [s for s in STACKS if STACK_OPTIONS[s] is not None])
+def test_a_dropped_patched_model_frees_its_tensors_at_once(stack: str) -> None:
+    # A patched forward lives in its module's __dict__; holding the module strongly made a cycle
+    # that only the cycle collector frees, so a process measuring one stack after another kept
+    # the earlier models' weights allocated (on a GPU: the tiled-layer step at 32K held two
+    # dropped models' weights beside its own). Dropped, a patched model goes as an unpatched one.
+    # Third-party modules first imported inside patch_model can keep their importer's frames
+    # (bitsandbytes keeps a traceback): import what the TRL hook imports before the model exists.
+    trl.ready()
+    gc.disable()
+    try:
+        model = tiny_causal_lm("llama")
+        enable_checkpointing(model)
+        patch_model(model, num_tiles=2, **(STACK_OPTIONS[stack] or {}))
+        ids = _ids()
+        model(input_ids=ids, labels=ids).loss.backward()
+        tensors = [weakref.ref(t) for p in model.parameters() for t in (p, p.grad) if t is not None]
+        del model
+        alive = [t for t in (r() for r in tensors) if t is not None]
+        assert not alive, f"{len(alive)} of {len(tensors)} weights and gradients still alive"
+    finally:
+        gc.enable()
