@@ -51,10 +51,10 @@ class PatchConfig:
         default_factory=TilePolicy,
         help="the MLPs' (and tiled norms') tile policy",
         keys=(
-            Key("num_tiles", parse_tile_policy, metavar="POLICY", kind="int | str",
+            Key("num_tiles", parse_tile_policy, keyword=True, metavar="POLICY", kind="int | str",
                 help="tiles per MLP: an int, 'auto', 'arctic' or 'target:<GB>' (the fewest tiles "
                 "whose working memory fits GB GiB) (default: auto)"),
-            Key("tile_tokens", parse_tile_tokens, metavar="N", kind="int",
+            Key("tile_tokens", parse_tile_tokens, keyword=True, metavar="N", kind="int",
                 help="tokens per tile, instead of --num-tiles"),
             Key("tile_budget_gb", parse_budget_gb, metavar="GB", kind="float | str"),  # target:<GB>
             Key("tiled_mlp_num_shards", parse_tile_policy, "ms-swift / axolotl", metavar="N",
@@ -106,7 +106,7 @@ class PatchConfig:
         help="the loss's tile policy (a count, tokens per tile or 'auto'); None: the MLPs' "
         "count, or 'auto' for the MLP-only policies (TilePolicy.for_loss)",
         keys=(
-            Key("loss_num_tiles", parse_loss_tiles, metavar="N", kind="int | str",
+            Key("loss_num_tiles", parse_loss_tiles, keyword=True, metavar="N", kind="int | str",
                 help="the loss's tiles: an int or 'auto' (default: the MLPs' count, else auto)"),
             Key("chunked_cross_entropy_num_chunks", parse_loss_tiles, "axolotl", metavar="N",
                 kind="int"),
@@ -229,7 +229,7 @@ class PatchConfig:
             ValueError: a bad value (see the fields).
         """
         values = dict(kwargs)
-        known = [f.name for f in fields(cls)] + ["num_tiles", "tile_tokens", "loss_num_tiles"]
+        known = list(dict.fromkeys([f.name for f in fields(cls)] + list(cls.keywords())))
         for key in values:
             if key not in known:
                 close = difflib.get_close_matches(key, known, n=1)
@@ -251,6 +251,17 @@ class PatchConfig:
                 None if count is None else TilePolicy.of(count, name="loss_num_tiles")
             )
         return cls(**values)
+
+    @classmethod
+    def keywords(cls) -> tuple[str, ...]:
+        """patch_model's keyword arguments, from the schema: each field by its name, or by its
+        keyword keys where it has some (num_tiles and tile_tokens for `tiles`)."""
+        names: list[str] = []
+        for f in fields(cls):
+            spec = option_of(f)
+            spelled = [k.name for k in spec.keys if k.keyword] if spec is not None else []
+            names.extend(spelled or [f.name])
+        return tuple(names)
 
     @classmethod
     def given(cls, config: PatchConfig | None, kwargs: dict[str, Any], what: str) -> PatchConfig:

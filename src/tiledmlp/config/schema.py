@@ -40,6 +40,8 @@ class Key:
             "float | str", "int | str", "bool | str").
         sets: False for a key that is checked but sets nothing (axolotl's
             `tiled_mlp_use_original_mlp: true`).
+        keyword: True for a key that patch_model takes as a keyword argument in place of
+            the field's own name (num_tiles and tile_tokens for `tiles`).
     """
 
     name: str
@@ -49,6 +51,7 @@ class Key:
     metavar: str = ""
     kind: str = "bool"
     sets: bool = True
+    keyword: bool = False
 
     @property
     def ours(self) -> bool:

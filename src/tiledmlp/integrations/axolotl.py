@@ -7,8 +7,9 @@
                                     # (tiledmlp_num_tiles, tiledmlp_tile_tokens, ...)
 
 The plugin's arguments are derived from the schema (PatchConfig's fields): `tiledmlp_` + each
-of tiledmlp's own keys, typed as the key's value. They are namespaced `tiledmlp*`, so they never collide with axolotl's own `tiled_mlp*`
-(DeepSpeed's TiledMLP port, which axolotl applies by class). The plugin runs patch_model on
+of tiledmlp's own keys, typed as the key's value. They are namespaced `tiledmlp*`, so they
+never collide with axolotl's own `tiled_mlp*` (DeepSpeed's TiledMLP port, which axolotl
+applies by class). The plugin runs patch_model on
 the loaded model (after any LoRA adapter; `post_model_load`) and, when the installed TRL gives
 its trainers a fused LM head, lets the tiled loss serve it once the trainer is built
 (`post_trainer_create`). With axolotl's context parallelism on (`context_parallel_size` > 1)

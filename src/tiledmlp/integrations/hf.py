@@ -3,8 +3,9 @@
 `enable(**patch_kwargs)` makes every causal LM that transformers builds afterwards
 (`from_pretrained` or `from_config`, through any Auto class, by any trainer: the HF Trainer,
 TRL, axolotl) come back patched with `patch_model(model, config)`, `config` the PatchConfig
-of `patch_kwargs`, parsed once when enable() is called; `disable()` undoes it. `TiledMLPCallback(**patch_kwargs)` patches the model a Trainer was given, when the Trainer
-is built (before it wraps the model for DDP, FSDP or DeepSpeed).
+of `patch_kwargs`, parsed once when enable() is called; `disable()` undoes it.
+`TiledMLPCallback(**patch_kwargs)` patches the model a Trainer was given, when the Trainer is
+built (before it wraps the model for DDP, FSDP or DeepSpeed).
 
 Why these two entry points. transformers 5.23 offers two official ways to change what it
 builds: `transformers.monkey_patching.register_patch_mapping` (module classes replaced while
