@@ -5,7 +5,7 @@ tensors, gets them through the same feature code patch_model runs (patching/feat
 feature's application is the product's, so a change to what training runs changes the
 prediction. Only the probes that need real values are replaced by a declaration from structure:
 the MLPs are the decoder layers' dense MLPs, recognised by their projections' shapes
-(layer.py's dense_mlp), and the loss is declared tiled (its probe compares values). The other
+(layer.py's declared_mlps), and the loss is declared tiled (its probe compares values). The other
 probes run on the fake model as they are (norms by structure; a decoder layer's probe only
 records how it calls its attention on fake parameters). Activation offloading's host buffers go
 to the meta device: host memory is not device memory.
@@ -22,13 +22,10 @@ from torch import nn
 
 from tiledmlp.config.patch import PatchConfig
 from tiledmlp.config.stacks import STACK_OPTIONS
-from tiledmlp.ops.structure import recognise
-from tiledmlp.patching.detect import Candidate
-from tiledmlp.patching.features.tiled_mlp import FoundModules
 from tiledmlp.patching.loss import unannounced
 from tiledmlp.patching.offloading import offloader_of
 from tiledmlp.patching.patch import PatchReport, apply_features, probe_features
-from tiledmlp.plan.layer import cut_config, dense_mlp
+from tiledmlp.plan.layer import cut_config, declared_mlps
 
 __all__ = ["apply_stack", "build_model", "decoder_layers_of"]
 
@@ -53,14 +50,8 @@ def apply_stack(model: nn.Module, hidden: int, num_tiles: int | str, stack: str)
     if options is None:
         raise ValueError(f"the {stack} stack patches nothing; leave the model as it is")
     config = PatchConfig.from_kwargs({**options, "num_tiles": num_tiles, "hidden_size": hidden})
-    names = {id(m): name for name, m in model.named_modules()}
-    mlps = []
-    for layer in decoder_layers_of(model):
-        mlp = dense_mlp(layer, hidden)
-        structure = recognise(mlp)
-        assert structure is not None  # dense_mlp checked it
-        mlps.append(Candidate(names[id(mlp)], mlp, "fast", structure.kind.value))
-    declared = {"tiled_mlp": FoundModules(mlps), "tiled_loss": None}
+    mlps = declared_mlps(model, decoder_layers_of(model), hidden)
+    declared = {"tiled_mlp": mlps, "tiled_loss": None}
     try:
         found = probe_features(model, config, declared)
     except ValueError as e:

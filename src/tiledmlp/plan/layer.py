@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import copy
 import json
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -32,13 +33,17 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_flatten
 
-from tiledmlp.ops.functional import tile_plan, tiled_mlp
-from tiledmlp.ops.policy import assume_device
+from tiledmlp.config.patch import PatchConfig
+from tiledmlp.ops.functional import tile_plan
+from tiledmlp.ops.policy import TilePolicy, assume_device
 from tiledmlp.ops.structure import recognise
+from tiledmlp.patching.detect import Candidate
+from tiledmlp.patching.features.tiled_mlp import FoundModules
+from tiledmlp.patching.patch import apply_features
 from tiledmlp.plan.fake_memory import fake_peak_bytes
 from tiledmlp.plan.mlp import estimate_fields
 
-__all__ = ["cut_config", "dense_mlp", "load_config", "mlp_shape", "plan_layer"]
+__all__ = ["cut_config", "declared_mlps", "dense_mlp", "load_config", "mlp_shape", "plan_layer"]
 
 
 def load_config(name_or_path: str) -> Any:
@@ -152,6 +157,20 @@ def dense_mlp(layer: nn.Module, hidden: int) -> nn.Module:
     return mlp
 
 
+def declared_mlps(root: nn.Module, layers: Iterable[nn.Module], hidden: int) -> FoundModules:
+    """The tiled MLPs feature's probe result, declared by shape: each layer's dense MLP
+    (dense_mlp) on the fast path, named in `root`. patch_model's detection runs modules on
+    values, which fake tensors lack; its application (patching/features) is the same."""
+    names = {id(m): name for name, m in root.named_modules()}
+    found = []
+    for layer in layers:
+        mlp = dense_mlp(layer, hidden)
+        structure = recognise(mlp)
+        kind = structure.kind.value if structure is not None else ""  # dense_mlp checked it
+        found.append(Candidate(names[id(mlp)], mlp, "fast", kind))
+    return FoundModules(found)
+
+
 def _layer_inputs(
     model: nn.Module, layer: nn.Module, embeds: torch.Tensor
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -198,7 +217,8 @@ def _estimate(
         )
         layer = _first_layer(model)
         layer.train()  # a training step (dropout, if any, as in training)
-        mlp = dense_mlp(layer, cfg.hidden_size)
+        hidden = cfg.hidden_size
+        mlp = dense_mlp(layer, hidden)
         x = torch.empty(1, seq_len, cfg.hidden_size, dtype=dtype, requires_grad=True)
         dy = torch.empty(1, seq_len, cfg.hidden_size, dtype=dtype)
         args, kwargs = _layer_inputs(model, layer, x.detach())
@@ -206,12 +226,9 @@ def _estimate(
         if tiles is not None:
             plan = tile_plan(mlp, x, num_tiles=tiles)
             used = 0 if plan is None else plan.num_tiles
-            original = type(mlp).forward.__get__(mlp)
-
-            def tiled(h: torch.Tensor) -> Any:
-                return tiled_mlp(mlp, h, num_tiles=tiles, forward=original)
-
-            mlp.forward = tiled  # this instance only; the model is discarded after
+            # patch_model's tiled MLPs feature (this model is discarded after)
+            config = PatchConfig(tiles=TilePolicy.of(tiles))
+            apply_features(layer, config, {"tiled_mlp": declared_mlps(layer, [layer], hidden)})
 
         def step() -> None:
             out = layer(x, *args, **kwargs)
