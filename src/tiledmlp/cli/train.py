@@ -1,5 +1,5 @@
 """`tiledmlp train`: train a causal LM at long context on the Hugging Face Trainer with tiled
-MLPs and the tiled loss (train/trainer.py does the work).
+MLPs and the tiled loss (train/run.py does the work).
 
 Options come from defaults, then `--config FILE` (YAML or JSON, the same keys), then the command
 line, each overriding the one before. Flags carry the TrainingArguments names; today's short
