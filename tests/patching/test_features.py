@@ -143,3 +143,24 @@ def test_applied_on_the_meta_device_from_declared_results_as_patch_model_on_real
     assert patch_report(meta) is None
     assert all(not k.startswith("_tiledmlp") for m in meta.modules() for k in m.__dict__)
     assert all("forward" not in m.__dict__ for m in meta.modules())
+
+
+def test_the_planner_runs_these_features(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A change to what a feature installs changes the planner's prediction: the planner
+    applies the features themselves to its fake model, not a copy of them."""
+    import transformers as tr
+
+    from tiledmlp.patching.features import tiled_modules
+    from tiledmlp.plan.model import estimate_step
+
+    cfg = tr.LlamaConfig(**{**BASE, "num_hidden_layers": 2, "intermediate_size": 256})
+    kw: dict[str, Any] = {"seq_len": 2048, "dtype": torch.float32, "num_tiles": 4}
+    untiled = estimate_step(cfg, stack="untiled", **kw).peak
+    tiled = estimate_step(cfg, stack="tiled_mlp", **kw).peak
+    assert tiled < untiled
+
+    def untiled_mlp(module: nn.Module, x: torch.Tensor, *args: Any, **options: Any) -> Any:
+        return options["forward"](x, *args)
+
+    monkeypatch.setattr(tiled_modules, "tiled_mlp", untiled_mlp)
+    assert estimate_step(cfg, stack="tiled_mlp", **kw).peak == untiled
