@@ -164,6 +164,54 @@ def _add_whole_step_flags(whole: Any) -> None:
         "gradients and the optimizer (--optimizer cpu-offload) on the host; host memory per "
         "GPU and per node of 8 GPUs",
     )
+    whole.add_argument(
+        "--expandable-segments",
+        type=_true_false,
+        default=True,
+        metavar="true|false",
+        help="whether the step runs with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, as "
+        "tiledmlp's own commands set it unless you set the variable; the CUDA allocator's "
+        "reserve beyond the tensors depends on it (default: true)",
+    )
+
+    whole.add_argument(
+        "--measure",
+        action="store_true",
+        help="also run the real step of the model (Llama family) cut to --measure-layers "
+        "layers at --measure-lengths, each in a fresh process, and print measured beside "
+        "simulated; the difference, fitted against the length, is carried to the whole model "
+        "and its max_seq_len (the lower of the two stands). On the CPU it measures the "
+        "process's peak memory. Needs --gradient-checkpointing",
+    )
+    whole.add_argument(
+        "--measure-layers",
+        type=positive_int,
+        default=2,
+        metavar="N",
+        help="decoder layers of the measured model (default: 2)",
+    )
+    whole.add_argument(
+        "--measure-lengths",
+        type=_measure_lengths,
+        default=None,
+        metavar="N,N[,N]",
+        help="two or three token counts to measure (default: 8192,16384,32768 on cuda, "
+        "512,1024,2048 on the CPU)",
+    )
+
+
+def _measure_lengths(text: str) -> tuple[int, ...]:
+    from tiledmlp.cli.plan_measure import parse_lengths
+
+    return parse_lengths(text)
+
+
+def _true_false(text: str) -> bool:
+    """--expandable-segments: true or false."""
+    value = text.strip().lower()
+    if value not in ("true", "false"):
+        raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+    return value == "true"
 
 
 def _stacks(text: str) -> tuple[str, ...]:
@@ -250,10 +298,23 @@ def _check_flags(args: argparse.Namespace) -> None:
         ("--engine", args.engine != "ddp"),
         ("--stacks", args.stacks is not None),
         ("--offload-params", args.offload_params),
+        ("--expandable-segments", args.expandable_segments is not True),
+        ("--measure", args.measure),
     )
     if args.model is None and any(on for _, on in whole):
         names = " and ".join(n for n, on in whole if on)
         raise UsageError(f"{names} plan a whole model: add --model NAME_OR_PATH")
+    if args.measure and not args.gradient_checkpointing:
+        raise UsageError(
+            "--measure runs the model's checkpointed step: add --gradient-checkpointing"
+        )
+    if args.measure and (args.sequence_parallel_size != 1 or args.engine != "ddp"):
+        raise UsageError(
+            "--measure runs one GPU's step without sharding: drop --sequence-parallel-size "
+            "and --engine"
+        )
+    if args.measure_lengths is None:
+        args.measure_lengths = (8192, 16384, 32768) if args.device != "cpu" else (512, 1024, 2048)
     from tiledmlp.plan.engines import check_engine
 
     try:
@@ -309,8 +370,13 @@ def _plan_model(args: argparse.Namespace, config: Any, dtype: Any) -> dict[str, 
         sequence_parallel_size=args.sequence_parallel_size,
         engine=args.engine,
         offload_params=args.offload_params,
+        expandable_segments=args.expandable_segments,
         **({} if args.stacks is None else {"stacks": args.stacks}),
     )
+    if args.measure:
+        from tiledmlp.cli.plan_measure import measure_stacks
+
+        measure_stacks(args, config, dtype, stacks)
     from tiledmlp.plan.engines import GPUS_PER_NODE
 
     return dict(
@@ -323,6 +389,7 @@ def _plan_model(args: argparse.Namespace, config: Any, dtype: Any) -> dict[str, 
         sequence_parallel_size=args.sequence_parallel_size,
         engine=args.engine,
         offload_params=args.offload_params,
+        expandable_segments=args.expandable_segments,
         gpus_per_node=min(args.sequence_parallel_size, GPUS_PER_NODE),
         model_type=layer["model_type"],
         layer_tiles=layer["tiles"],
@@ -414,9 +481,11 @@ def _show_model(args: argparse.Namespace, stacks: dict[str, Any]) -> None:
         + (f" split over {args.sequence_parallel_size} GPUs" if per_gpu else "")
         + f"; {_optimizer_text(args)}; {_ENGINE_TEXT[args.engine]}"
         + (" (parameters, gradients and optimizer on the host)" if args.offload_params else "")
-        + f"; checkpointing {checkpointing}; attention by PyTorch's SDPA flash kernel (by "
-        "head groups in tiled_layer); the peak counts tensors, the device overhead (CUDA "
-        "context, workspaces, the attention backward's buffers, allocator) is given beside it, "
+        + f"; checkpointing {checkpointing}; attention by PyTorch's SDPA (cuDNN attention's "
+        "buffers on a GPU; the flash kernel by head groups in tiled_layer); the peak counts "
+        "tensors, the device overhead (memory outside the allocator, workspaces, the "
+        "attention backward's buffers, the allocator's reserve with expandable segments "
+        f"{'on' if args.expandable_segments else 'off'}) is given beside it, "
         "and the host memory a stack keeps (offloaded layer inputs, host optimizer states) "
         "after it"
     )
@@ -439,3 +508,25 @@ def _show_model(args: argparse.Namespace, stacks: dict[str, Any]) -> None:
         show(
             f"  {stack:<{width}}  {entry['peak_mib'] / gib:>9,.2f} GiB  ({parts}){fits}{host_text}"
         )
+        if "measured" in entry:
+            show(f"  {'':<{width}}  {_measured_text(entry['measured'], args.memory_gb)}")
+
+
+def _measured_text(m: dict[str, Any], memory_gb: float | None) -> str:
+    """One stack's measured line: simulated beside measured per length, then each max_seq_len
+    and which stands."""
+    gib = 1024.0
+    pairs = ", ".join(
+        f"{n:,}: {s / gib:,.2f} simulated / {v / gib:,.2f} measured"
+        for n, s, v in zip(m["lengths"], m["simulated_mib"], m["measured_mib"], strict=True)
+    )
+    text = (
+        f"measured ({m['layers']} layers, GiB) {pairs}; whole model {m['per_gpu_mib'] / gib:,.2f}"
+        " with the difference"
+    )
+    if "max_seq_len_measured" in m:
+        text += (
+            f"; fits {memory_gb:g} GiB up to {m['max_seq_len_simulated']:,} simulated, "
+            f"{m['max_seq_len_measured']:,} measured: the {m['standing']} figure stands"
+        )
+    return text

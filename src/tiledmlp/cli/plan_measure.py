@@ -1,0 +1,137 @@
+"""`tiledmlp plan --measure`: the real step of the model cut to a few layers, at a few short
+lengths, beside the planner's simulation of the same cut model (plan/measured.py).
+
+Each length runs in a fresh process (`python -m tiledmlp.bench.whole_step`): on a GPU the card's
+figure (max_memory_reserved plus the memory outside the allocator, per category where the
+bench names them), on the CPU the process's peak resident memory. The simulation of the same cut
+model is exact (every layer simulated) on the same device type.
+
+Invariant: a stack's answer names which estimate stands; the lower one always does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from typing import Any
+
+from tiledmlp.cli.common import UsageError
+
+__all__ = ["measure_stacks", "parse_lengths"]
+
+MiB = 2**20
+
+
+def parse_lengths(text: str) -> tuple[int, ...]:
+    """--measure-lengths: two or three positive token counts, comma-separated."""
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        values = ()
+    if not 2 <= len(values) <= 3 or len(set(values)) != len(values) or min(values) <= 0:
+        raise argparse.ArgumentTypeError(
+            f"expected two or three distinct positive token counts, e.g. 1024,2048,4096; got "
+            f"{text!r}"
+        )
+    return values
+
+
+def _job_config(config: Any, layers: int) -> dict[str, Any]:
+    text = config.get_text_config()
+    if getattr(text, "model_type", None) != "llama":
+        raise UsageError(
+            f"--measure builds Llama-family models (model_type 'llama'), got "
+            f"{getattr(text, 'model_type', None)!r}: plan this model without --measure"
+        )
+    fields = {k: v for k, v in text.to_dict().items() if not k.startswith("_")}
+    for key in ("architectures", "model_type", "transformers_version", "dtype", "torch_dtype"):
+        fields.pop(key, None)
+    fields["num_hidden_layers"] = layers
+    return fields
+
+
+def _run_job(job: dict[str, Any]) -> dict[str, Any]:
+    """One measurement in a fresh process: its record."""
+    res = subprocess.run(
+        [sys.executable, "-m", "tiledmlp.bench.whole_step", json.dumps(job)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    lines = [ln for ln in res.stdout.splitlines() if ln.startswith("{")]
+    if res.returncode != 0 or not lines:
+        last = (res.stderr.strip().splitlines() or ["no output"])[-1]
+        raise UsageError(f"--measure: the step at {job['seq_len']} tokens failed: {last}")
+    return dict(json.loads(lines[-1]))
+
+
+def _measured_bytes(record: dict[str, Any]) -> int:
+    if "error" in record:
+        raise UsageError(f"--measure: the step at {record['seq_len']} tokens: {record['error']}")
+    if record.get("max_memory_reserved_mib") is not None:
+        card = record["max_memory_reserved_mib"] + record.get("outside_allocator_mib", 0.0)
+        return int(card * MiB)
+    if record.get("process_peak_mib") is None:
+        raise UsageError("--measure: this system reports no process peak (VmHWM) to measure")
+    return int(record["process_peak_mib"] * MiB)
+
+
+def measure_stacks(
+    args: argparse.Namespace, config: Any, dtype: Any, stacks: dict[str, Any]
+) -> None:
+    """Adds "measured" to each stack's entry of `stacks` (plan_model's answer)."""
+    from tiledmlp.config.stacks import stack_option
+    from tiledmlp.plan.device_overhead import device_overhead
+    from tiledmlp.plan.estimate import estimate_step
+    from tiledmlp.plan.layer import cut_config
+    from tiledmlp.plan.measured import MeasuredPoint, fit_correction, measured_max_seq_len
+
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise UsageError(
+                "--measure on cuda needs a visible GPU; add --device cpu to measure on the CPU"
+            )
+    layers = args.measure_layers
+    job_config = _job_config(config, layers)
+    cut = cut_config(config, layers)
+    dtype_name = str(dtype).removeprefix("torch.")
+    for stack, entry in stacks.items():
+        overhead = device_overhead(
+            config,
+            args.device,
+            itemsize=dtype.itemsize,
+            by_heads=stack_option(stack, "tiled_layers"),
+            expandable_segments=args.expandable_segments,
+        )
+        points = []
+        for n in args.measure_lengths:
+            job = {"config": job_config, "seq_len": n, "stack": stack, "dtype": dtype_name,
+                   "device": args.device, "steps": 1}  # fmt: skip
+            measured = _measured_bytes(_run_job(job))
+            sim = estimate_step(cut, seq_len=n, stack=stack, dtype=dtype, checkpointing=True,
+                                num_tiles=args.num_tiles, exact=True, device_type=args.device)  # fmt: skip
+            points.append(MeasuredPoint(n, measured, sim.peak + overhead.total(sim.peak, n)))
+        correction = fit_correction(points)
+        measured_entry = {"layers": layers, **correction.as_json()}
+        per_gpu = int(entry["per_gpu_mib"] * MiB)
+        measured_entry["per_gpu_mib"] = round((per_gpu + correction.at(args.seq_len)) / MiB, 1)
+        if "max_seq_len" in entry:
+            options = {"dtype": dtype, "checkpointing": True, "num_tiles": args.num_tiles,
+                       "device_type": args.device, "optimizer": args.optimizer}  # fmt: skip
+            measured_entry.update(
+                measured_max_seq_len(
+                    config,
+                    int(args.memory_gb * 2**30),
+                    correction,
+                    stack=stack,
+                    overhead=overhead,
+                    simulated=entry["max_seq_len"],
+                    **options,
+                )
+            )
+            entry["max_seq_len"] = measured_entry["max_seq_len"]
+        entry["measured"] = measured_entry
