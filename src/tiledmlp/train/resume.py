@@ -51,12 +51,15 @@ class Resume:
 
 
 def given_of(opts: TrainOptions) -> dict[str, Any]:
-    """The options of `opts` that differ from the defaults (what a keyword-API caller gave)."""
+    """The options of `opts` that differ from the defaults (what a keyword-API caller gave);
+    the nested patch configuration is left out (a resume may change only what it changes
+    without changing the losses, and says so)."""
     defaults = TrainOptions()
     return {
         f.name: _jsonable(getattr(opts, f.name))
         for f in dataclasses.fields(TrainOptions)
         if getattr(opts, f.name) != getattr(defaults, f.name)
+        and not dataclasses.is_dataclass(getattr(opts, f.name))
     }
 
 
