@@ -17,7 +17,8 @@ import torch
 
 from tiledmlp.bench import budget, suite, suite_steps
 from tiledmlp.bench.suite import PARTS
-from tiledmlp.bench.suite_parts import ROOT, Context, Task, full_sizes, smoke_sizes
+from tiledmlp.bench.suite_parts import ROOT, Context, Task
+from tiledmlp.bench.suite_sizes import full_sizes, smoke_sizes
 
 # Fields each part's records must carry (beyond part, status and the environment).
 _KEYS = {
@@ -39,7 +40,7 @@ _KEYS = {
     "gpu_tests": {"summary"},
 }
 _ENV = {"device", "device_name", "torch", "git_sha", "versions", "smoke", "seconds", "what"}
-_ENV |= {"estimate_s", "budget_s", "cuda_alloc_conf"}
+_ENV |= {"estimate_s", "budget_s", "cuda_alloc_conf", "command"}
 
 
 @pytest.mark.slow
@@ -97,23 +98,28 @@ def test_a_small_budget_skips_what_would_pass_it_and_records_why(
     def costly(ctx: Context) -> list[Task]:
         return [_task("costly", 1000.0, [{"x": 2}]), _task("costly", 2.0, [{"x": 3}])]
 
+    def counts(ctx: Context) -> list[Task]:  # pytest's summary counts "skipped" tests
+        return [_task("counts", 1.0, [{"summary": "1 passed, 2 skipped", "skipped": 2}])]
+
     monkeypatch.setitem(PARTS, "cheap", cheap)
+    monkeypatch.setitem(PARTS, "counts", counts)
     monkeypatch.setitem(PARTS, "costly", costly)
     records = suite.run_suite(
-        tmp_path, smoke=True, device="cpu", parts=["costly", "cheap"], budget_s=60
+        tmp_path, smoke=True, device="cpu", parts=["costly", "cheap", "counts"], budget_s=60
     )
     # in the order of PARTS (of value), not of the argument
     assert [(r["part"], r["status"]) for r in records] == [
         ("cheap", "ok"),
+        ("counts", "ok"),
         ("costly", "skipped"),
         ("costly", "ok"),
     ]
-    assert records[1]["reason"].startswith("estimated 1000 s, ")
-    assert records[1]["reason"].endswith(" s left of the 60 s budget")
-    assert records[1]["estimate_s"] == 1000.0 and records[2]["x"] == 3
+    assert records[2]["reason"].startswith("estimated 1000 s, ")
+    assert records[2]["reason"].endswith(" s left of the 60 s budget")
+    assert records[2]["estimate_s"] == 1000.0 and records[3]["x"] == 3
     assert 0 < ran[0] <= 60
     lines = (tmp_path / "records.jsonl").read_text().splitlines()
-    assert [json.loads(line)["status"] for line in lines] == ["ok", "skipped", "ok"]
+    assert [json.loads(line)["status"] for line in lines] == ["ok", "ok", "skipped", "ok"]
     summary = (tmp_path / "summary.md").read_text()
     assert "## Skipped" in summary and "| costly | all | estimated 1000 s" in summary
     assert "Budget 60 s" in summary and "Nothing failed." in summary
@@ -129,7 +135,9 @@ def test_a_tiny_budget_skips_every_real_part_and_still_writes_the_summary(
     assert {r["status"] for r in records} == {"skipped"}
     assert list(dict.fromkeys(r["part"] for r in records)) == list(PARTS)
     assert all("of the 0 s budget" in r["reason"] or "budget" in r["reason"] for r in records)
-    assert "## Skipped" in (tmp_path / "summary.md").read_text()
+    summary = (tmp_path / "summary.md").read_text()
+    assert "## Skipped" in summary
+    assert f"Command: `python -m tiledmlp.bench.suite --out {tmp_path} --smoke" in summary
 
 
 def test_stacks_of_a_length_that_do_not_fit_are_skipped_one_by_one(
@@ -150,7 +158,7 @@ def test_stacks_of_a_length_that_do_not_fit_are_skipped_one_by_one(
     records = task.run(task.estimate_s + 0.01)  # time for the first stack only
     assert given == [stacks[0]]
     assert [r["stack"] for r in records] == list(stacks)
-    assert all("skipped" in r for r in records[1:])
+    assert all("skip_reason" in r for r in records[1:])
     assert records[0]["plan"] == "not started" and records[0]["planned_peak_mib"] is None
 
 

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from tiledmlp.allocator import allocator_setting
 from tiledmlp.bench.device import device_name
 from tiledmlp.bench.measure import Job, measure, measure_in_subprocess
 from tiledmlp.bench.variants import Variant
@@ -86,6 +87,8 @@ def environment(cfg: BenchConfig) -> dict[str, Any]:
         "isolated": cfg.isolate,
         "git_sha": git_sha(),
         "versions": package_versions(),
+        # the CUDA allocator's setting (PYTORCH_CUDA_ALLOC_CONF); None off CUDA
+        "cuda_alloc_conf": allocator_setting()["value"] if cfg.device.type == "cuda" else None,
     }
 
 

@@ -46,7 +46,8 @@ from tiledmlp.allocator import allocator_setting, prefer_expandable_segments
 from tiledmlp.bench import budget, suite_parts, suite_steps
 from tiledmlp.bench.device import device_name, resolve_device
 from tiledmlp.bench.harness import git_sha, package_versions
-from tiledmlp.bench.suite_parts import ROOT, Context, Task, full_sizes, smoke_sizes
+from tiledmlp.bench.suite_parts import ROOT, Context, Task
+from tiledmlp.bench.suite_sizes import full_sizes, smoke_sizes
 
 __all__ = ["DEFAULT_BUDGET_S", "PARTS", "default_out", "main", "plan_tasks", "run_suite"]
 
@@ -119,6 +120,7 @@ def run_suite(
     device: str | None = None,
     parts: Sequence[str] = (),
     budget_s: float = DEFAULT_BUDGET_S,
+    command: str | None = None,
 ) -> list[dict[str, Any]]:
     """Runs the suite's tasks within the budget, appending each record to out/records.jsonl as
     it comes, then writes out/summary.md.
@@ -129,6 +131,7 @@ def run_suite(
         device: "cuda", "cpu", ...; default: the first accelerator, else the CPU.
         parts: names of the parts to run (default: all, in order of value).
         budget_s: seconds; a task whose estimate passes the deadline is skipped.
+        command: the command line that ran the suite, for the summary.
 
     Returns:
         Every record written.
@@ -147,6 +150,7 @@ def run_suite(
     sizes = smoke_sizes(dev) if smoke else full_sizes()
     out = out if out is not None else default_out(dev, smoke)
     env = _environment(dev, smoke, budget_s)
+    env["command"] = command
     out.mkdir(parents=True, exist_ok=True)
     slug = _slug(dev)
     corrections = budget.load_corrections(
@@ -190,8 +194,8 @@ def _run_task(
     records = []
     for r in got:
         r = dict(r)
-        if "skipped" in r:
-            status, extra = "skipped", {"reason": r.pop("skipped")}
+        if "skip_reason" in r:  # a piece of the task it had no time for
+            status, extra = "skipped", {"reason": r.pop("skip_reason")}
         elif r.get("status") == "error" or r.get("error"):
             status, extra = "error", {}
         else:
@@ -227,6 +231,8 @@ def summary_markdown(records: list[dict[str, Any]], env: dict[str, Any], used_s:
         f"Budget {env['budget_s']:.0f} s, used {used_s} s.",
         "",
     ]
+    if env.get("command"):
+        lines += [f"Command: `{env['command']}`", ""]
     env_keys = set(env) | _SKIP
     done = [r for r in records if r["status"] != "skipped"]
     for part in dict.fromkeys(r["part"] for r in done):
@@ -302,7 +308,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     parts = [s.strip() for s in a.parts.split(",")] if a.parts else []
     try:
         out = a.out if a.out is not None else default_out(resolve_device(a.device), a.smoke)
-        records = run_suite(out, smoke=a.smoke, device=a.device, parts=parts, budget_s=a.budget)
+        records = run_suite(
+            out,
+            smoke=a.smoke,
+            device=a.device,
+            parts=parts,
+            budget_s=a.budget,
+            command=" ".join(
+                ["python -m tiledmlp.bench.suite", *(sys.argv[1:] if argv is None else argv)]
+            ),
+        )
     except ValueError as e:
         print(f"tiledmlp.bench.suite: error: {e}", file=sys.stderr)
         return 2

@@ -152,7 +152,7 @@ def _with_plan(record: Record, plan: Record, why: str | None) -> Record:
 
 
 def _skip(seq: int, stack: str, reason: str, estimate: float) -> Record:
-    return {"seq_len": seq, "stack": stack, "skipped": reason, "estimate_s": estimate}
+    return {"seq_len": seq, "stack": stack, "skip_reason": reason, "estimate_s": estimate}
 
 
 def model_steps_tasks(ctx: Context) -> list[Task]:
