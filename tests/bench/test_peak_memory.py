@@ -25,7 +25,8 @@ LOSS = frame("/src/tiledmlp/ops/loss.py", "forward", 120)
 SDPA = frame(f"{HF}/integrations/sdpa_attention.py", "sdpa_attention_forward", 90)
 LINEAR = frame(f"{TORCH}/nn/functional.py", "linear", 10)
 TILE = frame("/src/tiledmlp/ops/fast.py", "forward", 42)
-OFFLOAD = frame("/src/tiledmlp/patching/offloading.py", "pack", 77)
+OFFLOAD = frame("/src/tiledmlp/ops/offload.py", "_unpack", 77)
+WRAPPER = frame("/src/tiledmlp/patching/offloading.py", "__call__", 66)  # offloading's checkpoint
 
 
 def alloc(addr: int, mib: float, *frames: dict[str, Any]) -> dict[str, Any]:
@@ -44,14 +45,15 @@ def free(addr: int, mib: float) -> list[dict[str, Any]]:
 def snapshot() -> dict[str, Any]:
     weights, old_buffer = 0x1000_0000, 0x1800_0000
     trace = [
-        alloc(0x2000_0000, 2, LAYER, CHECKPOINT),  # a layer's output, saved for the next layer
+        alloc(0x2000_0000, 1, LAYER, CHECKPOINT),  # a layer's output, saved for the next layer
+        alloc(0x2100_0000, 1, LAYER, CHECKPOINT, WRAPPER),  # the same under offloading's wrapper
         *free(old_buffer, 1),  # allocated before recording, freed before the peak
         alloc(0x3000_0000, 1, LINEAR, LAYER, RECOMPUTE, UNPACK),  # the layer's recompute
         alloc(0x4000_0000, 3, LOSS),  # the loss tile
         alloc(0x5000_0000, 4),  # a gradient (the autograd engine: no Python frame)
         alloc(0x6000_0000, 0.5, SDPA, LAYER, RECOMPUTE, UNPACK),  # attention, in a recompute
         alloc(0x7000_0000, 0.5, LINEAR, TILE, LAYER),  # a tiled MLP's buffer
-        alloc(0x7800_0000, 1, OFFLOAD),  # offloading's device buffer
+        alloc(0x7800_0000, 1, OFFLOAD, UNPACK),  # offloading's copy back to the device
         alloc(0x7C00_0000, 1.5, LINEAR, TILE),  # freed after the peak, its address reused
         # the peak: 4 (weights) + 2 + 1 + 3 + 4 + 0.5 + 0.5 + 1 + 1.5 = 17.5 MiB
         *free(0x4000_0000, 3),
@@ -130,3 +132,10 @@ def test_an_empty_history_has_only_what_was_alive_before() -> None:
     snap["device_traces"] = [[]]
     got = categorise_peak(snap, KNOWN)
     assert got == {"peak_mib": 4.0, "categories_mib": {"weights": 4.0}}
+
+
+def test_a_trace_with_completed_frees_only_gives_the_same_peak() -> None:
+    snap = snapshot()
+    trace = snap["device_traces"][0]
+    snap["device_traces"] = [[e for e in trace if e["action"] != "free_requested"]]
+    assert categorise_peak(snap, KNOWN) == categorise_peak(snapshot(), KNOWN)

@@ -6,12 +6,11 @@ Categories (in MiB), first match wins:
 - weights, gradients, optimizer state: the allocation holds a tensor of that kind, known by
   its address at the end of the step (`TensorAddresses`) and never freed between the peak and the
   snapshot;
-- the loss tile, the attention kernel's buffers, offloading's device buffers: allocated under a
-  Python frame of that code (`FRAME_RULES`);
-- the current layer's recompute: allocated while a checkpointed layer recomputes its forward
-  (torch.utils.checkpoint's unpack hook on the stack);
-- checkpointed layer inputs: allocated inside a checkpointed call during the forward (a layer's
-  output, saved as the next layer's input);
+- by the innermost Python frame that a rule of `FRAME_RULES` knows: the loss tile, the
+  attention kernel's buffers, offloading's device buffers (its copies back from the host), the
+  current layer's recompute (torch.utils.checkpoint's unpack hook on the stack: the backward
+  re-running a layer), checkpointed layer inputs (allocated inside a checkpointed call during
+  the forward: a layer's output, saved as the next layer's input);
 - before recording: alive at the peak, allocated before the history started;
 - the rest by allocating frame: "other: file:line function" of the innermost frame outside torch,
   or "other: no Python frame" (the autograd engine's own allocations in the backward).
@@ -37,12 +36,18 @@ __all__ = [
 
 MiB = 2**20
 
-# (category, substrings of "filename:function" of any frame), most specific first.
+# A free is requested, then completed once no stream uses the block; memory stops counting as
+# allocated at the request (the completion follows it at once on one stream).
+_FREES = ("free_requested", "free_completed")
+RECOMPUTE = "current layer's recompute"
+CHECKPOINTED = "checkpointed layer inputs"
+BEFORE = "before recording"
+
+# (category, substrings of "filename:function"). The innermost frame that matches any rule
+# names the allocation: a recompute's attention is the attention's, a layer's output allocated
+# inside torch's checkpoint (wrapped or not by offloading's checkpoint) is a checkpointed input.
 FRAME_RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
-    (
-        "offloading device buffers",
-        ("tiledmlp/patching/offloading", "tiledmlp/ops/offload", "tiledmlp/ops/host_memory"),
-    ),
+    ("offloading device buffers", ("tiledmlp/ops/offload.py",)),
     ("loss tile", ("tiledmlp/ops/loss", "tiledmlp/ops/lm_head", "tiled_cross_entropy")),
     (
         "attention kernel buffers",
@@ -50,16 +55,13 @@ FRAME_RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
             "scaled_dot_product",
             "sdpa_attention",
             "flash_attention",
-            "tiledmlp/ops/attention_heads",
+            "tiledmlp/ops/attention_",
             "attention_by_heads",
         ),
     ),
+    (RECOMPUTE, ("checkpoint.py:unpack_hook", "checkpoint.py:recompute_fn")),
+    (CHECKPOINTED, ("torch/utils/checkpoint.py",)),
 )
-RECOMPUTE = "current layer's recompute"
-CHECKPOINTED = "checkpointed layer inputs"
-BEFORE = "before recording"
-_RECOMPUTE_FRAMES = ("checkpoint.py:unpack_hook", "checkpoint.py:recompute_fn")
-_CHECKPOINT_FRAMES = ("torch/utils/checkpoint.py",)
 
 
 @dataclass(frozen=True)
@@ -109,7 +111,7 @@ def peak_allocations(
     for e in trace:  # frees of allocations older than the history
         if e.get("action") == "alloc":
             seen.add(e["addr"])
-        elif e.get("action") == "free_requested" and e["addr"] not in seen:
+        elif e.get("action") in _FREES and e["addr"] not in seen:
             alive[e["addr"]] = PeakAllocation(e["addr"], int(e["size"]), before_recording=True)
             seen.add(e["addr"])
     for seg in snapshot.get("segments", []):
@@ -129,11 +131,9 @@ def peak_allocations(
             total += int(e["size"])
             if total > peak:
                 peak, at_peak, peak_index = total, dict(alive), i
-        elif action == "free_requested" and e["addr"] in alive:
+        elif action in _FREES and e["addr"] in alive:  # the first of the two frees counts
             total -= alive.pop(e["addr"]).size
-    freed_later = {
-        e["addr"] for e in trace[peak_index + 1 :] if e.get("action") == "free_requested"
-    }
+    freed_later = {e["addr"] for e in trace[peak_index + 1 :] if e.get("action") in _FREES}
     result = [
         PeakAllocation(a.addr, a.size, a.frames, a.before_recording, a.addr in freed_later)
         for a in at_peak.values()
@@ -165,14 +165,11 @@ def categorise(allocation: PeakAllocation, tensors: TensorAddresses | None = Non
         known = tensors.category_of(allocation.addr, allocation.size)
         if known is not None:
             return known
-    wheres = [_where(f) for f in allocation.frames]
-    for name, needles in FRAME_RULES:
-        if any(n in w for w in wheres for n in needles):
-            return name
-    if any(n in w for w in wheres for n in _RECOMPUTE_FRAMES):
-        return RECOMPUTE
-    if any(n in w for w in wheres for n in _CHECKPOINT_FRAMES):
-        return CHECKPOINTED
+    for frame in allocation.frames:  # innermost first
+        where = _where(frame)
+        for name, needles in FRAME_RULES:
+            if any(n in where for n in needles):
+                return name
     if allocation.before_recording:
         return BEFORE
     return f"other: {_user_frame(allocation.frames)}"
