@@ -199,10 +199,10 @@ def test_the_committed_h100_records_correct_the_estimates() -> None:
     none = budget.load_corrections(ROOT / "benchmarks" / "results" / "gpu", "b200")
     assert none.whole_step_s == {} and none.whole_step_ratio is None
     gpu = Context(sizes, torch.device("cuda"), Path("unused"), budget.GPU, found)
-    recorded = suite_steps._job_seconds(gpu, 32768, "untiled", snapshot=True)
+    recorded = suite_steps._job_seconds(gpu, 32768, "untiled")
     assert recorded == pytest.approx(2.8)
     bare = Context(sizes, torch.device("cuda"), Path("unused"), budget.GPU)
-    assert suite_steps._job_seconds(bare, 32768, "untiled", snapshot=True) != recorded
+    assert suite_steps._job_seconds(bare, 32768, "untiled") != recorded
 
 
 def test_the_default_order_and_the_estimates_of_one_h100(tmp_path: Path) -> None:

@@ -41,12 +41,11 @@ MiB = 2**20
 # -- whole steps ------------------------------------------------------------------------------
 
 
-def _job_seconds(ctx: Context, seq: int, stack: str, snapshot: bool) -> float:
+def _job_seconds(ctx: Context, seq: int, stack: str) -> float:
     """One whole-step job: its recorded wall time (build, warm-up and one step; plus the other
     timed steps), else the cost model (build + warm-up + timed steps), its step scaled by the
-    records' ratio. The allocator's history is recorded during the last timed step (`snapshot`:
-    a small cost, not a step of its own)."""
-    del snapshot
+    records' ratio. The allocator's history is recorded during the last timed step (a small
+    cost, not a step of its own)."""
     sz = ctx.sizes
     steps = 1 + max(1, sz.model_steps)
     key = (sz.model["hidden_size"], sz.model["num_hidden_layers"], seq, stack)
@@ -161,7 +160,7 @@ def model_steps_tasks(ctx: Context) -> list[Task]:
     sz = ctx.sizes
     tasks = []
     for seq, stacks in sz.model_lengths:
-        each = {s: _margin(_job_seconds(ctx, seq, s, ctx.cuda)) for s in stacks}
+        each = {s: _margin(_job_seconds(ctx, seq, s)) for s in stacks}
         first = budget.ceil_s(_margin(ctx.machine.process_s) + each[stacks[0]])
 
         def run(
@@ -207,10 +206,10 @@ def model_steps_tasks(ctx: Context) -> list[Task]:
 
 def allocator_tasks(ctx: Context) -> list[Task]:
     """One long stack in two fresh processes: PYTORCH_CUDA_ALLOC_CONF expandable_segments False,
-    then True (no snapshot step: the peak statistics of the same timed steps)."""
+    then True, each record with its peak's categories as in "model_steps"."""
     sz = ctx.sizes
     seq, stack = sz.alloc_seq_len, sz.alloc_stack
-    one = _margin(ctx.machine.process_s + _job_seconds(ctx, seq, stack, snapshot=False))
+    one = _margin(ctx.machine.process_s + _job_seconds(ctx, seq, stack))
 
     def run(left: float) -> list[Record]:
         records = []
@@ -221,7 +220,6 @@ def allocator_tasks(ctx: Context) -> list[Task]:
             dtype=sz.model_dtype,
             device=str(ctx.device),
             steps=sz.model_steps,
-            peak_snapshot=False,
         )
         start = time.perf_counter()
         for value in ("expandable_segments:False", EXPANDABLE):
