@@ -59,7 +59,7 @@ def _sdpa_params(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> object:
     try:
         return make(q, k, v, None, 0.0, True, True)
     except TypeError:
-        return make(q, k, v, None, 0.0, True)
+        return make(q, k, v, None, 0.0, True)  # type: ignore[call-arg]
 
 
 def _torch_choice(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> int | None:
