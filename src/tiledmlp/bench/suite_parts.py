@@ -339,8 +339,7 @@ def gpu_tests(sizes: Sizes, timeout: float) -> list[Record]:
 
 def _fixed(ctx: Context, part: str, key: str) -> float:
     """A part estimated as a whole: its recorded seconds at these sizes, else the machine's."""
-    smoke = ctx.sizes.repeats == 1  # the smoke sizes time one repeat
-    recorded = ctx.corrections.part_s.get((part, smoke))
+    recorded = ctx.corrections.part_s.get((part, ctx.sizes.smoke))
     return _margin(recorded if recorded is not None else ctx.machine.fixed_s[key])
 
 

@@ -19,6 +19,7 @@ __all__ = ["ALL_STACKS", "LONG_STACKS", "Sizes", "full_sizes", "smoke_sizes"]
 class Sizes:
     """Every size the parts use."""
 
+    smoke: bool  # the toy sizes
     mlp_hidden: int
     mlp_intermediate: int
     mlp_seq_lens: tuple[int, ...]
@@ -61,6 +62,7 @@ LONG_STACKS = ("tiled_mlp_loss", "tiled_mlp_loss_offload_norms", "tiled_layer")
 def full_sizes() -> Sizes:
     """The GPU-scale suite: a 4-layer Llama-3-8B shape from 32K to 256K tokens."""
     return Sizes(
+        smoke=False,
         mlp_hidden=4096,
         mlp_intermediate=12288,
         mlp_seq_lens=(32768, 131072, 8192, 2048),
@@ -107,6 +109,7 @@ def smoke_sizes(device: torch.device) -> Sizes:
     """Toy sizes: every part's code path in a few minutes on a 2-core CPU."""
     low = "bfloat16" if device.type != "cpu" else "float32"
     return Sizes(
+        smoke=True,
         mlp_hidden=64,
         mlp_intermediate=160,
         mlp_seq_lens=(256,),
