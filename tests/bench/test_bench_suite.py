@@ -253,3 +253,20 @@ def test_the_planner_is_told_the_allocator_setting_of_the_steps(
     assert args[1:5] == ["-m", "tiledmlp", "plan", "--model"]
     assert ("--expandable-segments" in args) == flag
     assert (tmp_path / "model-config" / "config.json").is_file()
+
+
+def test_a_dry_run_lists_what_would_fit_and_runs_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert suite.main(["--dry-run", "--smoke", "--device", "cpu", "--budget", "30"]) == 0
+    table = capsys.readouterr().out
+    rows = [
+        line.split(" | ")
+        for line in table.splitlines()
+        if line.startswith("| ") and "---" not in line
+    ]
+    assert [r[0].lstrip("| ") for r in rows[1:]] == list(PARTS)  # one piece each at toy sizes
+    assert {r[-1].rstrip(" |") for r in rows[1:]} <= {"yes", "part", "no"}
+    assert "no" in {r[-1].rstrip(" |") for r in rows[1:]}  # 30 s cannot hold every part
+    assert list(tmp_path.iterdir()) == []

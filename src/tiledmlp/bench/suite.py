@@ -49,7 +49,15 @@ from tiledmlp.bench.harness import git_sha, package_versions
 from tiledmlp.bench.suite_parts import ROOT, Context, Task
 from tiledmlp.bench.suite_sizes import full_sizes, smoke_sizes
 
-__all__ = ["DEFAULT_BUDGET_S", "PARTS", "default_out", "main", "plan_tasks", "run_suite"]
+__all__ = [
+    "DEFAULT_BUDGET_S",
+    "PARTS",
+    "default_out",
+    "dry_run",
+    "main",
+    "plan_tasks",
+    "run_suite",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -113,6 +121,46 @@ def plan_tasks(ctx: Context, parts: Sequence[str] = ()) -> list[Task]:
     return sorted(tasks, key=lambda t: index[t.part] if t.after is None else index[t.after] + 0.5)
 
 
+def _context(dev: torch.device, smoke: bool, out: Path) -> Context:
+    """The parts' context: sizes, the cost model of the device and its records' corrections."""
+    sizes = smoke_sizes(dev) if smoke else full_sizes()
+    corrections = budget.load_corrections(
+        ROOT / "benchmarks" / "results" / "gpu", _slug(dev), sizes.model
+    )
+    return Context(sizes, dev, out, budget.machine_for(dev.type), corrections)
+
+
+def dry_run(
+    *, smoke: bool = False, device: str | None = None, parts: Sequence[str] = (), budget_s: float
+) -> str:
+    """What a run would do, by the estimates alone (nothing runs): each task in order with its
+    estimate, the running total and whether it fits the budget, as a Markdown table."""
+    dev = resolve_device(device)
+    ctx = _context(dev, smoke, Path("unused"))
+    lines = [
+        f"Estimates for {device_name(dev)} ({'toy' if smoke else 'full'} sizes), budget "
+        f"{budget_s:.0f} s; margin {budget.MARGIN}x included.",
+        "",
+        "| part | what | first piece s | all s | running total s | fits |",
+        "|---|---|---|---|---|---|",
+    ]
+    total = 0.0
+    for task in plan_tasks(ctx, parts):
+        whole = task.total_s if task.total_s is not None else task.estimate_s
+        fits = (
+            "yes"
+            if total + whole <= budget_s
+            else "part"
+            if total + task.estimate_s <= budget_s
+            else "no"
+        )
+        total += {"yes": whole, "part": task.estimate_s, "no": 0.0}[fits]
+        lines.append(
+            f"| {task.part} | {task.what} | {task.estimate_s:.1f} | {whole:.1f} | {total:.1f} | {fits} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def run_suite(
     out: Path | None = None,
     *,
@@ -147,16 +195,11 @@ def run_suite(
     start = time.perf_counter()
     deadline = start + budget_s
     dev = resolve_device(device)
-    sizes = smoke_sizes(dev) if smoke else full_sizes()
     out = out if out is not None else default_out(dev, smoke)
     env = _environment(dev, smoke, budget_s)
     env["command"] = command
     out.mkdir(parents=True, exist_ok=True)
-    slug = _slug(dev)
-    corrections = budget.load_corrections(
-        ROOT / "benchmarks" / "results" / "gpu", slug, sizes.model
-    )
-    ctx = Context(sizes, dev, out, budget.machine_for(dev.type), corrections)
+    ctx = _context(dev, smoke, out)
     records: list[dict[str, Any]] = []
     try:
         with (out / "records.jsonl").open("w") as f:
@@ -302,11 +345,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=None,
         help=f"comma-separated subset of {','.join(PARTS)} (default: all)",
     )
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print what would run within the budget by the estimates, and run nothing",
+    )
     p.add_argument("-v", "--verbose", action="store_true", help="log progress")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO if a.verbose else logging.WARNING)
     parts = [s.strip() for s in a.parts.split(",")] if a.parts else []
     try:
+        if a.dry_run:
+            unknown = [p for p in parts if p not in PARTS]
+            if unknown:
+                raise ValueError(f"unknown parts {unknown}; expected some of {list(PARTS)}")
+            print(dry_run(smoke=a.smoke, device=a.device, parts=parts, budget_s=a.budget), end="")
+            return 0
         out = a.out if a.out is not None else default_out(resolve_device(a.device), a.smoke)
         records = run_suite(
             out,
