@@ -46,8 +46,9 @@ def test_the_lower_estimate_stands_and_is_named() -> None:
                           "dtype": torch.float32}  # fmt: skip
     cpu = device_overhead(cfg, "cpu")
     budget = 64 * MiB
-    simulated = max_seq_len(cfg, budget, granularity=512, overhead=cpu, **kw)
-    assert simulated > 0
+    known: dict[int, int] = {}
+    simulated = max_seq_len(cfg, budget, granularity=512, overhead=cpu, known_peaks=known, **kw)
+    assert simulated > 0 and simulated in known and simulated + 512 in known
     # the card held 4 MiB more than simulated at every length: a shorter sequence fits
     more = fit_correction([MeasuredPoint(n, 4 * MiB, 0) for n in (512, 1024)])
     got = measured_max_seq_len(cfg, budget, more, overhead=cpu, simulated=simulated,
@@ -62,6 +63,28 @@ def test_the_lower_estimate_stands_and_is_named() -> None:
     assert got["max_seq_len_measured"] >= simulated
 
 
+def test_a_second_search_reuses_the_first_ones_estimates(monkeypatch) -> None:
+    from tiledmlp.plan import search
+
+    cfg = _config()
+    kw: dict[str, Any] = {"stack": "tiled_mlp", "num_tiles": 2, "device_type": "cpu",
+                          "dtype": torch.float32}  # fmt: skip
+    known: dict[int, int] = {}
+    first = max_seq_len(cfg, 48 * MiB, granularity=512, known_peaks=known, **kw)
+    calls: list[int] = []
+    real = search.estimate_step
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls.append(kwargs["seq_len"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(search, "estimate_step", counted)
+    none = fit_correction([MeasuredPoint(n, 0, 0) for n in (512, 1024)])
+    got = measured_max_seq_len(cfg, 48 * MiB, none, overhead=None, simulated=first,
+                               known_peaks=known, granularity=512, **kw)  # fmt: skip
+    assert got["max_seq_len_measured"] == first and calls == []
+
+
 @pytest.mark.slow  # real steps in fresh processes
 def test_cli_measure_on_the_cpu_against_the_process_peak(tmp_path) -> None:
     config = tmp_path / "config.json"
@@ -71,7 +94,7 @@ def test_cli_measure_on_the_cpu_against_the_process_peak(tmp_path) -> None:
     res = subprocess.run(
         [sys.executable, "-m", "tiledmlp", "plan", "--model", str(config), "--seq-len", "4096",
          "--device", "cpu", "--dtype", "float32", "--gradient-checkpointing", "--stacks",
-         "tiled_mlp_loss", "--measure", "--measure-lengths", "512,1024", "--memory-gb", "2",
+         "tiled_mlp_loss", "--measure", "--measure-lengths", "512,1024", "--memory-gb", "0.05",
          "--json"],
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
@@ -82,13 +105,18 @@ def test_cli_measure_on_the_cpu_against_the_process_peak(tmp_path) -> None:
     # the process holds the Python runtime and torch beside the tensors: more than simulated
     assert all(v > s for v, s in zip(m["measured_mib"], m["simulated_mib"], strict=True))
     assert m["max_seq_len"] == min(m["max_seq_len_simulated"], m["max_seq_len_measured"])
+    # the runtime alone outgrows 0.05 GiB: the simulation's tokens do not fit the process
+    assert m["max_seq_len_simulated"] > 0 and m["standing"] == "measured"
     assert entry["max_seq_len"] == m["max_seq_len"] and m["standing"] in ("simulated", "measured")
 
 
-def test_cli_measure_needs_checkpointing_and_two_lengths(capsys) -> None:
+def test_cli_measure_needs_checkpointing_two_lengths_and_the_default_tiles(capsys) -> None:
     from tiledmlp.cli import main
 
     assert main(["plan", "--model", "tiny", "--device", "cpu", "--measure"]) == 2
     assert "add --gradient-checkpointing" in capsys.readouterr().err
     assert main(["plan", "--measure-lengths", "1024", "--model", "tiny"]) == 2
     assert "two or three distinct positive token counts" in capsys.readouterr().err
+    flags = ["--gradient-checkpointing", "--measure", "--num-tiles", "4"]
+    assert main(["plan", "--model", "tiny", "--device", "cpu", *flags]) == 2
+    assert "drop --num-tiles" in capsys.readouterr().err

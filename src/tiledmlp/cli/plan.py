@@ -308,6 +308,11 @@ def _check_flags(args: argparse.Namespace) -> None:
         raise UsageError(
             "--measure runs the model's checkpointed step: add --gradient-checkpointing"
         )
+    if args.measure and args.num_tiles != "auto":
+        raise UsageError(
+            "--measure runs the model as patch_model's default tile policy ('auto') tiles it: "
+            "drop --num-tiles and --tile-budget-gb"
+        )
     if args.measure and (args.sequence_parallel_size != 1 or args.engine != "ddp"):
         raise UsageError(
             "--measure runs one GPU's step without sharding: drop --sequence-parallel-size "
@@ -358,6 +363,7 @@ def _plan_model(args: argparse.Namespace, config: Any, dtype: Any) -> dict[str, 
     )
     from tiledmlp.plan.model import plan_model
 
+    known_peaks: dict[str, dict[int, int]] = {}
     stacks = plan_model(
         config,
         seq_len=args.seq_len,
@@ -371,12 +377,13 @@ def _plan_model(args: argparse.Namespace, config: Any, dtype: Any) -> dict[str, 
         engine=args.engine,
         offload_params=args.offload_params,
         expandable_segments=args.expandable_segments,
+        known_peaks=known_peaks,
         **({} if args.stacks is None else {"stacks": args.stacks}),
     )
     if args.measure:
         from tiledmlp.cli.plan_measure import measure_stacks
 
-        measure_stacks(args, config, dtype, stacks)
+        measure_stacks(args, config, dtype, stacks, known_peaks)
     from tiledmlp.plan.engines import GPUS_PER_NODE
 
     return dict(

@@ -79,9 +79,14 @@ def _measured_bytes(record: dict[str, Any]) -> int:
 
 
 def measure_stacks(
-    args: argparse.Namespace, config: Any, dtype: Any, stacks: dict[str, Any]
+    args: argparse.Namespace,
+    config: Any,
+    dtype: Any,
+    stacks: dict[str, Any],
+    known_peaks: dict[str, dict[int, int]] | None = None,
 ) -> None:
-    """Adds "measured" to each stack's entry of `stacks` (plan_model's answer)."""
+    """Adds "measured" to each stack's entry of `stacks` (plan_model's answer); the second
+    search reuses plan_model's estimates (`known_peaks`, per stack)."""
     from tiledmlp.config.stacks import stack_option
     from tiledmlp.plan.device_overhead import device_overhead
     from tiledmlp.plan.estimate import estimate_step
@@ -130,6 +135,7 @@ def measure_stacks(
                     stack=stack,
                     overhead=overhead,
                     simulated=entry["max_seq_len"],
+                    known_peaks=None if known_peaks is None else known_peaks.get(stack),
                     **options,
                 )
             )

@@ -84,10 +84,12 @@ def measured_max_seq_len(
     stack: str,
     overhead: DeviceOverhead | None,
     simulated: int,
+    known_peaks: dict[int, int] | None = None,
     **options: Any,
 ) -> dict[str, Any]:
     """The longest sequence by the measured estimate beside the simulation's (`simulated`,
-    already searched); the lower stands.
+    already searched, its estimates in `known_peaks`: reused, not simulated again); the lower
+    stands.
 
     Returns:
         {"max_seq_len_simulated", "max_seq_len_measured", "max_seq_len", "standing":
@@ -101,6 +103,7 @@ def measured_max_seq_len(
         extra_bytes_per_token=correction.per_token,
         extra_bytes=int(correction.constant),
         overhead=overhead,
+        known_peaks=known_peaks,
         **options,
     )
     standing = "measured" if measured < simulated else "simulated"

@@ -114,6 +114,7 @@ def plan_model(
     engine: str = "ddp",
     offload_params: bool = False,
     expandable_segments: bool = True,
+    known_peaks: dict[str, dict[int, int]] | None = None,
 ) -> dict[str, Any]:
     """Every stack's peak MiB and breakdown at `seq_len`; with a budget, each stack's longest
     sequence that fits ("max_seq_len", a multiple of `granularity`). The tile policy resolves
@@ -124,6 +125,8 @@ def plan_model(
     (plan/engines.py; "ddp", the default, keeps them whole); `offload_params` keeps the
     parameters and gradients on the host. `expandable_segments`: the CUDA caching allocator's
     setting the step will run with (plan/device_overhead.py, Note [Allocator reserve]).
+    `known_peaks`, when given, receives each stack's tensor-level estimates by length, for a
+    later search with the same options (plan/search.py).
 
     "peak_mib" is tensor-level; "device_overhead_mib" is what the process holds on the device
     beside the tensors (plan/device_overhead.py, per term in "device_overhead_breakdown_mib";
@@ -160,9 +163,11 @@ def plan_model(
         logger.info(
             "%s (%d of %d): one step at %s tokens", stack, i, len(stacks), f"{seq_len // p:,}"
         )
+        known = None if known_peaks is None else known_peaks.setdefault(stack, {})
         out[stack] = _plan_stack(
-            config, stack, seq_len, p, budget_bytes, granularity, options, expandable_segments
-        )
+            config, stack, seq_len, p, budget_bytes, granularity, options, expandable_segments,
+            known,
+        )  # fmt: skip
     return out
 
 
@@ -175,8 +180,11 @@ def _plan_stack(
     granularity: int,
     options: dict[str, Any],
     expandable_segments: bool = True,
+    known: dict[int, int] | None = None,
 ) -> dict[str, Any]:
-    """One stack's entry of plan_model's answer."""
+    """One stack's entry of plan_model's answer; `known` receives its tensor-level estimates
+    by length (plan/search.py's known_peaks)."""
+    known = {} if known is None else known
     local = seq_len // p
     per_token = _all_to_all_bytes_per_token(config, p, options["dtype"])
     overhead = device_overhead(
@@ -188,6 +196,7 @@ def _plan_stack(
         expandable_segments=expandable_segments,
     )
     est = estimate_step(config, seq_len=local, stack=stack, **options)
+    known[local] = est.peak  # the search starts here: not simulated twice
     if p > 1:
         extra = int(per_token * local)
         est = StepEstimate(
@@ -212,6 +221,7 @@ def _plan_stack(
             hint=local,
             extra_bytes_per_token=per_token,
             overhead=overhead,
+            known_peaks=known,
             **options,
         )
     return entry

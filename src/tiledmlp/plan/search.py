@@ -28,6 +28,7 @@ def max_seq_len(
     extra_bytes_per_token: float = 0.0,
     extra_bytes: int = 0,
     overhead: DeviceOverhead | None = None,
+    known_peaks: dict[int, int] | None = None,
     **options: Any,
 ) -> int:
     """The longest sequence (a multiple of `granularity`, at most `upper`) whose step fits
@@ -41,14 +42,18 @@ def max_seq_len(
     all-to-all's buffers; a measured correction, plan/measured.py);
     `overhead` adds the device's own (plan/device_overhead.py: CUDA context, workspaces,
     attention backward buffers, allocator), so that the step fits a card of `budget_bytes`.
+    `known_peaks` ({tokens: estimate_step(...).peak} for these options) holds estimates
+    already made, and receives the search's: a length is never simulated twice.
     """
     cache: dict[int, int] = {}
+    tensors = {} if known_peaks is None else known_peaks
 
     def peak(n: int) -> int:
         if n not in cache:
             tokens = n * granularity
-            step = estimate_step(config, seq_len=tokens, stack=stack, **options).peak
-            step += int(extra_bytes_per_token * tokens) + extra_bytes
+            if tokens not in tensors:
+                tensors[tokens] = estimate_step(config, seq_len=tokens, stack=stack, **options).peak
+            step = tensors[tokens] + int(extra_bytes_per_token * tokens) + extra_bytes
             cache[n] = step + (overhead.total(step, tokens) if overhead is not None else 0)
             logger.info("  %s tokens: %.1f GiB", f"{tokens:,}", cache[n] / 2**30)
         return cache[n]
