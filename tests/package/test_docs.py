@@ -206,14 +206,21 @@ def test_the_documented_patch_model_signature_is_the_real_one() -> None:
     assert block.startswith("patch_model("), block
     call = ast.parse(block.split(" -> ")[0].replace("*, ", ""), mode="eval").body
     documented = {k.arg: ast.literal_eval(k.value) for k in call.keywords}
-    real = {
-        name: p.default
-        for name, p in inspect.signature(tiledmlp.patch_model).parameters.items()
-        if p.default is not inspect.Parameter.empty
-    }
-    assert documented == real, (
-        f"docs/guides/patching.md documents {documented}, the code has {real}"
+    params = inspect.signature(tiledmlp.patch_model).parameters
+    assert list(params)[:2] == ["model", "config"] and params["config"].default is None
+    assert documented.pop("config") is None
+    # The keywords are PatchConfig's schema: the same names, and each documented default is
+    # the schema's default (giving it changes nothing).
+    assert sorted(documented) == sorted(tiledmlp.PatchConfig.keywords()), (
+        f"docs/guides/patching.md documents {sorted(documented)}, the schema has "
+        f"{sorted(tiledmlp.PatchConfig.keywords())}"
     )
+    default = tiledmlp.PatchConfig()
+    for name, value in documented.items():
+        assert tiledmlp.PatchConfig.from_kwargs({name: value}) == default, (
+            f"docs/guides/patching.md documents {name}={value!r}, not the default"
+        )
+    real = ["config", *documented]
     assert all(f"`{name}`" in text for name in real), "every option has a row in the table"
 
 
