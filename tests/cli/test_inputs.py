@@ -89,7 +89,14 @@ def test_broken_inputs_and_names_are_one_line_before_any_model_loads(tmp_path: P
     small = ["--seq-len", "32", "--max-steps", "1"]
     cases = {
         "empty": (["--model", f"{t}/empty"], [f"{t}/empty: the folder is empty"]),
-        "no weights": (["--model", f"{t}/no-weights"], ["has no weights (model.safetensors"]),
+        "no weights": (
+            ["--model", f"{t}/no-weights"],
+            ["has no weights (model.safetensors", f"--model {t}/no-weights/config.json to train"],
+        ),
+        "not a model config": (
+            ["--model", f"{t}/records.json"],
+            [f"{t}/records.json: expected a transformers model configuration"],
+        ),
         "truncated": (
             ["--model", f"{t}/truncated"],
             [f"{t}/truncated/model.safetensors is damaged (truncated"],
@@ -110,6 +117,7 @@ def test_broken_inputs_and_names_are_one_line_before_any_model_loads(tmp_path: P
         ),
     }
     (tmp_path / "notes.xml").write_text("<a/>")
+    (tmp_path / "records.json").write_text('[{"text": "a"}]')
     runs = run_many([["train", *args, *small] for args, _ in cases.values()], env_for(tmp_path))
     for (name, (_, expected)), run in zip(cases.items(), runs, strict=True):
         assert_one_line(run, *expected)
@@ -160,3 +168,21 @@ def test_a_hub_id_loads_from_the_local_cache_offline(tmp_path: Path) -> None:
     summary = json.loads(res.stdout)
     assert summary["model"] == "some-org/tiny-model" and summary["steps"] == 1
     assert summary["learning_rate"] == 2e-5  # a pretrained model's fine-tuning default
+
+
+@pytest.mark.slow
+def test_a_config_json_trains_its_architecture_from_random_init(tmp_path: Path) -> None:
+    from tiledmlp.models.presets import build_preset
+    from tiledmlp.train.tokenizer import VOCAB_SIZE
+
+    folder = tmp_path / "arch"
+    build_preset("tiny", VOCAB_SIZE, 64, 0).config.save_pretrained(folder)  # no weights
+    res = subprocess.run(
+        [sys.executable, "-m", "tiledmlp", "train", "--model", str(folder / "config.json"),
+         "--seq-len", "32", "--max-steps", "1", "--json", "--output-dir", str(tmp_path / "run")],
+        capture_output=True, text=True, timeout=600, env=env_for(tmp_path),
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    summary = json.loads(res.stdout)
+    assert summary["steps"] == 1
+    assert summary["learning_rate"] != 2e-5  # trained from scratch: not the fine-tuning default

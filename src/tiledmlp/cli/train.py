@@ -81,7 +81,8 @@ def _add_model_and_data_flags(groups: _Groups) -> None:
     data = groups.data
     model("--model", metavar="NAME_OR_DIR", help=f"a preset ({', '.join(sorted(PRESETS))}), trained from scratch, "
           "or a local model folder (e.g. a previous --output-dir) or a Hugging Face Hub id "
-          "(org/name, from the local cache or the Hub), fine-tuned (default: tiny)")  # fmt: skip
+          "(org/name, from the local cache or the Hub), fine-tuned, or a model's config.json, "
+          "trained from random init (default: tiny)")  # fmt: skip
     model("--dtype", metavar="|".join(DTYPES), help="weights and activations: float32/fp32, "
           "bfloat16/bf16 (pure bf16 weights; DeepSpeed keeps fp32 masters), float16/fp16 (mixed "
           "precision with loss scaling, CUDA only) (default: float32)")  # fmt: skip

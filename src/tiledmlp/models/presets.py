@@ -48,7 +48,7 @@ FINE_TUNE_LR = 2e-5
 
 def default_learning_rate(model: str, hidden_size: int) -> float:
     """The learning rate `tiledmlp train` uses when none is given (rule above)."""
-    if model in PRESETS:
+    if model in PRESETS or model.endswith(".json"):  # random init: trained from scratch
         return SCRATCH_LR_AT_256 * 256 / hidden_size
     return FINE_TUNE_LR
 

@@ -1,8 +1,11 @@
 """What `--model` names, checked before the expensive work, and loading it.
 
 `--model` is a preset (random init, the byte tokenizer), a local folder written by
-save_pretrained (e.g. a previous --output-dir), or a Hugging Face Hub id (org/name), loaded
-through transformers from the local cache or the Hub. Broken inputs are one line each, before
+save_pretrained (e.g. a previous --output-dir), a Hugging Face Hub id (org/name), loaded
+through transformers from the local cache or the Hub, or a model's config.json file (random
+init of that architecture, built on the device it trains on; the tokenizer of its folder, or
+the byte tokenizer where the folder has none). A folder without weights is refused rather than
+trained from random init: that is asked for by naming its config.json. Broken inputs are one line each, before
 any model is built: an empty folder, a folder without config.json or without weights, a
 truncated or damaged weight file (named), a Hub id that is not cached while the Hub is offline
 (with the command that fetches it), a preset name with a typo (with the closest preset).
@@ -38,12 +41,20 @@ def is_hub_id(name: str) -> bool:
     return bool(_HUB_ID.match(name)) and not Path(name).exists()
 
 
+def is_config_file(name: str) -> bool:
+    """True for a path to a model's configuration (a .json file): a random-init build."""
+    return name.endswith(".json") and Path(name).is_file()
+
+
 def model_name_error(name: str) -> str | None:
     """Why `name` cannot be a --model (with the closest preset), or None when it can be."""
-    if name in PRESETS or Path(name).is_dir() or is_hub_id(name):
+    if name in PRESETS or Path(name).is_dir() or is_hub_id(name) or is_config_file(name):
         return None
     if Path(name).exists():
-        return f"--model {name} is a file; expected a preset, a model folder or a Hub id (org/name)"
+        return (
+            f"--model {name} is a file; expected a preset, a model folder, a Hub id (org/name) "
+            "or a model's config.json"
+        )
     lower = {p.lower(): p for p in PRESETS}
     close = difflib.get_close_matches(name.lower(), sorted(lower), n=1, cutoff=0.6)
     hint = f"did you mean {lower[close[0]]!r}? " if close else ""
@@ -60,6 +71,9 @@ def check_model(name: str) -> None:
     if error is not None:
         raise ValueError(error)
     if name in PRESETS:
+        return
+    if is_config_file(name):
+        _check_config(Path(name))
         return
     if is_hub_id(name):
         folder = _cached_hub_folder(name)
@@ -90,12 +104,25 @@ def _check_folder(path: Path) -> None:
                 )
     if not weights:
         raise ValueError(
-            f"--model {path} has no weights (model.safetensors or pytorch_model.bin); {_SAVED}"
+            f"--model {path} has no weights (model.safetensors or pytorch_model.bin); {_SAVED}, "
+            f"or --model {path / 'config.json'} to train that architecture from random init"
         )
     for file in sorted(weights):
         why = damage(file)
         if why is not None:
             raise ValueError(f"--model: {file} is damaged ({why}); copy or save the model again")
+
+
+def _check_config(path: Path) -> None:
+    try:
+        values = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"--model {path}: not a readable JSON file ({_first_line(e)})") from None
+    if not isinstance(values, dict) or "model_type" not in values:
+        raise ValueError(
+            f"--model {path}: expected a transformers model configuration (a JSON object with "
+            "model_type, as config.json in a model folder)"
+        )
 
 
 def _offline() -> bool:
@@ -128,6 +155,8 @@ def load_model(
     if name in PRESETS:
         tokenizer = byte_tokenizer()
         model = build_preset(name, VOCAB_SIZE, seq_len, seed, device=build_on or "cpu")
+    elif is_config_file(name):
+        model, tokenizer = _from_config_file(Path(name), seed, build_on)
     else:
         import transformers
 
@@ -147,6 +176,32 @@ def load_model(
     if dtype == "bfloat16":
         model = model.to(torch.bfloat16)  # pure bf16 weights; fp16 runs AMP instead
     return model.train(), tokenizer
+
+
+def _from_config_file(path: Path, seed: int, build_on: torch.device | None) -> tuple[Any, Any]:
+    """A random-init model of the configuration at `path`, built on `build_on`, and the
+    tokenizer of its folder (the byte tokenizer where it has none and the vocabulary holds it)."""
+    import transformers
+
+    from tiledmlp.models.build import build_causal_lm
+
+    try:
+        config = transformers.AutoConfig.from_pretrained(str(path))
+    except Exception as e:  # an unknown model_type, a bad field
+        raise ValueError(f"--model {path}: not a usable configuration ({_first_line(e)})") from None
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(str(path.parent))
+    except Exception:  # no tokenizer files next to it
+        vocab = int(getattr(config, "vocab_size", 0) or 0)
+        if vocab < VOCAB_SIZE:
+            raise ValueError(
+                f"--model {path}: no tokenizer files in {path.parent}, and its vocab_size "
+                f"({vocab}) is below the byte tokenizer's {VOCAB_SIZE}; add the tokenizer files "
+                "next to it"
+            ) from None
+        tokenizer = byte_tokenizer()
+    model = build_causal_lm(config, device=build_on or "cpu", seed=seed)
+    return model, tokenizer
 
 
 def _first_line(e: BaseException) -> str:

@@ -116,7 +116,7 @@ def run(opts: TrainOptions, given: Mapping[str, Any] | None = None) -> dict[str,
         check_data(Path(opts.data))
 
     _say(f"loading {opts.model} and packing {opts.seq_len}-token sequences ...")
-    # a preset is built where the Trainer runs it (DeepSpeed and FSDP place it themselves)
+    # a preset or a config.json is built where the Trainer runs it (DeepSpeed and FSDP place it themselves)
     build_on = launch.device if launch.cuda and launch.engine in ("single", "ddp") else None
     model, tokenizer = load_model(opts.model, opts.dtype, opts.seq_len, opts.seed, build_on)
     train_set, eval_set, corpus = _sequences(build, tokenizer, launch.world // sp)
