@@ -8,7 +8,7 @@ from tiledmlp import integrations  # noqa: F401  (registers the engines' checks)
 from tiledmlp.config import PatchConfig, TiledMLPConfig, TilePolicy
 from tiledmlp.module import TiledMLP
 from tiledmlp.ops import TiledMLPFunction, TilePlan, tiled_mlp
-from tiledmlp.ops.loss import (
+from tiledmlp.ops.loss.cross_entropy import (
     CrossEntropyOutput,
     TokenStats,
     tiled_cross_entropy,

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from tiledmlp.config import TiledMLPConfig
-from tiledmlp.ops.functional import tiled_mlp
+from tiledmlp.ops.mlp.functional import tiled_mlp
 
 __all__ = ["TiledMLP"]
 

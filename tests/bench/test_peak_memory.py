@@ -21,11 +21,11 @@ LAYER = frame(f"{HF}/models/llama/modeling_llama.py", "forward", 300)
 CHECKPOINT = frame(f"{TORCH}/utils/checkpoint.py", "checkpoint", 480)
 UNPACK = frame(f"{TORCH}/utils/checkpoint.py", "unpack_hook", 1100)
 RECOMPUTE = frame(f"{TORCH}/utils/checkpoint.py", "recompute_fn", 1050)
-LOSS = frame("/src/tiledmlp/ops/loss.py", "forward", 120)
+LOSS = frame("/src/tiledmlp/ops/loss/cross_entropy.py", "forward", 120)
 SDPA = frame(f"{HF}/integrations/sdpa_attention.py", "sdpa_attention_forward", 90)
 LINEAR = frame(f"{TORCH}/nn/functional.py", "linear", 10)
-TILE = frame("/src/tiledmlp/ops/fast.py", "forward", 42)
-OFFLOAD = frame("/src/tiledmlp/ops/offload.py", "_unpack", 77)
+TILE = frame("/src/tiledmlp/ops/mlp/fast.py", "forward", 42)
+OFFLOAD = frame("/src/tiledmlp/ops/offloading/saved_inputs.py", "_unpack", 77)
 WRAPPER = frame("/src/tiledmlp/patching/offloading.py", "__call__", 66)  # offloading's checkpoint
 
 
@@ -107,7 +107,7 @@ def test_every_byte_at_the_peak_is_named() -> None:
         "gradients": 4.0,
         "loss tile": 3.0,
         "checkpointed layer inputs": 2.0,
-        "other: ops/fast.py:42 forward": 2.0,
+        "other: ops/mlp/fast.py:42 forward": 2.0,
         "current layer's recompute": 1.0,
         "offloading device buffers": 1.0,
         "attention kernel buffers": 0.5,

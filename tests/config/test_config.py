@@ -22,7 +22,7 @@ from tiledmlp.config import (
     parse_tile_policy,
     read_keys,
 )
-from tiledmlp.ops.tiles import split_by_tile_tokens, split_even
+from tiledmlp.ops.tiling.tiles import split_by_tile_tokens, split_even
 from tiledmlp.patching import tile_counts
 
 from conftest import assert_close_rel

@@ -201,7 +201,7 @@ def _offloaded() -> dict[str, Any]:
 def _by_heads() -> dict[str, Any]:
     """Tiled decoder layers whose attention core, behind the exchange, runs by head groups
     (no minimum of waves per call, so the tiny sequences split like long ones)."""
-    from tiledmlp.ops import attention_heads
+    from tiledmlp.ops.attention import heads as attention_heads
     from tiledmlp.patching import attention_core
 
     groups: list[int] = []

@@ -23,7 +23,7 @@ datasets = pytest.importorskip("datasets")
 import tiledmlp  # noqa: E402
 from tiledmlp.integrations import trl as trl_integration  # noqa: E402
 from tiledmlp.integrations.hf import TiledMLPCallback  # noqa: E402
-from tiledmlp.ops.loss import tiled_token_stats  # noqa: E402
+from tiledmlp.ops.loss.cross_entropy import tiled_token_stats  # noqa: E402
 from tiledmlp.train.tokenizer import byte_tokenizer  # noqa: E402
 
 from conftest import assert_close_rel  # noqa: E402

@@ -1,4 +1,4 @@
-"""ops/attention_heads.py: causal attention by groups of key/value heads gives
+"""ops/attention/heads.py: causal attention by groups of key/value heads gives
 scaled_dot_product_attention's output and gradients (float64 gradcheck, float32 parity, the bf16
 2x rule), picks its groups by the documented launch rule, sizes the kernel buffers it avoids, and
 refuses what it cannot take in one line."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tiledmlp.ops.attention_heads import (
+from tiledmlp.ops.attention.heads import (
     DEFAULT_MULTIPROCESSORS,
     MIN_WAVES,
     attention_buffer_bytes,

@@ -1,4 +1,4 @@
-"""ops/attention_select.py and ops/attention_kernels.py: the attention core calls the kernel
+"""ops/attention/select.py and ops/attention/kernels.py: the attention core calls the kernel
 scaled_dot_product_attention would select (with the capability probes injected, CUDA's order is
 checked on the CPU), a kernel whose self-check disagrees or raises is skipped with exactly one
 warning and the next one is used, each kernel's op signature holds in this torch (meta tensors:
@@ -13,9 +13,9 @@ from dataclasses import replace
 import pytest
 import torch
 
-from tiledmlp.ops import attention_select
-from tiledmlp.ops.attention_heads import CausalAttentionByHeads, causal_attention_by_heads
-from tiledmlp.ops.attention_kernels import (
+from tiledmlp.ops.attention import select as attention_select
+from tiledmlp.ops.attention.heads import CausalAttentionByHeads, causal_attention_by_heads
+from tiledmlp.ops.attention.kernels import (
     CUDNN,
     EFFICIENT,
     FLASH,
@@ -23,7 +23,7 @@ from tiledmlp.ops.attention_kernels import (
     FusedKernel,
     KernelState,
 )
-from tiledmlp.ops.attention_select import (
+from tiledmlp.ops.attention.select import (
     TORCH_PROBES,
     Probes,
     choose_kernel,
@@ -123,7 +123,7 @@ def test_a_failing_kernel_is_skipped_with_one_warning_and_the_next_is_used(
     broken = _Broken(f"broken_{raises}", raises)
     probes = replace(TORCH_PROBES, candidates=lambda device: (broken, FLASH_CPU))
     q, k, v = _qkv(dtype=torch.float32)
-    with caplog.at_level(logging.WARNING, logger="tiledmlp.ops.attention_select"):
+    with caplog.at_level(logging.WARNING, logger="tiledmlp.ops.attention.select"):
         for _ in range(3):  # every layer of every step asks again
             assert choose_kernel(q, k, v, probes) is FLASH_CPU
     warned = [r.getMessage() for r in caplog.records]

@@ -1,4 +1,4 @@
-"""The tiled op with the fused elementwise kernels (ops/glu_kernels.py) selected: exact in
+"""The tiled op with the fused elementwise kernels (ops/mlp/glu/kernels.py) selected: exact in
 float32 against the untiled module and within the 2x rule in bf16, for every gated kind.
 
 On the CPU the kernels run under Triton's interpreter, in one subprocess (TRITON_INTERPRET=1
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tiledmlp import tiled_mlp
-from tiledmlp.ops import glu_kernels
+from tiledmlp.ops.mlp.glu import kernels as glu_kernels
 
 from conftest import assert_same_grads, grads_of, make_mlp, run_interpreted
 

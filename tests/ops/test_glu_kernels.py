@@ -1,4 +1,4 @@
-"""Fused GLU kernels (ops/glu_kernels.py): Triton kernels against the PyTorch references, the
+"""Fused GLU kernels (ops/mlp/glu/kernels.py): Triton kernels against the PyTorch references, the
 references against float64 autograd of the modules' own activations, activation recognition,
 argument checks and lazy imports.
 
@@ -22,9 +22,9 @@ import pytest
 import torch
 from torch import nn
 
-from tiledmlp.ops import glu_kernels as glu
-from tiledmlp.ops import glu_triton
-from tiledmlp.ops.glu_kernels import (
+from tiledmlp.ops.mlp.glu import kernels as glu
+from tiledmlp.ops.mlp.glu import triton_kernels as glu_triton
+from tiledmlp.ops.mlp.glu.kernels import (
     ACT_KINDS,
     activation_kind,
     glu_backward,
@@ -444,26 +444,29 @@ def test_fused_halves_reference_path_in_place() -> None:
 def test_glu_kernels_imports_no_triton_or_transformers() -> None:
     # The glu modules loaded without tiledmlp's and tiledmlp.ops' __init__ (bare packages whose
     # __path__ finds the submodules): importing `tiledmlp.ops` already loads Triton through
-    # torch._dynamo (ops/functional.py's @torch.compiler.disable, torch 2.13), which would hide
+    # torch._dynamo (ops/mlp/functional.py's @torch.compiler.disable, torch 2.13), which would hide
     # an eager import here. Checked after the reference path and the recognisers ran too.
-    ops = Path(glu.__file__).parent
-    code = (
-        "import sys, types, torch; "
-        "pkg = types.ModuleType('tiledmlp'); "
-        f"pkg.__path__ = [{str(ops.parent)!r}]; "
-        "sub = types.ModuleType('tiledmlp.ops'); "
-        f"sub.__path__ = [{str(ops)!r}]; "
-        "pkg.ops = sub; "
-        "sys.modules.update({'tiledmlp': pkg, 'tiledmlp.ops': sub}); "
-        "import tiledmlp.ops.glu_kernels as k; "
-        "import tiledmlp.ops.glu_compile; "
+    glu_dir = Path(glu.__file__).parent  # src/tiledmlp/ops/mlp/glu
+    bare = {
+        "tiledmlp": glu_dir.parents[2],
+        "tiledmlp.ops": glu_dir.parents[1],
+        "tiledmlp.ops.mlp": glu_dir.parent,
+    }
+    prelude = "import sys, types, torch; " + "".join(
+        f"m = types.ModuleType({name!r}); m.__path__ = [{str(path)!r}]; sys.modules[{name!r}] = m; "
+        for name, path in bare.items()
+    )
+    code = prelude + (
+        "import tiledmlp.ops.mlp.glu.kernels as k; "
+        "import tiledmlp.ops.mlp.glu.compile; "
         "assert not k.kernels_available('cpu'); "
         "k.glu_forward(torch.ones(2, 3), torch.ones(2, 3), 'silu'); "
         "k.glu_backward(torch.ones(2, 3), torch.ones(2, 3), torch.ones(2, 3), 'gelu'); "
         "assert k.activation_kind(torch.nn.SiLU()) == 'silu'; "
         "mods = sorted(m for m in sys.modules if m.startswith('tiledmlp.ops.')); "
-        "assert {'tiledmlp.ops.glu_triton', 'tiledmlp.ops.glu_activation'} <= set(mods), mods; "
-        "assert all(m.startswith('tiledmlp.ops.glu_') for m in mods), mods; "
+        "assert {'tiledmlp.ops.mlp.glu.triton_kernels', 'tiledmlp.ops.mlp.glu.activation'} <= set(mods), mods; "
+        "assert all(m.startswith('tiledmlp.ops.mlp.glu') for m in mods if m not in "
+        f"{sorted(bare)!r}), mods; "
         "bad = [m for m in ('triton', 'transformers') if m in sys.modules]; "
         "assert not bad, bad"
     )

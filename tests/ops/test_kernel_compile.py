@@ -1,4 +1,4 @@
-"""Ahead-of-time compilation of the fused GLU kernels (ops/glu_compile.py) for real CUDA targets
+"""Ahead-of-time compilation of the fused GLU kernels (ops/mlp/glu/compile.py) for real CUDA targets
 on this CPU-only machine: every variant the op can select compiles to a cubin for sm_80 and
 sm_90 with the installed Triton, through `tiledmlp env --compile-kernels`; a target the
 compiler rejects names each failed variant and exits non-zero.
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tiledmlp.cli import main
-from tiledmlp.ops.glu_compile import (
+from tiledmlp.ops.mlp.glu.compile import (
     compile_variants,
     kernel_variants,
     parse_targets,

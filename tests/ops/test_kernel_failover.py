@@ -1,4 +1,4 @@
-"""Failover of the fused GLU kernels (ops/glu_kernels.py) and the switch that turns them off.
+"""Failover of the fused GLU kernels (ops/mlp/glu/kernels.py) and the switch that turns them off.
 
 A kernel that fails on a device is forced by installing a real Triton kernel that does not
 compile (it calls a function triton.language does not have) in place of the built ones, under
@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from tiledmlp import TiledMLP, TiledMLPConfig, patch_model, tiled_mlp
-from tiledmlp.ops import glu_kernels, glu_triton
+from tiledmlp.ops.mlp.glu import kernels as glu_kernels
+from tiledmlp.ops.mlp.glu import triton_kernels as glu_triton
 
 from conftest import assert_same_grads, grads_of, make_mlp, run_interpreted
 

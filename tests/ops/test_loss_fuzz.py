@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tiledmlp import tiled_cross_entropy, tiled_token_logprobs
-from tiledmlp.ops.loss import shift_labels
+from tiledmlp.ops.loss.cross_entropy import shift_labels
 
 SETTINGS = settings(
     max_examples=120,

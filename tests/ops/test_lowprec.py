@@ -80,7 +80,7 @@ def test_bf16_many_tiles_does_not_grow_error() -> None:
 def test_the_cpu_accumulates_through_the_scratch_path() -> None:
     # The probe selects the float32 GEMM epilogue (CUDA) or the scratch path: on this torch's
     # CPU, addmm has no float32 output for bf16 inputs, so the probe must say no (once, cached).
-    from tiledmlp.ops.grads import _EPILOGUE, fp32_epilogue
+    from tiledmlp.ops.tiling.grads import _EPILOGUE, fp32_epilogue
 
     assert fp32_epilogue(torch.device("cpu"), torch.bfloat16) is False
     assert _EPILOGUE[("cpu", torch.bfloat16)] is False

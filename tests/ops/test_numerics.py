@@ -9,7 +9,7 @@ from torch.utils.checkpoint import checkpoint
 from torch.utils.flop_counter import FlopCounterMode
 
 from tiledmlp import tiled_mlp
-from tiledmlp.ops.tiles import split_even
+from tiledmlp.ops.tiling.tiles import split_even
 
 from conftest import FAST_KINDS, assert_close_rel, assert_same_grads, grads_of, make_mlp
 from generic_modules import DropoutMLP, TinyMoE

@@ -11,8 +11,8 @@ from tiledmlp import tiled_mlp
 from tiledmlp.bench.memory import peak_bytes, tensor_bytes
 from tiledmlp.models.mlps import GatedMLP
 from tiledmlp.ops import recognise
-from tiledmlp.ops.policy import MemoryModel, TilePolicy, assume_device
-from tiledmlp.ops.structure import MLPKind, MLPStructure
+from tiledmlp.ops.mlp.structure import MLPKind, MLPStructure
+from tiledmlp.ops.tiling.policy import MemoryModel, TilePolicy, assume_device
 
 from conftest import make_mlp
 

@@ -291,7 +291,7 @@ def test_random_stand_ins_are_drawn_for_mlps_only(monkeypatch: pytest.MonkeyPatc
     # decoder layer (they fail the cheap token-wise run at their own weights first).
     pytest.importorskip("transformers")
     from hf_models import tiny_causal_lm
-    from tiledmlp.ops import probe
+    from tiledmlp.ops.tiling import probe
 
     drawn: list[str] = []
     real_init = probe.StandIns.__init__

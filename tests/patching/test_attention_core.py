@@ -13,7 +13,7 @@ import torch
 
 from hf_models import BASE, VOCAB
 from tiledmlp import patch_model
-from tiledmlp.ops import attention_heads
+from tiledmlp.ops.attention import heads as attention_heads
 from tiledmlp.patching import attention_core
 from tiledmlp.patching.attention_core import by_heads, sdpa_by_heads
 from tiledmlp.patching.hf_attention import HF_ATTENTION

@@ -15,7 +15,7 @@ import torch
 
 from hf_models import BASE
 from tiledmlp import patch_model
-from tiledmlp.ops.host_memory import (
+from tiledmlp.ops.offloading.host_memory import (
     HostMemoryError,
     available_host_bytes,
     check_host_memory,

@@ -37,7 +37,7 @@ def _tiles_run(model: torch.nn.Module, ids: torch.Tensor) -> list[int]:
     real = patch_module.tiled_mlp
 
     def counting(mlp, x, *args, **kw):
-        from tiledmlp.ops.functional import tile_plan
+        from tiledmlp.ops.mlp.functional import tile_plan
 
         plan = tile_plan(
             mlp,

@@ -105,7 +105,7 @@ def test_estimate_with_the_attention_core_by_heads_matches_the_real_peak(
 ) -> None:
     # One row block per call: the 4096-token step's attention runs a query head per call, on fake
     # and on real tensors alike.
-    from tiledmlp.ops import attention_heads
+    from tiledmlp.ops.attention import heads as attention_heads
 
     monkeypatch.setattr(attention_heads, "MIN_WAVES", 0)
     assert attention_heads.head_groups(1, 4, 2, 4096) == 4

@@ -15,7 +15,7 @@ from tiledmlp.config import PatchConfig
 from tiledmlp.models.mlps import GatedMLP
 from tiledmlp.models.presets import default_learning_rate
 from tiledmlp.ops import recognise
-from tiledmlp.ops.policy import MemoryModel, TilePolicy
+from tiledmlp.ops.tiling.policy import MemoryModel, TilePolicy
 from tiledmlp.patching.args import patch_from_args, tiling_from_args
 from tiledmlp.train.options import options_from, read_config_file
 

@@ -24,7 +24,7 @@ from tiledmlp.allocator import allocator_setting
 from tiledmlp.bench.device import device_name
 from tiledmlp.bench.measure import Job, measure, measure_in_subprocess
 from tiledmlp.bench.variants import Variant
-from tiledmlp.ops.values import check_int, is_int
+from tiledmlp.ops.tiling.values import check_int, is_int
 
 __all__ = ["BenchConfig", "run_sweep"]
 

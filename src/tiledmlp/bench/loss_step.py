@@ -31,7 +31,7 @@ from torch.utils.checkpoint import checkpoint
 
 from tiledmlp.bench.flops import count_flops
 from tiledmlp.bench.memory import peak_bytes, tensor_bytes
-from tiledmlp.ops.loss import tiled_cross_entropy, tiled_token_logprobs
+from tiledmlp.ops.loss.cross_entropy import tiled_cross_entropy, tiled_token_logprobs
 
 __all__ = ["main"]
 

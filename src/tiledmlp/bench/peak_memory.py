@@ -47,7 +47,7 @@ BEFORE = "before recording"
 # names the allocation: a recompute's attention is the attention's, a layer's output allocated
 # inside torch's checkpoint (wrapped or not by offloading's checkpoint) is a checkpointed input.
 FRAME_RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("offloading device buffers", ("tiledmlp/ops/offload.py",)),
+    ("offloading device buffers", ("tiledmlp/ops/offloading/saved_inputs.py",)),
     ("loss tile", ("tiledmlp/ops/loss", "tiledmlp/ops/lm_head", "tiled_cross_entropy")),
     (
         "attention kernel buffers",

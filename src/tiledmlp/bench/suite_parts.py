@@ -35,8 +35,8 @@ from tiledmlp.bench.harness import BenchConfig, run_sweep
 from tiledmlp.bench.suite_sizes import Sizes
 from tiledmlp.bench.variants import Variant, deepspeed_available, liger_available, make_variant
 from tiledmlp.models.mlps import GatedMLP
-from tiledmlp.ops import glu_kernels
-from tiledmlp.ops.tiles import arctic_num_tiles
+from tiledmlp.ops.mlp.glu import kernels as glu_kernels
+from tiledmlp.ops.tiling.tiles import arctic_num_tiles
 
 __all__ = ["Context", "Task"]
 
@@ -164,7 +164,7 @@ def grad_error(sizes: Sizes, device: torch.device) -> list[Record]:
     ref = GatedMLP(sizes.mlp_hidden, sizes.mlp_intermediate).to(device)
     x = torch.randn(1, sizes.error_tokens, sizes.mlp_hidden, device=device)
     dy = torch.randn_like(x)
-    from tiledmlp.ops.functional import tiled_mlp
+    from tiledmlp.ops.mlp.functional import tiled_mlp
 
     def grads(mlp: GatedMLP, fn: Callable[[torch.Tensor], torch.Tensor], dt: Any) -> dict:
         mlp.zero_grad(set_to_none=True)
@@ -198,7 +198,7 @@ def kernels(sizes: Sizes, device: torch.device) -> list[Record]:
     and time of each). Elsewhere the kernels cannot run: every variant is compiled for sm_90
     instead (tiledmlp env --compile-kernels), which needs no GPU."""
     if device.type != "cuda" or not glu_kernels.kernels_available(device):
-        from tiledmlp.ops.glu_compile import compile_variants
+        from tiledmlp.ops.mlp.glu.compile import compile_variants
 
         report = compile_variants([90])
         if report.failed:

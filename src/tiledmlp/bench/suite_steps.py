@@ -268,7 +268,7 @@ def _attention_step(
 def attention(ctx: Context, seq: int) -> list[Record]:
     """SDPA (causal, GQA) against the attention core by groups of heads at one length: time,
     step peak and the largest difference of (out, dq, dk, dv), relative to SDPA's largest."""
-    from tiledmlp.ops.attention_heads import causal_attention_by_heads, head_groups
+    from tiledmlp.ops.attention.heads import causal_attention_by_heads, head_groups
 
     sz = ctx.sizes
     dtype = getattr(torch, sz.model_dtype)

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tiledmlp.ops.functional import tile_plan, tiled_mlp
+from tiledmlp.ops.mlp.functional import tile_plan, tiled_mlp
 
 __all__ = ["Variant", "deepspeed_available", "liger_available", "make_variant"]
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from tiledmlp.cli.common import DTYPE_CHOICES, UsageError, dtype_name, positive_int, seq_lens, tiles
 from tiledmlp.cli.output import show
-from tiledmlp.ops.values import check_int
+from tiledmlp.ops.tiling.values import check_int
 
 __all__ = ["add_parser", "run"]
 
@@ -230,7 +230,7 @@ def _sweep(args: argparse.Namespace, cfg: Any, use_ds: bool, use_liger: bool) ->
     measurement on stderr; returns the records."""
     from tiledmlp.bench.harness import run_sweep
     from tiledmlp.bench.variants import make_variant
-    from tiledmlp.ops.tiles import arctic_num_tiles
+    from tiledmlp.ops.tiling.tiles import arctic_num_tiles
 
     def variants(seq: int) -> list:
         chosen = [make_variant("untiled"), make_variant("tiled", args.num_tiles)]

@@ -67,7 +67,7 @@ def _compile_kernels(targets: str) -> int:
     """`tiledmlp env --compile-kernels TARGETS`: 0 when every variant compiled, 1 otherwise."""
     import sys
 
-    from tiledmlp.ops.glu_compile import compile_variants, parse_targets
+    from tiledmlp.ops.mlp.glu.compile import compile_variants, parse_targets
 
     archs = parse_targets(targets)
     try:

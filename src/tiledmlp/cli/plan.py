@@ -14,7 +14,7 @@ from typing import Any
 
 from tiledmlp.cli.common import DTYPE_CHOICES, UsageError, dtype_name, positive_int, tiles
 from tiledmlp.cli.output import show
-from tiledmlp.ops.values import check_positive_number
+from tiledmlp.ops.tiling.values import check_positive_number
 
 __all__ = ["add_parser", "run"]
 

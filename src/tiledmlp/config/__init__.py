@@ -1,6 +1,6 @@
 """Typed configuration, parsed once at the edge.
 
-- `TilePolicy` (ops/policy.py): how tokens are cut into tiles; `TilePolicy.of(num_tiles,
+- `TilePolicy` (ops/tiling/policy.py): how tokens are cut into tiles; `TilePolicy.of(num_tiles,
   tile_tokens)`, `TilePolicy.budget(gb)`; resolves to a plan from shapes; `for_loss()`.
 - `PatchConfig` (config/patch.py): everything patch_model does (MLPs, loss, norms, offloading,
   sequence parallelism, the generic path); `PatchConfig.from_kwargs(kwargs)` is patch_model's.
@@ -30,7 +30,7 @@ from tiledmlp.config.values import (
     parse_int,
     parse_tile_policy,
 )
-from tiledmlp.ops.policy import TilePolicy
+from tiledmlp.ops.tiling.policy import TilePolicy
 
 __all__ = [
     "DTYPES",

@@ -25,7 +25,7 @@ from typing import Any
 
 from tiledmlp.config.patch import PatchConfig
 from tiledmlp.config.schema import Key, option_of
-from tiledmlp.ops.policy import TilePolicy
+from tiledmlp.ops.tiling.policy import TilePolicy
 
 __all__ = [
     "KEYS",

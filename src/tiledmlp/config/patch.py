@@ -31,8 +31,8 @@ from tiledmlp.config.values import (
     parse_tile_tokens,
     parse_tiled_mlp,
 )
-from tiledmlp.ops.policy import TilePolicy
-from tiledmlp.ops.values import check_int
+from tiledmlp.ops.tiling.policy import TilePolicy
+from tiledmlp.ops.tiling.values import check_int
 
 __all__ = ["PatchConfig"]
 

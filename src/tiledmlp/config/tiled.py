@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from tiledmlp.ops.policy import TilePolicy
+from tiledmlp.ops.tiling.policy import TilePolicy
 
 __all__ = ["TiledMLPConfig"]
 

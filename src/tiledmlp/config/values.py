@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from tiledmlp.ops.policy import TilePolicy
-from tiledmlp.ops.values import check_int, positive_number
+from tiledmlp.ops.tiling.policy import TilePolicy
+from tiledmlp.ops.tiling.values import check_int, positive_number
 
 __all__ = [
     "DTYPES",

@@ -3,7 +3,7 @@
 ZeRO-1 and ZeRO-2 need nothing: the tiled op hands each parameter's gradient to autograd exactly
 once, which is what their gradient hooks expect. ZeRO-3 partitions parameters (outside a gather a
 parameter's data is empty, its full shape in `ds_shape`), so tiled MLPs under ZeRO-3 get a
-backend (ops/backend.py) that gathers the MLP's parameters with deepspeed.zero.GatheredParameters
+backend (ops/tiling/backend.py) that gathers the MLP's parameters with deepspeed.zero.GatheredParameters
 once for the tiled forward and once for the tiled backward, and that marks the child modules'
 hooks as DeepSpeed's own parameter fetching: the fast path never calls the children, and the
 generic path (LoRA-wrapped projections, MoE experts, custom MLPs) calls the module's own forward
@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tiledmlp.ops.backend import ParamBackend
+from tiledmlp.ops.tiling.backend import ParamBackend
 from tiledmlp.patching.engine_registry import register_backend
 
 __all__ = ["Zero3Backend", "backend_for"]

@@ -46,7 +46,7 @@ import torch
 from torch import nn
 
 from tiledmlp.config.patch import PatchConfig
-from tiledmlp.ops.loss import tiled_token_stats
+from tiledmlp.ops.loss.cross_entropy import tiled_token_stats
 from tiledmlp.patching.detect import text_config
 from tiledmlp.patching.loss import (
     decoder_of,

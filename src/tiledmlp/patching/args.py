@@ -28,7 +28,7 @@ from torch import nn
 from tiledmlp.config.keys import read_keys
 from tiledmlp.config.patch import FEATURES, PatchConfig
 from tiledmlp.config.values import parse_bool, parse_budget_gb
-from tiledmlp.ops.policy import TilePolicy
+from tiledmlp.ops.tiling.policy import TilePolicy
 from tiledmlp.patching.patch import PatchReport, patch_model
 
 __all__ = [

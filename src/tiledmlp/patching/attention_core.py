@@ -1,10 +1,10 @@
 """A tiled decoder layer's attention core by head groups: transformers' "sdpa" with the fused
-kernel's backward buffers sized for a few heads (ops/attention_heads.py).
+kernel's backward buffers sized for a few heads (ops/attention/heads.py).
 
 `sdpa_by_heads` takes the arguments of transformers' attention functions. A call it can take
 (no mask, no dropout, causal, query length equal to key length, no position bias, soft-capping
 or paged cache, a fused kernel that SDPA would select and that passed its self-check on this
-device, dtype and head size: ops/attention_select.py) runs `causal_attention_by_heads` through
+device, dtype and head size: ops/attention/select.py) runs `causal_attention_by_heads` through
 that kernel in `head_groups(...)` groups (the kernel's launch rule, the device's multiprocessor
 count); any other call, or one that would be a single group, goes to transformers' own sdpa
 function unchanged. `by_heads()` is the
@@ -25,14 +25,14 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
-from tiledmlp.ops.attention_heads import (
+from tiledmlp.ops.attention.heads import (
     causal_attention_by_heads,
     head_groups,
     multiprocessors,
     unsupported,
 )
-from tiledmlp.ops.attention_kernels import FusedKernel, default_kernel
-from tiledmlp.ops.attention_select import choose_kernel, kernel_order
+from tiledmlp.ops.attention.kernels import FusedKernel, default_kernel
+from tiledmlp.ops.attention.select import choose_kernel, kernel_order
 
 __all__ = ["BY_HEADS", "active", "by_heads", "groups_for", "plan_for", "sdpa_by_heads"]
 

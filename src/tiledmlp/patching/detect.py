@@ -15,7 +15,7 @@ Classification of a token-wise candidate:
 
 Invariant: detection runs each probed module on a few random tokens (no gradient is taken), the
 caller's RNG state restored, and independent random weights and cloned buffers standing in for
-the module's own (ops/probe.py): its answer does not depend on the current weight values (a
+the module's own (ops/tiling/probe.py): its answer does not depend on the current weight values (a
 zero-initialised output projection makes any module look token-wise) and it changes no parameter,
 buffer, mode or generator.
 """
@@ -31,9 +31,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from tiledmlp.ops.probe import stand_ins
-from tiledmlp.ops.structure import recognise
-from tiledmlp.ops.untiled import UntiledCall
+from tiledmlp.ops.mlp.structure import recognise
+from tiledmlp.ops.mlp.untiled import UntiledCall
+from tiledmlp.ops.tiling.probe import stand_ins
 from tiledmlp.patching.state import original_forward
 
 __all__ = ["Candidate", "Detection", "detect_mlps", "hidden_size_of", "norms_of"]

@@ -1,5 +1,5 @@
 """What engines (FSDP, DeepSpeed) register with the patching layer: checks run on every tiled
-call under torch.distributed, and providers of a parameter backend (ops/backend.py).
+call under torch.distributed, and providers of a parameter backend (ops/tiling/backend.py).
 
 Invariant: with no process group initialised nothing runs and the default backend is used; the
 patching layer never imports an engine itself.
@@ -12,7 +12,7 @@ from collections.abc import Callable
 import torch.distributed as dist
 from torch import nn
 
-from tiledmlp.ops.backend import ParamBackend
+from tiledmlp.ops.tiling.backend import ParamBackend
 
 __all__ = ["backend_for", "register_backend", "register_check", "run_checks"]
 

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tiledmlp.ops.untiled import UntiledCall
+from tiledmlp.ops.mlp.untiled import UntiledCall
 from tiledmlp.patching.attention_core import by_heads
 from tiledmlp.patching.hf_attention import HF_ATTENTION
 from tiledmlp.patching.state import STATE, original_forward

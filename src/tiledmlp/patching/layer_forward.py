@@ -1,5 +1,5 @@
 """The forward installed on a tiled decoder layer: its two blocks (patching/layer_blocks.py)
-through tiled_mlp's generic path (ops/generic.py) around the model's attention function.
+through tiled_mlp's generic path (ops/mlp/generic.py) around the model's attention function.
 
 Neither block keeps anything from its forward but its inputs (saved by a tiny anchor op), so a
 checkpointed layer's recompute holds x, q, k, v, the attention output and their gradients, and
@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tiledmlp.ops.functional import tiled_mlp
+from tiledmlp.ops.mlp.functional import tiled_mlp
 from tiledmlp.patching.engine_registry import backend_for, run_checks
 from tiledmlp.patching.layer_blocks import LayerParts, layer_math
 from tiledmlp.patching.state import STATE, PatchState, original_forward

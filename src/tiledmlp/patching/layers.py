@@ -3,7 +3,7 @@
 A layer is recognised by structure and by a probe: it must hold input_layernorm, self_attn
 (q_proj, k_proj, v_proj, o_proj, optional q_norm / k_norm, head_dim, scaling), a dense
 post_attention_layernorm and mlp (no experts), and its own forward must give, at independent
-random weights (ops/probe.py), in training mode, with random rotary angles, exactly what the two
+random weights (ops/tiling/probe.py), in training mode, with random rotary angles, exactly what the two
 blocks (patching/layer_blocks.py) give around the same attention call (the probe records the
 keyword arguments the attention module passes, e.g. a sliding window, and passes the same ones).
 Anything else is refused with one line, never approximated. `install_layer` puts the tiled
@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from tiledmlp.config.tiled import TiledMLPConfig
-from tiledmlp.ops.probe import absent, stand_ins
+from tiledmlp.ops.tiling.probe import absent, stand_ins
 from tiledmlp.patching.agreement import StepTokens
 from tiledmlp.patching.bound import bind
 from tiledmlp.patching.detect import is_projection, probing

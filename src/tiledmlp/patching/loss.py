@@ -29,9 +29,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from tiledmlp.ops.loss import tiled_cross_entropy
-from tiledmlp.ops.policy import TilePolicy
-from tiledmlp.ops.probe import stand_ins
+from tiledmlp.ops.loss.cross_entropy import tiled_cross_entropy
+from tiledmlp.ops.tiling.policy import TilePolicy
+from tiledmlp.ops.tiling.probe import stand_ins
 from tiledmlp.patching.bound import BoundForward, bind
 from tiledmlp.patching.detect import probing, text_config
 

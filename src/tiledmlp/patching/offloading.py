@@ -1,5 +1,5 @@
 """Activation offloading on a Hugging Face model: its checkpointed layers' inputs go to host
-memory between the forward and their recompute (tiledmlp.ops.offload does the moving).
+memory between the forward and their recompute (tiledmlp.ops.offloading.saved_inputs does the moving).
 
 Hugging Face models checkpoint a layer by calling the layer's `_gradient_checkpointing_func`
 (set by `gradient_checkpointing_enable` / `activation_checkpointing_enable`, possibly after we
@@ -24,8 +24,8 @@ import torch
 import torch.utils.checkpoint
 from torch import nn
 
-from tiledmlp.ops.host_memory import check_host_memory, offload_bytes
-from tiledmlp.ops.offload import ActivationOffloader
+from tiledmlp.ops.offloading.host_memory import check_host_memory, offload_bytes
+from tiledmlp.ops.offloading.saved_inputs import ActivationOffloader
 
 __all__ = [
     "OffloadingCheckpoint",
@@ -115,7 +115,7 @@ def before_forward(
 ) -> None:
     """The root's forward pre-hook: checks checkpointing, wraps new checkpoint functions, and
     before a step longer than any before, checks that its offloaded inputs fit in host memory
-    (ops/host_memory.py)."""
+    (ops/offloading/host_memory.py)."""
     if not (module.training and torch.is_grad_enabled()):
         return  # evaluation: nothing is saved, nothing to offload
     on = [m for m in layers if m.gradient_checkpointing]

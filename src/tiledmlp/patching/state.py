@@ -15,7 +15,7 @@ from typing import Any
 from torch import nn
 
 from tiledmlp.config.tiled import TiledMLPConfig
-from tiledmlp.ops.tiles import TileCount
+from tiledmlp.ops.tiling.tiles import TileCount
 from tiledmlp.patching.agreement import StepTokens
 
 __all__ = ["STATE", "PatchState", "original_forward"]

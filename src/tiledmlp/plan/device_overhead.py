@@ -33,7 +33,7 @@ buffer of the output's size; it is counted too (heads x head_dim in the model's 
 token), the record being its source. The same record with key/value repeated to 32 heads
 ("sdpa_repeat", 65,792 bytes per token) adds exactly the repeated dk and dv, which confirms that
 no expanded dk and dv are allocated. With tiled decoder layers the attention core calls the
-flash kernel by groups of heads (ops/attention_heads.py: head_groups,
+flash kernel by groups of heads (ops/attention/heads.py: head_groups,
 attention_buffer_bytes: flash's float32 dq accumulator and row sums, dk and dv expanded to the
 query heads under grouped-query attention), and the buffers are one group's. Under sequence
 parallelism the kernel sees the whole sequence with heads / P (and the key/value heads Ulysses
@@ -64,7 +64,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from tiledmlp.ops.attention_heads import attention_buffer_bytes, head_groups
+from tiledmlp.ops.attention.heads import attention_buffer_bytes, head_groups
 from tiledmlp.sequence_parallel.attention import kv_repeat
 
 __all__ = ["AttentionKernel", "DeviceOverhead", "device_overhead"]

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from tiledmlp.ops.policy import assume_device
+from tiledmlp.ops.tiling.policy import assume_device
 from tiledmlp.patching.offloading import enable_checkpointing
 from tiledmlp.plan.apply_stack import apply_stack, build_model, decoder_layers_of
 from tiledmlp.plan.exchange import register_exchanged

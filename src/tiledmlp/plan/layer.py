@@ -34,9 +34,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_flatten
 
 from tiledmlp.config.patch import PatchConfig
-from tiledmlp.ops.functional import tile_plan
-from tiledmlp.ops.policy import TilePolicy, assume_device
-from tiledmlp.ops.structure import recognise
+from tiledmlp.ops.mlp.functional import tile_plan
+from tiledmlp.ops.mlp.structure import recognise
+from tiledmlp.ops.tiling.policy import TilePolicy, assume_device
 from tiledmlp.patching.detect import Candidate
 from tiledmlp.patching.features.tiled_mlp import FoundModules
 from tiledmlp.patching.patch import apply_features

@@ -17,8 +17,8 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from tiledmlp.models.mlps import GatedMLP
-from tiledmlp.ops.functional import tile_plan, tiled_mlp
-from tiledmlp.ops.policy import assume_device
+from tiledmlp.ops.mlp.functional import tile_plan, tiled_mlp
+from tiledmlp.ops.tiling.policy import assume_device
 from tiledmlp.plan.fake_memory import fake_peak_bytes
 
 __all__ = ["estimate_fields", "plan_mlp"]

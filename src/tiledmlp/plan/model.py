@@ -50,7 +50,7 @@ with the engine in place, so it may differ from DDP's.
 
 Host memory ("host_peak_mib", the same as "host_per_gpu_mib"; by part in
 "host_breakdown_mib"): what a stack keeps on the host for one GPU's step: with offloading, the
-inputs of every checkpointed layer but the last, pinned ("checkpoints"; ops/host_memory.py,
+inputs of every checkpointed layer but the last, pinned ("checkpoints"; ops/offloading/host_memory.py,
 what the offloader moves and what patch_model checks before the first offloaded step); under
 "ddp" with the "cpu-offload" optimizer, its two states per parameter in the parameters' dtype
 (the figure the "adamw" optimizer counts on the device); under "zero3" or "fsdp2", what the
@@ -70,8 +70,8 @@ from typing import Any
 import torch
 
 from tiledmlp.config.stacks import STACKS, stack_option
-from tiledmlp.ops.host_memory import offload_bytes
-from tiledmlp.ops.values import check_int
+from tiledmlp.ops.offloading.host_memory import offload_bytes
+from tiledmlp.ops.tiling.values import check_int
 from tiledmlp.plan.device_overhead import device_overhead
 from tiledmlp.plan.engines import ENGINES, GPUS_PER_NODE, check_engine, engine_memory
 from tiledmlp.plan.estimate import OPTIMIZERS, estimate_step, param_counts

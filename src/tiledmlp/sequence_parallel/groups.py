@@ -16,7 +16,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from tiledmlp.ops.values import check_int
+from tiledmlp.ops.tiling.values import check_int
 from tiledmlp.sequence_parallel.collectives import default_timeout
 from tiledmlp.sequence_parallel.sizes import check_world_divisible
 

@@ -27,8 +27,8 @@ from tiledmlp.config.keys import KEYS, PREFIX, read_keys
 from tiledmlp.config.patch import FEATURES, PatchConfig
 from tiledmlp.config.schema import option_of
 from tiledmlp.config.values import DTYPES, parse_bool, parse_dtype
-from tiledmlp.ops.policy import TilePolicy
-from tiledmlp.ops.values import check_int, check_positive_number
+from tiledmlp.ops.tiling.policy import TilePolicy
+from tiledmlp.ops.tiling.values import check_int, check_positive_number
 from tiledmlp.sequence_parallel.sizes import check_sequence_divisible
 from tiledmlp.train.data import check_data
 from tiledmlp.train.model_source import model_name_error

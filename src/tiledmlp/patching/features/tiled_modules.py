@@ -19,10 +19,10 @@ from torch import nn
 
 from tiledmlp.config.patch import PatchConfig
 from tiledmlp.config.tiled import TiledMLPConfig
-from tiledmlp.ops.functional import tiled_mlp
-from tiledmlp.ops.structure import recognise
-from tiledmlp.ops.tiles import TileCount
-from tiledmlp.ops.untiled import UntiledCall
+from tiledmlp.ops.mlp.functional import tiled_mlp
+from tiledmlp.ops.mlp.structure import recognise
+from tiledmlp.ops.mlp.untiled import UntiledCall
+from tiledmlp.ops.tiling.tiles import TileCount
 from tiledmlp.patching.agreement import StepTokens, remove_agreement
 from tiledmlp.patching.bound import BoundForward, bind
 from tiledmlp.patching.detect import Candidate, hidden_size_of

@@ -6,8 +6,8 @@ heads x head_dim x 4 bytes) and, for grouped-query attention, dk and dv expanded
 heads. Attention never mixes heads, so running the kernel on groups of heads gives the same
 output and gradients with those buffers sized for one group.
 
-`causal_attention_by_heads` is that op: the forward calls one fused kernel (ops/attention_kernels.py:
-cuDNN, flash, memory-efficient or the CPU flash kernel; ops/attention_select.py picks the one
+`causal_attention_by_heads` is that op: the forward calls one fused kernel (ops/attention/kernels.py:
+cuDNN, flash, memory-efficient or the CPU flash kernel; ops/attention/select.py picks the one
 `scaled_dot_product_attention` would, after its self-check) per group (whole key/value heads with
 their query heads, or a few query heads of one key/value head) and writes each group's output
 into one (batch, tokens, heads, head_dim) buffer; the backward calls the kernel's backward per
@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from tiledmlp.ops.attention_kernels import (
+from tiledmlp.ops.attention.kernels import (
     FusedKernel,
     KernelState,
     default_kernel,
@@ -266,8 +266,8 @@ def causal_attention_by_heads(
         scale: the softmax scale (usually head_dim ** -0.5).
         groups: a divisor of kv_heads (whole key/value heads per call) or a multiple of it
             dividing heads (calls inside one key/value head); head_groups picks one.
-        kernel: the fused kernel (ops/attention_kernels.py); None: the device's flash kernel.
-            ops/attention_select.py's choose_kernel gives the one that passed its self-check.
+        kernel: the fused kernel (ops/attention/kernels.py); None: the device's flash kernel.
+            ops/attention/select.py's choose_kernel gives the one that passed its self-check.
 
     Returns:
         (batch, tokens, heads, head_dim), contiguous.

@@ -5,7 +5,7 @@ A module is recognised by structure, never by class name: its children are two o
 ignored), with matching feature sizes. Which projection is the gate and which is the up
 projection (or which half of a fused gate_up output is which) is decided by a probe: the module's
 own forward and each candidate fast-path forward run on a few random tokens, with independent
-random weights standing in for the module's own (ops/probe.py), so the answer does not depend on
+random weights standing in for the module's own (ops/tiling/probe.py), so the answer does not depend on
 the current weight values and probing changes no state. A module that no candidate, or more than
 one, reproduces takes the generic path.
 
@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tiledmlp.ops.probe import StandIns, absent
+from tiledmlp.ops.tiling.probe import StandIns, absent
 
 __all__ = ["MLPKind", "MLPStructure", "recognise"]
 
@@ -122,7 +122,7 @@ def recognise(
         mlp: the module.
         call: runs the module's untiled forward for the probe (default: the module itself).
         ignore_hooks: the children's forward hooks are a training engine's parameter fetching
-            (see ops/backend.py), not model behaviour: they do not force the generic path, and
+            (see ops/tiling/backend.py), not model behaviour: they do not force the generic path, and
             the probe is never run through them (it would leave the engine's bookkeeping of
             fetched parameters unbalanced). The structure must then have been recognised before
             the engine wrapped the model (patch_model first); otherwise None is returned.

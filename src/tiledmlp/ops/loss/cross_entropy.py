@@ -4,7 +4,7 @@
 smoothing, class weights, ignore_index, reductions "mean" / "sum" / "none", as there) plus a
 z-loss, an explicit token mask, token accuracy and predictions; `tiled_token_logprobs` gives the
 per-token log-probabilities of given tokens and the entropy, with a temperature, for RL
-fine-tuning; `tiled_token_stats` adds a logit scale and the statistics RL trainers log. Both run one tile loop (ops/lm_head.py) with per-tile math (ops/loss_math.py).
+fine-tuning; `tiled_token_stats` adds a logit scale and the statistics RL trainers log. Both run one tile loop (ops/loss/tile_loop.py) with per-tile math (ops/loss/tile_math.py).
 
 Cost, with L = 2 * tokens * hidden * vocab: a loss reduced by "mean" or "sum" costs 3L FLOPs per
 training step (the untiled cost: its gradient is formed in the forward); per-token outputs cost
@@ -25,13 +25,12 @@ from typing import Any, NamedTuple
 
 import torch
 
-from tiledmlp.ops.lm_head import HeadRun, run_head
-from tiledmlp.ops.loss_math import STATS, CrossEntropyMath, LogprobMath
-from tiledmlp.ops.policy import TilePolicy
-from tiledmlp.ops.probe import absent
-from tiledmlp.ops.state import AutocastState
-from tiledmlp.ops.tiles import TilePlan, split_by_tile_tokens, split_even
-from tiledmlp.ops.values import check_positive_number
+from tiledmlp.ops.loss.inputs import HeadInput, check_inputs, shift_labels, targets_of
+from tiledmlp.ops.loss.tile_loop import HeadRun, run_head
+from tiledmlp.ops.loss.tile_math import STATS, CrossEntropyMath, LogprobMath
+from tiledmlp.ops.tiling.policy import TilePolicy
+from tiledmlp.ops.tiling.probe import absent
+from tiledmlp.ops.tiling.values import check_positive_number
 
 __all__ = [
     "CrossEntropyOutput",
@@ -60,105 +59,6 @@ class CrossEntropyOutput(NamedTuple):
     z_loss: torch.Tensor
     accuracy: torch.Tensor
     predictions: torch.Tensor
-
-
-def shift_labels(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
-    """Causal-LM targets: position t predicts labels[..., t + 1]; the last position is ignored.
-
-    Args:
-        labels: (batch, seq) or (seq,) integer labels.
-    """
-    return _shift(labels, ignore_index)
-
-
-def _shift(t: torch.Tensor, fill: int | bool) -> torch.Tensor:
-    """t[..., 1:] with `fill` appended along the last dimension."""
-    pad = torch.full((*t.shape[:-1], 1), fill, dtype=t.dtype, device=t.device)
-    return torch.cat([t[..., 1:], pad], dim=-1)
-
-
-def _plan(num_tokens: int, hidden: int, elem: int, num_tiles: Any, tile_tokens: Any) -> TilePlan:
-    policy = TilePolicy.of(num_tiles, tile_tokens)
-    if policy.rule in ("arctic", "target"):
-        raise ValueError(
-            f"num_tiles={policy.num_tiles!r} is an MLP policy; give the loss an int or 'auto' "
-            "(TilePolicy.for_loss() derives one)"
-        )
-    if policy.rule == "auto":
-        # a tile's float32 logits (n x V x 4 bytes) about the size of the LM-head weight
-        per_tile = max(1, hidden * elem // 4)
-        return split_even(num_tokens, max(1, math.ceil(num_tokens / per_tile)))
-    if policy.rule == "tokens":
-        return split_by_tile_tokens(num_tokens, int(policy.amount))
-    return split_even(num_tokens, int(policy.amount))
-
-
-def _check_inputs(
-    hidden_states: torch.Tensor,
-    lm_head_weight: torch.Tensor,
-    labels: torch.Tensor,
-    bias: torch.Tensor | None,
-    softcap: float | None,
-    mask: torch.Tensor | None,
-    what: str,
-) -> None:
-    op = "tiled_cross_entropy" if what == "labels" else "tiled_token_logprobs"
-    if not isinstance(hidden_states, torch.Tensor) or not hidden_states.is_floating_point():
-        raise TypeError(f"{op}: hidden_states must be a floating-point tensor")
-    if hidden_states.dim() not in (2, 3):
-        raise ValueError(
-            f"{op}: hidden_states must be (batch, seq, hidden) or (tokens, hidden), got "
-            f"{tuple(hidden_states.shape)}"
-        )
-    if lm_head_weight.dim() != 2 or lm_head_weight.shape[1] != hidden_states.shape[-1]:
-        raise ValueError(
-            f"{op}: lm_head_weight must be (vocab, {hidden_states.shape[-1]}), got "
-            f"{tuple(lm_head_weight.shape)}"
-        )
-    if labels.dtype.is_floating_point or labels.dtype.is_complex or labels.dtype == torch.bool:
-        raise TypeError(f"{op}: {what} must be integer class indices, got {labels.dtype}")
-    if tuple(labels.shape) != tuple(hidden_states.shape[:-1]):
-        raise ValueError(
-            f"{op}: {what} must have shape {tuple(hidden_states.shape[:-1])} (one per token), "
-            f"got {tuple(labels.shape)}"
-        )
-    if bias is not None and tuple(bias.shape) != (lm_head_weight.shape[0],):
-        raise ValueError(
-            f"{op}: bias must be ({lm_head_weight.shape[0]},), got {tuple(bias.shape)}"
-        )
-    if softcap is not None and not softcap >= 0:
-        raise ValueError(
-            f"{op}: softcap must be positive, or None / 0 for no capping, got {softcap!r}"
-        )
-    if mask is not None and (mask.dtype != torch.bool or tuple(mask.shape) != tuple(labels.shape)):
-        raise ValueError(
-            f"{op}: mask must be a bool tensor of {what}' shape {tuple(labels.shape)} (True = the "
-            f"token counts), got {mask.dtype} {tuple(mask.shape)}"
-        )
-
-
-def _targets(
-    labels: torch.Tensor,
-    mask: torch.Tensor | None,
-    shift: bool,
-    ignore_index: int,
-    vocab: int,
-    op: str,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(targets, counted), flat. Labels of any integer dtype are compared and gathered as
-    int64, so ignore_index=-100 never wraps around in a narrow dtype."""
-    labels = labels.long()
-    targets = shift_labels(labels, ignore_index) if shift else labels
-    counted = targets != ignore_index
-    if mask is not None:
-        counted = counted & (_shift(mask, False) if shift else mask)
-    targets, counted = targets.reshape(-1), counted.reshape(-1)
-    out_of_range = counted & ((targets < 0) | (targets >= vocab))
-    if not absent(targets) and bool(out_of_range.any()):  # fake tensors (planning): no values
-        raise ValueError(
-            f"{op}: labels must be in [0, {vocab}) or equal ignore_index={ignore_index}"
-        )
-    return targets, counted
 
 
 def tiled_cross_entropy(
@@ -219,11 +119,11 @@ def tiled_cross_entropy(
         TypeError / ValueError: wrong dtypes, shapes, reduction, option values or tile policy.
     """
     scoring = _Scoring(reduction, label_smoothing, z_loss, return_aux)
-    _check_inputs(hidden_states, lm_head_weight, labels, bias, softcap, mask, "labels")
+    check_inputs(hidden_states, lm_head_weight, labels, bias, softcap, mask, "labels")
     vocab = lm_head_weight.shape[0]
     _check_class_weight(weight, vocab)
-    targets, counted = _targets(labels, mask, shift, ignore_index, vocab, "tiled_cross_entropy")
-    head = _Head.of(hidden_states, lm_head_weight, num_tiles, tile_tokens)
+    targets, counted = targets_of(labels, mask, shift, ignore_index, vocab, "tiled_cross_entropy")
+    head = HeadInput.of(hidden_states, lm_head_weight, num_tiles, tile_tokens)
     math_ = _cross_entropy_math(scoring, head, targets, counted, weight, vocab)
     run = HeadRun(head.plan, targets, counted, softcap or None, 1.0, head.autocast, math_)
     loss = run_head(head.hidden, run, lm_head_weight, bias)
@@ -261,41 +161,9 @@ def _check_class_weight(weight: torch.Tensor | None, vocab: int) -> None:
         )
 
 
-@dataclass(frozen=True)
-class _Head:
-    """The LM head's input as its tile loop takes it.
-
-    Attributes:
-        hidden: (tokens, hidden), the input flattened.
-        autocast: the autocast state captured for the loop.
-        wide: the softmax's dtype (the compute dtype promoted to at least float32).
-        plan: the tiles over the tokens.
-    """
-
-    hidden: torch.Tensor
-    autocast: AutocastState
-    wide: torch.dtype
-    plan: TilePlan
-
-    @classmethod
-    def of(
-        cls,
-        hidden_states: torch.Tensor,
-        lm_head_weight: torch.Tensor,
-        num_tiles: int | str | TilePolicy,
-        tile_tokens: int | None,
-    ) -> _Head:
-        hidden = hidden_states.reshape(-1, hidden_states.shape[-1])
-        autocast = AutocastState.capture(hidden.device.type)
-        cd = autocast.compute_dtype(hidden.dtype, lm_head_weight.dtype) or hidden.dtype
-        elem = torch.empty((), dtype=cd).element_size()
-        plan = _plan(hidden.shape[0], hidden.shape[1], elem, num_tiles, tile_tokens)
-        return cls(hidden, autocast, torch.promote_types(cd, torch.float32), plan)
-
-
 def _cross_entropy_math(
     scoring: _Scoring,
-    head: _Head,
+    head: HeadInput,
     targets: torch.Tensor,
     counted: torch.Tensor,
     weight: torch.Tensor | None,
@@ -487,10 +355,10 @@ def _token_head(
     unknown = [n for n in stats if n not in STATS]
     if unknown:
         raise ValueError(f"{op}: unknown statistic(s) {unknown}; expected any of {STATS}")
-    _check_inputs(hidden_states, lm_head_weight, tokens, bias, softcap, mask, "tokens")
+    check_inputs(hidden_states, lm_head_weight, tokens, bias, softcap, mask, "tokens")
     vocab = lm_head_weight.shape[0]
-    targets, counted = _targets(tokens, mask, shift, ignore_index, vocab, op)
-    head = _Head.of(hidden_states, lm_head_weight, num_tiles, tile_tokens)
+    targets, counted = targets_of(tokens, mask, shift, ignore_index, vocab, op)
+    head = HeadInput.of(hidden_states, lm_head_weight, num_tiles, tile_tokens)
     hidden = head.hidden
     math_ = LogprobMath(hidden.shape[0], hidden.device, head.wide, entropy=entropy, stats=stats)
     run = HeadRun(

@@ -27,8 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
-from tiledmlp.ops.attention_heads import _allowed, causal_attention_by_heads
-from tiledmlp.ops.attention_kernels import CUDNN, EFFICIENT, FLASH, FLASH_CPU, FusedKernel
+from tiledmlp.ops.attention.heads import _allowed, causal_attention_by_heads
+from tiledmlp.ops.attention.kernels import CUDNN, EFFICIENT, FLASH, FLASH_CPU, FusedKernel
 
 __all__ = [
     "TORCH_PROBES",

@@ -23,7 +23,7 @@ memory saving is nearly all captured by a few large tiles. It takes the largest 
 ACCELERATOR_SAVING of the saving the memory model says tiling can reach (untiled intermediates
 minus the accumulators), but never tiles whose working memory exceeds ACCELERATOR_MAX_TILE_BYTES
 (at very long sequences the last part of the saving would cost many GiB) and never fewer than
-ACCELERATOR_MIN_TILE_TOKENS tokens per tile (the three in ops/memory_model.py); untiled when that
+ACCELERATOR_MIN_TILE_TOKENS tokens per tile (the three in ops/mlp/memory_model.py); untiled when that
 leaves fewer than two tiles or saves nothing (docs/benchmarks.md lists the tiles it picks for an
 8B-shaped MLP).
 
@@ -39,7 +39,7 @@ and build the same objects; ops take a TilePolicy and never re-validate it per c
 Invariant: the resolution depends only on the token count, the module's shapes, dtypes and device
 type, and the policy; never on free memory, so every rank with the same inputs gets the same
 plan. The planner resolves for an accelerator on fake CPU tensors with `assume_device`
-(ops/memory_model.py).
+(ops/mlp/memory_model.py).
 """
 
 from __future__ import annotations
@@ -48,9 +48,9 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-from tiledmlp.ops.memory_model import GENERIC_WIDTH, MemoryModel, assume_device
-from tiledmlp.ops.tiles import TilePlan, arctic_num_tiles, split_by_tile_tokens, split_even
-from tiledmlp.ops.values import check_int, is_int, positive_number
+from tiledmlp.ops.mlp.memory_model import GENERIC_WIDTH, MemoryModel, assume_device
+from tiledmlp.ops.tiling.tiles import TilePlan, arctic_num_tiles, split_by_tile_tokens, split_even
+from tiledmlp.ops.tiling.values import check_int, is_int, positive_number
 
 __all__ = ["MemoryModel", "TilePolicy", "assume_device"]
 

@@ -18,9 +18,9 @@ from typing import Any
 
 import torch
 
-from tiledmlp.ops.engine import TileEngine
-from tiledmlp.ops.guards import check_versions, refuse_double_backward
-from tiledmlp.ops.tiles import TilePlan
+from tiledmlp.ops.mlp.engine import TileEngine
+from tiledmlp.ops.tiling.guards import check_versions, refuse_double_backward
+from tiledmlp.ops.tiling.tiles import TilePlan
 
 __all__ = ["TiledMLPFunction", "TiledRun", "anchor_input"]
 
@@ -51,7 +51,7 @@ class TiledRun:
     """Everything one call's forward hands to its backward, besides tensors.
 
     Attributes:
-        engine: the tile engine (ops/engine.py).
+        engine: the tile engine (ops/mlp/engine.py).
         plan: the tile split, fixed for forward and backward.
         x_node: the anchor node holding x, or None when the Function saved x itself.
         lead_shape: x.shape[:-1].

@@ -1,6 +1,6 @@
 """The memory model of a recognised MLP: bytes a step needs beyond weights, inputs and outputs.
 
-"auto" and "target:<GB>" tile policies (ops/policy.py) size tiles with it; the planner reuses
+"auto" and "target:<GB>" tile policies (ops/tiling/policy.py) size tiles with it; the planner reuses
 it. `assume_device` lets the planner resolve for an accelerator on fake CPU tensors.
 
 Invariant: the figures depend only on the structure's shapes, dtypes and device type, never on
@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from tiledmlp.ops.grads import fp32_epilogue
-from tiledmlp.ops.structure import MLPKind, MLPStructure
+from tiledmlp.ops.mlp.structure import MLPKind, MLPStructure
+from tiledmlp.ops.tiling.grads import fp32_epilogue
 
 __all__ = [
     "ACCELERATOR_MAX_TILE_BYTES",

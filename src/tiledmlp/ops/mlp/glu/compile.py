@@ -35,8 +35,8 @@ from typing import Any, Literal
 
 import torch
 
-from tiledmlp.ops import glu_triton
-from tiledmlp.ops.glu_activation import ACT_KINDS, ActKind
+from tiledmlp.ops.mlp.glu import triton_kernels as glu_triton
+from tiledmlp.ops.mlp.glu.activation import ACT_KINDS, ActKind
 
 __all__ = [
     "CompileReport",

@@ -5,7 +5,7 @@ be strided: the forward reads g and u and writes h; the backward reads g, u and 
 dg over g and du over u (and h, when asked, over dh). Cost: elementwise, no GEMM; forward reads
 2 and writes 1 (n, m) tensor, backward reads 3 and writes 2 (3 with h), allocating nothing.
 
-Invariant: the kernels evaluate the formulas of ops/glu_reference.py, operation for operation,
+Invariant: the kernels evaluate the formulas of ops/mlp/glu/reference.py, operation for operation,
 in float32 registers, and round once to the tensors' dtype. Triton is imported only when the
 kernels are first built (`compiled_kernels`): importing this module imports torch alone.
 """
@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from tiledmlp.ops.glu_activation import check_act
+from tiledmlp.ops.mlp.glu.activation import check_act
 
 __all__ = [
     "KERNEL_DTYPES",
@@ -79,7 +79,7 @@ def interpreting() -> bool:
 def compiled_kernels() -> _Kernels:
     """The kernels as Triton functions (forward, backward), decorated on first use (triton.jit
     picks interpreted or compiled then); also for ahead-of-time compilation
-    (ops/glu_compile.py). Imports Triton."""
+    (ops/mlp/glu/compile.py). Imports Triton."""
     global _BUILT, _act_tile, _store, tl
     if _BUILT is not None:
         return _BUILT

@@ -15,7 +15,7 @@ with its own forward, backward and saved state:
 - `FLASH_CPU`: the CPU flash kernel (`aten._scaled_dot_product_flash_attention_for_cpu`).
 
 A kernel's `unsupported` names what it cannot take by device, dtype and head size; whether it
-computes the right thing on a device is the self-check's business (ops/attention_select.py).
+computes the right thing on a device is the self-check's business (ops/attention/select.py).
 
 Invariant: `forward(q, k, v, scale)` returns the causal attention output (batch, h, tokens,
 head_dim) of q against k and v, and `backward` with the saved state returns dq, dk, dv shaped
@@ -61,7 +61,7 @@ class FusedKernel:
         sdpa_backend: the torch.nn.attention.SDPBackend value of the kernel.
         device_type: where it runs ("cuda" or "cpu").
         rows_per_block: query rows one thread block (CTA) of the forward takes, for the launch
-            rule of head_groups (See Note [Head groups] in ops/attention_heads.py).
+            rule of head_groups (See Note [Head groups] in ops/attention/heads.py).
         shares_kv: whether one call takes fewer key/value heads than query heads.
     """
 

@@ -21,12 +21,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from tiledmlp.ops.backend import LOCAL, ParamBackend
-from tiledmlp.ops.engine import TileEngine
-from tiledmlp.ops.grads import GradSlot, Scratch
-from tiledmlp.ops.state import AutocastState, RNGState
-from tiledmlp.ops.tiles import TilePlan
-from tiledmlp.ops.untiled import UntiledCall
+from tiledmlp.ops.mlp.engine import TileEngine
+from tiledmlp.ops.mlp.untiled import UntiledCall
+from tiledmlp.ops.tiling.backend import LOCAL, ParamBackend
+from tiledmlp.ops.tiling.grads import GradSlot, Scratch
+from tiledmlp.ops.tiling.state import AutocastState, RNGState
+from tiledmlp.ops.tiling.tiles import TilePlan
 
 __all__ = ["GenericEngine", "OutputLayout"]
 
@@ -68,7 +68,7 @@ class GenericEngine:
         autocast: autocast settings captured when the forward ran.
         three_d: whether x was (batch, seq, hidden).
         backend: how the module's parameters are made whole and how to call the module inside
-            the op (ops/backend.py); the caller gathers `weights` around the forward and the
+            the op (ops/tiling/backend.py); the caller gathers `weights` around the forward and the
             backward.
     """
 

@@ -1,10 +1,10 @@
 """Fused elementwise for gated MLP activations: the entry points and their failover.
 
 `glu_forward` computes h = act(g) * u and `glu_backward` its backward in place (dg over g, du
-over u), each in one pass: the Triton kernels (ops/glu_triton.py) for float32, bfloat16 and
+over u), each in one pass: the Triton kernels (ops/mlp/glu/triton_kernels.py) for float32, bfloat16 and
 float16 tensors on a device that can run them, else the PyTorch references
-(ops/glu_reference.py), which compute the same formulas. `activation_kind`
-(ops/glu_activation.py) says when a module's activation is exactly one of the kernels' (silu,
+(ops/mlp/glu/reference.py), which compute the same formulas. `activation_kind`
+(ops/mlp/glu/activation.py) says when a module's activation is exactly one of the kernels' (silu,
 gelu_tanh, gelu); anything else keeps the module's own activation.
 
 Failover: a kernel that fails to compile, load or launch on a device (a Triton version whose
@@ -14,7 +14,7 @@ computes the same formula with the reference; that device uses the reference fro
 (`kernels_available` turns False for it, `kernel_failure` says why).
 
 Invariant: a call gives the reference's results whichever path runs; operands are checked
-(ops/glu_operands.py) before either touches them. Triton is imported only when a kernel is
+(ops/mlp/glu/operands.py) before either touches them. Triton is imported only when a kernel is
 first needed on a device that can run it: importing this module imports torch alone.
 """
 
@@ -24,10 +24,10 @@ import logging
 
 import torch
 
-from tiledmlp.ops import glu_triton
-from tiledmlp.ops.glu_activation import ACT_KINDS, ActKind, activation_kind, check_act
-from tiledmlp.ops.glu_operands import absent, check_aliasing, check_operands
-from tiledmlp.ops.glu_reference import glu_backward_reference, glu_forward_reference
+from tiledmlp.ops.mlp.glu import triton_kernels as glu_triton
+from tiledmlp.ops.mlp.glu.activation import ACT_KINDS, ActKind, activation_kind, check_act
+from tiledmlp.ops.mlp.glu.operands import absent, check_aliasing, check_operands
+from tiledmlp.ops.mlp.glu.reference import glu_backward_reference, glu_forward_reference
 
 __all__ = [
     "ACT_KINDS",

@@ -1,7 +1,7 @@
 """TileEngine: the one interface the tiled MLP's autograd Function and tiled_mlp() drive.
 
-Two engines implement it: FastEngine (ops/fast.py: minimal recompute for a recognised MLP) and
-GenericEngine (ops/generic.py: per-tile recompute of any token-wise module). The Function and the
+Two engines implement it: FastEngine (ops/mlp/fast.py: minimal recompute for a recognised MLP) and
+GenericEngine (ops/mlp/generic.py: per-tile recompute of any token-wise module). The Function and the
 functional entry point call only these members, never ask which engine they hold.
 
 Invariant: an engine's forward keeps no autograd graph and no intermediates; its backward
@@ -16,8 +16,8 @@ from typing import Protocol
 
 import torch
 
-from tiledmlp.ops.backend import ParamBackend
-from tiledmlp.ops.tiles import TilePlan
+from tiledmlp.ops.tiling.backend import ParamBackend
+from tiledmlp.ops.tiling.tiles import TilePlan
 
 __all__ = ["TileEngine"]
 
@@ -26,7 +26,7 @@ class TileEngine(Protocol):
     """Tiled forward and backward of one module call.
 
     Attributes:
-        backend: how the module's parameters are made whole (ops/backend.py); the caller gathers
+        backend: how the module's parameters are made whole (ops/tiling/backend.py); the caller gathers
             `weights` around the forward and the backward.
         params: the tensors that receive gradients, in the order the autograd Function takes
             them as inputs and returns their gradients.

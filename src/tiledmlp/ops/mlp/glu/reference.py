@@ -3,7 +3,7 @@
 In a gated MLP tile g = x W_gate^T and u = x W_up^T are (n, m) in the compute dtype and
 h = act(g) * u feeds the down projection. Given dh = dy @ W_down, the backward is
 du = dh * act(g) and dg = dh * u * act'(g), for SiLU, GELU with the tanh approximation and
-exact (erf) GELU. These references run wherever the Triton kernels (ops/glu_triton.py) do not.
+exact (erf) GELU. These references run wherever the Triton kernels (ops/mlp/glu/triton_kernels.py) do not.
 
 Invariant: the references evaluate the kernels' formulas, operation for operation, in float32
 (float64 for float64 tensors, which only the references take) and round once, to the tensors'
@@ -16,7 +16,7 @@ import math
 
 import torch
 
-from tiledmlp.ops.glu_activation import check_act
+from tiledmlp.ops.mlp.glu.activation import check_act
 
 __all__ = ["act_and_grad", "glu_backward_reference", "glu_forward_reference"]
 

@@ -15,17 +15,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from tiledmlp.ops.backend import LOCAL, ParamBackend
-from tiledmlp.ops.engine import TileEngine
-from tiledmlp.ops.fast import FastEngine
-from tiledmlp.ops.function import TiledMLPFunction, TiledRun, anchor_input
-from tiledmlp.ops.generic import GenericEngine
-from tiledmlp.ops.memory_model import MemoryModel
-from tiledmlp.ops.policy import TilePolicy
-from tiledmlp.ops.state import AutocastState
-from tiledmlp.ops.structure import MLPStructure, recognise
-from tiledmlp.ops.tiles import TileCount, TilePlan, split_even
-from tiledmlp.ops.untiled import UntiledCall, running_untiled
+from tiledmlp.ops.mlp.engine import TileEngine
+from tiledmlp.ops.mlp.fast import FastEngine
+from tiledmlp.ops.mlp.function import TiledMLPFunction, TiledRun, anchor_input
+from tiledmlp.ops.mlp.generic import GenericEngine
+from tiledmlp.ops.mlp.memory_model import MemoryModel
+from tiledmlp.ops.mlp.structure import MLPStructure, recognise
+from tiledmlp.ops.mlp.untiled import UntiledCall, running_untiled
+from tiledmlp.ops.tiling.backend import LOCAL, ParamBackend
+from tiledmlp.ops.tiling.policy import TilePolicy
+from tiledmlp.ops.tiling.state import AutocastState
+from tiledmlp.ops.tiling.tiles import TileCount, TilePlan, split_even
 
 __all__ = ["tile_plan", "tiled_mlp"]
 
@@ -69,14 +69,14 @@ def tiled_mlp(
         num_tiles: a positive int; "auto" (default): a memory-budget rule that never uses more
             memory than the untiled module and runs it untiled when tiling would not save memory;
             "arctic": ceil(tokens / hidden) tiles as in Arctic Long Sequence Training;
-            "target:<GB>": the fewest tiles whose working memory fits <GB> GiB (ops/policy.py);
+            "target:<GB>": the fewest tiles whose working memory fits <GB> GiB (ops/tiling/policy.py);
             or a TilePolicy (checked once where it was built, not again per call).
         tile_tokens: tokens per tile (the last tile takes the remainder), instead of num_tiles.
         forward: the module's untiled computation, used for the structure probe, the generic
             path's tiles and untiled runs; default: the module itself. A module whose forward
             was replaced by one calling tiled_mlp passes its original forward here.
         backend: how a training engine that partitions parameters (DeepSpeed ZeRO-3) makes
-            them whole (see ops/backend.py); default: parameters are local and whole.
+            them whole (see ops/tiling/backend.py); default: parameters are local and whole.
         plan_tokens: resolve the tile policy for this many tokens (when larger than x's) and
             split x's tokens into that plan's number of tiles: ranks that agreed on their
             largest token count run the same number of tiles.
@@ -84,7 +84,7 @@ def tiled_mlp(
         kernels: let gated MLPs whose activation is SiLU, GELU-tanh or GELU use the fused Triton
             elementwise kernels where they can run (CUDA). False: PyTorch only. Either way the
             result is the same formula; a kernel that fails on a device is replaced by PyTorch
-            there for the rest of the process, with one warning (ops/glu_kernels.py).
+            there for the rest of the process, with one warning (ops/mlp/glu/kernels.py).
 
     Returns:
         What mlp(x) returns: a Tensor of shape (..., out), or the module's tuple of outputs.

@@ -105,7 +105,7 @@ def check_aliasing(
 
 
 def absent(t: torch.Tensor) -> bool:
-    """True for meta and fake tensors: shapes without values (as ops/probe.py's `absent`, not
+    """True for meta and fake tensors: shapes without values (as ops/tiling/probe.py's `absent`, not
     imported so that the GLU kernels' modules load with torch alone)."""
     if t.device.type == "meta":
         return True

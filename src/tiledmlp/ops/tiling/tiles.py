@@ -12,7 +12,7 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from tiledmlp.ops.values import check_int
+from tiledmlp.ops.tiling.values import check_int
 
 __all__ = ["TileCount", "TilePlan", "arctic_num_tiles", "split_by_tile_tokens", "split_even"]
 

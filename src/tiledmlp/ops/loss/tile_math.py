@@ -1,5 +1,5 @@
 """Per-tile math of the LM-head losses: what one tile of float32 logits contributes, and the
-gradient with respect to those logits. The tile loop (ops/lm_head.py) forms the logits and turns
+gradient with respect to those logits. The tile loop (ops/loss/tile_loop.py) forms the logits and turns
 that gradient into d(hidden), d(W) and d(bias); these classes are the pluggable part.
 
 Notation per tile: zf (n x V) the float32 logits (after soft-capping and temperature), lse their

@@ -1,4 +1,4 @@
-"""The LM-head tile loop: logits one tile at a time, per-tile math plugged in (ops/loss_math.py),
+"""The LM-head tile loop: logits one tile at a time, per-tile math plugged in (ops/loss/tile_math.py),
 and the two ways its gradient reaches hidden states, weight and bias.
 
 Per tile: z = hidden_tile @ W.T + b in the compute dtype, multiplied by a logit scale if asked,
@@ -27,11 +27,11 @@ from typing import Any
 
 import torch
 
-from tiledmlp.ops.grads import GradSlot, Scratch
-from tiledmlp.ops.guards import refuse_double_backward
-from tiledmlp.ops.loss_math import TileMath
-from tiledmlp.ops.state import AutocastState
-from tiledmlp.ops.tiles import TilePlan
+from tiledmlp.ops.loss.tile_math import TileMath
+from tiledmlp.ops.tiling.grads import GradSlot, Scratch
+from tiledmlp.ops.tiling.guards import refuse_double_backward
+from tiledmlp.ops.tiling.state import AutocastState
+from tiledmlp.ops.tiling.tiles import TilePlan
 
 __all__ = ["HeadRun", "run_head"]
 

@@ -19,7 +19,7 @@ from typing import Generic, TypeVar
 import torch
 import torch.nn.functional as F
 
-from tiledmlp.ops.structure import MLPKind, MLPStructure
+from tiledmlp.ops.mlp.structure import MLPKind, MLPStructure
 
 __all__ = ["LinearParams", "MLPParams"]
 

@@ -26,14 +26,14 @@ from collections.abc import Sequence
 
 import torch
 
-from tiledmlp.ops import glu_kernels
-from tiledmlp.ops.backend import LOCAL, ParamBackend
-from tiledmlp.ops.engine import TileEngine
-from tiledmlp.ops.grads import GradSlot, Scratch
-from tiledmlp.ops.mlp_params import LinearParams, MLPParams
-from tiledmlp.ops.state import AutocastState
-from tiledmlp.ops.structure import MLPKind, MLPStructure
-from tiledmlp.ops.tiles import TilePlan
+from tiledmlp.ops.mlp.engine import TileEngine
+from tiledmlp.ops.mlp.glu import kernels as glu_kernels
+from tiledmlp.ops.mlp.params import LinearParams, MLPParams
+from tiledmlp.ops.mlp.structure import MLPKind, MLPStructure
+from tiledmlp.ops.tiling.backend import LOCAL, ParamBackend
+from tiledmlp.ops.tiling.grads import GradSlot, Scratch
+from tiledmlp.ops.tiling.state import AutocastState
+from tiledmlp.ops.tiling.tiles import TilePlan
 
 __all__ = ["FastEngine"]
 
@@ -55,7 +55,7 @@ class FastEngine:
     Args:
         structure: the recognised MLP.
         autocast: autocast settings captured when the forward ran.
-        backend: how the module's parameters are made whole (ops/backend.py); the caller
+        backend: how the module's parameters are made whole (ops/tiling/backend.py); the caller
             gathers `weights` around the forward and the backward.
         kernels: whether the fused elementwise kernels may be used (False: PyTorch only).
     """
