@@ -10,8 +10,8 @@ an optimizer, its step; storages are tracked as in fake_memory.py. Stacks:
 - "tiled_mlp_loss": also the loss through tiled_cross_entropy (logits never exist at once);
 - "tiled_mlp_loss_offload": also activation offloading (always with checkpointing, which it
   needs): the checkpointed layers' inputs live in host memory, counted apart ("host");
-- "tiled_mlp_loss_offload_norms": also the normalisation layers tiled (patch_model's
-  tiled_norms): their float32 intermediates exist one tile at a time;
+- "tiled_mlp_loss_offload_norms": also the normalisation layers tiled (the norms
+  feature): their float32 intermediates exist one tile at a time;
 - "tiled_layer": also the rest of each decoder layer that is token-wise (patch_model's
   tiled_layers: norm, q/k/v, rotary; o_proj, residuals, norm, MLP): a layer's recompute holds
   the layer input, q, k, v, the attention output and their gradients; the attention core runs

@@ -168,7 +168,7 @@ def reset_tile_counts(model: nn.Module) -> None:
 
 def tile_counts(model: nn.Module) -> dict[str, TileCount]:
     """How many tiles each patched module of `model` ran since it was patched (the MLPs, and
-    the norms with tiled_norms), by qualified name (an untiled call counts 1 tile; `last` is
+    the norms where they are tiled), by qualified name (an untiled call counts 1 tile; `last` is
     the latest call's count). Calls made by patch_model's own probes are not counted."""
     return {
         name: module.__dict__[STATE].count
