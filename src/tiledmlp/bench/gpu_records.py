@@ -5,7 +5,7 @@ not.
 A page marks each table with `<!-- gpu-table: FOLDER/KIND -->` ... `<!-- /gpu-table -->`
 (FOLDER under benchmarks/results/gpu, KIND one of TABLES); `python -m tiledmlp.bench.gpu_records
 PAGE...` checks every marked table against its records (exit 1 on a difference), `--write`
-rewrites them. tests/bench/test_gpu_records.py runs the check on the docs.
+rewrites them. tests/bench/test_bench_gpu_records.py runs the check on the docs.
 
 Invariant: a table is a pure function of its records file.
 """
