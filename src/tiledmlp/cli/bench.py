@@ -233,8 +233,13 @@ def _sweep(args: argparse.Namespace, cfg: Any, use_ds: bool, use_liger: bool) ->
     from tiledmlp.ops.tiling.tiles import arctic_num_tiles
 
     def variants(seq: int) -> list:
-        chosen = [make_variant("untiled"), make_variant("tiled", args.num_tiles)]
-        n = args.num_tiles if isinstance(args.num_tiles, int) else arctic_num_tiles(seq, cfg.hidden)
+        # a variant crosses into its measuring process as a job spelling (int or text)
+        chosen = [make_variant("untiled"), make_variant("tiled", args.num_tiles.num_tiles)]
+        n = (
+            int(policy.amount)
+            if (policy := args.num_tiles).rule == "count"
+            else arctic_num_tiles(seq, cfg.hidden)
+        )
         if use_ds:
             chosen.append(make_variant("deepspeed", n))
         if use_liger:
@@ -290,7 +295,7 @@ def _write_report(
             dtype=dtype,
             device=str(cfg.device),
             variant="tiled",
-            num_tiles=args.num_tiles,
+            num_tiles=args.num_tiles.num_tiles,
         )
         written.append(Path(memory_snapshot(job, str(args.memory_snapshot))))
     if plot:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 
 from tiledmlp.config.values import DTYPES, parse_bool, parse_dtype, parse_int, parse_tile_policy
+from tiledmlp.ops.tiling.policy import TilePolicy
 
 __all__ = [
     "DTYPE_CHOICES",
@@ -39,9 +40,11 @@ def positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
 
 
-def tiles(text: str) -> int | str:
+def tiles(text: str) -> TilePolicy:
+    """The tile policy of a --num-tiles spelling, parsed once here (the commands pass the
+    TilePolicy down)."""
     try:
-        return parse_tile_policy(text).num_tiles
+        return parse_tile_policy(text)
     except ValueError:
         raise argparse.ArgumentTypeError(
             f"expected a positive integer, 'auto', 'arctic' or 'target:<GB>', got {text!r}"

@@ -280,13 +280,13 @@ def _check_flags(args: argparse.Namespace) -> None:
         from tiledmlp.config.keys import read_keys
 
         keys = {"--tile-budget-gb": args.tile_budget_gb}
-        if args.num_tiles != "auto":
+        if args.num_tiles.rule != "auto":
             keys["--num-tiles"] = args.num_tiles
         try:
             tiles = read_keys(keys)
         except ValueError as e:
             raise UsageError(str(e)) from None
-        args.num_tiles = tiles["tiles"].value.num_tiles
+        args.num_tiles = tiles["tiles"].value
     whole = (
         ("--gradient-checkpointing", args.gradient_checkpointing),
         (
@@ -308,7 +308,7 @@ def _check_flags(args: argparse.Namespace) -> None:
         raise UsageError(
             "--measure runs the model's checkpointed step: add --gradient-checkpointing"
         )
-    if args.measure and args.num_tiles != "auto":
+    if args.measure and args.num_tiles.rule != "auto":
         raise UsageError(
             "--measure runs the model as patch_model's default tile policy ('auto') tiles it: "
             "drop --num-tiles and --tile-budget-gb"

@@ -245,7 +245,7 @@ def plan_layer(
     *,
     seq_len: int,
     dtype: torch.dtype,
-    num_tiles: int | str = "auto",
+    num_tiles: int | str | TilePolicy = "auto",
     device_type: str = "cuda",
 ) -> dict[str, Any]:
     """Estimated peak MiB of one decoder layer's forward + backward, untiled and with its MLP

@@ -18,7 +18,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from tiledmlp.models.mlps import GatedMLP
 from tiledmlp.ops.mlp.functional import tile_plan, tiled_mlp
-from tiledmlp.ops.tiling.policy import assume_device
+from tiledmlp.ops.tiling.policy import TilePolicy, assume_device
 from tiledmlp.plan.fake_memory import fake_peak_bytes
 
 __all__ = ["estimate_fields", "plan_mlp"]
@@ -33,7 +33,7 @@ def _estimate(
     intermediate: int,
     seq_len: int,
     dtype: torch.dtype,
-    tiles: int | str | None,
+    tiles: int | str | TilePolicy | None,
     device_type: str = "cuda",
 ) -> tuple[int, int]:
     """(peak bytes, tiles used) of one forward + backward; tiles None means untiled; "auto"
@@ -66,7 +66,7 @@ def estimate_fields(
     intermediate: int,
     seq_len: int,
     dtype: torch.dtype,
-    num_tiles: int | str,
+    num_tiles: int | str | TilePolicy,
     regular: int,
     tiled: int,
     used: int,
@@ -77,7 +77,7 @@ def estimate_fields(
         "intermediate": intermediate,
         "seq_len": seq_len,
         "dtype": str(dtype).removeprefix("torch."),
-        "num_tiles": num_tiles,
+        "num_tiles": TilePolicy.of(num_tiles).num_tiles,  # its JSON spelling
         "tiles": used,
         "regular_mib": round(regular / MiB, 1),
         "tiled_mib": round(tiled / MiB, 1),
@@ -91,7 +91,7 @@ def plan_mlp(
     intermediate: int,
     seq_len: int,
     dtype: torch.dtype,
-    num_tiles: int | str = "auto",
+    num_tiles: int | str | TilePolicy = "auto",
     budget_bytes: int | None = None,
     device_type: str = "cuda",
 ) -> dict[str, Any]:
