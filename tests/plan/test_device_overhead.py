@@ -1,6 +1,7 @@
-"""plan/device_overhead.py's attention term: cuDNN attention's backward buffers (SDPA on Hopper)
-for the heads the kernel sees, under sequence parallelism, and the flash kernel's for one head
-group with tiled decoder layers (grouped-query expansion included)."""
+"""plan/device_overhead.py: the attention term (cuDNN attention's backward buffers, SDPA on
+Hopper, for the heads the kernel sees, under sequence parallelism, and the flash kernel's for one
+head group with tiled decoder layers, grouped-query expansion included) and the allocator term
+(the step's replayed reserve without expandable segments, one page with them)."""
 
 from __future__ import annotations
 
@@ -55,3 +56,25 @@ def test_short_sequences_are_one_call_even_by_heads() -> None:
         want = tokens * 32 * 129 * 4 + 2 * tokens * 32 * 128 * 2
         assert a["attention_backward"] == want
     assert device_overhead(cfg, "cpu", by_heads=True).total(10 * GiB, M) == 0
+
+
+def test_the_allocator_term_is_the_replayed_reserve_without_expandable_segments() -> None:
+    """Without expandable segments the term is the step's own trace replayed through the caching
+    allocator (plan/caching_allocator.py); with them, the rounding to one 2 MiB page."""
+    import torch
+
+    from tiledmlp.plan.estimate import estimate_step
+    from tiledmlp.plan.model import plan_model
+
+    cfg = load_config("llama3-8b")
+    cfg.num_hidden_layers, cfg.vocab_size = 2, 1024
+    fixed = device_overhead(cfg, "cuda", expandable_segments=False)
+    assert fixed.terms(0, 4096, reserve=123 * 2**20)["allocator"] == 123 * 2**20
+    assert device_overhead(cfg, "cuda").terms(0, 4096, 123 * 2**20)["allocator"] == 2 * 2**20
+    kw = {"seq_len": 4096, "checkpointing": True}
+    est = estimate_step(cfg, stack="untiled", dtype=torch.bfloat16, **kw)
+    plan = plan_model(cfg, stacks=("untiled",), expandable_segments=False, **kw)["untiled"]
+    assert plan["device_overhead_breakdown_mib"]["allocator"] == round(est.reserve / 2**20, 1)
+    assert est.reserve > 0
+    on = plan_model(cfg, stacks=("untiled",), **kw)["untiled"]
+    assert on["device_overhead_breakdown_mib"]["allocator"] == 2.0

@@ -119,7 +119,8 @@ def measure_stacks(
             measured = _measured_bytes(_run_job(job))
             sim = estimate_step(cut, seq_len=n, stack=stack, dtype=dtype, checkpointing=True,
                                 num_tiles=args.num_tiles, exact=True, device_type=args.device)  # fmt: skip
-            points.append(MeasuredPoint(n, measured, sim.peak + overhead.total(sim.peak, n)))
+            card = sim.peak + overhead.total(sim.peak, n, sim.reserve)
+            points.append(MeasuredPoint(n, measured, card))
         correction = fit_correction(points)
         measured_entry = {"layers": layers, **correction.as_json()}
         per_gpu = int(entry["per_gpu_mib"] * MiB)

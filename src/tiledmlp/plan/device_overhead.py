@@ -41,22 +41,26 @@ sends).
 
 Note [Allocator reserve]: PyTorch's caching allocator keeps the segments it obtained from the
 driver. Without expandable segments, a freed block can serve only requests no larger than
-itself, so a step whose tensors change size from phase to phase holds segments it cannot
-reuse: the whole-step records measured max_memory_reserved 9.1% to 23.3% above
-max_memory_allocated (whole_steps.jsonl, 2026-11-25, without expandable segments). The term
-is the largest measured ratio, 23.3% of the allocated peak (tensors, attention buffers and
-workspace): a measured bound, not a mechanism the planner follows allocation by allocation.
-With `expandable_segments:True` (PyTorch's CUDA semantics notes: a segment grows by mapping
-2 MiB pages as requests need them, so freed memory at its end is reused by a larger request),
-the reserve is the rounding of the peak up to whole 2 MiB pages per segment, one segment per
-stream: 2 MiB. That figure is the mechanism's; it is still to be measured on a GPU.
+itself, and a segment is cut into blocks by the requests it served first, so a step whose
+tensors change size from phase to phase holds segments it cannot reuse. The term is the
+allocator's own rules (c10/cuda/CUDACachingAllocator.cpp: 512-byte rounding, the 2 MiB small
+and 20 MiB large segments, best fit, splitting, merging; plan/caching_allocator.py) replayed
+on the step's allocation trace, every storage's creation and release in order, which the
+simulation records (plan/phase_tracker.py): the segments' total minus the step's tensor peak,
+deeper models' by the same line through 4 and 5 layers as the peak (plan/segments.py). The
+attention backward's buffers and the cuBLAS workspaces are not in the trace; they are counted
+as allocated bytes beside it. With `expandable_segments:True` (PyTorch's CUDA semantics notes:
+a segment grows by mapping 2 MiB pages as requests need them, so freed memory at its end is
+reused by a larger request), the reserve is the rounding of the peak up to whole 2 MiB pages
+per segment, one segment per stream: 2 MiB. That figure is the mechanism's; it is still to be
+measured on a GPU.
 
 On the CPU none of these terms exists (no context or workspaces are reserved from a device, the
 allocator is the system's): the overhead is zero, and `--memory-gb` there is the memory the
 step's tensors may use.
 
-Invariant: the overhead is a non-negative function of the tensor-level peak and the tokens per
-GPU, affine in the peak; it is zero on the CPU.
+Invariant: the overhead is a non-negative function of the tokens per GPU and the step's replayed
+allocator reserve; it is zero on the CPU.
 """
 
 from __future__ import annotations
@@ -67,14 +71,13 @@ from typing import Any
 from tiledmlp.ops.attention.heads import attention_buffer_bytes, head_groups
 from tiledmlp.sequence_parallel.attention import kv_repeat
 
-__all__ = ["AttentionKernel", "DeviceOverhead", "device_overhead"]
+__all__ = ["CUBLAS_WORKSPACES", "AttentionKernel", "DeviceOverhead", "device_overhead"]
 
 MiB = 2**20
 _OUTSIDE_ALLOCATOR = 849 * MiB  # whole_steps.jsonl: the largest outside_allocator_mib, rounded up
-_CUBLAS = int(8.125 * MiB) + 32 * MiB
-# Note [Allocator reserve]: max_memory_reserved / max_memory_allocated - 1, the largest of the
-# 2026-11-25 whole-step records (45,070 / 36,552.7 MiB at 131072 tokens, tiled_mlp_loss).
-_RESERVE_FIXED_SEGMENTS = 45070.0 / 36552.7 - 1.0
+# cuBLAS's and cuBLASLt's workspaces, as the caching allocator serves them (the first matmul)
+CUBLAS_WORKSPACES = (int(8.125 * MiB), 32 * MiB)
+_CUBLAS = sum(CUBLAS_WORKSPACES)
 _EXPANDABLE_PAGE = 2 * MiB
 
 
@@ -120,34 +123,34 @@ class DeviceOverhead:
         fixed: bytes per term that do not depend on the step ("outside_allocator", ...).
         attention: the attention kernel whose backward buffers no tensor shows
             ("attention_backward"); None: none (the CPU).
-        fraction: the allocator's reserve as a fraction of the allocated peak (without
-            expandable segments).
+        replayed: the allocator's reserve is the step's own, replayed through the caching
+            allocator's rules (without expandable segments; Note [Allocator reserve]).
         page: the allocator's reserve in bytes with expandable segments (0: without them).
     """
 
     fixed: dict[str, int]
     attention: AttentionKernel | None
-    fraction: float
+    replayed: bool = False
     page: int = 0
 
-    def terms(self, peak: int, tokens: int) -> dict[str, int]:
+    def terms(self, peak: int, tokens: int, reserve: int = 0) -> dict[str, int]:
         """Each term in bytes, for a step whose tensors peak at `peak` bytes over `tokens`
-        tokens per GPU."""
+        tokens per GPU; `reserve`: the step's replayed allocator reserve (StepEstimate.reserve),
+        counted when `replayed`."""
         attention = self.attention.buffer_bytes(tokens) if self.attention is not None else 0
-        allocated = peak + attention + self.fixed.get("cublas_workspace", 0)
         return {
             **self.fixed,
             "attention_backward": attention,
-            "allocator": int(self.fraction * allocated) + self.page,
+            "allocator": (reserve if self.replayed else 0) + self.page,
         }
 
-    def total(self, peak: int, tokens: int) -> int:
+    def total(self, peak: int, tokens: int, reserve: int = 0) -> int:
         """The whole overhead in bytes (see `terms`)."""
-        return sum(self.terms(peak, tokens).values())
+        return sum(self.terms(peak, tokens, reserve).values())
 
-    def as_json(self, peak: int, tokens: int) -> dict[str, Any]:
+    def as_json(self, peak: int, tokens: int, reserve: int = 0) -> dict[str, Any]:
         """{"device_overhead_mib", "device_overhead_breakdown_mib"} for a plan's JSON."""
-        terms = self.terms(peak, tokens)
+        terms = self.terms(peak, tokens, reserve)
         return {
             "device_overhead_mib": round(sum(terms.values()) / MiB, 1),
             "device_overhead_breakdown_mib": {k: round(v / MiB, 1) for k, v in terms.items()},
@@ -179,7 +182,7 @@ def device_overhead(
     """
     if device_type == "cpu":
         return DeviceOverhead(fixed={"outside_allocator": 0, "cublas_workspace": 0},
-                              attention=None, fraction=0.0)  # fmt: skip
+                              attention=None)  # fmt: skip
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     heads = int(text.num_attention_heads)
     kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
@@ -188,6 +191,6 @@ def device_overhead(
     return DeviceOverhead(
         fixed={"outside_allocator": _OUTSIDE_ALLOCATOR, "cublas_workspace": _CUBLAS},
         attention=kernel,
-        fraction=0.0 if expandable_segments else _RESERVE_FIXED_SEGMENTS,
+        replayed=not expandable_segments,
         page=_EXPANDABLE_PAGE if expandable_segments else 0,
     )

@@ -92,7 +92,10 @@ def estimate_step(
     ).device
     breakdown = {k: est.breakdown.get(k, 0) + v for k, v in held.items()}
     return StepEstimate(
-        est.peak + sum(held.values()), {**est.breakdown, **breakdown}, est.checkpointing
+        est.peak + sum(held.values()),
+        {**est.breakdown, **breakdown},
+        est.checkpointing,
+        est.reserve,  # the engine's own buffers are not replayed through the allocator
     )
 
 

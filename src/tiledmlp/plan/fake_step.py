@@ -21,6 +21,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from tiledmlp.ops.tiling.policy import assume_device
 from tiledmlp.patching.offloading import enable_checkpointing
 from tiledmlp.plan.apply_stack import apply_stack, build_model, decoder_layers_of
+from tiledmlp.plan.caching_allocator import reserve_beyond_peak
+from tiledmlp.plan.device_overhead import CUBLAS_WORKSPACES
 from tiledmlp.plan.exchange import register_exchanged
 from tiledmlp.plan.phase_tracker import PhaseTracker
 from tiledmlp.plan.segments import CATEGORIES, SHORT, Segments, StepEstimate
@@ -106,8 +108,15 @@ def simulate(
         grads |= {tracker.serial(p.grad) for p in step.params if p.grad is not None}
         kept = [*model.buffers(), ids] if sharded else [*model.parameters(), *model.buffers(), ids]
         fixed = {"weights": sum(map(nbytes, kept)), "optimizer": sum(map(nbytes, step.states))}
+        # the caching allocator's view: what exists before the step, then (on a GPU) the cuBLAS
+        # workspaces its first matmul takes, counted beside the tensors (device_overhead.py)
+        before = [*map(nbytes, [*kept, *step.states])]
+        workspaces = CUBLAS_WORKSPACES if device_type == "cuda" else ()
+        reserve = reserve_beyond_peak([*before, *workspaces], tracker.trace)
         parts = [
-            _categorise(tracker, peak, at_peak, fixed, grads, checkpoint_inputs, checkpointing)
+            _categorise(
+                tracker, peak, at_peak, fixed, grads, checkpoint_inputs, checkpointing, reserve
+            )
             for peak, at_peak in tracker.segments
         ]
         return Segments(*parts) if len(parts) == 3 else Segments(parts[0], parts[0], parts[0])
@@ -177,6 +186,7 @@ def _categorise(
     grads: set[int | None],
     checkpoint_inputs: set[int | None],
     checkpointing: bool,
+    reserve: int = 0,
 ) -> StepEstimate:
     """One segment's peak with what was alive at it sorted into CATEGORIES (module docstring);
     `fixed` holds what existed before the step ("weights", "optimizer")."""
@@ -193,7 +203,7 @@ def _categorise(
         else:
             what = {"loss": "loss", "backward": "recompute", "optimizer": "optimizer"}[phase]
         breakdown[what] += nbytes
-    return StepEstimate(sum(fixed.values()) + peak, breakdown, checkpointing)
+    return StepEstimate(sum(fixed.values()) + peak, breakdown, checkpointing, reserve)
 
 
 def _without_mask(

@@ -200,10 +200,11 @@ def _plan_stack(
     if p > 1:
         extra = int(per_token * local)
         est = StepEstimate(
-            est.peak + extra, {**est.breakdown, "all_to_all": extra}, est.checkpointing
-        )
-    entry = {**est.as_json(), **overhead.as_json(est.peak, local)}
-    entry["per_gpu_mib"] = round((est.peak + overhead.total(est.peak, local)) / MiB, 1)
+            est.peak + extra, {**est.breakdown, "all_to_all": extra}, est.checkpointing,
+            est.reserve,
+        )  # fmt: skip
+    entry = {**est.as_json(), **overhead.as_json(est.peak, local, est.reserve)}
+    entry["per_gpu_mib"] = round((est.peak + overhead.total(est.peak, local, est.reserve)) / MiB, 1)
     keys = ("dtype", "optimizer", "engine", "world", "offload_params")
     host = host_breakdown(config, seq_len=local, stack=stack, **{k: options[k] for k in keys})
     entry["host_peak_mib"] = entry["host_per_gpu_mib"] = round(sum(host.values()) / MiB, 1)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from tiledmlp.plan.caching_allocator import FREE
 from tiledmlp.plan.fake_memory import StorageTracker
 
 __all__ = ["PhaseTracker"]
@@ -27,6 +28,9 @@ class PhaseTracker(StorageTracker):
         self.segments: list[tuple[int, dict[int, int]]] = []
         self._peak = 0
         self._at_peak: dict[int, int] = {}
+        # (serial, bytes) on creation, (serial, FREE) on release, in order: the step's
+        # allocation trace (plan/caching_allocator.py replays it)
+        self.trace: list[tuple[int, int]] = []
 
     def serial(self, t: torch.Tensor) -> int | None:
         """The serial of a live tracked tensor's storage (None when not created in the step)."""
@@ -46,6 +50,7 @@ class PhaseTracker(StorageTracker):
         key = self._key(t)
         if key not in self._refs:
             self._serial[key] = len(self.phase_of)
+            self.trace.append((len(self.phase_of), t.untyped_storage().nbytes()))
             self.phase_of.append(self.phase)
         super()._track(t)
         if self.live > self._peak:
@@ -53,5 +58,5 @@ class PhaseTracker(StorageTracker):
 
     def _release(self, key: int) -> None:
         super()._release(key)
-        if key not in self._refs:
-            self._serial.pop(key, None)
+        if key not in self._refs and key in self._serial:
+            self.trace.append((self._serial.pop(key), FREE))

@@ -43,18 +43,25 @@ def max_seq_len(
     `overhead` adds the device's own (plan/device_overhead.py: CUDA context, workspaces,
     attention backward buffers, allocator), so that the step fits a card of `budget_bytes`.
     `known_peaks` ({tokens: estimate_step(...).peak} for these options) holds estimates
-    already made, and receives the search's: a length is never simulated twice.
+    already made, and receives the search's: a length is never simulated twice (once more
+    where `overhead` replays the allocator and only the length's peak is known).
     """
     cache: dict[int, int] = {}
     tensors = {} if known_peaks is None else known_peaks
 
+    reserves: dict[int, int] = {}  # the replayed allocator reserve (device_overhead.py)
+    replayed = overhead is not None and overhead.replayed
+
     def peak(n: int) -> int:
         if n not in cache:
             tokens = n * granularity
-            if tokens not in tensors:
-                tensors[tokens] = estimate_step(config, seq_len=tokens, stack=stack, **options).peak
+            if tokens not in tensors or (replayed and tokens not in reserves):
+                est = estimate_step(config, seq_len=tokens, stack=stack, **options)
+                tensors[tokens], reserves[tokens] = est.peak, est.reserve
             step = tensors[tokens] + int(extra_bytes_per_token * tokens) + extra_bytes
-            cache[n] = step + (overhead.total(step, tokens) if overhead is not None else 0)
+            if overhead is not None:
+                step += overhead.total(step, tokens, reserves.get(tokens, 0))
+            cache[n] = step
             logger.info("  %s tokens: %.1f GiB", f"{tokens:,}", cache[n] / 2**30)
         return cache[n]
 

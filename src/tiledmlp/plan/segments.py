@@ -20,11 +20,14 @@ CATEGORIES = ("weights", "grads", "optimizer", "checkpoints", "activations", "lo
 
 @dataclass(frozen=True)
 class StepEstimate:
-    """One stack's peak device bytes and what was alive at the peak, by category."""
+    """One stack's peak device bytes and what was alive at the peak, by category; `reserve`:
+    what PyTorch's CUDA caching allocator without expandable segments holds beyond the peak
+    over the whole step (plan/caching_allocator.py)."""
 
     peak: int
     breakdown: dict[str, int]
     checkpointing: bool
+    reserve: int = 0
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -57,4 +60,5 @@ def extrapolate(short: StepEstimate, longer: StepEstimate, depth: int) -> StepEs
         return a + (depth - SHORT) * (b - a)
 
     breakdown = {k: line(short.breakdown[k], longer.breakdown[k]) for k in CATEGORIES}
-    return StepEstimate(line(short.peak, longer.peak), breakdown, short.checkpointing)
+    reserve = max(0, line(short.reserve, longer.reserve))
+    return StepEstimate(line(short.peak, longer.peak), breakdown, short.checkpointing, reserve)

@@ -1,0 +1,171 @@
+"""PyTorch's CUDA caching allocator without expandable segments, replayed on a step's trace.
+
+A CUDA step's tensors do not take memory from the driver one by one: PyTorch's caching
+allocator (c10/cuda/CUDACachingAllocator.cpp, its header comment and the constants beside it)
+takes segments from the driver, cuts blocks out of them, and keeps every segment it took (no
+`empty_cache`) unless an allocation fails. `max_memory_reserved` is the sum of the segments;
+what it holds beyond `max_memory_allocated` is this module's answer. The rules replayed:
+
+- a request is rounded up to a multiple of 512 bytes (kMinBlockSize); a zero-byte one takes
+  nothing;
+- requests of at most 1 MiB (kSmallSize) use the small pool, the rest the large pool; a block
+  of one pool never serves the other;
+- a request takes the smallest free block of its pool that is large enough (best fit; among
+  equal sizes the lowest address);
+- when none is, a new segment: 2 MiB (kSmallBuffer) for the small pool; 20 MiB (kLargeBuffer)
+  for a large request under 10 MiB (kMinLargeAlloc); otherwise the request rounded up to
+  2 MiB (kRoundLarge);
+- the block taken is split when what remains is at least 512 bytes (small pool) or more than
+  1 MiB (large pool); otherwise the request keeps the whole block;
+- a freed block merges with the free blocks beside it in its segment.
+
+One stream, the default settings (no max_split_size, no garbage-collection threshold, no
+power-of-two rounding), and a device large enough that no allocation fails.
+
+Invariant: the reserved bytes never decrease, and are at least the rounded live bytes.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+__all__ = ["FREE", "CachingAllocator", "reserve_beyond_peak"]
+
+MiB = 2**20
+MIN_BLOCK = 512  # kMinBlockSize: every request is rounded up to a multiple of it
+SMALL_SIZE = 1 * MiB  # kSmallSize: the largest request served from the small pool
+SMALL_BUFFER = 2 * MiB  # kSmallBuffer: the small pool's segments
+LARGE_BUFFER = 20 * MiB  # kLargeBuffer: the segment of a large request under MIN_LARGE_ALLOC
+MIN_LARGE_ALLOC = 10 * MiB  # kMinLargeAlloc
+ROUND_LARGE = 2 * MiB  # kRoundLarge: larger requests' segments are rounded up to it
+FREE = -1  # a trace event (key, FREE) frees what `key` holds
+
+
+def round_size(nbytes: int) -> int:
+    """A request's size as the allocator serves it: a multiple of 512 bytes, at least 512."""
+    return max(MIN_BLOCK, -(-nbytes // MIN_BLOCK) * MIN_BLOCK)
+
+
+def segment_size(size: int) -> int:
+    """The segment taken from the driver for a rounded request no free block can serve."""
+    if size <= SMALL_SIZE:
+        return SMALL_BUFFER
+    if size < MIN_LARGE_ALLOC:
+        return LARGE_BUFFER
+    return -(-size // ROUND_LARGE) * ROUND_LARGE
+
+
+@dataclass(eq=False)
+class _Block:
+    """A piece of one segment; `prev` and `next` are its neighbours in that segment."""
+
+    addr: int
+    size: int
+    small: bool
+    free: bool = True
+    prev: _Block | None = None
+    next: _Block | None = None
+
+
+class CachingAllocator:
+    """The allocator's state: its segments (only their total is kept), its blocks, and the
+    live and peak bytes both as requested and as reserved.
+
+    Attributes:
+        reserved: bytes of all segments taken from the driver.
+        live: bytes requested and not freed (unrounded).
+        peak: the largest `live` seen.
+    """
+
+    def __init__(self) -> None:
+        self.reserved = 0
+        self.live = 0
+        self.peak = 0
+        self._free: dict[bool, list[tuple[int, int]]] = {True: [], False: []}  # (size, addr)
+        self._blocks: dict[int, _Block] = {}  # free blocks by address
+        self._held: dict[int, tuple[_Block, int]] = {}  # key -> (its block, bytes requested)
+        self._top = 0  # the next segment's address
+
+    def malloc(self, key: int, nbytes: int) -> None:
+        """Serves `nbytes` for `key` (which must not hold a block)."""
+        if key in self._held:
+            raise ValueError(f"key {key} already holds a block; free it first")
+        self.live += nbytes
+        self.peak = max(self.peak, self.live)
+        if nbytes == 0:
+            self._held[key] = (_Block(-1, 0, True, free=False), 0)
+            return
+        size = round_size(nbytes)
+        small = size <= SMALL_SIZE
+        pool = self._free[small]
+        i = bisect.bisect_left(pool, (size, -1))
+        if i < len(pool):
+            block = self._blocks.pop(pool.pop(i)[1])
+        else:
+            block = _Block(self._top, segment_size(size), small)
+            self._top += block.size
+            self.reserved += block.size
+        rest = block.size - size
+        if rest >= MIN_BLOCK if small else rest > SMALL_SIZE:
+            tail = _Block(block.addr + size, rest, small, prev=block, next=block.next)
+            if block.next is not None:
+                block.next.prev = tail
+            block.next, block.size = tail, size
+            self._insert(tail)
+        block.free = False
+        self._held[key] = (block, nbytes)
+
+    def free(self, key: int) -> None:
+        """Returns `key`'s block to its pool, merged with the free blocks beside it."""
+        block, nbytes = self._held.pop(key)
+        self.live -= nbytes
+        if block.size == 0:
+            return
+        block.free = True
+        for side in (block.prev, block.next):
+            if side is not None and side.free:
+                self._remove(side)
+                if side is block.prev:
+                    side.size += block.size
+                    side.next = block.next
+                    if block.next is not None:
+                        block.next.prev = side
+                    block = side
+                else:
+                    block.size += side.size
+                    block.next = side.next
+                    if side.next is not None:
+                        side.next.prev = block
+        self._insert(block)
+
+    def _insert(self, block: _Block) -> None:
+        bisect.insort(self._free[block.small], (block.size, block.addr))
+        self._blocks[block.addr] = block
+
+    def _remove(self, block: _Block) -> None:
+        pool = self._free[block.small]
+        del pool[bisect.bisect_left(pool, (block.size, block.addr))]
+        del self._blocks[block.addr]
+
+
+def reserve_beyond_peak(before: Iterable[int], trace: Iterable[tuple[int, int]]) -> int:
+    """What the caching allocator reserves beyond the peak of requested bytes, for a step that
+    starts with tensors of `before` bytes (allocated first, in order, never freed) and then
+    runs `trace`: (key, nbytes) allocates nbytes for key, (key, FREE) frees it.
+
+    Returns:
+        Reserved bytes at the end (no segment is ever released) minus the peak of live
+        requested bytes: rounding, split remainders and segments too small or too fragmented
+        for later requests.
+    """
+    alloc = CachingAllocator()
+    for i, nbytes in enumerate(before):
+        alloc.malloc(-1 - i, nbytes)
+    for key, nbytes in trace:
+        if nbytes == FREE:
+            alloc.free(key)
+        else:
+            alloc.malloc(key, nbytes)
+    return alloc.reserved - alloc.peak
