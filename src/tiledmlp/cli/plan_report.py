@@ -1,0 +1,147 @@
+"""`tiledmlp plan`'s human-readable report: the MLP, one decoder layer and the whole model's
+stacks with their assumptions, from the result `tiledmlp plan --json` prints.
+
+Invariant: it reads the result and the flags only; nothing here estimates.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from tiledmlp.cli.output import show
+
+__all__ = ["show_text"]
+
+
+def show_text(
+    args: argparse.Namespace,
+    result: dict[str, Any],
+    hidden: int,
+    intermediate: int,
+    whole_model: bool,
+) -> None:
+    """The human-readable report of `result`."""
+    show(
+        f"SwiGLU MLP hidden {hidden}, intermediate {intermediate}, {args.seq_len} tokens, "
+        f"{args.dtype}: untiled {result['regular_mib']:,.1f} MiB, tiled "
+        f"({_tiles(args.num_tiles, result['tiles'])}) {result['tiled_mib']:,.1f} MiB "
+        f"({100 * result['saving']:.1f}% less)"
+    )
+    if whole_model:
+        show(
+            f"one decoder layer of {args.model} ({result['model_type']}, SDPA attention): "
+            f"untiled {result['layer_regular_mib']:,.1f} MiB, MLP tiled "
+            f"({_tiles(args.num_tiles, result['layer_tiles'])}) "
+            f"{result['layer_tiled_mib']:,.1f} MiB "
+            f"({100 * result['layer_saving']:.1f}% less)"
+        )
+        _show_model(args, result["model"])
+    if args.budget_gb is not None:
+        k = result["recommended_num_tiles"]
+        if k is None:
+            show(
+                f"no tile count fits {args.budget_gb} GiB (the weights, input and gradients alone may not)"
+            )
+        elif k == 0:
+            show(f"fits {args.budget_gb} GiB untiled")
+        else:
+            show(
+                f"fits {args.budget_gb} GiB with --num-tiles {k} ({result['recommended_mib']:,.1f} MiB)"
+            )
+
+
+def _tiles(policy: object, tiles: int) -> str:
+    """'auto: 10 tiles', or 'auto: untiled at this length' when the policy leaves it whole."""
+    return f"{policy}: {tiles} tiles" if tiles else f"{policy}: untiled at this length"
+
+
+_OPTIMIZER_TEXT = {
+    "none": "no optimizer state (--optimizer adamw or cpu-offload counts it)",
+    "adamw": "AdamW's two states per parameter on the device",
+    "cpu-offload": "optimizer state on the host, gradients on the device",
+}
+
+
+def _optimizer_text(args: argparse.Namespace) -> str:
+    """The optimizer's assumption; a sharding engine's host optimizer takes the gradients too."""
+    if args.engine != "ddp" and args.optimizer == "cpu-offload":
+        return "optimizer state and gradient partitions on the host"
+    return _OPTIMIZER_TEXT[args.optimizer]
+
+
+_ENGINE_TEXT = {
+    "ddp": "weights and gradients whole on the device (no ZeRO/FSDP sharding; --engine zero3 "
+    "or fsdp2 shards them)",
+    "zero3": "DeepSpeed ZeRO-3: weights, gradients and optimizer states sharded over the GPUs, "
+    "one layer gathered plus its prefetch, DeepSpeed's default reduce bucket",
+    "fsdp2": "FSDP2: weights, gradients and optimizer states sharded over the GPUs, the "
+    "embeddings and two layers gathered, one layer's gradients in the reduce-scatter",
+}
+
+
+def _show_model(args: argparse.Namespace, stacks: dict[str, Any]) -> None:
+    """The whole-model table: its assumptions first, then one aligned row per stack, in GiB."""
+    gib = 1024.0  # MiB per GiB
+    per_gpu = args.sequence_parallel_size > 1
+    checkpointing = (
+        "on for every stack"
+        if args.gradient_checkpointing
+        else "off, except for the offloading stacks, which need it (--gradient-checkpointing "
+        "turns it on for all)"
+    )
+    show(
+        f"one training step of the whole model, peak device memory in GiB"
+        f"{' per GPU' if per_gpu else ''}; assumes: batch 1 of {args.seq_len:,} tokens"
+        + (f" split over {args.sequence_parallel_size} GPUs" if per_gpu else "")
+        + f"; {_optimizer_text(args)}; {_ENGINE_TEXT[args.engine]}"
+        + (" (parameters, gradients and optimizer on the host)" if args.offload_params else "")
+        + f"; checkpointing {checkpointing}; attention by PyTorch's SDPA (cuDNN attention's "
+        "buffers on a GPU; the flash kernel by head groups in tiled_layer); the peak counts "
+        "tensors, the device overhead (memory outside the allocator, workspaces, the "
+        "attention backward's buffers, the allocator's reserve with expandable segments "
+        f"{'on' if args.expandable_segments else 'off'}) is given beside it, "
+        "and the host memory a stack keeps (offloaded layer inputs, host optimizer states) "
+        "after it"
+    )
+    width = max(len(stack) for stack in stacks)
+    for stack, entry in stacks.items():
+        parts = ", ".join(
+            f"{k} {v / gib:,.2f}" for k, v in entry["breakdown_mib"].items() if v >= 0.005 * gib
+        )
+        fits = (
+            f"; fits {args.memory_gb:g} GiB up to {entry['max_seq_len']:,} tokens"
+            if "max_seq_len" in entry
+            else ""
+        )
+        if entry.get("device_overhead_mib"):
+            parts += f"; + device overhead {entry['device_overhead_mib'] / gib:,.2f}"
+        host = entry.get("host_peak_mib", 0.0)
+        host_text = f"; host {host / gib:,.2f} GiB" if host else ""
+        if host and args.sequence_parallel_size > 1:
+            host_text += f" per GPU, {entry['host_per_node_mib'] / gib:,.2f} per node"
+        show(
+            f"  {stack:<{width}}  {entry['peak_mib'] / gib:>9,.2f} GiB  ({parts}){fits}{host_text}"
+        )
+        if "measured" in entry:
+            show(f"  {'':<{width}}  {_measured_text(entry['measured'], args.memory_gb)}")
+
+
+def _measured_text(m: dict[str, Any], memory_gb: float | None) -> str:
+    """One stack's measured line: simulated beside measured per length, then each max_seq_len
+    and which stands."""
+    gib = 1024.0
+    pairs = ", ".join(
+        f"{n:,}: {s / gib:,.2f} simulated / {v / gib:,.2f} measured"
+        for n, s, v in zip(m["lengths"], m["simulated_mib"], m["measured_mib"], strict=True)
+    )
+    text = (
+        f"measured ({m['layers']} layers, GiB) {pairs}; whole model {m['per_gpu_mib'] / gib:,.2f}"
+        " with the difference"
+    )
+    if "max_seq_len_measured" in m:
+        text += (
+            f"; fits {memory_gb:g} GiB up to {m['max_seq_len_simulated']:,} simulated, "
+            f"{m['max_seq_len_measured']:,} measured: the {m['standing']} figure stands"
+        )
+    return text

@@ -1,0 +1,33 @@
+"""The source's shape: one concept per file, one home per option.
+
+A file past 500 lines usually holds two concepts (split it along its seam); an option is
+written in its schema (config/), its stack table and its feature (patching/features/), and
+everything else derives from the schema.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[2] / "src" / "tiledmlp"
+MAX_LINES = 500
+
+
+def _sources() -> list[Path]:
+    return sorted(PACKAGE.rglob("*.py"))
+
+
+def test_no_source_file_is_over_500_lines() -> None:
+    long = {
+        str(p.relative_to(PACKAGE)): n
+        for p in _sources()
+        if (n := len(p.read_text(encoding="utf-8").splitlines())) > MAX_LINES
+    }
+    assert not long, f"split these along their seams (at most {MAX_LINES} lines): {long}"
+
+
+def test_the_norms_switch_is_written_in_at_most_four_files() -> None:
+    word = re.compile(r"\btiled_norms\b")
+    files = [str(p.relative_to(PACKAGE)) for p in _sources() if word.search(p.read_text("utf-8"))]
+    assert len(files) <= 4, f"tiled_norms is named in {len(files)} files: {files}"
