@@ -4,6 +4,7 @@ extrapolation against simulating every layer; max_seq_len against the estimate; 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -125,7 +126,8 @@ def test_depth_extrapolation_equals_simulating_every_layer(stack: str, optimizer
     kw: dict[str, Any] = {"seq_len": 4096, "stack": stack, "optimizer": optimizer, "num_tiles": 2}
     fast = estimate_step(cfg, checkpointing=True, **kw)
     exact = estimate_step(cfg, checkpointing=True, exact=True, **kw)
-    assert fast == exact
+    # the allocator's reserve is the exact simulation's only (plan/segments.py: extrapolate)
+    assert fast == dataclasses.replace(exact, reserve=0)
 
 
 @pytest.mark.parametrize("policy", ["arctic", "target:0.001"])
@@ -314,7 +316,8 @@ def test_device_overhead_terms_and_max_seq_len_on_a_card() -> None:
     assert expandable == {**terms, "allocator": 2 * MiB}
     assert device_overhead(cfg, "cpu").total(1000 * MiB, 2048, 300 * MiB) == 0
 
-    kw: dict[str, Any] = {"stack": "tiled_mlp_loss_offload", "num_tiles": TILES}
+    # every layer simulated: the allocator's reserve is the whole depth's (plan_model does so)
+    kw: dict[str, Any] = {"stack": "tiled_mlp_loss_offload", "num_tiles": TILES, "exact": True}
     est = estimate_step(cfg, seq_len=8192, **kw)
     assert est.reserve > 0  # a step's tensors change size: the allocator holds more
     card = est.peak + cuda.total(est.peak, 8192, est.reserve)

@@ -157,6 +157,9 @@ def plan_model(
         "world": p,
         "offload_params": offload_params,
         "sequence_parallel_size": p,
+        # the allocator's reserve without expandable segments is the whole depth's trace
+        # replayed (plan/device_overhead.py, Note [Allocator reserve]): every layer simulated
+        "exact": device_type != "cpu" and not expandable_segments,
     }
     out: dict[str, Any] = {}
     for i, stack in enumerate(stacks, 1):

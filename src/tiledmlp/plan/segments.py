@@ -22,7 +22,7 @@ CATEGORIES = ("weights", "grads", "optimizer", "checkpoints", "activations", "lo
 class StepEstimate:
     """One stack's peak device bytes and what was alive at the peak, by category; `reserve`:
     what PyTorch's CUDA caching allocator without expandable segments holds beyond the peak
-    over the whole step (plan/caching_allocator.py)."""
+    over the whole step (plan/caching_allocator.py); 0 in an extrapolated estimate."""
 
     peak: int
     breakdown: dict[str, int]
@@ -60,5 +60,7 @@ def extrapolate(short: StepEstimate, longer: StepEstimate, depth: int) -> StepEs
         return a + (depth - SHORT) * (b - a)
 
     breakdown = {k: line(short.breakdown[k], longer.breakdown[k]) for k in CATEGORIES}
-    reserve = max(0, line(short.reserve, longer.reserve))
-    return StepEstimate(line(short.peak, longer.peak), breakdown, short.checkpointing, reserve)
+    # no reserve: the allocator's does not follow a line in the depth (which blocks a later
+    # request finds free depends on every size before it); plan_model simulates every layer
+    # where it counts the reserve
+    return StepEstimate(line(short.peak, longer.peak), breakdown, short.checkpointing)
