@@ -151,7 +151,9 @@ def _user_frame(frames: Iterable[Mapping[str, Any]]) -> str:
     for f in frames:
         name = str(f.get("filename", ""))
         if "/torch/" not in name and not name.startswith("<") and name not in ("", "??"):
-            short = "/".join(name.split("/")[-2:])
+            # within tiledmlp, the path inside the package; elsewhere the last two parts
+            inside = name.rpartition("/tiledmlp/")[2] if "/tiledmlp/" in name else ""
+            short = inside or "/".join(name.split("/")[-2:])
             return f"{short}:{f.get('line', '?')} {f.get('name', '?')}"
     if frames:
         f = frames[0]
