@@ -203,7 +203,7 @@ def _estimate(
     config: Any,
     seq_len: int,
     dtype: torch.dtype,
-    tiles: int | str | None,
+    tiles: int | str | TilePolicy | None,
     device_type: str = "cuda",
 ) -> tuple[int, int]:
     """(peak bytes, tiles used) of one layer's forward + backward; tiles None means untiled;
