@@ -7,6 +7,7 @@ that created it; each segment closed by `mark` keeps its peak and what was alive
 from __future__ import annotations
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 from tiledmlp.plan.caching_allocator import FREE
 from tiledmlp.plan.fake_memory import StorageTracker
@@ -45,7 +46,8 @@ class PhaseTracker(StorageTracker):
         self._peak, self._at_peak = self.live, self._alive()
 
     def _track(self, t: torch.Tensor) -> None:
-        if t.device.type == "meta":
+        # a fake tensor's device read directly: `.device` would be one more dispatched op
+        if (t.fake_device if isinstance(t, FakeTensor) else t.device).type == "meta":
             return
         key = self._key(t)
         if key not in self._refs:
