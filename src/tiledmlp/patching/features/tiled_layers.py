@@ -19,12 +19,8 @@ from torch import nn
 
 from tiledmlp.config.patch import PatchConfig
 from tiledmlp.patching.agreement import step_tokens
-from tiledmlp.patching.features.base import Feature, Found
-from tiledmlp.patching.features.tiled_modules import (
-    blocked_modules,
-    describe_modules,
-    remove_modules,
-)
+from tiledmlp.patching.features.base import Found
+from tiledmlp.patching.features.tiled_modules import ModuleTiling
 from tiledmlp.patching.layers import LAYER, LAYER_KIND, decoder_layers, install_layer, layer_parts
 from tiledmlp.patching.report import ReportParts
 from tiledmlp.patching.state import PatchState
@@ -35,14 +31,14 @@ __all__ = ["TILED_LAYERS", "TiledLayers"]
 FoundLayers = list[tuple[str, nn.Module, Any]]
 
 
-def _owns(state: PatchState) -> bool:
-    return state.kind == LAYER_KIND
-
-
-class TiledLayers(Feature):
+class TiledLayers(ModuleTiling):
     """Tiled decoder layers (module docstring)."""
 
     name = "tiled_layers"
+    removed_keys = (LAYER,)
+
+    def owns(self, state: PatchState) -> bool:
+        return state.kind == LAYER_KIND
 
     def probe(self, model: nn.Module, config: PatchConfig, found: Found) -> FoundLayers:
         del config, found
@@ -72,15 +68,6 @@ class TiledLayers(Feature):
             for _, layer, parts in probed:
                 install_layer(layer, parts, config.mlp_config, step)
         report.paths.update({name: f"generic: {LAYER_KIND}" for name, _, _ in probed})
-
-    def blocked(self, model: nn.Module) -> list[str]:
-        return blocked_modules(model, _owns)
-
-    def remove(self, model: nn.Module) -> list[str]:
-        return remove_modules(model, _owns, keys=(LAYER,))
-
-    def describe(self, model: nn.Module, report: ReportParts) -> None:
-        describe_modules(model, _owns, report)
 
 
 TILED_LAYERS = TiledLayers()

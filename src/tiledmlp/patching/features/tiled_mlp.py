@@ -15,16 +15,9 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from tiledmlp.config.patch import PatchConfig
-from tiledmlp.patching.agreement import step_tokens
 from tiledmlp.patching.detect import Candidate, detect_mlps
-from tiledmlp.patching.features.base import Feature, Found
-from tiledmlp.patching.features.tiled_modules import (
-    blocked_modules,
-    describe_modules,
-    hidden_size,
-    patch_module,
-    remove_modules,
-)
+from tiledmlp.patching.features.base import Found
+from tiledmlp.patching.features.tiled_modules import ModuleTiling, hidden_size, tile_candidates
 from tiledmlp.patching.layers import LAYER_KIND
 from tiledmlp.patching.report import ReportParts
 from tiledmlp.patching.state import PatchState
@@ -40,14 +33,13 @@ class FoundModules:
     skipped: list[tuple[str, str]] = field(default_factory=list)
 
 
-def _owns(state: PatchState) -> bool:
-    return state.kind not in ("norm", LAYER_KIND)
-
-
-class TiledMLPs(Feature):
+class TiledMLPs(ModuleTiling):
     """Tiled MLPs (module docstring)."""
 
     name = "tiled_mlp"
+
+    def owns(self, state: PatchState) -> bool:
+        return state.kind not in ("norm", LAYER_KIND)
 
     def probe(self, model: nn.Module, config: PatchConfig, found: Found) -> FoundModules:
         del found
@@ -56,21 +48,8 @@ class TiledMLPs(Feature):
     def apply(
         self, model: nn.Module, config: PatchConfig, probed: FoundModules, report: ReportParts
     ) -> None:
-        if probed.candidates:
-            step = step_tokens(model)
-            for cand in probed.candidates:
-                patch_module(cand.module, cand, config.mlp_config, step)
-        report.paths.update({c.name: f"{c.path}: {c.kind}" for c in probed.candidates})
+        tile_candidates(model, probed.candidates, config, report)
         report.skipped += probed.skipped
-
-    def blocked(self, model: nn.Module) -> list[str]:
-        return blocked_modules(model, _owns)
-
-    def remove(self, model: nn.Module) -> list[str]:
-        return remove_modules(model, _owns)
-
-    def describe(self, model: nn.Module, report: ReportParts) -> None:
-        describe_modules(model, _owns, report)
 
 
 TILED_MLP = TiledMLPs()

@@ -23,21 +23,24 @@ from tiledmlp.ops.mlp.functional import tiled_mlp
 from tiledmlp.ops.mlp.structure import recognise
 from tiledmlp.ops.mlp.untiled import UntiledCall
 from tiledmlp.ops.tiling.tiles import TileCount
-from tiledmlp.patching.agreement import StepTokens, remove_agreement
+from tiledmlp.patching.agreement import StepTokens, remove_agreement, step_tokens
 from tiledmlp.patching.bound import BoundForward, bind
 from tiledmlp.patching.detect import Candidate, hidden_size_of
 from tiledmlp.patching.engine_registry import backend_for, run_checks
+from tiledmlp.patching.features.base import Feature
 from tiledmlp.patching.layers import tiled_layer_forward
 from tiledmlp.patching.report import ReportParts
 from tiledmlp.patching.state import STATE, PatchState, original_forward
 
 __all__ = [
+    "ModuleTiling",
     "Owns",
     "blocked_modules",
     "describe_modules",
     "hidden_size",
     "patch_module",
     "remove_modules",
+    "tile_candidates",
     "reset_tile_counts",
     "tile_counts",
     "tiled_forward",
@@ -155,6 +158,36 @@ def describe_modules(model: nn.Module, owns: Owns, report: ReportParts) -> None:
             report.paths[name] = "generic: changed since patching (e.g. adapters injected)"
         else:
             report.paths[name] = f"{state.path}: {state.kind}"
+
+
+class ModuleTiling(Feature):
+    """A feature that tiles modules of the model: it owns the modules whose PatchState its
+    `owns` accepts, and blocks, removes and describes those alone."""
+
+    removed_keys: tuple[str, ...] = ()  # per-module entries the feature adds beside its state
+
+    def owns(self, state: PatchState) -> bool:
+        raise NotImplementedError
+
+    def blocked(self, model: nn.Module) -> list[str]:
+        return blocked_modules(model, self.owns)
+
+    def remove(self, model: nn.Module) -> list[str]:
+        return remove_modules(model, self.owns, keys=self.removed_keys)
+
+    def describe(self, model: nn.Module, report: ReportParts) -> None:
+        describe_modules(model, self.owns, report)
+
+
+def tile_candidates(
+    model: nn.Module, candidates: list[Candidate], config: PatchConfig, report: ReportParts
+) -> None:
+    """Tiles each candidate module (the MLPs or the norms) and reports its path."""
+    if candidates:
+        step = step_tokens(model)
+        for cand in candidates:
+            patch_module(cand.module, cand, config.mlp_config, step)
+    report.paths.update({c.name: f"{c.path}: {c.kind}" for c in candidates})
 
 
 def reset_tile_counts(model: nn.Module) -> None:

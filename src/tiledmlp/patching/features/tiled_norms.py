@@ -15,31 +15,23 @@ from __future__ import annotations
 from torch import nn
 
 from tiledmlp.config.patch import PatchConfig
-from tiledmlp.patching.agreement import step_tokens
 from tiledmlp.patching.detect import norms_of
-from tiledmlp.patching.features.base import Feature, Found
+from tiledmlp.patching.features.base import Found
 from tiledmlp.patching.features.tiled_mlp import FoundModules
-from tiledmlp.patching.features.tiled_modules import (
-    blocked_modules,
-    describe_modules,
-    hidden_size,
-    patch_module,
-    remove_modules,
-)
+from tiledmlp.patching.features.tiled_modules import ModuleTiling, hidden_size, tile_candidates
 from tiledmlp.patching.report import ReportParts
 from tiledmlp.patching.state import PatchState
 
 __all__ = ["TILED_NORMS", "TiledNorms"]
 
 
-def _owns(state: PatchState) -> bool:
-    return state.kind == "norm"
-
-
-class TiledNorms(Feature):
+class TiledNorms(ModuleTiling):
     """Tiled norms (module docstring)."""
 
     name = "tiled_norms"
+
+    def owns(self, state: PatchState) -> bool:
+        return state.kind == "norm"
 
     def probe(self, model: nn.Module, config: PatchConfig, found: Found) -> FoundModules:
         mlps = found.get("tiled_mlp")
@@ -50,20 +42,7 @@ class TiledNorms(Feature):
     def apply(
         self, model: nn.Module, config: PatchConfig, probed: FoundModules, report: ReportParts
     ) -> None:
-        if probed.candidates:
-            step = step_tokens(model)
-            for cand in probed.candidates:
-                patch_module(cand.module, cand, config.mlp_config, step)
-        report.paths.update({c.name: f"{c.path}: {c.kind}" for c in probed.candidates})
-
-    def blocked(self, model: nn.Module) -> list[str]:
-        return blocked_modules(model, _owns)
-
-    def remove(self, model: nn.Module) -> list[str]:
-        return remove_modules(model, _owns)
-
-    def describe(self, model: nn.Module, report: ReportParts) -> None:
-        describe_modules(model, _owns, report)
+        tile_candidates(model, probed.candidates, config, report)
 
 
 TILED_NORMS = TiledNorms()
