@@ -34,7 +34,7 @@ from tiledmlp.ops.attention.heads import (
 from tiledmlp.ops.attention.kernels import FusedKernel, default_kernel
 from tiledmlp.ops.attention.select import choose_kernel, kernel_order
 
-__all__ = ["BY_HEADS", "active", "by_heads", "groups_for", "plan_for", "sdpa_by_heads"]
+__all__ = ["BY_HEADS", "active", "by_heads", "plan_for", "sdpa_by_heads"]
 
 _ACTIVE = contextvars.ContextVar("tiledmlp_attention_by_heads", default=False)
 BY_HEADS = "sdpa"  # the attention implementation run by head groups
@@ -106,19 +106,6 @@ def plan_for(
         return 1, None
     n = groups(kernel)
     return (1, None) if n == 1 else (n, kernel)
-
-
-def groups_for(
-    module: Any,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: Any,
-    dropout: float,
-    kwargs: dict[str, Any],
-) -> int:
-    """The head groups this call runs in by heads; 1 when it runs as transformers' sdpa."""
-    return plan_for(module, query, key, value, attention_mask, dropout, kwargs)[0]
 
 
 def sdpa_by_heads(
