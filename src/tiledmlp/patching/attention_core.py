@@ -32,7 +32,7 @@ from tiledmlp.ops.attention.heads import (
     unsupported,
 )
 from tiledmlp.ops.attention.kernels import FusedKernel, default_kernel
-from tiledmlp.ops.attention.select import choose_kernel, kernel_order
+from tiledmlp.ops.attention.select import first_agreeing, kernel_order
 
 __all__ = ["BY_HEADS", "active", "by_heads", "plan_for", "sdpa_by_heads"]
 
@@ -101,7 +101,7 @@ def plan_for(
         order = kernel_order(query, key, value)
         if not order or groups(order[0]) == 1:
             return 1, None
-        kernel = choose_kernel(query, key, value)
+        kernel = first_agreeing(order, query)
     if kernel is None:
         return 1, None
     n = groups(kernel)

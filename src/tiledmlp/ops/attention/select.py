@@ -34,6 +34,7 @@ __all__ = [
     "TORCH_PROBES",
     "Probes",
     "choose_kernel",
+    "first_agreeing",
     "kernel_agrees",
     "kernel_order",
 ]
@@ -170,7 +171,17 @@ def choose_kernel(
     check: Callable[[FusedKernel, torch.device, torch.dtype, int], bool] = kernel_agrees,
 ) -> FusedKernel | None:
     """The first kernel of kernel_order(q, k, v) whose self-check passes, or None."""
-    for kern in kernel_order(q, k, v, probes):
+    return first_agreeing(kernel_order(q, k, v, probes), q, check)
+
+
+def first_agreeing(
+    order: list[FusedKernel],
+    q: torch.Tensor,
+    check: Callable[[FusedKernel, torch.device, torch.dtype, int], bool] = kernel_agrees,
+) -> FusedKernel | None:
+    """The first kernel of `order` (kernel_order's, already computed) whose self-check passes
+    for q's device, dtype and head size, or None."""
+    for kern in order:
         if check(kern, q.device, q.dtype, q.shape[3]):
             return kern
     return None
