@@ -180,16 +180,7 @@ def model_steps_tasks(ctx: Context) -> list[Task]:
                     skipped.append(_skip(seq, stack, reason, need))
                     continue
                 spend += need
-                jobs.append(
-                    StepJob(
-                        config=sz.model,
-                        seq_len=seq,
-                        stack=stack,
-                        dtype=sz.model_dtype,
-                        device=str(ctx.device),
-                        steps=sz.model_steps,
-                    )
-                )
+                jobs.append(_step_job(ctx, seq, stack))
             records = run_steps(jobs, timeout=left) if jobs else []
             wait = max(0.0, left - (time.perf_counter() - start)) if jobs else 0.0
             plan, why = _plan(ctx, seq, min(wait, 120.0)) if jobs else ({}, None)
@@ -199,6 +190,19 @@ def model_steps_tasks(ctx: Context) -> list[Task]:
         total = budget.ceil_s(_margin(ctx.machine.process_s) + sum(each.values()))
         tasks.append(Task("model_steps", f"seq_len={seq}", first, run, after, total))
     return tasks
+
+
+def _step_job(ctx: Context, seq: int, stack: str) -> StepJob:
+    """The suite's whole step of `stack` at `seq` tokens on its model, dtype and device."""
+    sz = ctx.sizes
+    return StepJob(
+        config=sz.model,
+        seq_len=seq,
+        stack=stack,
+        dtype=sz.model_dtype,
+        device=str(ctx.device),
+        steps=sz.model_steps,
+    )
 
 
 # -- the allocator -----------------------------------------------------------------------------
@@ -213,14 +217,7 @@ def allocator_tasks(ctx: Context) -> list[Task]:
 
     def run(left: float) -> list[Record]:
         records = []
-        job = StepJob(
-            config=sz.model,
-            seq_len=seq,
-            stack=stack,
-            dtype=sz.model_dtype,
-            device=str(ctx.device),
-            steps=sz.model_steps,
-        )
+        job = _step_job(ctx, seq, stack)
         start = time.perf_counter()
         for value in ("expandable_segments:False", EXPANDABLE):
             env = {**os.environ, ALLOC_CONF_ENV: value}
