@@ -75,3 +75,15 @@ def test_deepspeed_tiled_mlp_runs_the_whole_mlp_again() -> None:
     with pytest.raises(Exception, match="gradient function"):
         step_flops(ds.forward, mlp, n, h)
     assert op_step_flops(ds.forward, mlp, n, h) == 12 * 2 * n * h * m
+
+
+def test_counter_counts_the_out_dtype_overloads_like_the_plain_ones() -> None:
+    """The weight-gradient accumulation's `addmm(..., out_dtype=float32)` (the op that runs on
+    CUDA) is counted as the plain addmm: the dtype, given positionally to the overload, is not
+    read as a shape."""
+    a = torch.empty(8, 16, dtype=torch.bfloat16, device="meta")
+    acc = torch.empty(8, 8, device="meta")
+    plain = count_flops(lambda: torch.addmm(acc, a.float(), a.float().t()))
+    widened = count_flops(lambda: torch.addmm(acc, a, a.t(), out_dtype=torch.float32, out=acc))
+    assert widened == plain == 2 * 8 * 8 * 16
+    assert count_flops(lambda: torch.mm(a, a.t(), out_dtype=torch.float32)) == 2 * 8 * 8 * 16

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
@@ -32,7 +33,10 @@ class OpFlopCounter(TorchDispatchMode):
         out = func(*args, **kwargs)
         formula = flop_registry.get(func.overloadpacket)
         if formula is not None:
-            self.total += int(formula(*args, **kwargs, out_val=out))
+            # the out_dtype overloads (mm.dtype, addmm.dtype...) take the dtype positionally,
+            # where the formulas expect only tensors: a FLOP count does not depend on it
+            shaped = tuple(a for a in args if not isinstance(a, torch.dtype))
+            self.total += int(formula(*shaped, **kwargs, out_val=out))
         return out
 
 
