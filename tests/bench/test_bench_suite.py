@@ -218,10 +218,26 @@ def test_the_default_order_and_the_estimates_of_one_h100(tmp_path: Path) -> None
     assert firsts == ["seq_len=32768", "seq_len=131072", "seq_len=32768"]
     parts = [t.part for t in tasks]
     after_allocator = tasks[parts.index("allocator") + 1]
-    after_kernels = tasks[parts.index("kernels") + 1]
     assert (after_allocator.part, after_allocator.what) == ("model_steps", "seq_len=262144")
-    assert (after_kernels.part, after_kernels.what) == ("model_steps", "seq_len=65536")
+    assert (tasks[-1].part, tasks[-1].what) == ("model_steps", "seq_len=65536")
     assert all(t.estimate_s > 0 for t in tasks)
+
+
+def test_every_part_of_the_default_run_fits_the_default_budget_on_one_h200(
+    tmp_path: Path,
+) -> None:
+    """By the estimates corrected with the committed H200 records, every task but the last
+    (the 64K steps, which run if time is left) starts: each task's estimate (margin included)
+    is within what is left once the tasks before it took their estimates without the margin."""
+    sizes = full_sizes()
+    found = budget.load_corrections(ROOT / "benchmarks" / "results" / "gpu", "h200", sizes.model)
+    assert found.part_s.get(("train", False)) is not None  # read from the part's own folder
+    ctx = Context(sizes, torch.device("cuda"), tmp_path, budget.GPU, found)
+    elapsed = 0.0
+    for task in suite.plan_tasks(ctx)[:-1]:
+        whole = task.total_s if task.total_s is not None else task.estimate_s
+        assert whole <= suite.DEFAULT_BUDGET_S - elapsed, (task.part, task.what, elapsed)
+        elapsed += whole / budget.MARGIN
 
 
 def test_device_slugs_and_the_default_folder() -> None:

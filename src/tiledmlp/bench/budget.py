@@ -170,6 +170,8 @@ class Corrections:
         attention_ratio: median of recorded SDPA step time / the model's estimate, or None.
         attention_by_heads_ratio: median of recorded by-heads time / SDPA's at the same
             length, or None.
+        task_s: (part, what, smoke) -> the recorded seconds of that whole task (a length of
+            whole steps with all its stacks, a part measured as one piece...).
         sources: the record files read.
     """
 
@@ -178,6 +180,7 @@ class Corrections:
     part_s: dict[tuple[str, bool], float] = field(default_factory=dict)
     attention_ratio: float | None = None
     attention_by_heads_ratio: float | None = None
+    task_s: dict[tuple[str, str, bool], float] = field(default_factory=dict)
     sources: tuple[str, ...] = ()
 
 
@@ -194,7 +197,7 @@ def _records(files: Iterable[Path]) -> Iterable[dict[str, Any]]:
 def load_corrections(
     root: Path | None, slug: str, model: Mapping[str, Any] | None = None
 ) -> Corrections:
-    """The corrections from `root`/*-<slug>/*.jsonl (module docstring); empty without records.
+    """The corrections from `root`/*-<slug>/**/*.jsonl (module docstring); empty without records.
 
     Args:
         root: benchmarks/results/gpu of a source checkout, or None.
@@ -205,16 +208,21 @@ def load_corrections(
     if root is None or not root.is_dir():
         return Corrections()
     files = sorted(p for d in root.iterdir() if d.is_dir() and d.name.endswith(f"-{slug}")
-                   for p in d.glob("*.jsonl"))  # fmt: skip
+                   for p in d.rglob("*.jsonl"))  # fmt: skip
     whole: dict[tuple[int, int, int, str], tuple[float, float]] = {}
     ratios: list[float] = []
     parts: dict[tuple[str, bool], float] = {}
     attention: dict[tuple[int, str], tuple[float, tuple[int, int]]] = {}
+    tasks: dict[tuple[str, str, bool], float] = {}
     for r in _records(files):
         if r.get("status") not in (None, "ok"):
             continue
+        if {"part", "what", "seconds"} <= r.keys() and r["seconds"]:
+            tasks[(str(r["part"]), str(r["what"]), bool(r.get("smoke")))] = float(r["seconds"])
         # a part measured as one piece: its seconds (older suite records: part_seconds)
-        seconds = r.get("seconds") if r.get("what") == "all" else r.get("part_seconds")
+        # a part measured as one piece ("tiled and untiled": the train part)
+        one_piece = r.get("what") in ("all", "tiled and untiled")
+        seconds = r.get("seconds") if one_piece else r.get("part_seconds")
         if seconds is not None and "part" in r:
             parts[(r["part"], bool(r.get("smoke")))] = float(seconds)
         if {"stack", "seq_len", "hidden", "layers", "time_ms"} <= r.keys() and not r.get("error"):
@@ -247,6 +255,7 @@ def load_corrections(
         parts,
         statistics.median(att) if att else None,
         statistics.median(heads) if heads else None,
+        tasks,
         tuple(str(f) for f in files),
     )
 

@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import os
 import platform
+import shutil
+import subprocess
 
 import torch
 
-__all__ = ["available_devices", "device_name", "resolve_device"]
+__all__ = ["available_devices", "device_name", "others_on_device_bytes", "resolve_device"]
 
 
 def _load_npu_plugin() -> None:
@@ -62,3 +65,26 @@ def device_name(device: torch.device) -> str:
                 return str(get_name())
         return device.type
     return platform.processor() or platform.machine() or "cpu"
+
+
+def others_on_device_bytes(index: int = 0) -> int | None:
+    """Device memory in use on the NVIDIA GPU `index` (of those this process sees) before this
+    process has a CUDA context: other processes' contexts and caches, which a device-wide
+    figure such as `torch.cuda.mem_get_info` counts as this process's. Asked of `nvidia-smi`
+    (the driver's figure, in MiB); None where it cannot say (no nvidia-smi, no such GPU).
+    Call it before CUDA starts in this process."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return None
+    visible = [
+        v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()
+    ]
+    target = visible[index] if index < len(visible) else str(index)
+    try:
+        out = subprocess.run(
+            [smi, "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", target],
+            capture_output=True, text=True, timeout=20, check=True,
+        ).stdout  # fmt: skip
+        return int(float(out.strip().splitlines()[0])) * 2**20
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return None

@@ -9,7 +9,7 @@ against DeepSpeed and Liger ("mlp_table"); the weight-gradient error of bf16 aga
 ("grad_error"); the fused kernels against their references ("kernels"); activation
 offloading's overhead and host memory ("offload"); `tiledmlp train` tiled against untiled
 ("train"); `pytest -m gpu` ("gpu_tests"). The 256K whole step runs after the allocator part,
-the 64K ones after the kernels. `--smoke` runs every part at toy sizes on whatever device there
+the 64K ones last (after the GPU tests). `--smoke` runs every part at toy sizes on whatever device there
 is.
 
 The budget: every piece of work has an estimate (bench/budget.py: a cost model from the sizes,
@@ -28,6 +28,7 @@ is 0 only when nothing failed (skips are not failures).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import logging
@@ -112,12 +113,26 @@ def default_out(device: torch.device, smoke: bool, today: datetime.date | None =
     )
 
 
+def _recorded(ctx: Context, task: Task) -> Task:
+    """The task with its estimate from a record of the same task on this device kind at these
+    sizes, where there is one: its measured seconds, margin included (the first piece of a
+    task that can do part of its work keeps the cost model's share of it)."""
+    seconds = ctx.corrections.task_s.get((task.part, task.what, ctx.sizes.smoke))
+    if seconds is None:
+        return task
+    whole = budget.ceil_s(seconds * budget.MARGIN)
+    if task.total_s is None:
+        return dataclasses.replace(task, estimate_s=whole)
+    share = task.estimate_s / task.total_s if task.total_s > 0 else 1.0
+    return dataclasses.replace(task, estimate_s=budget.ceil_s(whole * share), total_s=whole)
+
+
 def plan_tasks(ctx: Context, parts: Sequence[str] = ()) -> list[Task]:
     """Every task of the chosen parts (default: all), in the order they run: with its part in
     the order of PARTS, or right after the part it names (`Task.after`), then as listed."""
     names = list(parts) or list(PARTS)
     index = {name: i for i, name in enumerate(PARTS)}
-    tasks = [t for name in names for t in PARTS[name](ctx)]
+    tasks = [_recorded(ctx, t) for name in names for t in PARTS[name](ctx)]
     return sorted(tasks, key=lambda t: index[t.part] if t.after is None else index[t.after] + 0.5)
 
 
@@ -205,6 +220,7 @@ def run_suite(
         with (out / "records.jsonl").open("w") as f:
             for task in plan_tasks(ctx, parts):
                 got = _run_task(task, deadline - time.perf_counter(), budget_s, env)
+                _release_cache(dev)
                 for r in got:
                     f.write(json.dumps(r) + "\n")
                 f.flush()
@@ -215,6 +231,14 @@ def run_suite(
         used = round(time.perf_counter() - start, 1)
         (out / "summary.md").write_text(summary_markdown(records, env, used))
     return records
+
+
+def _release_cache(device: torch.device) -> None:
+    """The suite's own cached device memory returned after each task: a whole step measured
+    next, in its own process, sees the card as free as this process can leave it."""
+    if device.type == "cuda" and torch.cuda.is_initialized():
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
 
 
 def _run_task(

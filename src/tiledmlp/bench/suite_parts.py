@@ -408,15 +408,19 @@ def offload_tasks(ctx: Context) -> list[Task]:
     seconds = (
         ctx.machine.process_s + 2 * (build + 1) + 2 * sz.offload_steps * step / ctx.machine.flops
     )
-    return [Task("offload", "all", _margin(seconds), lambda left: offload(ctx.sizes, timeout=left))]
+    recorded = ctx.corrections.part_s.get(("offload", sz.smoke))
+    estimate = _margin(recorded if recorded is not None else seconds)
+    return [Task("offload", "all", estimate, lambda left: offload(ctx.sizes, timeout=left))]
 
 
 def train_tasks(ctx: Context) -> list[Task]:
+    """Estimate: its recorded seconds at these sizes, else two runs of the machine's."""
+    recorded = ctx.corrections.part_s.get(("train", ctx.sizes.smoke))
     return [
         Task(
             "train",
             "tiled and untiled",
-            _margin(2 * ctx.machine.fixed_s["train_run"]),
+            _margin(recorded if recorded is not None else 2 * ctx.machine.fixed_s["train_run"]),
             lambda left: train(ctx.sizes, timeout=left),
         )
     ]

@@ -88,7 +88,7 @@ def full_sizes() -> Sizes:
             (262144, ("tiled_layer",)),
             (65536, ("tiled_mlp_loss", "tiled_layer")),
         ),
-        model_after=((262144, "allocator"), (65536, "kernels")),
+        model_after=((262144, "allocator"), (65536, "gpu_tests")),
         model_dtype="bfloat16",
         model_steps=1,
         attention_seq_lens=(32768, 131072, 262144),

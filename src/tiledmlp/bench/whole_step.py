@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from tiledmlp.allocator import allocator_setting, prefer_expandable_segments
+from tiledmlp.bench.device import others_on_device_bytes
 from tiledmlp.bench.peak_memory import TensorAddresses, categorise_peak
 from tiledmlp.config.stacks import STACK_OPTIONS, STACKS
 from tiledmlp.models.build import build_causal_lm, llama_config
@@ -73,6 +74,14 @@ class StepJob:
     device: str = "cuda"
     steps: int = 2
     peak_snapshot: bool = True
+
+
+_OTHERS: dict[str, int] = {}  # "bytes": other processes' device memory, measured by main()
+
+
+def _others_bytes() -> int:
+    """Other processes' memory on the device when this process started CUDA (0 if unknown)."""
+    return _OTHERS.get("bytes", 0)
 
 
 def _tensor_addresses(model: Any) -> TensorAddresses:
@@ -162,9 +171,11 @@ def measure_whole_step(job: StepJob) -> dict[str, Any]:
         record.update(
             max_memory_allocated_mib=round(torch.cuda.max_memory_allocated(device) / MiB, 1),
             max_memory_reserved_mib=round(torch.cuda.max_memory_reserved(device) / MiB, 1),
-            # In use on the device beside the caching allocator's reservation: the CUDA
-            # context, cuBLAS/cuDNN workspaces and any other process on the card.
-            outside_allocator_mib=round((total - free - reserved) / MiB, 1),
+            # In use on the device beside the caching allocator's reservation: this process's
+            # CUDA context and cuBLAS/cuDNN workspaces (other processes' memory, measured
+            # before this process started CUDA, taken off)
+            outside_allocator_mib=round((total - free - reserved - _others_bytes()) / MiB, 1),
+            others_on_device_mib=round(_others_bytes() / MiB, 1),
             device_total_mib=round(total / MiB, 1),
         )
         if record_peak:
@@ -224,6 +235,10 @@ def main(argv: list[str] | None = None) -> None:
     if not args:
         raise SystemExit("usage: python -m tiledmlp.bench.whole_step '<job JSON>' [...]")
     jobs = [StepJob(**json.loads(a)) for a in args]
+    if any(j.device.startswith("cuda") for j in jobs) and not torch.cuda.is_initialized():
+        others = others_on_device_bytes()
+        if others is not None:
+            _OTHERS["bytes"] = others
     for record in measure_whole_steps(jobs):
         print(json.dumps(record), flush=True)
 
