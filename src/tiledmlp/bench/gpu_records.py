@@ -122,10 +122,103 @@ def whole_steps(folder: Path) -> str:
     return _table(head, rows)
 
 
+def _suite(folder: Path, part: str) -> list[Record]:
+    """The suite's ok records of `part` in every records.jsonl under the folder."""
+    return [
+        r
+        for path in sorted(folder.rglob("records.jsonl"))
+        for r in _load(path)
+        if r.get("part") == part and r.get("status") == "ok"
+    ]
+
+
+def suite_steps(folder: Path) -> str:
+    """The suite's whole steps (and the long step under long-step/): time, the allocated peak
+    beside the planner's tensor peak, the card's figure beside the planner's."""
+    records = _suite(folder, "model_steps")
+    long = folder / "long-step"
+    if (long / "step.jsonl").is_file() and (long / "plan.json").is_file():
+        plan = json.loads((long / "plan.json").read_text())["model"]
+        for r in _load(long / "step.jsonl"):
+            got = plan.get(r.get("stack"), {})
+            overhead = got.get("device_overhead_mib", 0.0)
+            records.append({**r, "planned_peak_mib": got.get("peak_mib"),
+                            "planned_device_overhead_mib": overhead})  # fmt: skip
+    records.sort(key=lambda r: (r["layers"], r["seq_len"], r["max_memory_allocated_mib"]))
+    rows = []
+    for r in records:
+        card = r["max_memory_reserved_mib"] + r["outside_allocator_mib"]
+        peak = r.get("planned_peak_mib")
+        planned = None if peak is None else peak + r.get("planned_device_overhead_mib", 0.0)
+        rows.append(
+            [
+                str(r["layers"]),
+                _k(r["seq_len"]),
+                r["stack"],
+                _n(r["time_ms"]),
+                _n(r["max_memory_allocated_mib"], 0),
+                "" if peak is None else f"{peak / r['max_memory_allocated_mib']:.3f}",
+                _n(r["max_memory_reserved_mib"], 0),
+                _n(r["outside_allocator_mib"], 0),
+                _n(card, 0),
+                "" if planned is None else f"{planned / card:.3f}",
+            ]
+        )
+    head = ["layers", "tokens", "stack", "ms", "allocated MiB", "planned / allocated"]
+    head += ["reserved MiB", "outside MiB", "card MiB", "planned / card"]
+    return _table(head, rows)
+
+
+def suite_attention(folder: Path) -> str:
+    """The suite's attention part: SDPA against by groups of heads per length."""
+    records = _suite(folder, "attention")
+    by = {(r["seq_len"], r["variant"]): r for r in records}
+    rows = []
+    for seq in sorted({r["seq_len"] for r in records}):
+        sdpa, heads = by.get((seq, "sdpa")), by.get((seq, "by_heads"))
+        if sdpa and heads:
+            rows.append([_k(seq), _n(sdpa["time_ms"], 1), _n(heads["time_ms"], 1),
+                         str(heads["groups"]), f"{heads['time_ms'] / sdpa['time_ms']:.2f}",
+                         _n(sdpa["step_peak_mib"], 0), _n(heads["step_peak_mib"], 0)])  # fmt: skip
+    head = ["tokens", "SDPA ms", "by heads ms", "groups", "time ratio", "SDPA step MiB"]
+    head += ["by heads step MiB"]
+    return _table(head, rows)
+
+
+def suite_mlp_table(folder: Path) -> str:
+    """The suite's MLP table: each variant's time and peak per length and tile count, ours
+    against the better of DeepSpeed and Liger at the same tiles."""
+    records = _suite(folder, "mlp_table")
+    rows = []
+    for seq in sorted({r["seq_len"] for r in records}):
+        here = [r for r in records if r["seq_len"] == seq]
+        peers = [r for r in here if r["variant"] in ("deepspeed", "liger")]
+        for r in here:
+            same = [p for p in peers if p["tiles"] == r["tiles"]]
+            ours = r["variant"] == "tiled" and same
+            rows.append(
+                [
+                    _k(seq),
+                    r["variant"] if r["variant"] != "tiled" else f"ours ({r['num_tiles']})",
+                    str(r["tiles"]),
+                    _n(r["time_ms"], 2),
+                    _n(r["peak_mib"], 0),
+                    f"{r['time_ms'] / min(p['time_ms'] for p in same):.3f}" if ours else "",
+                    f"{r['peak_mib'] - min(p['peak_mib'] for p in same):+,.0f}" if ours else "",
+                ]
+            )
+    head = ["tokens", "variant", "tiles", "ms", "peak MiB", "time / best peer"]
+    head += ["MiB over the lower peer"]
+    return _table(head, rows)
+
+
 TABLES: dict[str, Callable[[Path], str]] = {
     "mlp_op": mlp_op,
     "attention": attention,
     "whole_steps": whole_steps,
+    "suite_steps": suite_steps,
+    "suite_attention": suite_attention,
+    "suite_mlp_table": suite_mlp_table,
 }
 
 
