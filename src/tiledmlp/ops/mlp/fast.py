@@ -7,7 +7,9 @@ Cost model, with N tokens, hidden h, intermediate m and U = 2*N*h*m FLOPs (one f
 - plain: forward 2U, backward 4U + recompute 1U = 7U, against 6U untiled.
 Memory: the forward keeps nothing but the output. The backward holds, per tile of n tokens,
 about 5*n*m elements (gated) or 4*n*m (plain) in the compute dtype, plus one float32 accumulator
-per weight when weights or compute are lower precision than float32.
+per weight when weights or compute are lower precision than float32. With such accumulators and
+more than one tile, each tile's backward runs in chunks of the intermediate dimension no wider
+than the hidden size h, so m above becomes at most about h (Note [intermediate chunks]).
 
 Fused elementwise: where the gate's activation is exactly SiLU, GELU-tanh or GELU
 (glu_kernels.activation_kind) and Triton kernels can run on the device (CUDA), act(g) * u and
@@ -23,6 +25,7 @@ the backward returns each parameter's gradient once.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any, cast
 
 import torch
 
@@ -31,7 +34,7 @@ from tiledmlp.ops.mlp.glu import kernels as glu_kernels
 from tiledmlp.ops.mlp.params import LinearParams, MLPParams
 from tiledmlp.ops.mlp.structure import MLPKind, MLPStructure
 from tiledmlp.ops.tiling.backend import LOCAL, ParamBackend
-from tiledmlp.ops.tiling.grads import GradSlot, Scratch
+from tiledmlp.ops.tiling.grads import GradPart, GradSlot, Scratch
 from tiledmlp.ops.tiling.state import AutocastState
 from tiledmlp.ops.tiling.tiles import TilePlan
 
@@ -40,6 +43,7 @@ __all__ = ["FastEngine"]
 
 _Weights = MLPParams[torch.Tensor]  # the module's tensors, or their casts to the compute dtype
 _Slots = MLPParams[GradSlot | None]  # one accumulator per tensor that needs a gradient
+_PartSlots = MLPParams[GradSlot | GradPart | None]  # or a part of one (an intermediate chunk)
 
 
 def _mm_into(out: torch.Tensor, x: torch.Tensor, lin: LinearParams[torch.Tensor]) -> torch.Tensor:
@@ -222,6 +226,73 @@ class FastEngine:
                 h = self._act(w.first(x))
             return [w.down(h.to(cd))]
 
+    # -- intermediate chunks -----------------------------------------------------------------
+
+    # Note [intermediate chunks]
+    # Where the weight gradients are summed in float32 over several tiles (low-precision weights),
+    # every accumulator lives from the first tile to the last at twice its gradient's bytes. To
+    # pay for that, the backward walks each tile's intermediate units in chunks no wider than the
+    # hidden size (rounded up to CHUNK_ALIGN units): the recomputed projections, the activation's
+    # gradient and the down projection's input exist for one chunk at a time, i.e. about
+    # 3 * n * hidden elements per tile of n tokens (fused kernels) instead of
+    # 3 * n * intermediate. Every unit is elementwise across the intermediate dimension except
+    # through the GEMMs, so a chunk's work is the tile's work restricted to its units: rows of
+    # the first projections' weights (and biases), columns of the down projection's weight
+    # (whose accumulator is kept transposed so that those columns are contiguous rows), and a
+    # part of dx, added to the earlier chunks' parts. The FLOPs are the tile's; the down
+    # projection's bias gradient is added once per tile.
+    CHUNK_ALIGN = 64
+
+    def _chunks(self) -> list[tuple[int, int]]:
+        """[start, stop) ranges of the intermediate dimension, each at most about the hidden
+        size wide (see Note [intermediate chunks]); one range when it is not wider."""
+        m, h = self.structure.intermediate_size, self.structure.hidden_size
+        count = -(-m // max(h, 1))
+        if count <= 1:
+            return [(0, m)]
+        width = -(-m // count)
+        width = -(-width // self.CHUNK_ALIGN) * self.CHUNK_ALIGN
+        return [(a, min(a + width, m)) for a in range(0, m, width)]
+
+    def _chunk(
+        self, w: _Weights, slots: _Slots, start: int, stop: int
+    ) -> tuple[_Weights, _PartSlots]:
+        """The weights and gradient slots of intermediate units [start, stop): rows of the
+        projections of x (a fused gate_up becomes a gate and an up projection), columns of the
+        down projection, without its bias (see Note [intermediate chunks])."""
+        s = self.structure
+        m = s.intermediate_size
+        if s.kind is MLPKind.FUSED_GATED:
+            gate_at, up_at = (0, m) if s.gate_first else (m, 0)
+            sources: list[tuple[int, int]] = [(0, gate_at), (0, up_at)]  # (projection, offset)
+        elif s.kind is MLPKind.GATED:
+            sources = [(0, 0), (1, 0)]
+        else:
+            sources = [(0, 0)]
+
+        def rows(t: Any, at: int) -> Any:
+            if t is None:
+                return None
+            if isinstance(t, GradSlot):
+                return t.part(at + start, at + stop)
+            return t[at + start : at + stop]
+
+        def pick(params: MLPParams[Any]) -> MLPParams[Any]:
+            of_x = params.projections_of_x()
+            lins = [
+                LinearParams(rows(of_x[i].weight, at), rows(of_x[i].bias, at)) for i, at in sources
+            ]
+            dw = params.down.weight
+            if dw is None:
+                down = None
+            elif isinstance(dw, GradSlot):
+                down = dw.part(start, stop)  # a transposed slot: columns of the weight
+            else:
+                down = dw[:, start:stop]
+            return MLPParams(lins[0], lins[1] if len(lins) > 1 else None, LinearParams(down, None))
+
+        return pick(w), pick(slots)
+
     # -- backward ----------------------------------------------------------------------------
 
     def backward(
@@ -257,11 +328,20 @@ class FastEngine:
         assert grad_out is not None  # the Function returns early otherwise (backward_needed)
         cd = self.compute_dtype(x)
         w = self._cast(cd)
-        need_iter = iter(needs_params)
         scratch = Scratch()
         single = plan.num_tiles == 1
+        needed = [p for p, need in zip(self.params, needs_params) if need]
+        # See Note [intermediate chunks]
+        wide = any(not GradSlot.sums_in_place(p, cd, single) for p in needed)
+        chunks = self._chunks() if wide else [(0, self.structure.intermediate_size)]
+        need_iter = iter(needs_params)
+        down_weight = self._named.down.weight
         slots: _Slots = self._named.map(
-            lambda p: GradSlot(p, cd, scratch, single) if next(need_iter) else None
+            lambda p: (
+                GradSlot(p, cd, scratch, single, transposed=len(chunks) > 1 and p is down_weight)
+                if next(need_iter)
+                else None
+            )
         )
         need_up = needs_x or any(
             sl is not None for lin in slots.projections_of_x() for sl in (lin.weight, lin.bias)
@@ -269,19 +349,26 @@ class FastEngine:
         dx = torch.empty_like(x) if needs_x else None
         kind = self._fused(x)
         tile = self._backward_tile if kind is None else self._backward_tile_fused
+        parts: list[tuple[_Weights, _PartSlots]]
+        parts = (
+            [(w, cast(_PartSlots, slots))]
+            if len(chunks) == 1
+            else [self._chunk(w, slots, *c) for c in chunks]
+        )
+        down_bias = slots.down.bias if len(chunks) > 1 else None  # per tile, not per chunk
 
         with torch.no_grad(), torch.autocast(x.device.type, enabled=False):
             for start, stop in plan.bounds():
-                # One call per tile: its temporaries die on return, before the next tile's exist.
-                tile(
-                    x[start:stop].to(cd),
-                    grad_out[start:stop].to(cd),
-                    w,
-                    slots,
-                    need_up,
-                    None if dx is None else dx[start:stop],
-                    kind,
-                )
+                xt = x[start:stop].to(cd)
+                dyt = grad_out[start:stop].to(cd)
+                dxt = None if dx is None else dx[start:stop]
+                if down_bias is not None:
+                    down_bias.add_rows(dyt)
+                for j, (wc, sc) in enumerate(parts):
+                    # One call per chunk of a tile: its temporaries die on return, before the
+                    # next one's exist.
+                    tile(xt, dyt, wc, sc, need_up, dxt, kind, j > 0)
+                del xt, dyt, dxt  # casts of x and dy die before the next tile's exist
         return dx, [], self._results(slots, needs_params)
 
     def _backward_tile(
@@ -289,12 +376,14 @@ class FastEngine:
         xt: torch.Tensor,
         dyt: torch.Tensor,
         w: _Weights,
-        slots: _Slots,
+        slots: _PartSlots,
         need_up: bool,
         dxt: torch.Tensor | None,
         kind: str | None = None,
+        add_dx: bool = False,
     ) -> None:
-        """One tile's backward through PyTorch and the module's own activation."""
+        """One tile's backward through PyTorch and the module's own activation (add_dx: add
+        the tile's dx to dxt instead of writing it)."""
         s = self.structure
         cd = xt.dtype
         if s.kind is MLPKind.PLAIN:
@@ -310,7 +399,7 @@ class FastEngine:
         if u is None:
             del a, h
             dz = self._act_grad(g, torch.mm(dyt, w.down.weight))
-            self._input_grads(slots, xt, w, dxt, dz)
+            self._input_grads(slots, xt, w, dxt, add_dx, dz)
             return
         dh = torch.mm(dyt, w.down.weight, out=h)
         du = a.mul_(dh)
@@ -323,19 +412,20 @@ class FastEngine:
             g.copy_(dg)
             u.copy_(du)
             del dg, du
-            self._input_grads(slots, xt, w, dxt, gu)
+            self._input_grads(slots, xt, w, dxt, add_dx, gu)
         else:
-            self._input_grads(slots, xt, w, dxt, dg, du)
+            self._input_grads(slots, xt, w, dxt, add_dx, dg, du)
 
     def _backward_tile_fused(
         self,
         xt: torch.Tensor,
         dyt: torch.Tensor,
         w: _Weights,
-        slots: _Slots,
+        slots: _PartSlots,
         need_up: bool,
         dxt: torch.Tensor | None,
         kind: str | None,
+        add_dx: bool = False,
     ) -> None:
         """_backward_tile with the fused elementwise kernels (gated MLPs with an activation of
         `kind`): three (n, m) tensors at most."""
@@ -349,12 +439,12 @@ class FastEngine:
         self._down_grads(slots, dyt, dh)
         del dh
         if gu is not None:  # dg and du were written over its halves: [dg | du] in its layout
-            self._input_grads(slots, xt, w, dxt, gu)
+            self._input_grads(slots, xt, w, dxt, add_dx, gu)
         else:
-            self._input_grads(slots, xt, w, dxt, g, u)
+            self._input_grads(slots, xt, w, dxt, add_dx, g, u)
 
     @staticmethod
-    def _down_grads(slots: _Slots, dyt: torch.Tensor, h: torch.Tensor) -> None:
+    def _down_grads(slots: _PartSlots, dyt: torch.Tensor, h: torch.Tensor) -> None:
         """The down projection's weight (dy^T h) and bias gradients of a tile."""
         if slots.down.weight is not None:
             slots.down.weight.add_mm(dyt.t(), h)
@@ -363,21 +453,23 @@ class FastEngine:
 
     def _input_grads(
         self,
-        slots: _Slots,
+        slots: _PartSlots,
         xt: torch.Tensor,
         w: _Weights,
         dxt: torch.Tensor | None,
+        add_dx: bool,
         d1: torch.Tensor,
         d2: torch.Tensor | None = None,
     ) -> None:
         """The first projection(s)' gradients and dx of a tile, from d1 (the gradient of the
         first linear's output: dz, dg, or [dg | du] in a fused gate_up's layout) and d2 (du of
-        a separate up projection)."""
+        a separate up projection); add_dx: dx is added to dxt (a later intermediate chunk)."""
         ds = [d1] if d2 is None else [d1, d2]
         for lin_slots, d in zip(slots.projections_of_x(), ds):
             self._first_grads(lin_slots, d, xt)
         if dxt is not None:
-            self._dx_into(dxt, [(d, lin.weight) for d, lin in zip(ds, w.projections_of_x())])
+            terms = [(d, lin.weight) for d, lin in zip(ds, w.projections_of_x())]
+            self._dx_into(dxt, terms, add_dx)
 
     def _act_grad(self, z: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
         """Gradient through the module's own activation at z, by re-evaluating it (elementwise,
@@ -392,7 +484,7 @@ class FastEngine:
 
     @staticmethod
     def _first_grads(
-        lin_slots: LinearParams[GradSlot | None], dz: torch.Tensor, xt: torch.Tensor
+        lin_slots: LinearParams[GradSlot | GradPart | None], dz: torch.Tensor, xt: torch.Tensor
     ) -> None:
         if lin_slots.weight is not None:
             lin_slots.weight.add_mm(dz.t(), xt)
@@ -400,19 +492,28 @@ class FastEngine:
             lin_slots.bias.add_rows(dz)
 
     @staticmethod
-    def _dx_into(out: torch.Tensor, terms: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def _dx_into(
+        out: torch.Tensor, terms: list[tuple[torch.Tensor, torch.Tensor]], add: bool = False
+    ) -> None:
         """out = sum of d @ w over the (d, w) terms (the first projection, then a separate up
-        projection), accumulated in the compute dtype, stored in out's dtype."""
+        projection), accumulated in the compute dtype, stored in out's dtype; add: out += that
+        sum instead."""
         (d1, w1), *rest = terms
         if out.dtype == d1.dtype:
-            torch.mm(d1, w1, out=out)
+            if add:
+                torch.addmm(out, d1, w1, out=out)
+            else:
+                torch.mm(d1, w1, out=out)
             for d, w in rest:
                 torch.addmm(out, d, w, out=out)
             return
         t = torch.mm(d1, w1)
         for d, w in rest:
             torch.addmm(t, d, w, out=t)
-        out.copy_(t)
+        if add:
+            out.add_(t)
+        else:
+            out.copy_(t)
 
     def _results(self, slots: _Slots, needs_params: Sequence[bool]) -> list[torch.Tensor | None]:
         present = [sl for p, sl in zip(self._named.flat(), slots.flat()) if p is not None]

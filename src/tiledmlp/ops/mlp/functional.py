@@ -55,7 +55,10 @@ def tiled_mlp(
     activation) take the minimal-recompute path: the backward recomputes only the first
     projection(s), never the down projection. Cost: 11U FLOPs per training step for a gated MLP
     against 9U untiled (U = 2 * tokens * hidden * intermediate), 7U against 6U for a plain MLP;
-    per tile of n tokens about 5 * n * intermediate elements of transient memory (4 for plain).
+    per tile of n tokens about 5 * n * intermediate elements of transient memory (4 for plain;
+    with low-precision weights over several tiles, whose float32 gradient accumulators take
+    twice the gradients' bytes, the backward walks the intermediate dimension in chunks no wider
+    than hidden, so about 5 * n * hidden).
     Any other token-wise module (LoRA-wrapped projections, MoE blocks, custom MLPs) takes the
     generic path: each tile is re-run under autograd in the backward (the whole module is
     recomputed once more), with the forward's RNG and autocast state.

@@ -8,13 +8,19 @@ the backend supports a float32 output for low-precision GEMM inputs (CUDA:
 accumulated in float32 inside the GEMM (no rounding of the tile's product, no scratch buffer);
 elsewhere (the CPU) the tile's product is formed in the compute dtype in a shared scratch and
 added to the float32 buffer. Each accumulator is released as soon as its gradient is formed.
+
+A caller that walks a weight in row blocks (`GradSlot.part`) adds each block's product into
+those rows of the one buffer; a slot built `transposed` stores the transpose of its parameter's
+gradient, so that blocks of the parameter's columns are row blocks of the buffer (contiguous),
+and forms the gradient in the parameter's layout at the end.
 """
 
 from __future__ import annotations
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
-__all__ = ["GradSlot", "Scratch", "fp32_epilogue"]
+__all__ = ["GradPart", "GradSlot", "Scratch", "fp32_epilogue"]
 
 _WIDE = (torch.float32, torch.float64)
 _EPILOGUE: dict[tuple[str, torch.dtype], bool] = {}
@@ -25,6 +31,10 @@ def fp32_epilogue(device: torch.device, dtype: torch.dtype) -> bool:
     (`torch.addmm(..., out_dtype=torch.float32)`). Probed once per device type and dtype on a
     2x2 product whose exact result is known; any failure means no (the scratch path is used).
     Depends only on the device type, the dtype and the installed torch, so ranks agree.
+
+    The probe runs on real tensors with every dispatch mode set aside: called under
+    FakeTensorMode (the planner), it answers for the device itself, as an eager call would, and
+    no fake or meta kernel sees it (nor do FLOP counters or memory trackers).
     """
     key = (device.type, dtype)
     known = _EPILOGUE.get(key)
@@ -32,16 +42,21 @@ def fp32_epilogue(device: torch.device, dtype: torch.dtype) -> bool:
         return known
     ok = False
     if dtype in (torch.bfloat16, torch.float16) and device.type != "meta":
-        try:
-            a = torch.tensor([[1.0, 2.0], [3.0, 4.0]], dtype=dtype, device=device)
-            acc = torch.mm(a, a, out_dtype=torch.float32)
-            torch.addmm(acc, a, a, out_dtype=torch.float32, out=acc)
-            want = torch.tensor([[14.0, 20.0], [30.0, 44.0]], device=device)
-            ok = acc.dtype == torch.float32 and bool(torch.equal(acc, want))
-        except (RuntimeError, NotImplementedError, TypeError):
-            ok = False
+        with _disable_current_modes():
+            ok = _probe(device, dtype)
     _EPILOGUE[key] = ok
     return ok
+
+
+def _probe(device: torch.device, dtype: torch.dtype) -> bool:
+    try:
+        a = torch.tensor([[1.0, 2.0], [3.0, 4.0]], dtype=dtype, device=device)
+        acc = torch.mm(a, a, out_dtype=torch.float32)
+        torch.addmm(acc, a, a, out_dtype=torch.float32, out=acc)
+        want = torch.tensor([[14.0, 20.0], [30.0, 44.0]], device=device)
+        return acc.dtype == torch.float32 and bool(torch.equal(acc, want))
+    except Exception:  # no kernel, a torch that rejects the overload, a device not usable here
+        return False
 
 
 class Scratch:
@@ -72,6 +87,9 @@ class GradSlot:
         scratch: shared buffer for low-precision tile results.
         single: the caller adds exactly one product (a one-tile plan): it is kept as the GEMM
             returns it, rounded once like the untiled module's, with no float32 buffer.
+        transposed: the buffer holds the transpose of the (2-D) gradient, so that `part`
+            blocks are blocks of the parameter's columns; `result` still has the parameter's
+            shape and layout.
     """
 
     def __init__(
@@ -80,22 +98,42 @@ class GradSlot:
         compute_dtype: torch.dtype,
         scratch: Scratch,
         single: bool = False,
+        transposed: bool = False,
     ) -> None:
         self.param = param
         self.compute_dtype = compute_dtype
-        self.direct = single or (param.dtype == compute_dtype and param.dtype in _WIDE)
+        self.direct = GradSlot.sums_in_place(param, compute_dtype, single)
         self.epilogue = not self.direct and fp32_epilogue(param.device, compute_dtype)
         self.scratch = scratch
+        self.transposed = transposed
         self.acc: torch.Tensor | None = None
+
+    @staticmethod
+    def sums_in_place(param: torch.Tensor, compute_dtype: torch.dtype, single: bool) -> bool:
+        """Whether the gradient is summed in a buffer of its own dtype, which becomes the result
+        (one product, or a float32/float64 parameter computed in its own dtype); False: a
+        float32 buffer beside the final gradient."""
+        return single or (param.dtype == compute_dtype and param.dtype in _WIDE)
+
+    def _shape(self) -> torch.Size:
+        shape = self.param.shape
+        return torch.Size((shape[1], shape[0])) if self.transposed else shape
 
     def _acc(self) -> torch.Tensor:
         if self.acc is None:
             dtype = self.param.dtype if self.param.dtype in _WIDE else torch.float32
-            self.acc = torch.zeros(self.param.shape, dtype=dtype, device=self.param.device)
+            self.acc = torch.zeros(self._shape(), dtype=dtype, device=self.param.device)
         return self.acc
+
+    def part(self, start: int, stop: int) -> GradPart:
+        """The slot of rows [start, stop) of the buffer: the parameter's rows, or its columns
+        for a transposed slot."""
+        return GradPart(self, start, stop)
 
     def add_mm(self, a: torch.Tensor, b: torch.Tensor) -> None:
         """Adds a @ b (both in the compute dtype) to the gradient."""
+        if self.transposed:
+            a, b = b.t(), a.t()
         if self.direct:
             if self.acc is None:
                 self.acc = torch.mm(a, b)
@@ -108,7 +146,7 @@ class GradSlot:
             else:
                 torch.addmm(self.acc, a, b, out_dtype=torch.float32, out=self.acc)
             return
-        tile = self.scratch.view(self.param.shape, self.compute_dtype, self.param.device)
+        tile = self.scratch.view(self._shape(), self.compute_dtype, self.param.device)
         torch.mm(a, b, out=tile)
         self._acc().add_(tile)
 
@@ -137,4 +175,47 @@ class GradSlot:
         acc, self.acc = self.acc, None
         if acc is None:
             return None
+        if self.transposed:  # one pass: transpose and round into the parameter's layout
+            out = torch.empty(self.param.shape, dtype=self.param.dtype, device=acc.device)
+            return out.copy_(acc.t())
         return acc if acc.dtype == self.param.dtype else acc.to(self.param.dtype)
+
+
+class GradPart:
+    """Rows [start, stop) of a GradSlot's buffer, accumulated like a slot of their own: the
+    products land in the slot's one buffer (allocated zero-filled on first use), so the slot's
+    `result` sums every part and every tile.
+
+    Args:
+        slot: the parameter's slot.
+        start, stop: the rows of its buffer (the parameter's rows, or its columns for a
+            transposed slot).
+    """
+
+    def __init__(self, slot: GradSlot, start: int, stop: int) -> None:
+        self.slot = slot
+        self.start = start
+        self.stop = stop
+
+    def _rows(self) -> torch.Tensor:
+        return self.slot._acc()[self.start : self.stop]
+
+    def add_mm(self, a: torch.Tensor, b: torch.Tensor) -> None:
+        """Adds a @ b (the gradient of the part's rows or columns, in the compute dtype)."""
+        s = self.slot
+        if s.transposed:
+            a, b = b.t(), a.t()
+        rows = self._rows()  # one view passed as input and output: the GEMM adds in place
+        if s.direct:
+            torch.addmm(rows, a, b, out=rows)
+        elif s.epilogue:
+            torch.addmm(rows, a, b, out_dtype=torch.float32, out=rows)
+        else:
+            tile = s.scratch.view(rows.shape, s.compute_dtype, rows.device)
+            torch.mm(a, b, out=tile)
+            rows.add_(tile)
+
+    def add_rows(self, t: torch.Tensor) -> None:
+        """Adds t.sum(0) (the bias gradient of the part's entries over a tile's tokens)."""
+        rows = self._rows()
+        rows.add_(t.sum(0, dtype=rows.dtype))
