@@ -60,8 +60,10 @@ def calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
 @pytest.fixture
 def small_groups(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Tiny sequences split like long ones: no minimum of waves per call."""
+    """Tiny sequences split like long ones: no minimum of waves per call, no memory bound (a
+    query head per call)."""
     monkeypatch.setattr(attention_heads, "MIN_WAVES", 0)
+    monkeypatch.setattr(attention_heads, "BUFFER_SHARE", 0.0)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])

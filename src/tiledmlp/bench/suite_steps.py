@@ -264,8 +264,11 @@ def _attention_step(
 
 def attention(ctx: Context, seq: int) -> list[Record]:
     """SDPA (causal, GQA) against the attention core by groups of heads at one length: time,
-    step peak and the largest difference of (out, dq, dk, dv), relative to SDPA's largest."""
-    from tiledmlp.ops.attention.heads import causal_attention_by_heads, head_groups
+    step peak, the kernel each ran and the largest difference of (out, dq, dk, dv), relative to
+    SDPA's largest. The core runs as a tiled layer runs it: the kernel SDPA selects that passed
+    its self-check, in that kernel's groups."""
+    from tiledmlp.ops.attention.heads import causal_attention_by_heads
+    from tiledmlp.ops.attention.select import call_groups, choose_kernel, sdpa_kernel_name
 
     sz = ctx.sizes
     dtype = getattr(torch, sz.model_dtype)
@@ -278,7 +281,11 @@ def attention(ctx: Context, seq: int) -> list[Record]:
 
     q, k, v = make(heads), make(kv), make(kv)
     scale = d**-0.5
-    groups = head_groups(1, heads, kv, seq)
+    kernel = choose_kernel(q, k, v)
+    if kernel is None:
+        raise RuntimeError(f"no fused attention kernel passed its self-check on {ctx.device}")
+    groups = call_groups(kernel, q, k)
+    kernels = {"sdpa": sdpa_kernel_name(q, k, v), "by_heads": kernel.name}
 
     def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         out = torch.nn.functional.scaled_dot_product_attention(
@@ -287,7 +294,7 @@ def attention(ctx: Context, seq: int) -> list[Record]:
         return out.transpose(1, 2)
 
     def by_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return causal_attention_by_heads(q, k, v, scale, groups)
+        return causal_attention_by_heads(q, k, v, scale, groups, kernel)
 
     records = []
     results = {}
@@ -299,6 +306,7 @@ def attention(ctx: Context, seq: int) -> list[Record]:
                 "seq_len": seq,
                 "variant": name,
                 "groups": groups if name == "by_heads" else 1,
+                "kernel": kernels[name],
                 "heads": heads,
                 "kv_heads": kv,
                 "head_dim": d,

@@ -5,11 +5,11 @@ kernel's backward buffers sized for a few heads (ops/attention/heads.py).
 (no mask, no dropout, causal, query length equal to key length, no position bias, soft-capping
 or paged cache, a fused kernel that SDPA would select and that passed its self-check on this
 device, dtype and head size: ops/attention/select.py) runs `causal_attention_by_heads` through
-that kernel in `head_groups(...)` groups (the kernel's launch rule, the device's multiprocessor
-count); any other call, or one that would be a single group, goes to transformers' own sdpa
-function unchanged. `by_heads()` is the
-context in which a tiled decoder layer calls its attention: inside it, "sdpa" looked up through
-the attention backend (what the Ulysses wrapper calls after its exchange) is `sdpa_by_heads`.
+that kernel in `head_groups(...)` groups (ops/attention/select.py: by_heads_plan); any other
+call, or one that would be a single group, goes to transformers' own sdpa function unchanged.
+`by_heads()` is the context in which a tiled decoder layer calls its attention: inside it,
+"sdpa" looked up through the attention backend (what the Ulysses wrapper calls after its
+exchange) is `sdpa_by_heads`.
 
 Invariant: sdpa_by_heads returns what transformers' sdpa_attention_forward returns for the same
 call, (batch, tokens, heads, head_dim) and None, up to the kernels' summation order.
@@ -25,14 +25,9 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
-from tiledmlp.ops.attention.heads import (
-    causal_attention_by_heads,
-    head_groups,
-    multiprocessors,
-    unsupported,
-)
+from tiledmlp.ops.attention.heads import causal_attention_by_heads, unsupported
 from tiledmlp.ops.attention.kernels import FusedKernel, default_kernel
-from tiledmlp.ops.attention.select import first_agreeing, kernel_order
+from tiledmlp.ops.attention.select import by_heads_plan, call_groups
 
 __all__ = ["BY_HEADS", "active", "by_heads", "plan_for", "sdpa_by_heads"]
 
@@ -85,27 +80,14 @@ def plan_for(
     ):
         return 1, None
 
-    def groups(kernel: FusedKernel) -> int:
-        return head_groups(
-            query.shape[0], query.shape[1], key.shape[1], query.shape[2],
-            sms=multiprocessors(query.device), rows_per_block=kernel.rows_per_block,
-            shares_kv=kernel.shares_kv,
-        )  # fmt: skip
-
     # On fake tensors (the planner) the op is planned with the device type's flash kernel, as
     # it runs on the device it stands for; elsewhere with the kernel SDPA would select that
     # passed its self-check (a call that stays one group checks nothing).
     if is_fake(query):
-        kernel: FusedKernel | None = default_kernel(query.device)
-    else:
-        order = kernel_order(query, key, value)
-        if not order or groups(order[0]) == 1:
-            return 1, None
-        kernel = first_agreeing(order, query)
-    if kernel is None:
-        return 1, None
-    n = groups(kernel)
-    return (1, None) if n == 1 else (n, kernel)
+        kernel = default_kernel(query.device)
+        n = call_groups(kernel, query, key)
+        return (1, None) if n == 1 else (n, kernel)
+    return by_heads_plan(query, key, value)
 
 
 def sdpa_by_heads(

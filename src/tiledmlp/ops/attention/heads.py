@@ -7,16 +7,20 @@ heads. Attention never mixes heads, so running the kernel on groups of heads giv
 output and gradients with those buffers sized for one group.
 
 `causal_attention_by_heads` is that op: the forward calls one fused kernel (ops/attention/kernels.py:
-cuDNN, flash, memory-efficient or the CPU flash kernel; ops/attention/select.py picks the one
-`scaled_dot_product_attention` would, after its self-check) per group (whole key/value heads with
-their query heads, or a few query heads of one key/value head) and writes each group's output
-into one (batch, tokens, heads, head_dim) buffer; the backward calls the kernel's backward per
-group with its saved state and writes dq, dk and dv into whole buffers, summing in float32 the
+cuDNN, flash, memory-efficient or the CPU flash kernel, which the caller passes: the one
+`scaled_dot_product_attention` would select that passed its self-check, ops/attention/select.py)
+per group (whole key/value heads with their query heads, or a few query heads of one key/value
+head) and writes each group's output into one (batch, tokens, heads, head_dim) buffer; the
+backward calls the kernel's backward per group with its saved state and writes dq, dk and dv into whole buffers, summing in float32 the
 dk and dv of groups that share a key/value head (as the kernels sum per-query-head gradients).
 FLOPs are those of one unchunked call (nothing is recomputed); memory beyond q, k, v, the output
 and their gradients is one group's kernel buffers, its output and its three gradients in flight,
 and, for groups inside a key/value head, that head's dk and dv in float32. `head_groups` picks the
-number of groups (See Note [Head groups]).
+number of groups: the fewest whose kernel buffers stay a small share of the attention's own
+tensors, within the launch rule (See Note [Head groups]). Per group the op adds no copy of k or
+v (each call gets views: a head slice, and for the memory-efficient kernel a stride-0 expand),
+one copy of the group's output into the whole output, and one of dq, dk and dv each into the
+whole gradients.
 
 Invariant: the output and the gradients of q, k and v equal those of
 scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True) up to the
@@ -38,6 +42,8 @@ from tiledmlp.ops.attention.kernels import (
 )
 
 __all__ = [
+    "BUFFER_FLOOR",
+    "BUFFER_SHARE",
     "DEFAULT_MULTIPROCESSORS",
     "MIN_WAVES",
     "attention_buffer_bytes",
@@ -49,21 +55,37 @@ __all__ = [
 
 # Note [Head groups]
 # ~~~~~~~~~~~~~~~~~~
-# Fewer heads per call means smaller kernel buffers but smaller launches. A fused attention
-# forward runs one thread block (CTA) per block of `rows_per_block` query rows per head and
-# sequence, and a launch with few CTAs leaves streaming multiprocessors idle in its last wave.
-# Causal row blocks do unequal work (block i reads i + 1 key blocks), so the kernels start the
-# long ones first and the last wave holds the shortest; with at least MIN_WAVES full waves
-# (MIN_WAVES x the device's multiprocessor count CTAs) per call the idle share of the last
-# wave is at most 1 / MIN_WAVES of a call, and in practice much less. head_groups therefore
-# takes the most groups that keep every call at MIN_WAVES x multiprocessors CTAs or more, so a
-# short sequence runs as one call and a long one as many small ones. The multiprocessor count
-# is the device's (CUDA); elsewhere (the CPU, fake tensors in the planner)
-# DEFAULT_MULTIPROCESSORS stands for the accelerator planned for (an H100's 132).
-# The backward parallelises over key blocks of the same size, so the same count holds for it.
+# Fewer heads per call means smaller kernel buffers but more calls, and every call costs time
+# beyond its share of the FLOPs: its launch, its last wave, the copy of its output and gradients
+# into the whole buffers and, for calls inside one key/value head, the float32 sum of that
+# head's dk and dv. head_groups therefore takes the FEWEST groups whose buffers fit, within two
+# bounds:
+# - memory: the float32 dq accumulator and row sums that every fused backward allocates for the
+#   heads of one call (tokens x heads/groups x (head_dim + 1) x 4 bytes) stay within
+#   BUFFER_SHARE of the tensors the attention holds anyway (q, k, v, the output, the upstream
+#   gradient, dq, dk, dv), or within BUFFER_FLOOR bytes where that is more: below it a split
+#   saves less memory than any step can notice. The share does not depend on the length, so
+#   from the length where it passes the floor a model runs the same groups (32 query and 8
+#   key/value heads of 128 in bf16: one key/value head per call, 8 groups, never a split inside
+#   a key/value head with its float32 sums of dk and dv; 4 groups at 32K, under the floor);
+# - launch: a fused forward runs one thread block (CTA) per block of `rows_per_block` query rows
+#   per head and sequence, and a launch with few CTAs leaves streaming multiprocessors idle in
+#   its last wave. Causal row blocks do unequal work (block i reads i + 1 key blocks), so the
+#   kernels start the long ones first and the last wave holds the shortest; with at least
+#   MIN_WAVES full waves (MIN_WAVES x the device's multiprocessor count CTAs) per call the idle
+#   share of the last wave is at most 1 / MIN_WAVES of a call, and in practice much less. So no
+#   more groups than keep every call at MIN_WAVES x multiprocessors CTAs: a short sequence runs
+#   as one call. The backward parallelises over key blocks of the same size, so the same count
+#   holds for it.
+# Where no grouping meets the memory bound (few heads per GPU, e.g. under sequence parallelism)
+# the launch bound alone decides. The multiprocessor count is the device's (CUDA); elsewhere
+# (the CPU, fake tensors in the planner) DEFAULT_MULTIPROCESSORS stands for the accelerator
+# planned for (an H100's 132).
 
 MIN_WAVES = 4
 DEFAULT_MULTIPROCESSORS = 132
+BUFFER_SHARE = 1 / 16
+BUFFER_FLOOR = 256 * 2**20
 
 
 def multiprocessors(device: torch.device) -> int:
@@ -97,10 +119,14 @@ def head_groups(
     sms: int | None = None,
     rows_per_block: int = 128,
     shares_kv: bool = True,
+    head_dim: int = 128,
+    itemsize: int = 2,
+    buffer_share: float | None = None,
 ) -> int:
     """How many groups of query heads (with their key/value heads) the attention runs in: the
-    most that keep every call at MIN_WAVES x `sms` CTAs of `rows_per_block` query rows or more
-    (See Note [Head groups]).
+    fewest whose per-call float32 dq accumulator and row sums stay within `buffer_share` of the
+    attention's own tensors (or BUFFER_FLOOR bytes), and no more than keep every call at
+    MIN_WAVES x `sms` CTAs of `rows_per_block` query rows (See Note [Head groups]).
 
     Args:
         batch: sequences per call.
@@ -110,16 +136,26 @@ def head_groups(
         sms: the device's multiprocessor count; None: DEFAULT_MULTIPROCESSORS.
         rows_per_block: query rows per CTA of the kernel (FusedKernel.rows_per_block).
         shares_kv: whether the kernel takes several query heads per key/value head in a call.
+        head_dim: per-head size.
+        itemsize: bytes per element of q, k and v.
+        buffer_share: the memory bound; None: BUFFER_SHARE; 0: the launch bound alone.
 
     Returns:
         1 (one call, as unchunked) up to `heads` (one query head per call).
     """
     minimum = MIN_WAVES * (DEFAULT_MULTIPROCESSORS if sms is None else sms)
     blocks_per_head = batch * math.ceil(tokens / rows_per_block)
-    fit = [
-        g for g in _allowed(heads, kv_heads, shares_kv) if blocks_per_head * (heads // g) >= minimum
-    ]
-    return max(fit, default=1)
+    allowed = _allowed(heads, kv_heads, shares_kv)
+    launch = max((g for g in allowed if blocks_per_head * (heads // g) >= minimum), default=1)
+    share = BUFFER_SHARE if buffer_share is None else buffer_share
+    if share <= 0:
+        return launch
+    rows = batch * tokens
+    held = rows * 4 * head_dim * itemsize * (heads + kv_heads)  # q, k, v, out, dout, dq, dk, dv
+    budget = max(share * held, BUFFER_FLOOR)
+    fits = [g for g in allowed if rows * 4 * (heads // g) * (head_dim + 1) <= budget]
+    memory = min(fits, default=allowed[-1])
+    return min(launch, memory)
 
 
 def attention_buffer_bytes(
@@ -256,7 +292,7 @@ def causal_attention_by_heads(
     v: torch.Tensor,
     scale: float,
     groups: int,
-    kernel: FusedKernel | None = None,
+    kernel: FusedKernel,
 ) -> torch.Tensor:
     """Causal attention in `groups` groups of heads through one fused kernel (module docstring).
 
@@ -266,8 +302,10 @@ def causal_attention_by_heads(
         scale: the softmax scale (usually head_dim ** -0.5).
         groups: a divisor of kv_heads (whole key/value heads per call) or a multiple of it
             dividing heads (calls inside one key/value head); head_groups picks one.
-        kernel: the fused kernel (ops/attention/kernels.py); None: the device's flash kernel.
-            ops/attention/select.py's choose_kernel gives the one that passed its self-check.
+        kernel: the fused kernel (ops/attention/kernels.py). Take the one
+            scaled_dot_product_attention would select that passed its self-check
+            (ops/attention/select.py: choose_kernel, or by_heads_plan with the groups), e.g.
+            cuDNN on Hopper: another kernel runs, but slower than SDPA.
 
     Returns:
         (batch, tokens, heads, head_dim), contiguous.
@@ -275,7 +313,6 @@ def causal_attention_by_heads(
     Raises:
         ValueError: what `unsupported` names, or groups the kernel cannot split the heads in.
     """
-    kernel = kernel or default_kernel(q.device)
     why = unsupported(q, k, v, kernel)
     if why is not None:
         raise ValueError(f"causal_attention_by_heads: {why}")

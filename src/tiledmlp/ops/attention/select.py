@@ -12,7 +12,11 @@ groupings (whole key/value heads, and inside one key/value head where the kernel
 against `scaled_dot_product_attention` on a small grouped-query problem laid out as a
 transformers layer lays it out, output and the three gradients compared. A check runs once per
 kernel, device, dtype and head size; a kernel that disagrees or raises is skipped with one
-warning, and the next one is checked (See Note [Kernel failover]).
+warning, and the next one is checked (See Note [Kernel failover]). `by_heads_plan` adds the
+number of groups (ops/attention/heads.py: head_groups); every caller of the core (a tiled
+decoder layer, the benchmark suite, `causal_attention_by_heads` without a kernel) goes through
+this choice, so none runs a slower kernel than SDPA's by default. `sdpa_kernel_name` names the
+kernel SDPA itself runs, for records.
 
 Invariant: a kernel is used on a device, dtype and head size only after its self-check passed
 there; nothing here depends on anything but the device, dtype, shapes and the installed torch,
@@ -27,16 +31,24 @@ from dataclasses import dataclass
 
 import torch
 
-from tiledmlp.ops.attention.heads import _allowed, causal_attention_by_heads
+from tiledmlp.ops.attention.heads import (
+    _allowed,
+    causal_attention_by_heads,
+    head_groups,
+    multiprocessors,
+)
 from tiledmlp.ops.attention.kernels import CUDNN, EFFICIENT, FLASH, FLASH_CPU, FusedKernel
 
 __all__ = [
     "TORCH_PROBES",
     "Probes",
+    "by_heads_plan",
+    "call_groups",
     "choose_kernel",
     "first_agreeing",
     "kernel_agrees",
     "kernel_order",
+    "sdpa_kernel_name",
 ]
 
 logger = logging.getLogger(__name__)
@@ -185,6 +197,52 @@ def first_agreeing(
         if check(kern, q.device, q.dtype, q.shape[3]):
             return kern
     return None
+
+
+def call_groups(kernel: FusedKernel, q: torch.Tensor, k: torch.Tensor) -> int:
+    """head_groups for q (batch, heads, tokens, head_dim) against k through `kernel`: the
+    kernel's row blocks and key/value sharing, q's device, head size and element size."""
+    return head_groups(
+        q.shape[0], q.shape[1], k.shape[1], q.shape[2], sms=multiprocessors(q.device),
+        rows_per_block=kernel.rows_per_block, shares_kv=kernel.shares_kv, head_dim=q.shape[3],
+        itemsize=q.element_size(),
+    )  # fmt: skip
+
+
+def by_heads_plan(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    probes: Probes = TORCH_PROBES,
+    check: Callable[[FusedKernel, torch.device, torch.dtype, int], bool] = kernel_agrees,
+) -> tuple[int, FusedKernel | None]:
+    """The groups and the kernel causal attention of q against k, v runs in by heads: the first
+    kernel of kernel_order whose self-check passes, in call_groups groups; (1, None) where the
+    call would be one group (nothing is checked then) or no kernel passes."""
+    order = kernel_order(q, k, v, probes)
+    if not order or call_groups(order[0], q, k) == 1:
+        return 1, None
+    kernel = first_agreeing(order, q, check)
+    if kernel is None:
+        return 1, None
+    n = call_groups(kernel, q, k)
+    return (1, None) if n == 1 else (n, kernel)
+
+
+_OTHER_BACKENDS = {0: "math", 4: "overrideable"}  # torch.nn.attention.SDPBackend values
+
+
+def sdpa_kernel_name(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, probes: Probes = TORCH_PROBES
+) -> str:
+    """The kernel scaled_dot_product_attention runs for causal attention of q against k, v
+    (enable_gqa), named as the attention core names its kernels ("cudnn", "flash",
+    "efficient", "flash_cpu"), or "math"; "unknown" where torch cannot say."""
+    choice = probes.sdpa_choice(q, k, v)
+    for kern in probes.candidates(probes.device_type(q)):
+        if kern.sdpa_backend == choice:
+            return kern.name
+    return _OTHER_BACKENDS.get(choice, "unknown") if choice is not None else "unknown"
 
 
 def _same(t: torch.Tensor) -> torch.Tensor:
