@@ -1,6 +1,6 @@
-"""plan/caching_allocator.py: the CUDA caching allocator's rules on hand-built traces, each
-reserved size worked out by hand from the rules in the module docstring; and the planner's step
-trace replayed through it."""
+"""plan/caching_allocator.py: the CUDA caching allocator's rules, with and without expandable
+segments, on hand-built traces, each reserved size worked out by hand from the rules in the
+module docstring; and the planner's step trace replayed through it."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from tiledmlp.plan.caching_allocator import FREE, CachingAllocator, reserve_beyo
 KiB, MiB = 2**10, 2**20
 
 
-def _replay(trace: list[tuple[int, int]]) -> CachingAllocator:
-    alloc = CachingAllocator()
+def _replay(trace: list[tuple[int, int]], expandable: bool = False) -> CachingAllocator:
+    alloc = CachingAllocator(expandable)
     for key, nbytes in trace:
         alloc.free(key) if nbytes == FREE else alloc.malloc(key, nbytes)
     return alloc
@@ -89,6 +89,55 @@ def test_tensors_before_the_step_count_in_the_peak() -> None:
         _replay([(0, MiB), (0, MiB)])
 
 
+def test_expandable_segments_map_whole_pages_at_the_end() -> None:
+    # large pool: 20 MiB pages; 3 MiB maps one page, 25 MiB more map two (the free 17 MiB at the
+    # end are used first: 3 + 25 = 28 MiB need 40 MiB mapped)
+    alloc = _replay([(0, 3 * MiB)], expandable=True)
+    assert alloc.reserved == 20 * MiB
+    alloc.malloc(1, 25 * MiB)
+    assert alloc.reserved == 40 * MiB
+    # small pool: 2 MiB pages in a segment of its own
+    alloc.malloc(2, 1000)
+    assert alloc.reserved == 42 * MiB
+    # 12 MiB were left free at the end (40 - 28): 12 MiB fit without mapping
+    alloc.malloc(3, 12 * MiB)
+    assert alloc.reserved == 42 * MiB
+
+
+def test_expandable_segments_still_fragment() -> None:
+    # 40 MiB freed in the middle of the mapped range cannot serve 60 MiB: the segment grows
+    # at its end, and the 40 MiB stay mapped (the same trace without expandable segments: a
+    # 40 MiB segment and a 60 MiB one)
+    trace = [(0, 40 * MiB), (1, 20 * MiB), (0, FREE), (2, 60 * MiB)]
+    assert _replay(trace, expandable=True).reserved == 120 * MiB
+    assert reserve_beyond_peak([], trace, expandable=True) == 40 * MiB
+    # freed at the end of the mapped range, the same 40 MiB grow into the 60 MiB request
+    trace = [(1, 20 * MiB), (0, 40 * MiB), (0, FREE), (2, 60 * MiB)]
+    assert _replay(trace, expandable=True).reserved == 80 * MiB
+    assert _replay(trace).reserved == 120 * MiB  # without: a segment of its own
+
+
+def test_expandable_best_fit_keeps_the_free_end_for_what_fits_nowhere_else() -> None:
+    # 30 + 20 MiB map 60 MiB (three pages); freed, the 30 MiB are in the middle and 10 MiB free
+    # at the end. 8 MiB would best fit the end, but takes the middle block (22 MiB left), so
+    # 25 MiB fits nowhere and grows the end by a page (without the rule: 60 MiB in all)
+    trace = [(0, 30 * MiB), (1, 20 * MiB), (0, FREE), (2, 8 * MiB), (3, 25 * MiB)]
+    assert _replay(trace, expandable=True).reserved == 80 * MiB
+    # the free end alone fits: it serves the request (split: the rest stays at the end)
+    alloc = _replay([(0, 30 * MiB), (0, FREE), (1, 5 * MiB), (2, 5 * MiB)], expandable=True)
+    assert alloc.reserved == 40 * MiB
+
+
+def test_expandable_blocks_split_whatever_remains() -> None:
+    # without expandable segments a large block keeps a remainder of 1 MiB or less; with them
+    # 512 bytes are split off and serve a later request of the large pool
+    trace = [(0, 12 * MiB), (0, FREE), (1, 11 * MiB), (2, 2 * MiB), (1, FREE), (3, 11 * MiB)]
+    assert _replay(trace, expandable=True).reserved == 20 * MiB
+    # freed neighbours merge, and grown ends merge with the free block before them
+    trace = [(0, 15 * MiB), (1, 5 * MiB), (0, FREE), (1, FREE), (2, 50 * MiB)]
+    assert _replay(trace, expandable=True).reserved == 60 * MiB
+
+
 def test_the_planner_replays_its_step_trace() -> None:
     """A simulated step's trace is balanced (everything created in it is freed or kept), and
     its replayed reserve is what StepEstimate carries."""
@@ -105,12 +154,12 @@ def test_the_planner_replays_its_step_trace() -> None:
     seen: list[CachingAllocator] = []
     real = fake_step.reserve_beyond_peak
 
-    def spy(before: object, trace: list[tuple[int, int]]) -> int:
+    def spy(before: object, trace: list[tuple[int, int]], **kw: bool) -> int:
         created = {k for k, n in trace if n != FREE}
         freed = [k for k, n in trace if n == FREE]
         assert len(freed) == len(set(freed)) and set(freed) <= created
         seen.append(_replay(list(trace)))
-        return real(before, trace)
+        return real(before, trace, **kw)
 
     fake_step.reserve_beyond_peak = spy  # type: ignore[assignment]
     try:

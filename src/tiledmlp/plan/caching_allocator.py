@@ -1,4 +1,5 @@
-"""PyTorch's CUDA caching allocator without expandable segments, replayed on a step's trace.
+"""PyTorch's CUDA caching allocator, with and without expandable segments, replayed on a step's
+trace.
 
 A CUDA step's tensors do not take memory from the driver one by one: PyTorch's caching
 allocator (c10/cuda/CUDACachingAllocator.cpp, its header comment and the constants beside it)
@@ -19,8 +20,23 @@ what it holds beyond `max_memory_allocated` is this module's answer. The rules r
   1 MiB (large pool); otherwise the request keeps the whole block;
 - a freed block merges with the free blocks beside it in its segment.
 
+With `expandable_segments:True` (the same file, Note [Expandable Segments], and its
+find_expandable_block, try_allocate_expandable_block, map_block, get_free_block and
+should_split) each pool has one segment per stream, a range of virtual addresses into which
+physical pages are mapped as requests need them: 2 MiB pages for the small pool, 20 MiB
+(kLargeBuffer) for the large one. A freed block still serves only requests no larger than
+itself, so the mapped range fragments too; what changes:
+
+- a request no free block can serve extends the segment at its end: the free block at the end
+  of the mapped range (if any) plus as many new pages as the rest needs, rounded up to whole
+  pages; the request is cut from the front, the rest stays free at the end;
+- best fit skips the free block at the end of the mapped range when another free block is large
+  enough (it counts as large as it could grow);
+- a block is split whenever at least 512 bytes remain, in either pool.
+
 One stream, the default settings (no max_split_size, no garbage-collection threshold, no
-power-of-two rounding), and a device large enough that no allocation fails.
+power-of-two rounding), and a device large enough that no allocation fails (so no page is ever
+unmapped, and no segment released).
 
 Invariant: the reserved bytes never decrease, and are at least the rounded live bytes.
 """
@@ -31,7 +47,7 @@ import bisect
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-__all__ = ["FREE", "CachingAllocator", "reserve_beyond_peak"]
+__all__ = ["FREE", "PAGE", "CachingAllocator", "reserve_beyond_peak"]
 
 MiB = 2**20
 MIN_BLOCK = 512  # kMinBlockSize: every request is rounded up to a multiple of it
@@ -40,6 +56,8 @@ SMALL_BUFFER = 2 * MiB  # kSmallBuffer: the small pool's segments
 LARGE_BUFFER = 20 * MiB  # kLargeBuffer: the segment of a large request under MIN_LARGE_ALLOC
 MIN_LARGE_ALLOC = 10 * MiB  # kMinLargeAlloc
 ROUND_LARGE = 2 * MiB  # kRoundLarge: larger requests' segments are rounded up to it
+# with expandable segments: the pages mapped into the small and the large pool's segment
+PAGE = {True: SMALL_BUFFER, False: LARGE_BUFFER}
 FREE = -1  # a trace event (key, FREE) frees what `key` holds
 
 
@@ -74,12 +92,15 @@ class CachingAllocator:
     live and peak bytes both as requested and as reserved.
 
     Attributes:
-        reserved: bytes of all segments taken from the driver.
+        expandable: `expandable_segments:True` (module docstring).
+        reserved: bytes of all segments taken from the driver (with expandable segments: of
+            all pages mapped).
         live: bytes requested and not freed (unrounded).
         peak: the largest `live` seen.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, expandable: bool = False) -> None:
+        self.expandable = expandable
         self.reserved = 0
         self.live = 0
         self.peak = 0
@@ -87,6 +108,8 @@ class CachingAllocator:
         self._blocks: dict[int, _Block] = {}  # free blocks by address
         self._held: dict[int, tuple[_Block, int]] = {}  # key -> (its block, bytes requested)
         self._top = 0  # the next segment's address
+        # with expandable segments: each pool's segment, the last block of its mapped range
+        self._last: dict[bool, _Block | None] = {True: None, False: None}
 
     def malloc(self, key: int, nbytes: int) -> None:
         """Serves `nbytes` for `key` (which must not hold a block)."""
@@ -101,17 +124,23 @@ class CachingAllocator:
         small = size <= SMALL_SIZE
         pool = self._free[small]
         i = bisect.bisect_left(pool, (size, -1))
+        if self.expandable and i + 1 < len(pool) and pool[i][1] == self._end_addr(small):
+            i += 1  # the free end of the mapped range is kept for requests nothing else fits
         if i < len(pool):
             block = self._blocks.pop(pool.pop(i)[1])
+        elif self.expandable:
+            block = self._extend(size, small)
         else:
             block = _Block(self._top, segment_size(size), small)
             self._top += block.size
             self.reserved += block.size
         rest = block.size - size
-        if rest >= MIN_BLOCK if small else rest > SMALL_SIZE:
+        if rest >= MIN_BLOCK if small or self.expandable else rest > SMALL_SIZE:
             tail = _Block(block.addr + size, rest, small, prev=block, next=block.next)
             if block.next is not None:
                 block.next.prev = tail
+            elif self.expandable:
+                self._last[small] = tail
             block.next, block.size = tail, size
             self._insert(tail)
         block.free = False
@@ -124,6 +153,7 @@ class CachingAllocator:
         if block.size == 0:
             return
         block.free = True
+        last = self._last[block.small]
         for side in (block.prev, block.next):
             if side is not None and side.free:
                 self._remove(side)
@@ -132,13 +162,43 @@ class CachingAllocator:
                     side.next = block.next
                     if block.next is not None:
                         block.next.prev = side
+                    if last is block:
+                        last = side
                     block = side
                 else:
                     block.size += side.size
                     block.next = side.next
                     if side.next is not None:
                         side.next.prev = block
+                    if last is side:
+                        last = block
+        self._last[block.small] = last
         self._insert(block)
+
+    def _end_addr(self, small: bool) -> int | None:
+        """The address of the free block at the end of the pool's mapped range, if it is free."""
+        last = self._last[small]
+        return last.addr if last is not None and last.free else None
+
+    def _extend(self, size: int, small: bool) -> _Block:
+        """With expandable segments: a block of at least `size` bytes at the end of the pool's
+        segment, made of its free end block (if any) and the whole pages mapped after it."""
+        last = self._last[small]
+        grow = last if last is not None and last.free else None
+        need = size - (grow.size if grow is not None else 0)
+        mapped = -(-need // PAGE[small]) * PAGE[small]
+        self.reserved += mapped
+        if grow is not None:
+            self._remove(grow)
+            grow.size += mapped
+            return grow
+        # each pool's segment has its own address range: a block never neighbours another pool's
+        addr = last.addr + last.size if last is not None else (0 if small else 1 << 60)
+        block = _Block(addr, mapped, small, prev=last)
+        if last is not None:
+            last.next = block
+        self._last[small] = block
+        return block
 
     def _insert(self, block: _Block) -> None:
         bisect.insort(self._free[block.small], (block.size, block.addr))
@@ -150,17 +210,20 @@ class CachingAllocator:
         del self._blocks[block.addr]
 
 
-def reserve_beyond_peak(before: Iterable[int], trace: Iterable[tuple[int, int]]) -> int:
+def reserve_beyond_peak(
+    before: Iterable[int], trace: Iterable[tuple[int, int]], *, expandable: bool = False
+) -> int:
     """What the caching allocator reserves beyond the peak of requested bytes, for a step that
     starts with tensors of `before` bytes (allocated first, in order, never freed) and then
-    runs `trace`: (key, nbytes) allocates nbytes for key, (key, FREE) frees it.
+    runs `trace`: (key, nbytes) allocates nbytes for key, (key, FREE) frees it. `expandable`:
+    with `expandable_segments:True`.
 
     Returns:
         Reserved bytes at the end (no segment is ever released) minus the peak of live
         requested bytes: rounding, split remainders and segments too small or too fragmented
         for later requests.
     """
-    alloc = CachingAllocator()
+    alloc = CachingAllocator(expandable)
     for i, nbytes in enumerate(before):
         alloc.malloc(-1 - i, nbytes)
     for key, nbytes in trace:

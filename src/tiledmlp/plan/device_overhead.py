@@ -46,14 +46,19 @@ tensors change size from phase to phase holds segments it cannot reuse. The term
 allocator's own rules (c10/cuda/CUDACachingAllocator.cpp: 512-byte rounding, the 2 MiB small
 and 20 MiB large segments, best fit, splitting, merging; plan/caching_allocator.py) replayed
 on the step's allocation trace, every storage's creation and release in order, which the
-simulation records (plan/phase_tracker.py): the segments' total minus the step's tensor peak,
-deeper models' by the same line through 4 and 5 layers as the peak (plan/segments.py). The
-attention backward's buffers and the cuBLAS workspaces are not in the trace; they are counted
-as allocated bytes beside it. With `expandable_segments:True` (PyTorch's CUDA semantics notes:
-a segment grows by mapping 2 MiB pages as requests need them, so freed memory at its end is
-reused by a larger request), the reserve is the rounding of the peak up to whole 2 MiB pages
-per segment, one segment per stream: 2 MiB. That figure is the mechanism's; it is still to be
-measured on a GPU.
+simulation records (plan/phase_tracker.py): the segments' total minus the step's tensor peak;
+every layer is simulated then. With `expandable_segments:True` (the same file, Note [Expandable
+Segments]) each pool has one segment that grows by mapping pages (20 MiB for the large pool)
+at its end when no free block is large enough; a freed block still serves only requests no
+larger than itself, so the mapped range fragments as well: a step whose loss frees 16 GiB of
+logits and then asks for other sizes maps new pages beyond them. The term is the same trace
+replayed through those rules (plan/caching_allocator.py): on the H200 records of 2026-11-26
+(benchmarks/results/gpu/2026-11-26-h200/suite/records.jsonl) the replay maps 62,682 MiB for the
+4-layer untiled step at 32K tokens where the card reserved 62,684. The replay of a trace whose
+repeated tiles ran once (plan/periodic_tiles.py) maps the same pages, so it needs no exact
+simulation; a deeper model's reserve is the larger of the 4- and 5-layer steps' (plan/
+estimate.py), not a line in the depth. In both modes the attention backward's buffers and the
+cuBLAS workspaces are not in the trace; they are counted as allocated bytes beside it.
 
 On the CPU none of these terms exists (no context or workspaces are reserved from a device, the
 allocator is the system's): the overhead is zero, and `--memory-gb` there is the memory the
@@ -78,7 +83,6 @@ _OUTSIDE_ALLOCATOR = 849 * MiB  # whole_steps.jsonl: the largest outside_allocat
 # cuBLAS's and cuBLASLt's workspaces, as the caching allocator serves them (the first matmul)
 CUBLAS_WORKSPACES = (int(8.125 * MiB), 32 * MiB)
 _CUBLAS = sum(CUBLAS_WORKSPACES)
-_EXPANDABLE_PAGE = 2 * MiB
 
 
 @dataclass(frozen=True)
@@ -124,14 +128,12 @@ class DeviceOverhead:
         attention: the attention kernel whose backward buffers no tensor shows
             ("attention_backward"); None: none (the CPU).
         replayed: the allocator's reserve is the step's own, replayed through the caching
-            allocator's rules (without expandable segments; Note [Allocator reserve]).
-        page: the allocator's reserve in bytes with expandable segments (0: without them).
+            allocator's rules (Note [Allocator reserve]); False on the CPU.
     """
 
     fixed: dict[str, int]
     attention: AttentionKernel | None
     replayed: bool = False
-    page: int = 0
 
     def terms(self, peak: int, tokens: int, reserve: int = 0) -> dict[str, int]:
         """Each term in bytes, for a step whose tensors peak at `peak` bytes over `tokens`
@@ -141,7 +143,7 @@ class DeviceOverhead:
         return {
             **self.fixed,
             "attention_backward": attention,
-            "allocator": (reserve if self.replayed else 0) + self.page,
+            "allocator": reserve if self.replayed else 0,
         }
 
     def total(self, peak: int, tokens: int, reserve: int = 0) -> int:
@@ -175,7 +177,8 @@ def device_overhead(
         sequence_parallel_size: Ulysses' P.
         by_heads: the attention core runs by head groups (tiled decoder layers).
         expandable_segments: the caching allocator runs with `expandable_segments:True` (what
-            tiledmlp's own entry points set unless PYTORCH_CUDA_ALLOC_CONF is set).
+            tiledmlp's own entry points set unless PYTORCH_CUDA_ALLOC_CONF is set); the
+            replayed reserve the caller passes to `terms` is that setting's (estimate_step).
 
     Returns:
         A DeviceOverhead; all zero on the CPU.
@@ -191,6 +194,5 @@ def device_overhead(
     return DeviceOverhead(
         fixed={"outside_allocator": _OUTSIDE_ALLOCATOR, "cublas_workspace": _CUBLAS},
         attention=kernel,
-        replayed=not expandable_segments,
-        page=_EXPANDABLE_PAGE if expandable_segments else 0,
+        replayed=True,
     )

@@ -160,6 +160,7 @@ def plan_model(
         # the allocator's reserve without expandable segments is the whole depth's trace
         # replayed (plan/device_overhead.py, Note [Allocator reserve]): every layer simulated
         "exact": device_type != "cpu" and not expandable_segments,
+        "expandable_segments": expandable_segments,
     }
     out: dict[str, Any] = {}
     for i, stack in enumerate(stacks, 1):
