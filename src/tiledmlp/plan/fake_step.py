@@ -10,6 +10,7 @@ parameters, buffers and optimizer states that exist before it; host buffers are 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass
 from typing import Any
@@ -24,6 +25,7 @@ from tiledmlp.plan.apply_stack import apply_stack, build_model, decoder_layers_o
 from tiledmlp.plan.caching_allocator import reserve_beyond_peak
 from tiledmlp.plan.device_overhead import CUBLAS_WORKSPACES
 from tiledmlp.plan.exchange import register_exchanged
+from tiledmlp.plan.periodic_tiles import PeriodicTiles
 from tiledmlp.plan.phase_tracker import PhaseTracker
 from tiledmlp.plan.segments import CATEGORIES, SHORT, Segments, StepEstimate
 
@@ -76,13 +78,13 @@ def simulate(
     device_type: str = "cuda",
     sharded: bool = False,
     sequence_parallel_size: int = 1,
-    expandable_segments: bool = True,
+    cut_tiles: bool = False,
 ) -> Segments:
     """One step of the model cut to `layers` decoder layers, on fake tensors; the tile policy
     resolves as on `device_type`. `sharded`: the parameters are not counted (and their
     gradients leave once accumulated): a sharding engine's own memory is added by the caller.
-    `expandable_segments`: the caching allocator's setting the reserve is replayed with
-    (caching_allocator.py)."""
+    `cut_tiles`: the tile loops' repeated tiles run once (periodic_tiles.py): the same peaks
+    and breakdowns, no allocator reserve (0: it needs every tile's events)."""
     with FakeTensorMode(), assume_device(device_type):
         step = prepare(config, layers, stack, dtype, checkpointing, optimizer, num_tiles)
         model = step.model
@@ -99,7 +101,8 @@ def simulate(
         # With 4 layers both marks close at once; fewer layers are simulated whole (no marks).
         marks = [len(decoder_layers) - 2, 2] if len(decoder_layers) >= SHORT else []
         checkpoint_inputs, hooks = _watchdecoder_layers_of(decoder_layers, tracker, marks)
-        with tracker:
+        periodic = PeriodicTiles(tracker) if cut_tiles else contextlib.nullcontext()
+        with tracker, periodic:
             _step(model, ids, step.opt, tracker)
         for h in hooks:
             h.remove()
@@ -115,9 +118,7 @@ def simulate(
         # workspaces its first matmul takes, counted beside the tensors (device_overhead.py)
         before = [*map(nbytes, [*kept, *step.states])]
         workspaces = CUBLAS_WORKSPACES if device_type == "cuda" else ()
-        reserve = reserve_beyond_peak(
-            [*before, *workspaces], tracker.trace, expandable=expandable_segments
-        )
+        reserve = 0 if cut_tiles else reserve_beyond_peak([*before, *workspaces], tracker.trace)
         parts = [
             _categorise(
                 tracker, peak, at_peak, fixed, grads, checkpoint_inputs, checkpointing, reserve

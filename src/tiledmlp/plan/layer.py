@@ -40,8 +40,8 @@ from tiledmlp.ops.tiling.policy import TilePolicy, assume_device
 from tiledmlp.patching.detect import Candidate
 from tiledmlp.patching.features.tiled_mlp import FoundModules
 from tiledmlp.patching.patch import apply_features
-from tiledmlp.plan.fake_memory import fake_peak_bytes
 from tiledmlp.plan.mlp import estimate_fields
+from tiledmlp.plan.periodic_tiles import cut_peak_bytes
 
 __all__ = ["cut_config", "declared_mlps", "dense_mlp", "load_config", "mlp_shape", "plan_layer"]
 
@@ -236,7 +236,7 @@ def _estimate(
             y.backward(dy)
 
         inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-        peak = fake_peak_bytes(step, [*layer.parameters(), x, dy, *inputs])
+        peak = cut_peak_bytes(step, [*layer.parameters(), x, dy, *inputs])
     return peak, used
 
 

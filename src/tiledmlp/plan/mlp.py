@@ -19,7 +19,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from tiledmlp.models.mlps import GatedMLP
 from tiledmlp.ops.mlp.functional import tile_plan, tiled_mlp
 from tiledmlp.ops.tiling.policy import TilePolicy, assume_device
-from tiledmlp.plan.fake_memory import fake_peak_bytes
+from tiledmlp.plan.periodic_tiles import cut_peak_bytes
 
 __all__ = ["estimate_fields", "plan_mlp"]
 
@@ -57,7 +57,7 @@ def _estimate(
             y = mlp(x) if tiles is None else tiled_mlp(mlp, x, num_tiles=tiles)
             y.backward(dy)
 
-        peak = fake_peak_bytes(step, [*mlp.parameters(), x, dy])
+        peak = cut_peak_bytes(step, [*mlp.parameters(), x, dy])
     return peak, used
 
 

@@ -1,7 +1,7 @@
 """Storage tracking by phase and segment of a simulated training step.
 
-Invariant: every storage created in the step has a serial number (never reused) and the phase
-that created it; each segment closed by `mark` keeps its peak and what was alive at it.
+Invariant: every storage created in the step has a serial number (never reused), its bytes and
+the phase that created it; each segment closed by `mark` keeps its peak and what was alive at it.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ class PhaseTracker(StorageTracker):
         self.phase = "forward"
         self._serial: dict[int, int] = {}  # live storage key -> serial
         self.phase_of: list[str] = []  # serial -> phase
+        self.bytes_of: list[int] = []  # serial -> bytes
         self.segments: list[tuple[int, dict[int, int]]] = []
         self._peak = 0
         self._at_peak: dict[int, int] = {}
@@ -51,9 +52,11 @@ class PhaseTracker(StorageTracker):
             return
         key = self._key(t)
         if key not in self._refs:
+            nbytes = t.untyped_storage().nbytes()
             self._serial[key] = len(self.phase_of)
-            self.trace.append((len(self.phase_of), t.untyped_storage().nbytes()))
+            self.trace.append((len(self.phase_of), nbytes))
             self.phase_of.append(self.phase)
+            self.bytes_of.append(nbytes)
         super()._track(t)
         if self.live > self._peak:
             self._peak, self._at_peak = self.live, self._alive()

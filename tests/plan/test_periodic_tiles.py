@@ -1,0 +1,121 @@
+"""Tile loops cut short on fake tensors (plan/periodic_tiles.py): the cut simulation gives the
+same peaks and breakdowns as the whole one for every stack, and a tile is skipped only after two
+tiles of its size were seen alike."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from hf_models import BASE
+from tiledmlp.config.stacks import STACKS, stack_option
+from tiledmlp.ops.tiling.tiles import TilePlan, split_even
+from tiledmlp.plan import fake_step
+from tiledmlp.plan.fake_memory import fake_peak_bytes
+from tiledmlp.plan.periodic_tiles import PeriodicTiles, cut_peak_bytes
+from tiledmlp.plan.phase_tracker import PhaseTracker
+
+pytest.importorskip("transformers")
+
+SMALL = {
+    **BASE,
+    "vocab_size": 512,
+    "hidden_size": 64,
+    "intermediate_size": 256,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "use_cache": False,
+}
+
+
+def _config() -> Any:
+    import transformers as tr
+
+    return tr.LlamaConfig(**SMALL)
+
+
+def _segments(s: Any) -> list[tuple[int, dict[str, int]]]:
+    return [(e.peak, e.breakdown) for e in (s.head, s.middle, s.tail)]
+
+
+@pytest.mark.parametrize("stack", STACKS)
+def test_cut_tiles_give_the_whole_simulation_s_peaks(stack: str) -> None:
+    """Uneven tiles (392 tokens in 6; the loss by its own plan), 4 layers (three segments):
+    every segment's peak and breakdown equal the whole simulation's, with fewer
+    events recorded."""
+    spied: list[PhaseTracker] = []
+    real_init = PhaseTracker.__init__
+
+    def spy(self: PhaseTracker, known: list[torch.Tensor]) -> None:
+        real_init(self, known)
+        spied.append(self)
+
+    options = {
+        "seq_len": 392,
+        "stack": stack,
+        "dtype": torch.float32,
+        "checkpointing": stack_option(stack, "activation_offloading"),
+        "optimizer": "adamw",
+        "num_tiles": 6,
+    }
+    PhaseTracker.__init__ = spy  # type: ignore[method-assign]
+    try:
+        cut = fake_step.simulate(_config(), 4, cut_tiles=True, **options)
+        whole = fake_step.simulate(_config(), 4, **options)
+    finally:
+        PhaseTracker.__init__ = real_init  # type: ignore[method-assign]
+    assert _segments(cut) == _segments(whole)
+    if stack != "untiled":
+        assert len(spied[0].trace) < len(spied[1].trace)  # tiles were skipped
+
+
+def test_cut_peak_bytes_equals_the_whole_loop_s_for_a_tiled_mlp() -> None:
+    from tiledmlp.models.mlps import GatedMLP
+    from tiledmlp.ops.mlp.functional import tiled_mlp
+
+    with FakeTensorMode():
+        mlp = GatedMLP(64, 256)
+        x = torch.empty(1, 1000, 64, requires_grad=True)
+        dy = torch.empty(1, 1000, 64)
+
+        def step() -> None:
+            tiled_mlp(mlp, x, num_tiles=9).backward(dy)
+
+        alive = [*mlp.parameters(), x, dy]
+        assert cut_peak_bytes(step, alive) == fake_peak_bytes(step, alive)
+
+
+def _loop(plan: TilePlan, leak: bool) -> list[tuple[int, int]]:
+    """A tile loop on fake tensors whose tiles each create and free a tile-sized tensor (and,
+    with `leak`, keep one); returns the tiles it ran."""
+    ran, kept = [], []
+    for start, stop in plan.bounds():
+        t = torch.empty(stop - start, 8)
+        if leak:
+            kept.append(torch.empty(stop - start))
+        del t
+        ran.append((start, stop))
+    return ran
+
+
+def test_a_tile_is_skipped_only_after_two_alike_tiles_of_its_size() -> None:
+    plan = split_even(100, 10)  # ten tiles of 10 tokens: one run
+    with FakeTensorMode():
+        tracker = PhaseTracker([])
+        with tracker, PeriodicTiles(tracker) as periodic:
+            ran = _loop(plan, leak=False)
+        assert ran == [(0, 10), (10, 20), (90, 100)]  # the first two alike, then the last
+        assert periodic.cut
+        uneven = split_even(103, 10)  # three tiles of 11, then seven of 10
+        tracker = PhaseTracker([])
+        with tracker, PeriodicTiles(tracker):
+            ran = _loop(uneven, leak=False)
+        assert [b - a for a, b in ran] == [11, 11, 11, 10, 10, 10]
+        tracker = PhaseTracker([])
+        with tracker, PeriodicTiles(tracker) as periodic:
+            ran = _loop(plan, leak=True)  # every tile leaves memory behind: never alike
+        assert len(ran) == 10 and not periodic.cut
+    assert list(plan.bounds()) == [(10 * i, 10 * i + 10) for i in range(10)]  # restored
