@@ -172,7 +172,8 @@ def _cross_entropy_math(
     """The per-tile math, with the "mean" denominators of the whole input."""
     class_weight = None if weight is None else weight.detach().to(head.wide)
     # Planning on fake tensors has no values: every token counts (the scale changes no memory).
-    if absent(counted):
+    # Only "mean" and the accuracy read the counts: other reductions skip their device sync.
+    if absent(counted) or (scoring.reduction != "mean" and not scoring.return_aux):
         count, weight_total = counted.numel(), float(counted.numel())
     else:
         count = int(counted.sum().item())

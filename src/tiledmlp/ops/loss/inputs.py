@@ -19,7 +19,15 @@ from tiledmlp.ops.tiling.probe import absent
 from tiledmlp.ops.tiling.state import AutocastState
 from tiledmlp.ops.tiling.tiles import TilePlan, split_by_tile_tokens, split_even
 
-__all__ = ["HeadInput", "check_inputs", "loss_plan", "shift_labels", "shift_tokens", "targets_of"]
+__all__ = [
+    "LOSS_MIN_TILE_BYTES",
+    "HeadInput",
+    "check_inputs",
+    "loss_plan",
+    "shift_labels",
+    "shift_tokens",
+    "targets_of",
+]
 
 
 def shift_labels(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
@@ -37,9 +45,22 @@ def shift_tokens(t: torch.Tensor, fill: int | bool) -> torch.Tensor:
     return torch.cat([t[..., 1:], pad], dim=-1)
 
 
+#: "auto" never makes loss tiles whose float32 logits are smaller than this (see loss_plan)
+LOSS_MIN_TILE_BYTES = 256 * 2**20
+
+
 def loss_plan(
-    num_tokens: int, hidden: int, elem: int, num_tiles: Any, tile_tokens: Any
+    num_tokens: int, hidden: int, vocab: int, elem: int, num_tiles: Any, tile_tokens: Any
 ) -> TilePlan:
+    """The loss's tiles over `num_tokens` tokens.
+
+    "auto": tiles of max(hidden * elem / 4, LOSS_MIN_TILE_BYTES / (4 * vocab)) tokens: a tile's
+    float32 logits (n x vocab x 4 bytes) are about the size of the LM-head weight (vocab x
+    hidden x elem), and never under 256 MiB, so a small vocabulary (a byte tokenizer's 258)
+    runs as one tile instead of many tiny ones whose per-tile costs (launches, a pass over the
+    weight-sized gradient accumulator) would exceed the logits they spare; one tile when the
+    whole input's logits are that small.
+    """
     policy = TilePolicy.of(num_tiles, tile_tokens)
     if policy.rule in ("arctic", "target"):
         raise ValueError(
@@ -47,8 +68,7 @@ def loss_plan(
             "(TilePolicy.for_loss() derives one)"
         )
     if policy.rule == "auto":
-        # a tile's float32 logits (n x V x 4 bytes) about the size of the LM-head weight
-        per_tile = max(1, hidden * elem // 4)
+        per_tile = max(1, hidden * elem // 4, math.ceil(LOSS_MIN_TILE_BYTES / (4 * max(vocab, 1))))
         return split_even(num_tokens, max(1, math.ceil(num_tokens / per_tile)))
     if policy.rule == "tokens":
         return split_by_tile_tokens(num_tokens, int(policy.amount))
@@ -151,5 +171,6 @@ class HeadInput:
         autocast = AutocastState.capture(hidden.device.type)
         cd = autocast.compute_dtype(hidden.dtype, lm_head_weight.dtype) or hidden.dtype
         elem = torch.empty((), dtype=cd).element_size()
-        plan = loss_plan(hidden.shape[0], hidden.shape[1], elem, num_tiles, tile_tokens)
+        vocab = lm_head_weight.shape[0]
+        plan = loss_plan(hidden.shape[0], hidden.shape[1], vocab, elem, num_tiles, tile_tokens)
         return cls(hidden, autocast, torch.promote_types(cd, torch.float32), plan)

@@ -2,11 +2,11 @@
 and the two ways its gradient reaches hidden states, weight and bias.
 
 Per tile: z = hidden_tile @ W.T + b in the compute dtype, multiplied by a logit scale if asked,
-soft-capped if asked (in the compute dtype, as the untiled models do), upcast to float32 and
-divided by the temperature; the math
-records its values and, when gradients are wanted, d/d(logits), which the loop turns into the
-tile's d(hidden) = dz @ W, and adds dz.T @ hidden_tile to d(W) (one float32 accumulator) and
-dz's column sums to d(bias).
+soft-capped if asked (in the compute dtype, as the untiled models do), divided by the temperature
+(in float32) if asked, and its log-softmax taken in float32; the math records its values and,
+when gradients are wanted, writes d/d(logits) in the compute dtype, which the loop turns into the
+tile's d(hidden) = dz @ W, and adds dz.T @ hidden_tile to d(W) (one float32 accumulator; none
+with a single tile, whose product is the gradient) and dz's column sums to d(bias).
 
 - Scalar outputs (a loss reduced by "mean" or "sum"): the gradient is formed in the forward for
   an upstream gradient of 1 and only scaled in the backward: 3L FLOPs (L = 2 x tokens x hidden x
@@ -16,8 +16,27 @@ dz's column sums to d(bias).
   tile's logits: 4L FLOPs in all, and nothing of (tokens x vocab) size is ever kept.
 - Evaluation (no gradient wanted): one pass, 1L FLOPs, no gradient buffers.
 
-Invariant: memory beyond inputs and outputs is one tile of logits (a few (n x V) float32
-tensors), d(hidden) and one float32 accumulator per parameter, whatever the number of tokens.
+Note [one float32 tensor per tile]: the loss is bound by memory traffic over (n x V) tensors,
+not by FLOPs, so a tile makes as few passes over them as it can. The log-softmax reads the
+compute-dtype logits and writes float32 log-probabilities in one kernel (the upcast, max, sum and
+log fused; no separate float32 copy of the logits, no logsumexp with its own (n x V)
+temporary); the gradient is exp in place, then one multiply by a per-row coefficient written
+straight in the compute dtype (the cast fused, rounded once); the targets' entries are written
+over it from the gathered log-probabilities. The untiled path (logits, their float32 copy,
+log_softmax, nll_loss's dense gradient, log_softmax's backward, the cast back) makes more.
+
+Note [the factored gradient]: for a plain cross-entropy (no class weights, label smoothing,
+z-loss, soft-capping or bias; a scalar reduction), d(logits) = alpha * diag(v) @ (p - onehot(y))
+with one constant alpha (the "mean" scale, 1/temperature, the logit scale) and v the counted
+rows. The tile then writes p straight from the log-probabilities in the compute dtype (exp and
+cast in one pass, no per-row multiply), the targets' entries p[y] - 1 over it, and masks the
+(n x hidden) side instead: d(W) += p.T @ (v * hidden_tile), d(hidden_tile) = v * (p @ W), both
+exact in v (0 or 1). alpha is the same for every tile, so the scalar head's backward multiplies
+it in with the upstream gradient (one float32 factor, one rounding).
+
+Invariant: memory beyond inputs and outputs is one tile of logits (its compute-dtype logits, its
+float32 log-probabilities and the compute-dtype gradient), d(hidden) and one float32 accumulator
+per parameter, whatever the number of tokens.
 """
 
 from __future__ import annotations
@@ -27,7 +46,7 @@ from typing import Any
 
 import torch
 
-from tiledmlp.ops.loss.tile_math import TileMath
+from tiledmlp.ops.loss.tile_math import TileLogits, TileMath
 from tiledmlp.ops.tiling.grads import GradSlot, Scratch
 from tiledmlp.ops.tiling.guards import refuse_double_backward
 from tiledmlp.ops.tiling.state import AutocastState
@@ -48,6 +67,9 @@ class HeadRun:
     autocast: AutocastState
     math: TileMath
     scale: float = 1.0  # logit scale, applied before soft-capping (Cohere, Granite)
+    # a factored gradient's constant, which the loop's d(hidden), d(W) leave out (the scalar
+    # head's backward multiplies it in with the upstream gradient); 1 otherwise
+    alpha: float = 1.0
     dh: torch.Tensor | None = None
     dw: torch.Tensor | None = None
     db: torch.Tensor | None = None
@@ -83,8 +105,10 @@ def _tiles(
     w = weight.to(cd)
     b = None if bias is None else bias.to(cd)
     scratch = Scratch()
-    slot_w = GradSlot(weight, cd, scratch) if need[1] else None
-    slot_b = GradSlot(bias, cd, scratch) if need[2] and bias is not None else None
+    # one tile: its product is the gradient, rounded once as untiled (no float32 buffer)
+    single = run.plan.num_tiles == 1
+    slot_w = GradSlot(weight, cd, scratch, single) if need[1] else None
+    slot_b = GradSlot(bias, cd, scratch, single) if need[2] and bias is not None else None
     dh = torch.empty_like(hidden) if need[0] else None
     grads = any(need)
     with torch.no_grad(), torch.autocast(hidden.device.type, enabled=False):
@@ -113,34 +137,46 @@ def _tile(
 ) -> None:
     ht = hidden[rows].to(cd)
     y, v = run.targets[rows], run.counted[rows]
-    y = torch.where(v, y, torch.zeros_like(y))
+    y = torch.where(v, y, 0)
     z = torch.nn.functional.linear(ht, w, b)  # (n, V), compute dtype
     if run.scale != 1.0:
         z = z.mul_(run.scale)  # in place: the unscaled product is not needed again
     zc = z if run.softcap is None else _softcap(z, run.softcap)
-    # float32 at least; zc itself when no cast is needed (it is not needed again)
-    zf = zc.to(torch.promote_types(cd, torch.float32))
-    del zc
+    wide = torch.promote_types(cd, torch.float32)
     if run.temperature != 1.0:
-        # in place, also when zf is z: z is read again only for its dtype (no soft-cap here)
-        zf.div_(run.temperature)
-    lse = torch.logsumexp(zf, dim=-1)
+        # float32 at least, then divided in place (also when that is z itself: with no
+        # soft-cap, z is read again only for its dtype)
+        zc = zc.to(wide).div_(run.temperature)
+    # See Note [one float32 tensor per tile]
+    lp = torch.log_softmax(zc, dim=-1, dtype=wide)
+    tile = TileLogits(lp, zc if run.math.reads_logits else None, y, v)
+    del zc, lp
+    z_dtype = z.dtype
+    if run.softcap is None or not grads:
+        del z  # read again only by the soft-cap's backward
     if record:
-        run.math.values(zf, lse, y, v, rows)
+        run.math.values(tile, rows)
     if not grads:
         return
+    tile.drop_logits(keep_lse=run.math.needs_lse)
+    # See Note [the factored gradient]
+    if upstream is None and run.softcap is None and slot_b is None:
+        factored = run.math.factored(tile, 1.0 / run.temperature, z_dtype)
+        if factored is not None:
+            del tile
+            run.alpha = factored.alpha * run.scale  # the same for every tile
+            _add_factored(factored.p, ht, v, w, rows, slot_w, dh)
+            return
     up = None if upstream is None else [u if u is None else u[rows] for u in upstream]
-    dz = run.math.grad(zf, lse, y, v, up)  # may reuse zf's storage
-    del zf
-    if run.temperature != 1.0:
-        dz = dz.div_(run.temperature)
-    dz = dz.to(z.dtype)
+    # d(logits) in z's dtype, each entry rounded once; the temperature's 1/T folded in
+    dz = run.math.grad(tile, up, 1.0 / run.temperature, z_dtype)
+    del tile
     if run.softcap is not None:
         z_leaf = z.detach().requires_grad_()
         with torch.enable_grad():
             capped = _softcap(z_leaf, run.softcap)
         (dz,) = torch.autograd.grad(capped, z_leaf, dz)
-    del z
+        del z
     if run.scale != 1.0:
         dz = dz.mul_(run.scale)
     if slot_w is not None:
@@ -152,6 +188,30 @@ def _tile(
             torch.mm(dz, w, out=dh[rows])
         else:
             dh[rows].copy_(torch.mm(dz, w))
+
+
+def _add_factored(
+    p: torch.Tensor,
+    ht: torch.Tensor,
+    v: torch.Tensor,
+    w: torch.Tensor,
+    rows: slice,
+    slot_w: GradSlot | None,
+    dh: torch.Tensor | None,
+) -> None:
+    """A tile's gradients from d(logits) = alpha * diag(v) @ p, alpha left for the backward:
+    d(W) += p.T @ (v * hidden_tile), d(hidden_tile) = v * (p @ W); multiplying by v (0 or 1)
+    is exact."""
+    keep = v.to(ht.dtype).unsqueeze(1)
+    if slot_w is not None:
+        slot_w.add_mm(p.t(), ht * keep)
+    if dh is not None:
+        part = dh[rows]
+        if part.dtype == p.dtype:
+            torch.mm(p, w, out=part)
+            part.mul_(keep)
+        else:
+            part.copy_(torch.mm(p, w).mul_(keep))
 
 
 def _result(slot: GradSlot, like: torch.Tensor) -> torch.Tensor:
@@ -178,6 +238,7 @@ class _ScalarHead(torch.autograd.Function):
         # tensors once this backward has run (unless the graph is retained), so the hidden
         # states' gradient (tokens x hidden) is gone before the decoder layers' backward.
         grads = (run.dh, run.dw, run.db)
+        ctx.alpha = run.alpha
         ctx.present = tuple(g is not None for g in grads)
         ctx.save_for_backward(*(g for g in grads if g is not None))
         run.dh = run.dw = run.db = None
@@ -189,8 +250,10 @@ class _ScalarHead(torch.autograd.Function):
         saved = iter(ctx.saved_tensors)
         formed = [next(saved) if present else None for present in ctx.present]
         # The loss is linear in the upstream gradient, so scaling is exact; out of place, so a
-        # retained graph can be differentiated again.
-        dh, dw, db = (None if g is None else g * grad.to(g.dtype) for g in formed)
+        # retained graph can be differentiated again. The factor stays a scalar of the loss's
+        # dtype (float32 at least): the product is formed in it and rounded once.
+        factor = grad * ctx.alpha if ctx.alpha != 1.0 else grad
+        dh, dw, db = (None if g is None else g * factor for g in formed)
         return dh, None, dw, db
 
 

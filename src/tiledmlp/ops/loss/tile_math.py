@@ -1,38 +1,129 @@
-"""Per-tile math of the LM-head losses: what one tile of float32 logits contributes, and the
-gradient with respect to those logits. The tile loop (ops/loss/tile_loop.py) forms the logits and turns
-that gradient into d(hidden), d(W) and d(bias); these classes are the pluggable part.
+"""Per-tile math of the LM-head losses: what one tile of logits contributes, and the gradient
+with respect to those logits. The tile loop (ops/loss/tile_loop.py) forms the logits and their
+log-softmax and turns that gradient into d(hidden), d(W) and d(bias); these classes are the
+pluggable part.
 
-Notation per tile: zf (n x V) the float32 logits (after soft-capping and temperature), lse their
-logsumexp per row, p = softmax(zf), y the targets, v the rows that count (not ignore_index, not
-masked out), u the class weights (ones without them), U = sum(u), V the vocabulary.
+Notation per tile: zf (n x V) the logits (after soft-capping and temperature), lp = log_softmax(zf)
+in float32 (the only (n x V) float32 tensor of a tile), lse = logsumexp(zf) per row, p =
+softmax(zf) = exp(lp), y the targets, v the rows that count (not ignore_index, not masked out),
+u the class weights (ones without them), U = sum(u), V the vocabulary.
 
 Cross-entropy, as torch.nn.functional.cross_entropy (label smoothing eps, class weights u):
-    token loss = (1 - eps) * u[y] * (lse - zf[y]) + (eps / V) * sum_c u_c * (lse - zf_c)
+    token loss = (1 - eps) * u[y] * (-lp[y]) + (eps / V) * sum_c u_c * (-lp_c)
                  + zeta * lse**2                      (z-loss, PaLM; zeta = 0 by default)
     reduction "mean" divides the first two terms by sum(u[y]) over counted rows (torch's rule) and
     the z-loss by the number of counted rows; "sum" adds; "none" keeps each row (0 if not counted).
     d(token loss)/d zf = p * ((1-eps) u[y] + (eps/V) U + 2 zeta lse) - (1-eps) u[y] e_y - (eps/V) u
 Log-probabilities of given tokens and the entropy (RL):
-    logprob = zf[y] - lse,  d/dzf = e_y - p
-    entropy = lse - sum_c p_c zf_c,  d/dzf = -p * (zf - lse + entropy)
+    logprob = lp[y],  d/dzf = e_y - p
+    entropy = -sum_c p_c lp_c,  d/dzf = -p * (lp + entropy)
   and, recorded without gradient (RL trainers' metrics and weights):
-    log_sum_sq_probs = log(sum_c p_c**2) = logsumexp(2 zf) - 2 lse
+    log_sum_sq_probs = log(sum_c p_c**2) = logsumexp(2 lp)
     mean_logits = mean_c zf_c
     is_top1 = (argmax_c zf_c == y)   (the first maximum, as torch.argmax)
 
-Invariant: values and gradients are float32 (float64 for float64 inputs); a row that does not
-count contributes exactly zero to every value, also when its logits are not finite (padding
-positions may carry NaN: selected away, never multiplied by zero), and its gradient follows
-torch's cross_entropy / log_softmax: zero for finite logits, NaN where the logits are NaN.
+Passes over a tile (see Note [one float32 tensor per tile] in tile_loop.py): the gradient is
+written in the compute dtype straight from p times a per-row coefficient, rounded once; the
+target's entry (where the gradient is p[y] - 1, which a rounded p would lose) is computed apart
+from the gathered lp[y] and written over it. lse and the argmax come from one max over the
+logits, only when a z-loss, mean_logits or an argmax asks for them.
+
+Invariant: values and gradients are computed in float32 (float64 for float64 inputs) and each
+gradient entry is rounded once to the compute dtype; a row that does not count contributes
+exactly zero to every value, also when its logits are not finite (padding positions may carry
+NaN: selected away, never multiplied by zero), and its gradient follows torch's cross_entropy /
+log_softmax: zero for finite logits, NaN where the logits are NaN.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
-__all__ = ["STATS", "CrossEntropyMath", "LogprobMath", "TileMath"]
+__all__ = ["STATS", "CrossEntropyMath", "Factored", "LogprobMath", "TileLogits", "TileMath"]
+
+
+class TileLogits:
+    """One tile's logits as the math reads them.
+
+    Attributes:
+        lp: (n, V) log_softmax of the logits, float32 at least; `grad` may overwrite it.
+        logits: (n, V) the logits zf it came from (compute dtype, or float32 with a
+            temperature), or None when the math does not read them (TileMath.reads_logits);
+            read only for lse, the argmax and mean_logits (the loop drops them before the
+            gradient, `drop_logits`).
+        y: (n,) int64 targets, 0 on rows that do not count.
+        v: (n,) bool, the rows that count.
+    """
+
+    def __init__(
+        self, lp: torch.Tensor, logits: torch.Tensor | None, y: torch.Tensor, v: torch.Tensor
+    ):
+        self.lp, self.logits, self.y, self.v = lp, logits, y, v
+        self._lp_y: torch.Tensor | None = None
+        self._max: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._lse: torch.Tensor | None = None
+
+    @property
+    def lp_y(self) -> torch.Tensor:
+        """(n,) lp[y], gathered once (before `grad` overwrites lp)."""
+        if self._lp_y is None:
+            self._lp_y = self.lp.gather(1, self.y.unsqueeze(1)).squeeze(1)
+        return self._lp_y
+
+    def _row_max(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._max is None:
+            assert self.logits is not None, "TileMath.reads_logits must be set to read them"
+            values, index = torch.max(self.logits, dim=-1)  # the first maximum, as argmax
+            self._max = values, index
+        return self._max
+
+    @property
+    def argmax(self) -> torch.Tensor:
+        """(n,) int64 argmax of the logits (the first maximum, as torch.argmax)."""
+        return self._row_max()[1]
+
+    @property
+    def lse(self) -> torch.Tensor:
+        """(n,) logsumexp of the logits: max - lp[argmax] (lp is close to 0 there, so this
+        loses nothing to cancellation). Computed before `grad` overwrites lp."""
+        if self._lse is None:
+            values, index = self._row_max()
+            lp_max = self.lp.gather(1, index.unsqueeze(1)).squeeze(1)
+            self._lse = values.to(self.lp.dtype) - lp_max
+        return self._lse
+
+    def drop_logits(self, keep_lse: bool) -> None:
+        """Lets go of the logits once the values are recorded (lse first, if still wanted)."""
+        if keep_lse:
+            _ = self.lse
+        self.logits = None
+
+
+class Factored(NamedTuple):
+    """A tile's d/d(logits) as alpha * diag(v) @ p (see Note [the factored gradient]).
+
+    Attributes:
+        p: (n, V) softmax in the compute dtype, the targets' entries p[y] - 1; every entry
+            rounded once.
+        alpha: the constant coefficient of every counted row (the same for every tile).
+    """
+
+    p: torch.Tensor
+    alpha: float
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    return t.unsqueeze(1)
+
+
+def _written(p: torch.Tensor, coef: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """p * coef (per row) in `dtype`, rounded once: in place when no cast is needed."""
+    if p.dtype == dtype:
+        return p.mul_(_rows(coef))
+    return torch.mul(p, _rows(coef), out=torch.empty(p.shape, dtype=dtype, device=p.device))
 
 
 class TileMath:
@@ -40,25 +131,34 @@ class TileMath:
 
     #: outputs per token (written at the tile's rows), or None for summed scalars
     per_token: bool = False
+    #: whether `values` or `grad` read TileLogits.logits (lse, argmax, their mean); if not,
+    #: the loop lets go of the logits as soon as their log-softmax exists
+    reads_logits: bool = False
+    #: whether `grad` reads TileLogits.lse (formed before the loop drops the logits)
+    needs_lse: bool = False
 
-    def values(
-        self, zf: torch.Tensor, lse: torch.Tensor, y: torch.Tensor, v: torch.Tensor, rows: slice
-    ) -> None:
-        """Accumulates the tile's values (zf is not modified)."""
+    def values(self, t: TileLogits, rows: slice) -> None:
+        """Accumulates the tile's values (t.lp is not modified)."""
         raise NotImplementedError
 
     def grad(
         self,
-        zf: torch.Tensor,
-        lse: torch.Tensor,
-        y: torch.Tensor,
-        v: torch.Tensor,
+        t: TileLogits,
         upstream: list[torch.Tensor | None] | None,
+        scale: float,
+        dtype: torch.dtype,
     ) -> torch.Tensor:
-        """d/d(zf) of the tile's values weighted by `upstream` (per-token outputs: one (n,)
-        gradient per output, None for an output that got none; scalars: None, the scales are
-        built in). May overwrite zf and return it."""
+        """scale x d/d(zf) of the tile's values weighted by `upstream` (per-token outputs: one
+        (n,) gradient per output, None for an output that got none; scalars: None, the scales
+        are built in), as an (n, V) tensor of `dtype`, each entry rounded once. May overwrite
+        t.lp."""
         raise NotImplementedError
+
+    def factored(self, t: TileLogits, scale: float, dtype: torch.dtype) -> Factored | None:
+        """The scalar maths' gradient as a Factored, where every counted row's coefficient is
+        the same constant; None otherwise (then `grad`). May overwrite t.lp."""
+        del t, scale, dtype
+        return None
 
     def total(self) -> torch.Tensor:
         """The scalar output (scalar maths)."""
@@ -121,6 +221,8 @@ class CrossEntropyMath(TileMath):
         self.u_total = (
             float(self.vocab) if self.class_weight is None else float(self.class_weight.sum())
         )
+        self.needs_lse = bool(self.z_loss)
+        self.reads_logits = self.needs_lse or self.want_argmax
 
     def total(self) -> torch.Tensor:
         # torch's "mean" with nothing counted (or zero total class weight) is 0 / 0 = nan
@@ -143,19 +245,20 @@ class CrossEntropyMath(TileMath):
             return v.to(self.dtype)
         return self.class_weight[y] * v.to(self.dtype)
 
-    def values(
-        self, zf: torch.Tensor, lse: torch.Tensor, y: torch.Tensor, v: torch.Tensor, rows: slice
-    ) -> None:
+    def values(self, t: TileLogits, rows: slice) -> None:
+        y, v = t.y, t.v
         uy = self._uy(y, v)  # 0 on rows that do not count
-        nll = lse - zf.gather(1, y.unsqueeze(1)).squeeze(1)
-        token = self.a * uy * nll
+        token = self.a * uy * -t.lp_y
         if self.label_smoothing:
-            weighted = zf.sum(dim=-1) if self.class_weight is None else zf @ self.class_weight
-            token = token + self.b * (lse * self.u_total - weighted)
+            weighted = t.lp.sum(dim=-1) if self.class_weight is None else t.lp @ self.class_weight
+            token = token - self.b * weighted
         # selected, not multiplied: a row that does not count may hold NaN logits (padding)
         zero = token.new_zeros(())
         token = torch.where(v, token, zero)
-        z_term = torch.where(v, self.c * lse * lse, zero) if self.z_loss else None
+        z_term = None
+        if self.z_loss:
+            lse = t.lse
+            z_term = torch.where(v, self.c * lse * lse, zero)
         if self.per_token:
             assert self.token_loss is not None
             self.token_loss[rows] = token if z_term is None else token + z_term
@@ -166,35 +269,58 @@ class CrossEntropyMath(TileMath):
             if z_term is not None:
                 self.z_sum += z_term.sum()
         if self.argmax is not None:
-            self.argmax[rows] = zf.argmax(dim=-1)
+            self.argmax[rows] = t.argmax
+
+    def factored(self, t: TileLogits, scale: float, dtype: torch.dtype) -> Factored | None:
+        # without class weights, smoothing or z-loss, a counted row's coefficient is a * scale
+        if self.class_weight is not None or self.label_smoothing or self.z_loss:
+            return None
+        at_y = t.lp_y.exp() - 1.0  # from lp[y] before lp is overwritten
+        lp = t.lp
+        if lp.dtype == dtype:
+            p = lp.exp_()
+        else:  # exp and the cast in one pass
+            p = torch.exp(lp, out=torch.empty(lp.shape, dtype=dtype, device=lp.device))
+        p.scatter_(1, _rows(t.y), _rows(at_y.to(dtype)))
+        return Factored(p, self.a * scale)
 
     def grad(
         self,
-        zf: torch.Tensor,
-        lse: torch.Tensor,
-        y: torch.Tensor,
-        v: torch.Tensor,
+        t: TileLogits,
         upstream: list[torch.Tensor | None] | None,
+        scale: float,
+        dtype: torch.dtype,
     ) -> torch.Tensor:
-        g = v.to(self.dtype)
+        y, v = t.y, t.v
+        g = v.to(t.lp.dtype)
         if upstream is not None:
             up = upstream[0]
-            g = g * (up.to(self.dtype) if up is not None else 0.0)
+            g = g * (up.to(t.lp.dtype) if up is not None else 0.0)
+        g = g * scale
         uy = g if self.class_weight is None else self.class_weight[y] * g
         coef = self.a * uy
         if self.label_smoothing:
             coef = coef + self.b * self.u_total * g
         if self.z_loss:
-            coef = coef + 2.0 * self.c * lse * g
-        p = zf.sub_(lse.unsqueeze(1)).exp_()
-        p.mul_(coef.unsqueeze(1))
-        p.scatter_add_(1, y.unsqueeze(1), (-self.a * uy).unsqueeze(1))
+            coef = coef + 2.0 * self.c * t.lse * g
+        # the target's entry, from lp[y] before lp is overwritten
+        at_y = coef * t.lp_y.exp() - self.a * uy
+        smooth = None
         if self.label_smoothing:
-            if self.class_weight is None:
-                p.sub_((self.b * g).unsqueeze(1))
+            smooth = self.b * g
+            if self.class_weight is not None:
+                at_y = at_y - smooth * self.class_weight[y]
             else:
-                p.sub_((self.b * g).unsqueeze(1) * self.class_weight.unsqueeze(0))
-        return p
+                at_y = at_y - smooth
+        p = t.lp.exp_()  # in place: lp is not needed again
+        if smooth is None:
+            dz = _written(p, coef, dtype)
+        else:  # the smoothing term is dense: subtracted before the one rounding
+            p.mul_(_rows(coef))
+            u = self.class_weight
+            p.sub_(_rows(smooth) if u is None else _rows(smooth) * u.unsqueeze(0))
+            dz = p.to(dtype)
+        return dz.scatter_(1, _rows(y), _rows(at_y.to(dtype)))
 
 
 #: the statistics LogprobMath can record besides the differentiable outputs
@@ -226,63 +352,65 @@ class LogprobMath(TileMath):
                 raise ValueError(f"unknown statistic {name!r}; expected one of {STATS}")
             dtype = torch.bool if name == "is_top1" else self.dtype
             self.recorded[name] = torch.zeros(self.num_tokens, dtype=dtype, device=self.device)
+        self.reads_logits = "mean_logits" in self.stats or "is_top1" in self.stats
 
-    def _record_stats(
-        self, zf: torch.Tensor, lse: torch.Tensor, y: torch.Tensor, v: torch.Tensor, rows: slice
-    ) -> None:
-        zero = lse.new_zeros(())  # where, not a product: a padded row's logits may be NaN
+    def _record_stats(self, t: TileLogits, rows: slice) -> None:
+        v = t.v
+        zero = t.lp.new_zeros(())  # where, not a product: a padded row's logits may be NaN
         rec = self.recorded
         if "log_sum_sq_probs" in rec:
-            sq = torch.logsumexp(zf * 2, dim=-1) - 2 * lse
+            sq = torch.logsumexp(t.lp * 2, dim=-1)
             rec["log_sum_sq_probs"][rows] = torch.where(v, sq, zero)
         if "mean_logits" in rec:
-            rec["mean_logits"][rows] = torch.where(v, zf.mean(dim=-1), zero)
+            assert t.logits is not None
+            mean = t.logits.mean(dim=-1, dtype=t.lp.dtype)
+            rec["mean_logits"][rows] = torch.where(v, mean, zero)
         if "is_top1" in rec:
-            rec["is_top1"][rows] = (zf.argmax(dim=-1) == y) & v
+            rec["is_top1"][rows] = (t.argmax == t.y) & v
 
     def outputs(self) -> tuple[torch.Tensor, ...]:
         if self.entropies is None:
             return (self.logprobs,)
         return (self.logprobs, self.entropies)
 
-    def _entropy(self, zf: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
-        p = (zf - lse.unsqueeze(1)).exp_()
-        return lse - p.mul_(zf).sum(dim=-1)
+    @staticmethod
+    def _entropy(lp: torch.Tensor) -> torch.Tensor:
+        return -(lp.exp().mul_(lp).sum(dim=-1))
 
-    def values(
-        self, zf: torch.Tensor, lse: torch.Tensor, y: torch.Tensor, v: torch.Tensor, rows: slice
-    ) -> None:
-        zero = lse.new_zeros(())
-        self.logprobs[rows] = torch.where(v, zf.gather(1, y.unsqueeze(1)).squeeze(1) - lse, zero)
+    def values(self, t: TileLogits, rows: slice) -> None:
+        v = t.v
+        zero = t.lp.new_zeros(())
+        self.logprobs[rows] = torch.where(v, t.lp_y, zero)
         if self.entropies is not None:
-            self.entropies[rows] = torch.where(v, self._entropy(zf, lse), zero)
+            self.entropies[rows] = torch.where(v, self._entropy(t.lp), zero)
         if self.recorded:
-            self._record_stats(zf, lse, y, v, rows)
+            self._record_stats(t, rows)
 
     def grad(
         self,
-        zf: torch.Tensor,
-        lse: torch.Tensor,
-        y: torch.Tensor,
-        v: torch.Tensor,
+        t: TileLogits,
         upstream: list[torch.Tensor | None] | None,
+        scale: float,
+        dtype: torch.dtype,
     ) -> torch.Tensor:
-        # d/dzf = g_lp * (e_y - p) - g_h * p * (log p + H), built in place: two (n x V) tensors
+        # d/dzf = g_lp * (e_y - p) - g_h * p * (lp + H)
         assert upstream is not None
-        vf = v.to(self.dtype)
-        g_lp = vf * (0.0 if upstream[0] is None else upstream[0].to(self.dtype))
+        wide = t.lp.dtype
+        vf = t.v.to(wide) * scale
+        g_lp = vf * (0.0 if upstream[0] is None else upstream[0].to(wide))
         g_h = None
         if self.entropy and len(upstream) > 1 and upstream[1] is not None:
-            g_h = upstream[1].to(self.dtype) * vf
-        ent = self._entropy(zf, lse) if g_h is not None else None
-        logp = zf.sub_(lse.unsqueeze(1))  # in place: zf is not needed again
-        p = logp.exp()
-        if g_h is not None and ent is not None:
-            coef = logp.add_(ent.unsqueeze(1)).mul_(g_h.unsqueeze(1))  # (log p + H) * g_h
-            out = coef.add_(g_lp.unsqueeze(1)).mul_(p).neg_()
-            del p
-        else:
-            del logp
-            out = p.mul_(g_lp.neg().unsqueeze(1))
-        out.scatter_add_(1, y.unsqueeze(1), g_lp.unsqueeze(1))
-        return out
+            g_h = upstream[1].to(wide) * vf
+        if g_h is None:
+            # the target's entry g_lp * (1 - p[y]), from lp[y] before lp is overwritten
+            at_y = g_lp - g_lp * t.lp_y.exp()
+            dz = _written(t.lp.exp_(), g_lp.neg(), dtype)
+            return dz.scatter_(1, _rows(t.y), _rows(at_y.to(dtype)))
+        ent = self._entropy(t.lp)
+        lp = t.lp
+        p = lp.exp()
+        coef = lp.add_(_rows(ent)).mul_(_rows(g_h))  # (lp + H) * g_h, in place
+        out = coef.add_(_rows(g_lp)).mul_(p).neg_()
+        del p
+        out.scatter_add_(1, _rows(t.y), _rows(g_lp))
+        return out.to(dtype)

@@ -24,8 +24,11 @@ ACCELERATOR_SAVING of the saving the memory model says tiling can reach (untiled
 minus the accumulators), but never tiles whose working memory exceeds ACCELERATOR_MAX_TILE_BYTES
 (at very long sequences the last part of the saving would cost many GiB) and never fewer than
 ACCELERATOR_MIN_TILE_TOKENS tokens per tile (the three in ops/mlp/memory_model.py); untiled when that
-leaves fewer than two tiles or saves nothing (docs/benchmarks.md lists the tiles it picks for an
-8B-shaped MLP).
+leaves fewer than two tiles or saves less than ACCELERATOR_MIN_SAVING_BYTES (256 MiB) per call:
+a small model's MLP (hidden 512, intermediate 2048, bf16: 352 MiB of untiled intermediates at
+16K tokens, of which two tiles would save 178 MiB) runs untiled there, where its tiles would
+cost more time than the memory they save is worth (docs/benchmarks.md lists the tiles it picks
+for an 8B-shaped MLP, which the floor leaves as they were).
 
 For modules without a fast path "auto" uses the paper's rule beyond two tiles' worth of tokens
 and runs untiled below.
@@ -52,7 +55,13 @@ from tiledmlp.ops.mlp.memory_model import GENERIC_WIDTH, MemoryModel, assume_dev
 from tiledmlp.ops.tiling.tiles import TilePlan, arctic_num_tiles, split_by_tile_tokens, split_even
 from tiledmlp.ops.tiling.values import check_int, is_int, positive_number
 
-__all__ = ["MemoryModel", "TilePolicy", "assume_device"]
+__all__ = ["ACCELERATOR_MIN_SAVING_BYTES", "MemoryModel", "TilePolicy", "assume_device"]
+
+#: "auto" on an accelerator tiles a call only where that saves at least this much (module
+#: docstring): below it the saving is small beside any accelerator's memory, while the tiles'
+#: fixed costs (launches, accumulator passes, the fused kernels' first use) dominate a small
+#: model's step.
+ACCELERATOR_MIN_SAVING_BYTES = 256 * 2**20
 
 Rule = Literal["auto", "arctic", "count", "tokens", "target"]
 _TARGET = "target:"
@@ -214,7 +223,7 @@ def _auto_plan(num_tokens: int, hidden_size: int, model: MemoryModel | None) -> 
     if model.on_accelerator:
         tiles = math.ceil(num_tokens / model.accelerator_tile_tokens(num_tokens))
         tiled = model.tiled_bytes(math.ceil(num_tokens / max(tiles, 1)))
-        if tiles < 2 or tiled >= model.untiled_bytes(num_tokens):
+        if tiles < 2 or model.untiled_bytes(num_tokens) - tiled < ACCELERATOR_MIN_SAVING_BYTES:
             return None
         return split_even(num_tokens, tiles)
     target = model.auto_tile_tokens()
