@@ -188,3 +188,67 @@ def test_epilogue_probe_under_fake_mode_runs_outside_it(monkeypatch, caplog) -> 
     assert faked == eager
     assert seen == []
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+
+
+class _TorchWithEpilogue:
+    """torch, with the float32-output GEMMs CUDA has and this CPU lacks (`mm`/`addmm` with
+    out_dtype=torch.float32): the product of bf16 inputs is formed and summed in float32."""
+
+    calls = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+    @staticmethod
+    def mm(a: torch.Tensor, b: torch.Tensor, *, out_dtype: Any = None, out: Any = None) -> Any:
+        if out_dtype is None:
+            return torch.mm(a, b) if out is None else torch.mm(a, b, out=out)
+        r = a.float() @ b.float()
+        return r if out is None else out.copy_(r)
+
+    @staticmethod
+    def addmm(
+        c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, out_dtype: Any = None, out: Any = None
+    ) -> Any:
+        if out_dtype is None:
+            return torch.addmm(c, a, b) if out is None else torch.addmm(c, a, b, out=out)
+        _TorchWithEpilogue.calls += 1
+        r = c + a.float() @ b.float()
+        return r if out is None else out.copy_(r)
+
+
+@pytest.mark.parametrize("kind", ["swiglu_bias", "fused_bias", "plain"])
+def test_cuda_path_chunked_grads_are_float32_sums(monkeypatch, kind) -> None:
+    # The float32-epilogue accumulation through the intermediate chunks (rows of each
+    # accumulator, the down weight's transposed), run on the CPU with a float32 GEMM standing in
+    # for CUDA's: every weight gradient is at least as close to float64 as the untiled bf16
+    # module's, and dx within the 2x rule (flash-attention's).
+    from conftest import make_mlp
+
+    monkeypatch.setattr(grads, "_EPILOGUE", {("cpu", BF16): True})
+    monkeypatch.setattr(grads, "torch", _TorchWithEpilogue())
+    monkeypatch.setattr(_TorchWithEpilogue, "calls", 0)
+    base = make_mlp(kind, 32, 96)
+    ref = copy.deepcopy(base).double()
+    low = copy.deepcopy(base).to(BF16)
+    x = torch.randn(2, 120, 32)
+    dy = torch.randn(2, 120, 32)
+
+    def run(mlp: torch.nn.Module, xin: torch.Tensor, fn: Any) -> list[torch.Tensor]:
+        mlp.zero_grad(set_to_none=True)
+        xi = xin.clone().requires_grad_()
+        fn(mlp, xi).backward(dy.to(xin.dtype))
+        return [xi.grad] + [p.grad for p in mlp.parameters()]
+
+    want = run(ref, x.double(), lambda m, t: m(t))
+    untiled = run(low, x.to(BF16), lambda m, t: m(t))
+    tiled = run(low, x.to(BF16), lambda m, t: tiled_mlp(m, t, num_tiles=6))
+    weights = 2 if kind == "plain" else 3
+    assert _TorchWithEpilogue.calls == 6 * 2 * weights  # 6 tiles x 2 chunks x each weight
+    names = ["x"] + [n for n, _ in low.named_parameters()]
+    for name, w, u, t in zip(names, want, untiled, tiled):
+        assert t.shape == w.shape and t.is_contiguous(), name
+        eu = (u.double() - w).norm().item()
+        et = (t.double() - w).norm().item()
+        bound = 2 * eu if name == "x" else 1.05 * eu
+        assert et <= bound + 1e-6, f"{name}: tiled error {et:.3e} > {bound:.3e} (untiled {eu:.3e})"
