@@ -17,13 +17,15 @@ with a single tile, whose product is the gradient) and dz's column sums to d(bia
 - Evaluation (no gradient wanted): one pass, 1L FLOPs, no gradient buffers.
 
 Note [one float32 tensor per tile]: the loss is bound by memory traffic over (n x V) tensors,
-not by FLOPs, so a tile makes as few passes over them as it can. The log-softmax reads the
-compute-dtype logits and writes float32 log-probabilities in one kernel (the upcast, max, sum and
-log fused; no separate float32 copy of the logits, no logsumexp with its own (n x V)
-temporary); the gradient is exp in place, then one multiply by a per-row coefficient written
-straight in the compute dtype (the cast fused, rounded once); the targets' entries are written
-over it from the gathered log-probabilities. The untiled path (logits, their float32 copy,
-log_softmax, nll_loss's dense gradient, log_softmax's backward, the cast back) makes more.
+not by FLOPs, so a tile makes as few passes over them as plain PyTorch ops allow: one
+log_softmax(z, dtype=float32) (torch fuses the upcast into the kernel for float16 on CUDA and
+makes one float32 copy of the logits first otherwise), no logsumexp (ATen's makes its own
+(n x V) temporary and four passes), then exp written straight in the compute dtype (the cast
+fused) with the targets' entries written over it from the gathered log-probabilities; a
+per-row coefficient, where the math needs one, is one more multiply before that single
+rounding. The untiled path (logits, their float32 copy, log_softmax, nll_loss's dense
+gradient, log_softmax's backward, the cast back) makes more (tests/ops/test_loss_passes.py
+counts both).
 
 Note [the factored gradient]: for a plain cross-entropy (no class weights, label smoothing,
 z-loss, soft-capping or bias; a scalar reduction), d(logits) = alpha * diag(v) @ (p - onehot(y))
