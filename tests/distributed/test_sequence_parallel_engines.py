@@ -213,8 +213,8 @@ def _by_heads() -> dict[str, Any]:
         groups.append(n)
         return real(q, k, v, scale, n, *rest)
 
-    minimum, share = attention_heads.MIN_WAVES, attention_heads.BUFFER_SHARE
-    attention_heads.MIN_WAVES, attention_heads.BUFFER_SHARE = 0, 0.0
+    minimum, floor = attention_heads.MIN_WAVES, attention_heads.BUFFER_FLOOR
+    attention_heads.MIN_WAVES, attention_heads.BUFFER_FLOOR = 0, 0
     attention_core.causal_attention_by_heads = counted  # type: ignore[assignment]
     try:
         model = tiny_model()
@@ -224,7 +224,7 @@ def _by_heads() -> dict[str, Any]:
         groups.clear()  # patch_model's own checks
         result = _train(model, "ddp")
     finally:
-        attention_heads.MIN_WAVES, attention_heads.BUFFER_SHARE = minimum, share
+        attention_heads.MIN_WAVES, attention_heads.BUFFER_FLOOR = minimum, floor
         attention_core.causal_attention_by_heads = real  # type: ignore[assignment]
     result["groups"] = groups
     return result

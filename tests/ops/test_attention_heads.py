@@ -1,6 +1,6 @@
 """ops/attention/heads.py: causal attention by groups of key/value heads gives
 scaled_dot_product_attention's output and gradients (float64 gradcheck, float32 parity, the bf16
-2x rule), picks its groups by the documented memory and launch bounds, sizes the kernel buffers it avoids, and
+2x rule), picks its groups by the documented launch and memory bounds, sizes the kernel buffers it avoids, and
 refuses what it cannot take in one line."""
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ import torch
 
 from tiledmlp.ops.attention.heads import (
     BUFFER_FLOOR,
-    BUFFER_SHARE,
     DEFAULT_MULTIPROCESSORS,
     MIN_WAVES,
     attention_buffer_bytes,
@@ -107,12 +106,12 @@ def test_bf16_error_at_most_twice_sdpa_error(groups: int) -> None:
 
 
 def test_groups_keep_every_call_at_the_minimum_of_waves() -> None:
-    # The launch bound alone (buffer_share=0): Llama-3-8B (32 query heads, 8 key/value heads) on
+    # The launch bound alone (buffer_floor=0): Llama-3-8B (32 query heads, 8 key/value heads) on
     # 132 multiprocessors: one call at 4K tokens, a key/value head per call at 32K, a query head
     # per call at 1M; under 8-way sequence parallelism (4 query heads, 1 key/value head per
     # GPU) a query head per call at 5M.
     def launch(*shape: int) -> int:
-        return head_groups(*shape, buffer_share=0)
+        return head_groups(*shape, buffer_floor=0)
 
     assert launch(1, 32, 8, 4096) == 1
     assert launch(1, 32, 8, 8192) == 2
@@ -137,63 +136,71 @@ def test_groups_keep_every_call_at_the_minimum_of_waves() -> None:
     assert launch(1, 6, 3, 1 << 20) == 6  # 3 key/value heads: groups 1, 3, 6
 
 
-def _held(heads: int, kv: int, dim: int, itemsize: int) -> int:
-    """Bytes per token of q, k, v, the output, the upstream gradient, dq, dk and dv."""
-    return 4 * dim * itemsize * (heads + kv)
+def _held(tokens: int, heads: int, kv: int, groups: int, dim: int = 128, itemsize: int = 2) -> int:
+    """What a grouping holds beyond the op's tensors: one call's float32 dq accumulator and row
+    sums, its dq, dk and dv before they are copied, a split key/value head's float32 dk, dv."""
+    h, h_kv = heads // groups, max(1, kv // groups)
+    split = 2 * tokens * dim * 4 if groups > kv else 0
+    return tokens * h * (dim + 1) * 4 + tokens * (h + 2 * h_kv) * dim * itemsize + split
 
 
 @pytest.mark.parametrize(
     "heads,kv,dim,itemsize",
-    [(32, 8, 128, 2), (32, 32, 128, 2), (28, 4, 128, 2), (32, 8, 64, 4), (64, 8, 128, 2)],
+    [
+        (32, 8, 128, 2),
+        (32, 32, 128, 2),
+        (28, 4, 128, 2),
+        (32, 8, 64, 4),
+        (64, 8, 128, 2),
+        (4, 1, 128, 2),
+        (6, 3, 128, 2),
+    ],
 )
-def test_groups_are_the_fewest_whose_buffers_fit(
-    heads: int, kv: int, dim: int, itemsize: int
+@pytest.mark.parametrize("tokens", [16384, 32768, 1 << 16, 1 << 17, 1 << 20])
+def test_groups_are_the_fewest_within_the_launch_bounds_memory_or_the_floor(
+    heads: int, kv: int, dim: int, itemsize: int, tokens: int
 ) -> None:
-    # Long enough for the launch bound to allow one query head per call: the memory bound
-    # decides, the same at every such length.
-    per_length = {
-        head_groups(1, heads, kv, n, head_dim=dim, itemsize=itemsize)
-        for n in (1 << 20, 1 << 21, 1 << 22)
-    }
-    assert len(per_length) == 1
-    groups = per_length.pop()
+    kw = {"head_dim": dim, "itemsize": itemsize}
+    launch = head_groups(1, heads, kv, tokens, buffer_floor=0, **kw)
+    groups = head_groups(1, heads, kv, tokens, **kw)
     allowed = [g for g in range(1, heads + 1) if heads % g == 0 and (kv % g == 0 or g % kv == 0)]
-    tokens = 1 << 20
-    budget = BUFFER_SHARE * tokens * _held(heads, kv, dim, itemsize)
-    assert budget > BUFFER_FLOOR
-
-    def buffers(g: int) -> int:  # one call's float32 dq accumulator and row sums
-        return tokens * 4 * (heads // g) * (dim + 1)
-
-    assert buffers(groups) <= budget
-    fewer = [g for g in allowed if g < groups]
-    assert not fewer or buffers(fewer[-1]) > budget
+    held = {g: _held(tokens, heads, kv, g, dim, itemsize) for g in allowed}
+    budget = max(held[launch], BUFFER_FLOOR)
+    assert groups <= launch and held[groups] <= budget
+    assert all(held[g] > budget for g in allowed if g < groups)
 
 
-def test_the_benchmarked_shape_runs_a_key_value_head_per_call() -> None:
-    # 32 query heads, 8 key/value heads of 128, bf16 (the records' shape): 8 groups from 64K on,
-    # where the launch bound alone took 32 from 128K on: 16 kernel calls per step instead of 64,
-    # none inside a key/value head (no float32 dk, dv sums); up to 32K one call's buffers stay
-    # under the floor in fewer groups (1, 2 and 4 at 8K, 16K and 32K, where the launch bound
-    # alone took 2, 4 and 8).
-    got = {n: head_groups(1, 32, 8, n) for n in (8192, 16384, 32768, 1 << 16, 1 << 17, 1 << 18)}
-    assert got == {8192: 1, 16384: 2, 32768: 4, 1 << 16: 8, 1 << 17: 8, 1 << 18: 8}
-    # one call's cuDNN buffers: within a sixteenth of what the attention holds, or the floor
-    for n, groups in got.items():
-        call = attention_buffer_bytes(1, 32, 8, n, 128, 2, groups, "cudnn")
-        assert call <= max(BUFFER_SHARE * n * _held(32, 8, 128, 2), BUFFER_FLOOR)
-    assert attention_buffer_bytes(1, 32, 8, 1 << 17, 128, 2, 8, "cudnn") == (1 << 17) * 4 * 129 * 4
-    # too few heads per GPU for the memory bound (8-way sequence parallelism): the launch bound
+def test_the_benchmarked_shape_runs_fewer_calls_within_the_floor() -> None:
+    # 32 query heads, 8 key/value heads of 128, bf16 (the records' shape): 4 groups at 32K (8
+    # kernel calls per step instead of 16), a key/value head per call at 64K; from 128K a query
+    # head per call as before: any fewer groups would hold more than it and than the floor.
+    lengths = (8192, 16384, 32768, 1 << 16, 1 << 17, 1 << 18)
+    got = {n: head_groups(1, 32, 8, n) for n in lengths}
+    assert got == {8192: 1, 16384: 2, 32768: 4, 1 << 16: 8, 1 << 17: 32, 1 << 18: 32}
+    launch = {n: head_groups(1, 32, 8, n, buffer_floor=0) for n in lengths}
+    assert launch == {8192: 2, 16384: 4, 32768: 8, 1 << 16: 16, 1 << 17: 32, 1 << 18: 32}
+    # at 32K: 225 MiB held against 112.5 with 8 groups, 450 with 2
+    mib = {g: _held(32768, 32, 8, g) / 2**20 for g in (2, 4, 8)}
+    assert mib == {2: 450.0, 4: 225.0, 8: 112.5}
+    # at 128K one query head per call holds 288.5 MiB, a key/value head per call 450
+    assert _held(1 << 17, 32, 8, 32) / 2**20 == 288.5 and _held(1 << 17, 32, 8, 8) / 2**20 == 450
+    # cuDNN's buffers of a call are the dq accumulator and row sums counted here
+    cudnn = attention_buffer_bytes(1, 32, 8, 32768, 128, 2, 4, "cudnn")
+    assert cudnn == 32768 * 8 * 129 * 4
+    # few heads per GPU (8-way sequence parallelism): a query head per call, as before
     assert head_groups(1, 4, 1, 5 << 20) == 4
-    assert head_groups(1, 6, 3, 1 << 20) == 6
-    # tiny problems fit the floor whole: one call
-    assert head_groups(1, 32, 8, 1 << 17, sms=1) == 8
-    assert head_groups(1, 4, 2, 4096, sms=1) == 1
+    # 2 query heads per key/value head: a key/value head per call holds less than a query head
+    # per call with its float32 dk and dv sums (2056 against 2308 bytes per token)
+    assert head_groups(1, 6, 3, 1 << 20) == 3
+    assert _held(1, 6, 3, 3) == 2056 and _held(1, 6, 3, 6) == 2308
+    # a call that holds less than the floor is not split, whatever the launch allows
+    assert head_groups(1, 32, 8, 8192, sms=1) == 1
+    assert head_groups(1, 32, 8, 8192, sms=1, buffer_floor=0) == 32
 
 
 def test_groups_follow_the_device_and_the_kernel() -> None:
     def launch(*shape: int, **kw: object) -> int:
-        return head_groups(*shape, buffer_share=0, **kw)  # type: ignore[arg-type]
+        return head_groups(*shape, buffer_floor=0, **kw)  # type: ignore[arg-type]
 
     # a device with fewer multiprocessors fills with smaller calls
     assert launch(1, 32, 8, 32768, sms=16) == 32
@@ -207,10 +214,11 @@ def test_groups_follow_the_device_and_the_kernel() -> None:
     assert launch(1, 32, 8, 8192, rows_per_block=64, shares_kv=False) == 1
     assert launch(1, 32, 8, 8192, rows_per_block=64) == 4
     assert launch(1, 8, 8, 32768, shares_kv=False) == 2  # no grouped-query attention
-    # with the memory bound: the fewest groups that fit, within what the launch allows
+    # with the memory bound: the fewest groups within the floor, whatever the launch allowed
     assert head_groups(1, 32, 8, 32768, sms=16) == 4
     assert head_groups(1, 32, 8, 32768, sms=264) == 4
-    assert head_groups(1, 32, 8, 1 << 17, rows_per_block=64, shares_kv=False) == 8
+    assert head_groups(1, 32, 8, 1 << 16, rows_per_block=64, shares_kv=False) == 8
+    assert head_groups(1, 32, 8, 1 << 17, rows_per_block=64, shares_kv=False) == 32
 
 
 def test_kernel_buffers_of_one_group() -> None:

@@ -63,7 +63,7 @@ def small_groups(monkeypatch: pytest.MonkeyPatch) -> None:
     """Tiny sequences split like long ones: no minimum of waves per call, no memory bound (a
     query head per call)."""
     monkeypatch.setattr(attention_heads, "MIN_WAVES", 0)
-    monkeypatch.setattr(attention_heads, "BUFFER_SHARE", 0.0)
+    monkeypatch.setattr(attention_heads, "BUFFER_FLOOR", 0)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])

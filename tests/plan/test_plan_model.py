@@ -109,7 +109,7 @@ def test_estimate_with_the_attention_core_by_heads_matches_the_real_peak(
     from tiledmlp.ops.attention import heads as attention_heads
 
     monkeypatch.setattr(attention_heads, "MIN_WAVES", 0)
-    monkeypatch.setattr(attention_heads, "BUFFER_SHARE", 0.0)
+    monkeypatch.setattr(attention_heads, "BUFFER_FLOOR", 0)
     assert attention_heads.head_groups(1, 4, 2, 4096) == 4
     est = estimate_step(
         _config(), seq_len=4096, stack="tiled_layer", dtype=torch.float32, checkpointing=True,

@@ -43,7 +43,6 @@ from tiledmlp.ops.attention.kernels import (
 
 __all__ = [
     "BUFFER_FLOOR",
-    "BUFFER_SHARE",
     "DEFAULT_MULTIPROCESSORS",
     "MIN_WAVES",
     "attention_buffer_bytes",
@@ -58,16 +57,7 @@ __all__ = [
 # Fewer heads per call means smaller kernel buffers but more calls, and every call costs time
 # beyond its share of the FLOPs: its launch, its last wave, the copy of its output and gradients
 # into the whole buffers and, for calls inside one key/value head, the float32 sum of that
-# head's dk and dv. head_groups therefore takes the FEWEST groups whose buffers fit, within two
-# bounds:
-# - memory: the float32 dq accumulator and row sums that every fused backward allocates for the
-#   heads of one call (tokens x heads/groups x (head_dim + 1) x 4 bytes) stay within
-#   BUFFER_SHARE of the tensors the attention holds anyway (q, k, v, the output, the upstream
-#   gradient, dq, dk, dv), or within BUFFER_FLOOR bytes where that is more: below it a split
-#   saves less memory than any step can notice. The share does not depend on the length, so
-#   from the length where it passes the floor a model runs the same groups (32 query and 8
-#   key/value heads of 128 in bf16: one key/value head per call, 8 groups, never a split inside
-#   a key/value head with its float32 sums of dk and dv; 4 groups at 32K, under the floor);
+# head's dk and dv. Two bounds decide:
 # - launch: a fused forward runs one thread block (CTA) per block of `rows_per_block` query rows
 #   per head and sequence, and a launch with few CTAs leaves streaming multiprocessors idle in
 #   its last wave. Causal row blocks do unequal work (block i reads i + 1 key blocks), so the
@@ -76,15 +66,22 @@ __all__ = [
 #   share of the last wave is at most 1 / MIN_WAVES of a call, and in practice much less. So no
 #   more groups than keep every call at MIN_WAVES x multiprocessors CTAs: a short sequence runs
 #   as one call. The backward parallelises over key blocks of the same size, so the same count
-#   holds for it.
-# Where no grouping meets the memory bound (few heads per GPU, e.g. under sequence parallelism)
-# the launch bound alone decides. The multiprocessor count is the device's (CUDA); elsewhere
-# (the CPU, fake tensors in the planner) DEFAULT_MULTIPROCESSORS stands for the accelerator
-# planned for (an H100's 132).
+#   holds for it. Taken alone this bound gives the smallest buffers the launches allow;
+# - memory: what one grouping holds beyond the op's tensors is one call's float32 dq
+#   accumulator and row sums, which every fused backward allocates for the heads of the call
+#   (tokens x heads/groups x (head_dim + 1) x 4 bytes), the call's results in flight before
+#   they are copied (its dq, dk and dv), and, for calls inside one key/value head, that head's
+#   dk and dv summed in float32. head_groups takes the FEWEST groups that hold at most what the
+#   launch bound's grouping holds, or BUFFER_FLOOR bytes where that is more: below it a split
+#   saves too little memory for what its calls cost. With 32 query and 8 key/value heads of 128
+#   in bf16: one call up to 8K tokens, 2 groups at 16K, 4 at 32K, a key/value head per call (8
+#   groups) at 64K, and from 128K, where every fewer grouping passes the floor and holds more
+#   than one query head per call, the launch bound's 32.
+# The multiprocessor count is the device's (CUDA); elsewhere (the CPU, fake tensors in the
+# planner) DEFAULT_MULTIPROCESSORS stands for the accelerator planned for (an H100's 132).
 
 MIN_WAVES = 4
 DEFAULT_MULTIPROCESSORS = 132
-BUFFER_SHARE = 1 / 16
 BUFFER_FLOOR = 256 * 2**20
 
 
@@ -121,12 +118,12 @@ def head_groups(
     shares_kv: bool = True,
     head_dim: int = 128,
     itemsize: int = 2,
-    buffer_share: float | None = None,
+    buffer_floor: int | None = None,
 ) -> int:
     """How many groups of query heads (with their key/value heads) the attention runs in: the
-    fewest whose per-call float32 dq accumulator and row sums stay within `buffer_share` of the
-    attention's own tensors (or BUFFER_FLOOR bytes), and no more than keep every call at
-    MIN_WAVES x `sms` CTAs of `rows_per_block` query rows (See Note [Head groups]).
+    fewest that hold (one call's kernel buffers and results, a split key/value head's float32
+    sums) at most what the most groups that keep every call at MIN_WAVES x `sms` CTAs of
+    `rows_per_block` query rows hold, or `buffer_floor` bytes (See Note [Head groups]).
 
     Args:
         batch: sequences per call.
@@ -138,7 +135,8 @@ def head_groups(
         shares_kv: whether the kernel takes several query heads per key/value head in a call.
         head_dim: per-head size.
         itemsize: bytes per element of q, k and v.
-        buffer_share: the memory bound; None: BUFFER_SHARE; 0: the launch bound alone.
+        buffer_floor: bytes of per-call buffers too small to split for; None: BUFFER_FLOOR;
+            0: the launch bound alone.
 
     Returns:
         1 (one call, as unchunked) up to `heads` (one query head per call).
@@ -147,15 +145,19 @@ def head_groups(
     blocks_per_head = batch * math.ceil(tokens / rows_per_block)
     allowed = _allowed(heads, kv_heads, shares_kv)
     launch = max((g for g in allowed if blocks_per_head * (heads // g) >= minimum), default=1)
-    share = BUFFER_SHARE if buffer_share is None else buffer_share
-    if share <= 0:
+    floor = BUFFER_FLOOR if buffer_floor is None else buffer_floor
+    if floor <= 0 or launch not in allowed:
         return launch
     rows = batch * tokens
-    held = rows * 4 * head_dim * itemsize * (heads + kv_heads)  # q, k, v, out, dout, dq, dk, dv
-    budget = max(share * held, BUFFER_FLOOR)
-    fits = [g for g in allowed if rows * 4 * (heads // g) * (head_dim + 1) <= budget]
-    memory = min(fits, default=allowed[-1])
-    return min(launch, memory)
+
+    def held(g: int) -> int:  # See Note [Head groups]: memory
+        h, h_kv = heads // g, max(1, kv_heads // g)
+        results = (h + 2 * h_kv) * head_dim * itemsize
+        split = 8 * head_dim if g > kv_heads else 0
+        return rows * (4 * h * (head_dim + 1) + results + split)
+
+    budget = max(held(launch), floor)
+    return min(g for g in allowed if g <= launch and held(g) <= budget)
 
 
 def attention_buffer_bytes(
