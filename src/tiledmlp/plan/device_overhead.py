@@ -113,9 +113,7 @@ class AttentionKernel:
         seq, heads = tokens * p, self.heads // p
         kv = self.kv_heads * kv_repeat(self.heads, self.kv_heads, p) // p
         if self.by_heads:
-            groups = head_groups(
-                1, heads, kv, seq, head_dim=self.head_dim, itemsize=self.itemsize
-            )
+            groups = head_groups(1, heads, kv, seq, head_dim=self.head_dim, itemsize=self.itemsize)
             return attention_buffer_bytes(1, heads, kv, seq, self.head_dim, self.itemsize, groups)
         workspace = seq * heads * (self.head_dim + 1) * 4  # float32 dq accumulator, row sums
         return workspace + seq * heads * self.head_dim * self.itemsize  # the record's buffer

@@ -9,6 +9,7 @@ the stack and its options.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -41,6 +42,7 @@ def estimate_step(
     world: int = 1,
     offload_params: bool = False,
     sequence_parallel_size: int = 1,
+    expandable_segments: bool = True,
 ) -> StepEstimate:
     """Peak device memory of one training step of `stack` on one GPU (see the module docstring).
 
@@ -54,6 +56,8 @@ def estimate_step(
     over `world` GPUs, the parameters, gradients and optimizer states are the engine's
     (plan/engines.py) instead of whole ones. With `sequence_parallel_size` P > 1, `seq_len` is
     one GPU's share and its attention runs on the whole sequence's shapes (plan/exchange.py).
+    `expandable_segments`: the CUDA caching allocator's setting whose reserve the estimate
+    carries (plan/caching_allocator.py).
 
     Raises:
         ValueError: an unknown stack, optimizer or engine, or options the engine cannot
@@ -78,7 +82,9 @@ def estimate_step(
         device_type=device_type,
         sharded=sharded,
         sequence_parallel_size=sequence_parallel_size,
-        cut_tiles=not exact,  # the allocator reserve, counted when exact, needs every tile
+        # the allocator reserve, counted on a GPU, needs every tile's events
+        cut_tiles=not exact and device_type == "cpu",
+        expandable_segments=expandable_segments,
     )
     est = _simulated(run, config.get_text_config().num_hidden_layers, exact)
     if not sharded:
@@ -108,11 +114,15 @@ def _simulated(run: Any, depth: int, exact: bool) -> StepEstimate:
     short, longer = run(SHORT), run(SHORT + 1)
     if longer.middle.peak > max(longer.head.peak, longer.tail.peak):
         return larger(run(depth))  # layers unlike each other: no shortcut
-    return max(
+    est = max(
         extrapolate(short.head, longer.head, depth),
         extrapolate(short.tail, longer.tail, depth),
         key=lambda e: e.peak,
     )
+    # the allocator's reserve does not follow a line in the depth; with expandable segments it
+    # is that of one layer's backward and the loss, replayed at both depths: the larger stands
+    reserve = max(short.head.reserve, longer.head.reserve)
+    return dataclasses.replace(est, reserve=reserve)
 
 
 _COUNTS: dict[str, ParamCounts] = {}

@@ -79,12 +79,15 @@ def simulate(
     sharded: bool = False,
     sequence_parallel_size: int = 1,
     cut_tiles: bool = False,
+    expandable_segments: bool = True,
 ) -> Segments:
     """One step of the model cut to `layers` decoder layers, on fake tensors; the tile policy
     resolves as on `device_type`. `sharded`: the parameters are not counted (and their
     gradients leave once accumulated): a sharding engine's own memory is added by the caller.
     `cut_tiles`: the tile loops' repeated tiles run once (periodic_tiles.py): the same peaks
-    and breakdowns, no allocator reserve (0: it needs every tile's events)."""
+    and breakdowns, no allocator reserve (0: it needs every tile's events).
+    `expandable_segments`: the caching allocator's setting the reserve is replayed with
+    (caching_allocator.py)."""
     with FakeTensorMode(), assume_device(device_type):
         step = prepare(config, layers, stack, dtype, checkpointing, optimizer, num_tiles)
         model = step.model
@@ -118,7 +121,13 @@ def simulate(
         # workspaces its first matmul takes, counted beside the tensors (device_overhead.py)
         before = [*map(nbytes, [*kept, *step.states])]
         workspaces = CUBLAS_WORKSPACES if device_type == "cuda" else ()
-        reserve = 0 if cut_tiles else reserve_beyond_peak([*before, *workspaces], tracker.trace)
+        reserve = (
+            0
+            if cut_tiles
+            else reserve_beyond_peak(
+                [*before, *workspaces], tracker.trace, expandable=expandable_segments
+            )
+        )
         parts = [
             _categorise(
                 tracker, peak, at_peak, fixed, grads, checkpoint_inputs, checkpointing, reserve
