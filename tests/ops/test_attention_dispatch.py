@@ -194,3 +194,37 @@ def test_sdpa_kernel_names() -> None:
 def test_the_real_selection_on_the_cpu_is_its_flash_kernel() -> None:
     q, k, v, _ = _layout(1, 4, 2, 48, 16, "cpu", torch.float32)
     assert attention_select.choose_kernel(q, k, v, TORCH_PROBES) is FLASH_CPU
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_by_heads_calls_the_op_sdpa_calls_and_matches_it() -> None:
+    # The records' shape: the plan names the kernel SDPA runs (aten._fused_sdp_choice, what
+    # SDPA's dispatch asks); at 4K tokens (groups forced) that kernel's op is the one called,
+    # once per group each way, and the output and gradients agree with SDPA's as the self-check
+    # requires.
+    from tiledmlp.ops.attention.heads import causal_attention_by_heads
+
+    dev = torch.device("cuda")
+
+    def make(heads: int, tokens: int) -> torch.Tensor:
+        t = torch.randn(1, tokens, heads, 128, device=dev, dtype=torch.bfloat16)
+        return t.transpose(1, 2).requires_grad_()
+
+    q, k, v = make(32, 32768), make(8, 32768), make(8, 32768)
+    groups, kernel = by_heads_plan(q, k, v)
+    assert kernel is not None and groups > 1
+    assert kernel.name == sdpa_kernel_name(q, k, v)
+    q, k, v = make(32, 4096), make(8, 4096), make(8, 4096)
+    dout = torch.randn(1, 4096, 32, 128, device=dev, dtype=torch.bfloat16)
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, is_causal=True, scale=128**-0.5, enable_gqa=True
+    ).transpose(1, 2)
+    g_want = torch.autograd.grad(want, (q, k, v), dout)
+    with _Ops() as ops:
+        got = causal_attention_by_heads(q, k, v, 128**-0.5, 8, kernel)
+        g_got = torch.autograd.grad(got, (q, k, v), dout)
+    op = f"_scaled_dot_product_{kernel.name}_attention"
+    assert {n: c for n, c in ops.calls.items() if n in _KERNEL_OPS} == {op: 8, f"{op}_backward": 8}
+    for a, b in zip((got, *g_got), (want, *g_want)):
+        worst = float((a.float() - b.float()).abs().max())
+        assert worst <= 2e-2 * float(b.float().abs().max()), worst
