@@ -252,3 +252,25 @@ def test_cuda_path_chunked_grads_are_float32_sums(monkeypatch, kind) -> None:
         et = (t.double() - w).norm().item()
         bound = 2 * eu if name == "x" else 1.05 * eu
         assert et <= bound + 1e-6, f"{name}: tiled error {et:.3e} > {bound:.3e} (untiled {eu:.3e})"
+
+
+def test_row_wise_activation_keeps_whole_rows() -> None:
+    # An activation that is not elementwise (a softmax over the intermediate units) is still
+    # the module's own and recognised; the backward must not split its rows into chunks.
+    from tiledmlp.ops.mlp.structure import recognise
+
+    torch.manual_seed(0)
+    mlp = GatedMLP(32, 96, act=torch.nn.Softmax(dim=-1)).to(BF16)
+    assert recognise(mlp) is not None
+    ref = copy.deepcopy(mlp).float()
+    x = torch.randn(80, 32, dtype=BF16)
+    dy = torch.randn(80, 32, dtype=BF16)
+    xi = x.clone().requires_grad_()
+    tiled_mlp(mlp, xi, num_tiles=4).backward(dy)
+    xr = x.float().requires_grad_()
+    ref(xr).backward(dy.float())
+    pairs = [("x", xi.grad, xr.grad)]
+    pairs += [(n, p.grad, q.grad) for (n, p), q in zip(mlp.named_parameters(), ref.parameters())]
+    for name, got, want in pairs:
+        err = ((got.double() - want.double()).norm() / want.double().norm()).item()
+        assert err < 2e-2, f"{name}: relative error {err:.2e}"

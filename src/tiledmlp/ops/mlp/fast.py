@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from typing import Any, cast
 
 import torch
+from torch import nn
 
 from tiledmlp.ops.mlp.engine import TileEngine
 from tiledmlp.ops.mlp.glu import kernels as glu_kernels
@@ -44,6 +45,27 @@ __all__ = ["FastEngine"]
 _Weights = MLPParams[torch.Tensor]  # the module's tensors, or their casts to the compute dtype
 _Slots = MLPParams[GradSlot | None]  # one accumulator per tensor that needs a gradient
 _PartSlots = MLPParams[GradSlot | GradPart | None]  # or a part of one (an intermediate chunk)
+
+
+# Activations that act on each element alone (exact classes); with one of these or one of the
+# fused kernels' (glu_kernels.activation_kind) the backward may split the intermediate dimension.
+_ELEMENTWISE = (
+    nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.ELU, nn.SELU, nn.CELU, nn.GELU, nn.SiLU, nn.Mish,
+    nn.Hardswish, nn.Hardsigmoid, nn.Sigmoid, nn.Tanh, nn.Softplus, nn.Identity,
+)  # fmt: skip
+
+
+def _elementwise(act: object) -> bool:
+    """Whether `act` is known to compute each output element from its own input element alone
+    (a row-wise activation such as a softmax over the intermediate units is not)."""
+    if glu_kernels.activation_kind(act) is not None:
+        return True
+    return (
+        type(act) in _ELEMENTWISE
+        and isinstance(act, nn.Module)
+        and "forward" not in vars(act)
+        and not (act._forward_hooks or act._forward_pre_hooks)
+    )
 
 
 def _mm_into(out: torch.Tensor, x: torch.Tensor, lin: LinearParams[torch.Tensor]) -> torch.Tensor:
@@ -85,6 +107,7 @@ class FastEngine:
         self.weights = self.params  # every parameter the computation uses (all are inputs)
         gated = structure.kind in (MLPKind.GATED, MLPKind.FUSED_GATED)
         self.glu = glu_kernels.activation_kind(structure.act) if gated else None
+        self.elementwise = _elementwise(structure.act)
 
     def _fused(self, t: torch.Tensor) -> str | None:
         """The activation kind for the fused elementwise kernels, or None for PyTorch."""
@@ -235,8 +258,9 @@ class FastEngine:
     # hidden size (rounded up to CHUNK_ALIGN units): the recomputed projections, the activation's
     # gradient and the down projection's input exist for one chunk at a time, i.e. about
     # 3 * n * hidden elements per tile of n tokens (fused kernels) instead of
-    # 3 * n * intermediate. Every unit is elementwise across the intermediate dimension except
-    # through the GEMMs, so a chunk's work is the tile's work restricted to its units: rows of
+    # 3 * n * intermediate. With an activation known to be elementwise (`_elementwise`; any
+    # other keeps whole rows), every unit is independent of the others except through the
+    # GEMMs, so a chunk's work is the tile's work restricted to its units: rows of
     # the first projections' weights (and biases), columns of the down projection's weight
     # (whose accumulator is kept transposed so that those columns are contiguous rows), and a
     # part of dx, added to the earlier chunks' parts. The FLOPs are the tile's; the down
@@ -333,7 +357,10 @@ class FastEngine:
         needed = [p for p, need in zip(self.params, needs_params) if need]
         # See Note [intermediate chunks]
         wide = any(not GradSlot.sums_in_place(p, cd, single) for p in needed)
-        chunks = self._chunks() if wide else [(0, self.structure.intermediate_size)]
+        if wide and self.elementwise:
+            chunks = self._chunks()
+        else:
+            chunks = [(0, self.structure.intermediate_size)]
         need_iter = iter(needs_params)
         down_weight = self._named.down.weight
         slots: _Slots = self._named.map(
