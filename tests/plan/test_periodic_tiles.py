@@ -1,6 +1,7 @@
 """Tile loops cut short on fake tensors (plan/periodic_tiles.py): the cut simulation gives the
-same peaks and breakdowns as the whole one for every stack, and a tile is skipped only after two
-tiles of its size were seen alike."""
+same peaks, breakdowns and allocator reserves as the whole one for every stack, the rebuilt trace
+is the whole one's event for event, and a tile is skipped only after two tiles of its size were
+seen alike."""
 
 from __future__ import annotations
 
@@ -14,8 +15,9 @@ from hf_models import BASE
 from tiledmlp.config.stacks import STACKS, stack_option
 from tiledmlp.ops.tiling.tiles import TilePlan, split_even
 from tiledmlp.plan import fake_step
+from tiledmlp.plan.caching_allocator import FREE
 from tiledmlp.plan.fake_memory import fake_peak_bytes
-from tiledmlp.plan.periodic_tiles import PeriodicTiles, cut_peak_bytes
+from tiledmlp.plan.periodic_tiles import PeriodicTiles, cut_peak_bytes, whole_trace
 from tiledmlp.plan.phase_tracker import PhaseTracker
 
 pytest.importorskip("transformers")
@@ -37,8 +39,20 @@ def _config() -> Any:
     return tr.LlamaConfig(**SMALL)
 
 
-def _segments(s: Any) -> list[tuple[int, dict[str, int]]]:
-    return [(e.peak, e.breakdown) for e in (s.head, s.middle, s.tail)]
+def _segments(s: Any) -> list[tuple[int, dict[str, int], int]]:
+    return [(e.peak, e.breakdown, e.reserve) for e in (s.head, s.middle, s.tail)]
+
+
+def _canonical(events: Any) -> list[tuple[int, int]]:
+    """A trace with its keys renamed in order of creation: equal for the same requests."""
+    names: dict[int, int] = {}
+    out = []
+    for key, nbytes in events:
+        if nbytes != FREE:
+            assert key not in names
+            names[key] = len(names)
+        out.append((names[key], nbytes))
+    return out
 
 
 @pytest.mark.parametrize("stack", STACKS)
@@ -47,11 +61,16 @@ def test_cut_tiles_give_the_whole_simulation_s_peaks(stack: str) -> None:
     every segment's peak and breakdown equal the whole simulation's, with fewer
     events recorded."""
     spied: list[PhaseTracker] = []
-    real_init = PhaseTracker.__init__
+    cuts: list[PeriodicTiles] = []
+    real_init, real_cut = PhaseTracker.__init__, PeriodicTiles.__init__
 
     def spy(self: PhaseTracker, known: list[torch.Tensor]) -> None:
         real_init(self, known)
         spied.append(self)
+
+    def spy_cut(self: PeriodicTiles, tracker: PhaseTracker) -> None:
+        real_cut(self, tracker)
+        cuts.append(self)
 
     options = {
         "seq_len": 392,
@@ -62,12 +81,17 @@ def test_cut_tiles_give_the_whole_simulation_s_peaks(stack: str) -> None:
         "num_tiles": 6,
     }
     PhaseTracker.__init__ = spy  # type: ignore[method-assign]
+    PeriodicTiles.__init__ = spy_cut  # type: ignore[method-assign]
     try:
         cut = fake_step.simulate(_config(), 4, cut_tiles=True, **options)
         whole = fake_step.simulate(_config(), 4, **options)
     finally:
         PhaseTracker.__init__ = real_init  # type: ignore[method-assign]
+        PeriodicTiles.__init__ = real_cut  # type: ignore[method-assign]
     assert _segments(cut) == _segments(whole)
+    assert cut.head.reserve > 0  # the allocator's reserve was replayed (a GPU by default)
+    rebuilt = whole_trace(spied[0].trace, cuts[0].repeats)
+    assert _canonical(rebuilt) == _canonical(spied[1].trace)
     if stack != "untiled":
         assert len(spied[0].trace) < len(spied[1].trace)  # tiles were skipped
 
@@ -89,15 +113,19 @@ def test_cut_peak_bytes_equals_the_whole_loop_s_for_a_tiled_mlp() -> None:
 
 
 def _loop(plan: TilePlan, leak: bool) -> list[tuple[int, int]]:
-    """A tile loop on fake tensors whose tiles each create and free a tile-sized tensor (and,
-    with `leak`, keep one); returns the tiles it ran."""
+    """A tile loop on fake tensors whose tiles each create and free a tile-sized tensor and
+    keep one until the next tile (with `leak`, also one until the end); returns the tiles it
+    ran."""
     ran, kept = [], []
+    last = None
     for start, stop in plan.bounds():
         t = torch.empty(stop - start, 8)
+        last = torch.empty(stop - start, 2)  # the previous tile's is released here
         if leak:
             kept.append(torch.empty(stop - start))
         del t
         ran.append((start, stop))
+    del last
     return ran
 
 
@@ -107,13 +135,22 @@ def test_a_tile_is_skipped_only_after_two_alike_tiles_of_its_size() -> None:
         tracker = PhaseTracker([])
         with tracker, PeriodicTiles(tracker) as periodic:
             ran = _loop(plan, leak=False)
-        assert ran == [(0, 10), (10, 20), (90, 100)]  # the first two alike, then the last
+        # the first tile keeps its `last` (the one before has none): the second and third
+        # are alike, then the last
+        assert ran == [(0, 10), (10, 20), (20, 30), (90, 100)]
         assert periodic.cut
+        whole = PhaseTracker([])
+        with whole:
+            _loop(plan, leak=False)
+        rebuilt = list(whole_trace(tracker.trace, periodic.repeats))
+        assert _canonical(rebuilt) == _canonical(whole.trace)
+        assert len(tracker.trace) < len(whole.trace)
         uneven = split_even(103, 10)  # three tiles of 11, then seven of 10
         tracker = PhaseTracker([])
         with tracker, PeriodicTiles(tracker):
             ran = _loop(uneven, leak=False)
-        assert [b - a for a, b in ran] == [11, 11, 11, 10, 10, 10]
+        # the first 10 releases an 11's `last`: the second and third 10s are alike
+        assert [b - a for a, b in ran] == [11, 11, 11, 10, 10, 10, 10]
         tracker = PhaseTracker([])
         with tracker, PeriodicTiles(tracker) as periodic:
             ran = _loop(plan, leak=True)  # every tile leaves memory behind: never alike

@@ -82,8 +82,8 @@ def estimate_step(
         device_type=device_type,
         sharded=sharded,
         sequence_parallel_size=sequence_parallel_size,
-        # the allocator reserve, counted on a GPU, needs every tile's events
-        cut_tiles=not exact and device_type == "cpu",
+        # repeated tiles run once; the allocator replays the loops' whole trace, rebuilt
+        cut_tiles=True,
         expandable_segments=expandable_segments,
     )
     est = _simulated(run, config.get_text_config().num_hidden_layers, exact)

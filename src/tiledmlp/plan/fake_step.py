@@ -25,7 +25,7 @@ from tiledmlp.plan.apply_stack import apply_stack, build_model, decoder_layers_o
 from tiledmlp.plan.caching_allocator import reserve_beyond_peak
 from tiledmlp.plan.device_overhead import CUBLAS_WORKSPACES
 from tiledmlp.plan.exchange import register_exchanged
-from tiledmlp.plan.periodic_tiles import PeriodicTiles
+from tiledmlp.plan.periodic_tiles import PeriodicTiles, whole_trace
 from tiledmlp.plan.phase_tracker import PhaseTracker
 from tiledmlp.plan.segments import CATEGORIES, SHORT, Segments, StepEstimate
 
@@ -84,8 +84,8 @@ def simulate(
     """One step of the model cut to `layers` decoder layers, on fake tensors; the tile policy
     resolves as on `device_type`. `sharded`: the parameters are not counted (and their
     gradients leave once accumulated): a sharding engine's own memory is added by the caller.
-    `cut_tiles`: the tile loops' repeated tiles run once (periodic_tiles.py): the same peaks
-    and breakdowns, no allocator reserve (0: it needs every tile's events).
+    `cut_tiles`: the tile loops' repeated tiles run once (periodic_tiles.py): the same peaks,
+    breakdowns and allocator reserve (replayed on the whole loops' trace, rebuilt).
     `expandable_segments`: the caching allocator's setting the reserve is replayed with
     (caching_allocator.py)."""
     with FakeTensorMode(), assume_device(device_type):
@@ -104,8 +104,8 @@ def simulate(
         # With 4 layers both marks close at once; fewer layers are simulated whole (no marks).
         marks = [len(decoder_layers) - 2, 2] if len(decoder_layers) >= SHORT else []
         checkpoint_inputs, hooks = _watchdecoder_layers_of(decoder_layers, tracker, marks)
-        periodic = PeriodicTiles(tracker) if cut_tiles else contextlib.nullcontext()
-        with tracker, periodic:
+        periodic = PeriodicTiles(tracker)
+        with tracker, periodic if cut_tiles else contextlib.nullcontext():
             _step(model, ids, step.opt, tracker)
         for h in hooks:
             h.remove()
@@ -121,13 +121,9 @@ def simulate(
         # workspaces its first matmul takes, counted beside the tensors (device_overhead.py)
         before = [*map(nbytes, [*kept, *step.states])]
         workspaces = CUBLAS_WORKSPACES if device_type == "cuda" else ()
-        reserve = (
-            0
-            if cut_tiles
-            else reserve_beyond_peak(
-                [*before, *workspaces], tracker.trace, expandable=expandable_segments
-            )
-        )
+        # a cut step's trace is its loops' whole one, rebuilt (periodic_tiles.py)
+        trace = whole_trace(tracker.trace, periodic.repeats) if cut_tiles else tracker.trace
+        reserve = reserve_beyond_peak([*before, *workspaces], trace, expandable=expandable_segments)
         parts = [
             _categorise(
                 tracker, peak, at_peak, fixed, grads, checkpoint_inputs, checkpointing, reserve

@@ -15,16 +15,22 @@ shapes: it would repeat their window exactly, so the step's peak, the moment it 
 reached, what is alive then and its categories are those of the whole loop. (The product's
 loops branch on the tile's index only for the first tile.)
 
-The allocation trace itself is shorter: the caching allocator's replay (caching_allocator.py)
-needs every tile's events, so a step whose allocator reserve counts is never cut.
+The tracker's allocation trace is the cut one; `whole_trace` gives the whole loop's, for the
+caching allocator's replay (caching_allocator.py), which depends on every request in order:
+each skipped tile's events are the repeated tile's, its new storages under new keys, its
+releases of earlier tiles' storages (relative to its own, as in the repeated window) resolved
+to the copies before it; a later release of a storage that the repeated pattern would have
+released in a skipped tile names the copy that took its place in the whole loop.
 
 Invariant: outside the context `TilePlan.bounds` is the product's own; inside, a tile is
-skipped only after two tiles of its size were seen alike.
+skipped only after two tiles of its size were seen alike, and `whole_trace` is the trace the
+loops would have recorded run whole. A loop inside another's tile runs whole.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -33,7 +39,26 @@ from tiledmlp.ops.tiling.tiles import TilePlan
 from tiledmlp.plan.caching_allocator import FREE
 from tiledmlp.plan.phase_tracker import PhaseTracker
 
-__all__ = ["PeriodicTiles", "cut_peak_bytes"]
+__all__ = ["PeriodicTiles", "Repeat", "cut_peak_bytes", "whole_trace"]
+
+
+@dataclass(frozen=True)
+class Repeat:
+    """A tile window the cut trace holds once and the whole loop `times` more times.
+
+    Attributes:
+        begin: the window's first event in the tracker's trace.
+        end: the event after its last.
+        first: the serial of its first new storage.
+        new: how many storages it creates (serials first .. first + new - 1).
+        times: the tiles skipped after it.
+    """
+
+    begin: int
+    end: int
+    first: int
+    new: int
+    times: int
 
 
 class PeriodicTiles:
@@ -43,6 +68,8 @@ class PeriodicTiles:
     def __init__(self, tracker: PhaseTracker) -> None:
         self.tracker = tracker
         self.cut = False
+        self.repeats: list[Repeat] = []
+        self._open = 0  # loops running now (a loop inside another's tile is not cut)
         self._original: Any = None
 
     def __enter__(self) -> PeriodicTiles:
@@ -69,27 +96,37 @@ class PeriodicTiles:
             if sizes[i] == sizes[i + 1]:
                 last[i] = last[i + 1]
         before: tuple[Any, ...] | None = None  # the previous tile's window, in this run
-        i = 0
-        while i < len(sizes):
-            t = self.tracker
-            begin = (len(t.trace), t.live, len(t.segments), len(t.phase_of))
-            yield offsets[i], offsets[i + 1]
-            window = self._window(begin)
-            if window is not None and window == before and i + 1 < last[i]:
-                self.cut = True  # tiles i + 1 .. last[i] - 1 would repeat tiles i - 1 and i
-                i, before = last[i], None
-                continue
-            before = window if i + 1 < len(sizes) and sizes[i + 1] == sizes[i] else None
-            i += 1
+        inner = self._open > 0
+        self._open += 1
+        try:
+            i = 0
+            while i < len(sizes):
+                t = self.tracker
+                begin = (len(t.trace), t.live, len(t.segments), len(t.phase_of))
+                yield offsets[i], offsets[i + 1]
+                window = None if inner else self._window(begin)
+                if window is not None and window == before and i + 1 < last[i]:
+                    # tiles i + 1 .. last[i] - 1 would repeat tiles i - 1 and i
+                    new = len(t.phase_of) - begin[3]
+                    self.repeats.append(
+                        Repeat(begin[0], len(t.trace), begin[3], new, last[i] - i - 1)
+                    )
+                    self.cut = True
+                    i, before = last[i], None
+                    continue
+                before = window if i + 1 < len(sizes) and sizes[i + 1] == sizes[i] else None
+                i += 1
+        finally:
+            self._open -= 1
 
     def _window(self, begin: tuple[int, int, int, int]) -> tuple[Any, ...] | None:
         """The tile's events since `begin`, comparable between tiles: (bytes, phase) per new
         storage, (FREE, serial relative to the tile's first new storage, bytes) per release,
         with the live bytes at its start; None for a tile that is not a period (it changed the
-        live bytes, closed a segment, or saw no event)."""
+        live bytes, closed a segment, or created no storage)."""
         t = self.tracker
         trace_at, live, segments, first = begin
-        if t.live != live or len(t.segments) != segments or len(t.trace) == trace_at:
+        if t.live != live or len(t.segments) != segments or len(t.phase_of) == first:
             return None
         events = tuple(
             (FREE, serial - first, t.bytes_of[serial])
@@ -110,3 +147,59 @@ def cut_peak_bytes(step: Callable[[], object], alive: list[torch.Tensor]) -> int
     with tracker, PeriodicTiles(tracker):
         step()
     return sum(seen.values()) + tracker.peak
+
+
+def whole_trace(trace: list[tuple[int, int]], repeats: list[Repeat]) -> Iterator[tuple[int, int]]:
+    """The trace of the step with its loops run whole, from the cut `trace` and its `repeats`
+    (module docstring): (key, bytes) and (key, FREE) events; a skipped tile's new storages get
+    keys from 2**40 on (serials and the caller's keys for tensors before the step stay below)."""
+    alias: dict[int, int] = {}  # a recorded serial -> its key in the whole trace
+    fresh = iter(range(1 << 40, 1 << 62))
+    pos = 0
+    for rep in repeats:
+        yield from _renamed(trace[pos : rep.end], alias)
+        window = trace[rep.begin : rep.end]
+        tiles = _Tiles(rep, alias)
+        for c in range(1, rep.times + 1):
+            keys: list[int] = []
+            tiles.copies.append(keys)
+            for serial, nbytes in window:
+                if nbytes == FREE:
+                    r = serial - rep.first
+                    yield tiles.key(c + r // rep.new, r % rep.new), FREE
+                else:
+                    keys.append(next(fresh))
+                    yield keys[-1], nbytes
+        # a storage of the tile d before the repeated one that the pattern releases e > d
+        # tiles on is, after the loop, that of the tile `times` further on
+        released = {(r % rep.new, -(r // rep.new)) for r in (
+            s - rep.first for s, b in window if b == FREE)}  # fmt: skip
+        for offset, e in released:
+            for d in range(e):
+                alias[rep.first - d * rep.new + offset] = tiles.key(rep.times - d, offset)
+        pos = rep.end
+    yield from _renamed(trace[pos:], alias)
+
+
+class _Tiles:
+    """The keys of one repeat's tiles in the whole trace: the skipped tiles' own (`copies`,
+    from 1), the recorded ones' (0: the repeated tile, negative: the tiles before it)."""
+
+    def __init__(self, rep: Repeat, alias: dict[int, int]) -> None:
+        self.rep = rep
+        self.alias = alias
+        self.copies: list[list[int]] = [[]]  # copies[c]: the c-th skipped tile's keys
+
+    def key(self, tile: int, offset: int) -> int:
+        if tile > 0:
+            return self.copies[tile][offset]
+        serial = self.rep.first + tile * self.rep.new + offset
+        return self.alias.get(serial, serial)
+
+
+def _renamed(events: Iterable[tuple[int, int]], alias: dict[int, int]) -> Iterator[tuple[int, int]]:
+    if not alias:
+        yield from events
+        return
+    for serial, nbytes in events:
+        yield alias.get(serial, serial), nbytes
