@@ -127,8 +127,10 @@ def test_depth_extrapolation_equals_simulating_every_layer(stack: str, optimizer
     kw: dict[str, Any] = {"seq_len": 4096, "stack": stack, "optimizer": optimizer, "num_tiles": 2}
     fast = estimate_step(cfg, checkpointing=True, **kw)
     exact = estimate_step(cfg, checkpointing=True, exact=True, **kw)
-    # the allocator's reserve is the exact simulation's only (plan/segments.py: extrapolate)
-    assert fast == dataclasses.replace(exact, reserve=0)
+    # the allocator's reserve does not follow a line in the depth: the extrapolated estimate
+    # carries the larger of the 4- and 5-layer steps' (plan/estimate.py), the exact one its own
+    assert dataclasses.replace(fast, reserve=0) == dataclasses.replace(exact, reserve=0)
+    assert fast.reserve > 0 and exact.reserve > 0
 
 
 @pytest.mark.parametrize("policy", ["arctic", "target:0.001"])
