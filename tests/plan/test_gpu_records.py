@@ -65,8 +65,8 @@ KNOWN_GAPS = {
     (H200, "allocator", 131072, "tiled_mlp_loss", "fixed"): (
         "optimistic (0.96): without expandable segments the card reserved 36,002 MiB where the "
         "replayed trace with the attention backward's 3,088 MiB beside it holds 34,678; the "
-        "trace lacks the cuDNN backward's workspace, a transient allocation of that size whose "
-        "own segment the replay would keep"
+        "same 34,678 when that workspace is replayed inside the trace at each attention "
+        "backward, so the missing 1,324 MiB are not yet found"
     ),
 }
 
