@@ -17,14 +17,15 @@ with a single tile, whose product is the gradient) and dz's column sums to d(bia
 - Evaluation (no gradient wanted): one pass, 1L FLOPs, no gradient buffers.
 
 Note [one float32 tensor per tile]: the loss is bound by memory traffic over (n x V) tensors,
-not by FLOPs, so a tile makes as few passes over them as plain PyTorch ops allow: one
-log_softmax(z, dtype=float32) (torch fuses the upcast into the kernel for float16 on CUDA and
-makes one float32 copy of the logits first otherwise), no logsumexp (ATen's makes its own
-(n x V) temporary and four passes), then exp written straight in the compute dtype (the cast
-fused) with the targets' entries written over it from the gathered log-probabilities; a
+not by FLOPs, so a tile makes as few passes over them as plain PyTorch ops allow: the logits
+upcast to float32 (for bfloat16, torch's log_softmax(dtype=float32) would make the same copy
+itself) with the compute-dtype logits let go first, one log_softmax, no logsumexp (ATen's makes
+its own (n x V) temporary and four passes), then exp written straight in the compute dtype (the
+cast fused) with the targets' entries written over it from the gathered log-probabilities; a
 per-row coefficient, where the math needs one, is one more multiply before that single
-rounding. The untiled path (logits, their float32 copy, log_softmax, nll_loss's dense
-gradient, log_softmax's backward, the cast back) makes more (tests/ops/test_loss_passes.py
+rounding. At most two float32 (n x V) tensors exist at once (the upcast logits and their
+log-softmax). The untiled path (logits, their float32 copy, log_softmax, nll_loss's dense
+gradient, log_softmax's backward, the cast back) makes more passes (tests/ops/test_loss_passes.py
 counts both).
 
 Note [the factored gradient]: for a plain cross-entropy (no class weights, label smoothing,
@@ -36,8 +37,8 @@ cast in one pass, no per-row multiply), the targets' entries p[y] - 1 over it, a
 exact in v (0 or 1). alpha is the same for every tile, so the scalar head's backward multiplies
 it in with the upstream gradient (one float32 factor, one rounding).
 
-Invariant: memory beyond inputs and outputs is one tile of logits (its compute-dtype logits, its
-float32 log-probabilities and the compute-dtype gradient), d(hidden) and one float32 accumulator
+Invariant: memory beyond inputs and outputs is one tile of logits (at most two float32 (n x V)
+tensors at once, or one with the compute-dtype gradient), d(hidden) and one float32 accumulator
 per parameter, whatever the number of tokens.
 """
 
@@ -144,18 +145,18 @@ def _tile(
     if run.scale != 1.0:
         z = z.mul_(run.scale)  # in place: the unscaled product is not needed again
     zc = z if run.softcap is None else _softcap(z, run.softcap)
-    wide = torch.promote_types(cd, torch.float32)
-    if run.temperature != 1.0:
-        # float32 at least, then divided in place (also when that is z itself: with no
-        # soft-cap, z is read again only for its dtype)
-        zc = zc.to(wide).div_(run.temperature)
-    # See Note [one float32 tensor per tile]
-    lp = torch.log_softmax(zc, dim=-1, dtype=wide)
-    tile = TileLogits(lp, zc if run.math.reads_logits else None, y, v)
-    del zc, lp
     z_dtype = z.dtype
     if run.softcap is None or not grads:
         del z  # read again only by the soft-cap's backward
+    # See Note [one float32 tensor per tile]: float32 at least (zc itself when it is), the
+    # compute-dtype logits let go before the log-softmax allocates its output
+    zf = zc.to(torch.promote_types(cd, torch.float32))
+    del zc
+    if run.temperature != 1.0:
+        zf.div_(run.temperature)  # in place, also when zf is z: z is then not read again
+    lp = torch.log_softmax(zf, dim=-1)
+    tile = TileLogits(lp, zf if run.math.reads_logits else None, y, v)
+    del zf, lp
     if record:
         run.math.values(tile, rows)
     if not grads:
