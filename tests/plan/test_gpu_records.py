@@ -57,10 +57,9 @@ KNOWN_GAPS = {
         "optimistic by the weights of one earlier model still allocated in the measuring process"
     ),
     (H200, "model_steps", 65536, "tiled_layer", "expandable"): (
-        "optimistic (0.970): the card reserved 12,470 MiB where the replay maps 11,810; the "
-        "trace lacks two transient holds: offloaded layer inputs are freed under record_stream "
-        "on the copy stream, so their blocks wait for the copy before they are reused, and the "
-        "attention backward's buffers by head group are allocations inside the kernel call"
+        "optimistic (0.970): the card reserved 12,470 MiB where the replay maps 11,810, not yet "
+        "found; ruled out: offloaded layer inputs freed under record_stream and held until "
+        "the forward ends (the replay then maps 11,830)"
     ),
     (H200, "allocator", 131072, "tiled_mlp_loss", "fixed"): (
         "optimistic (0.96): without expandable segments the card reserved 36,002 MiB where the "
