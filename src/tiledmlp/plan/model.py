@@ -201,6 +201,7 @@ def _plan_stack(
     )
     est = estimate_step(config, seq_len=local, stack=stack, **options)
     known[local] = est.peak  # the search starts here: not simulated twice
+    reserves = {local: est.reserve}
     if p > 1:
         extra = int(per_token * local)
         est = StepEstimate(
@@ -227,6 +228,7 @@ def _plan_stack(
             extra_bytes_per_token=per_token,
             overhead=overhead,
             known_peaks=known,
+            known_reserves=reserves,
             **options,
         )
     return entry

@@ -29,6 +29,7 @@ def max_seq_len(
     extra_bytes: int = 0,
     overhead: DeviceOverhead | None = None,
     known_peaks: dict[int, int] | None = None,
+    known_reserves: dict[int, int] | None = None,
     **options: Any,
 ) -> int:
     """The longest sequence (a multiple of `granularity`, at most `upper`) whose step fits
@@ -44,12 +45,13 @@ def max_seq_len(
     attention backward buffers, allocator), so that the step fits a card of `budget_bytes`.
     `known_peaks` ({tokens: estimate_step(...).peak} for these options) holds estimates
     already made, and receives the search's: a length is never simulated twice (once more
-    where `overhead` replays the allocator and only the length's peak is known).
+    where `overhead` replays the allocator and only the length's peak is known);
+    `known_reserves` ({tokens: estimate_step(...).reserve}) does the same for the reserves.
     """
     cache: dict[int, int] = {}
     tensors = {} if known_peaks is None else known_peaks
-
-    reserves: dict[int, int] = {}  # the replayed allocator reserve (device_overhead.py)
+    # the replayed allocator reserve (device_overhead.py)
+    reserves: dict[int, int] = {} if known_reserves is None else known_reserves
     replayed = overhead is not None and overhead.replayed
 
     def peak(n: int) -> int:
