@@ -72,7 +72,7 @@ def test_cut_tiles_give_the_whole_simulation_s_peaks(stack: str) -> None:
         real_cut(self, tracker)
         cuts.append(self)
 
-    options = {
+    options: dict[str, Any] = {
         "seq_len": 392,
         "stack": stack,
         "dtype": torch.float32,

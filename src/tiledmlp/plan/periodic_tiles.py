@@ -80,7 +80,7 @@ class PeriodicTiles:
             return periodic._bounds(plan)
 
         # on the class: the plans are made inside the product's ops, per call; restored on exit
-        TilePlan.bounds = bounds  # type: ignore[method-assign]
+        TilePlan.bounds = bounds  # type: ignore[method-assign,assignment]
         return self
 
     def __exit__(self, *exc: object) -> None:
