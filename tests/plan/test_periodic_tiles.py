@@ -15,9 +15,14 @@ from hf_models import BASE
 from tiledmlp.config.stacks import STACKS, stack_option
 from tiledmlp.ops.tiling.tiles import TilePlan, split_even
 from tiledmlp.plan import fake_step
-from tiledmlp.plan.caching_allocator import FREE
+from tiledmlp.plan.caching_allocator import FREE, reserve_beyond_peak
 from tiledmlp.plan.fake_memory import fake_peak_bytes
-from tiledmlp.plan.periodic_tiles import PeriodicTiles, cut_peak_bytes, whole_trace
+from tiledmlp.plan.periodic_tiles import (
+    PeriodicTiles,
+    cut_peak_bytes,
+    replayed_reserve,
+    whole_trace,
+)
 from tiledmlp.plan.phase_tracker import PhaseTracker
 
 pytest.importorskip("transformers")
@@ -145,6 +150,11 @@ def test_a_tile_is_skipped_only_after_two_alike_tiles_of_its_size() -> None:
         rebuilt = list(whole_trace(tracker.trace, periodic.repeats))
         assert _canonical(rebuilt) == _canonical(whole.trace)
         assert len(tracker.trace) < len(whole.trace)
+        for expandable in (False, True):
+            replayed = replayed_reserve(
+                [300], tracker.trace, periodic.repeats, expandable=expandable
+            )
+            assert replayed == reserve_beyond_peak([300], whole.trace, expandable=expandable)
         uneven = split_even(103, 10)  # three tiles of 11, then seven of 10
         tracker = PhaseTracker([])
         with tracker, PeriodicTiles(tracker):

@@ -25,7 +25,7 @@ from tiledmlp.plan.apply_stack import apply_stack, build_model, decoder_layers_o
 from tiledmlp.plan.caching_allocator import reserve_beyond_peak
 from tiledmlp.plan.device_overhead import CUBLAS_WORKSPACES
 from tiledmlp.plan.exchange import register_exchanged
-from tiledmlp.plan.periodic_tiles import PeriodicTiles, whole_trace
+from tiledmlp.plan.periodic_tiles import PeriodicTiles, replayed_reserve
 from tiledmlp.plan.phase_tracker import PhaseTracker
 from tiledmlp.plan.segments import CATEGORIES, SHORT, Segments, StepEstimate
 
@@ -121,9 +121,13 @@ def simulate(
         # workspaces its first matmul takes, counted beside the tensors (device_overhead.py)
         before = [*map(nbytes, [*kept, *step.states])]
         workspaces = CUBLAS_WORKSPACES if device_type == "cuda" else ()
-        # a cut step's trace is its loops' whole one, rebuilt (periodic_tiles.py)
-        trace = whole_trace(tracker.trace, periodic.repeats) if cut_tiles else tracker.trace
-        reserve = reserve_beyond_peak([*before, *workspaces], trace, expandable=expandable_segments)
+        if cut_tiles:  # replayed on the loops' whole trace, rebuilt (periodic_tiles.py)
+            reserve = replayed_reserve([*before, *workspaces], tracker.trace, periodic.repeats,
+                                       expandable=expandable_segments)  # fmt: skip
+        else:
+            reserve = reserve_beyond_peak(
+                [*before, *workspaces], tracker.trace, expandable=expandable_segments
+            )
         parts = [
             _categorise(
                 tracker, peak, at_peak, fixed, grads, checkpoint_inputs, checkpointing, reserve

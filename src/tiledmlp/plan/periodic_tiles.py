@@ -36,10 +36,10 @@ from typing import Any
 import torch
 
 from tiledmlp.ops.tiling.tiles import TilePlan
-from tiledmlp.plan.caching_allocator import FREE
+from tiledmlp.plan.caching_allocator import FREE, CachingAllocator
 from tiledmlp.plan.phase_tracker import PhaseTracker
 
-__all__ = ["PeriodicTiles", "Repeat", "cut_peak_bytes", "whole_trace"]
+__all__ = ["PeriodicTiles", "Repeat", "cut_peak_bytes", "replayed_reserve", "whole_trace"]
 
 
 @dataclass(frozen=True)
@@ -153,32 +153,99 @@ def whole_trace(trace: list[tuple[int, int]], repeats: list[Repeat]) -> Iterator
     """The trace of the step with its loops run whole, from the cut `trace` and its `repeats`
     (module docstring): (key, bytes) and (key, FREE) events; a skipped tile's new storages get
     keys from 2**40 on (serials and the caller's keys for tensors before the step stay below)."""
+    events: list[tuple[int, int]] = []
+    _rebuild(trace, repeats, events.append, None)
+    return iter(events)
+
+
+def replayed_reserve(
+    before: list[int],
+    trace: list[tuple[int, int]],
+    repeats: list[Repeat],
+    *,
+    expandable: bool,
+) -> int:
+    """caching_allocator.reserve_beyond_peak(before, whole_trace(trace, repeats), ...), with
+    whole cycles of the allocator's states skipped: once a copy leaves the free blocks, the
+    reserve, the live bytes and the blocks of the loop's storages (by their place in the
+    pattern) as an earlier copy did, the copies between them repeat (the allocator is
+    deterministic), so the copies left run less whole multiples of that period."""
+    alloc = CachingAllocator(expandable)
+    for i, nbytes in enumerate(before):
+        alloc.malloc(-1 - i, nbytes)
+
+    def run(event: tuple[int, int]) -> None:
+        key, nbytes = event
+        if nbytes == FREE:
+            alloc.free(key)
+        else:
+            alloc.malloc(key, nbytes)
+
+    _rebuild(trace, repeats, run, alloc)
+    return alloc.reserved - alloc.peak
+
+
+def _state(alloc: CachingAllocator, tiles: _Tiles, copy: int, back: int) -> tuple[Any, ...]:
+    """The allocator's state after `copy` (the caching allocator's own fields, read only),
+    with the loop's live storages named by their place in the pattern (d tiles back, offset)."""
+    held = []
+    for d in range(back + 1):
+        for offset in range(tiles.rep.new):
+            entry = alloc._held.get(tiles.key(copy - d, offset))
+            if entry is not None:
+                held.append((d, offset, entry[0].addr, entry[0].size))
+    last = tuple(None if b is None else (b.addr, b.size, b.free) for b in alloc._last.values())
+    free = tuple(tuple(pool) for pool in alloc._free.values())
+    return alloc.reserved, alloc.live, alloc._top, last, free, tuple(held)
+
+
+def _rebuild(
+    trace: list[tuple[int, int]],
+    repeats: list[Repeat],
+    emit: Callable[[tuple[int, int]], None],
+    alloc: CachingAllocator | None,
+) -> None:
+    """Emits the whole trace (whole_trace); with `alloc` (which the emitted events drive),
+    leaves out whole cycles of the allocator's states (replayed_reserve)."""
     alias: dict[int, int] = {}  # a recorded serial -> its key in the whole trace
     fresh = iter(range(1 << 40, 1 << 62))
     pos = 0
     for rep in repeats:
-        yield from _renamed(trace[pos : rep.end], alias)
+        for event in _renamed(trace[pos : rep.end], alias):
+            emit(event)
         window = trace[rep.begin : rep.end]
+        released = {(r % rep.new, -(r // rep.new)) for r in (
+            s - rep.first for s, b in window if b == FREE)}  # fmt: skip
+        back = max((e for _, e in released), default=0)
         tiles = _Tiles(rep, alias)
-        for c in range(1, rep.times + 1):
+        copies = rep.times  # how many copies run (fewer once the allocator's states cycle)
+        seen = {} if alloc is None else {_state(alloc, tiles, 0, back): 0}
+        c = 0
+        while c < copies:
+            c += 1
             keys: list[int] = []
             tiles.copies.append(keys)
             for serial, nbytes in window:
                 if nbytes == FREE:
                     r = serial - rep.first
-                    yield tiles.key(c + r // rep.new, r % rep.new), FREE
+                    emit((tiles.key(c + r // rep.new, r % rep.new), FREE))
                 else:
                     keys.append(next(fresh))
-                    yield keys[-1], nbytes
+                    emit((keys[-1], nbytes))
+            if alloc is not None and copies == rep.times:
+                state = _state(alloc, tiles, c, back)
+                if state in seen:  # the states cycle: whole cycles change nothing
+                    period = c - seen[state]
+                    copies -= (copies - c) // period * period
+                seen[state] = c
         # a storage of the tile d before the repeated one that the pattern releases e > d
-        # tiles on is, after the loop, that of the tile `times` further on
-        released = {(r % rep.new, -(r // rep.new)) for r in (
-            s - rep.first for s, b in window if b == FREE)}  # fmt: skip
+        # tiles on is, after the loop, that of the last copy's tile d before it
         for offset, e in released:
             for d in range(e):
-                alias[rep.first - d * rep.new + offset] = tiles.key(rep.times - d, offset)
+                alias[rep.first - d * rep.new + offset] = tiles.key(copies - d, offset)
         pos = rep.end
-    yield from _renamed(trace[pos:], alias)
+    for event in _renamed(trace[pos:], alias):
+        emit(event)
 
 
 class _Tiles:
