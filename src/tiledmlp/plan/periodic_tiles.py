@@ -21,6 +21,10 @@ each skipped tile's events are the repeated tile's, its new storages under new k
 releases of earlier tiles' storages (relative to its own, as in the repeated window) resolved
 to the copies before it; a later release of a storage that the repeated pattern would have
 released in a skipped tile names the copy that took its place in the whole loop.
+`replayed_reserve` drives the allocator with those events and leaves out whole cycles of its
+states: once a copy leaves the allocator as an earlier copy did (free blocks, reserve, live
+bytes, the loop's storages' blocks by their place in the pattern), the copies between them
+repeat, the allocator being deterministic.
 
 Invariant: outside the context `TilePlan.bounds` is the product's own; inside, a tile is
 skipped only after two tiles of its size were seen alike, and `whole_trace` is the trace the
