@@ -9,7 +9,7 @@ Memory: the forward keeps nothing but the output. The backward holds, per tile o
 about 5*n*m elements (gated) or 4*n*m (plain) in the compute dtype, plus one float32 accumulator
 per weight when weights or compute are lower precision than float32. With such accumulators and
 more than one tile, each tile's backward runs in chunks of the intermediate dimension no wider
-than the hidden size h, so m above becomes at most about h (Note [intermediate chunks]).
+than the hidden size h, so m above becomes at most about h (ops/mlp/chunks.py).
 
 Fused elementwise: where the gate's activation is exactly SiLU, GELU-tanh or GELU
 (glu_kernels.activation_kind) and Triton kernels can run on the device (CUDA), act(g) * u and
@@ -25,11 +25,11 @@ the backward returns each parameter's gradient once.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, cast
+from typing import cast
 
 import torch
-from torch import nn
 
+from tiledmlp.ops.mlp.chunks import chunk_params, chunk_ranges, is_elementwise
 from tiledmlp.ops.mlp.engine import TileEngine
 from tiledmlp.ops.mlp.glu import kernels as glu_kernels
 from tiledmlp.ops.mlp.params import LinearParams, MLPParams
@@ -45,27 +45,6 @@ __all__ = ["FastEngine"]
 _Weights = MLPParams[torch.Tensor]  # the module's tensors, or their casts to the compute dtype
 _Slots = MLPParams[GradSlot | None]  # one accumulator per tensor that needs a gradient
 _PartSlots = MLPParams[GradSlot | GradPart | None]  # or a part of one (an intermediate chunk)
-
-
-# Activations that act on each element alone (exact classes); with one of these or one of the
-# fused kernels' (glu_kernels.activation_kind) the backward may split the intermediate dimension.
-_ELEMENTWISE = (
-    nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.ELU, nn.SELU, nn.CELU, nn.GELU, nn.SiLU, nn.Mish,
-    nn.Hardswish, nn.Hardsigmoid, nn.Sigmoid, nn.Tanh, nn.Softplus, nn.Identity,
-)  # fmt: skip
-
-
-def _elementwise(act: object) -> bool:
-    """Whether `act` is known to compute each output element from its own input element alone
-    (a row-wise activation such as a softmax over the intermediate units is not)."""
-    if glu_kernels.activation_kind(act) is not None:
-        return True
-    return (
-        type(act) in _ELEMENTWISE
-        and isinstance(act, nn.Module)
-        and "forward" not in vars(act)
-        and not (act._forward_hooks or act._forward_pre_hooks)
-    )
 
 
 def _mm_into(out: torch.Tensor, x: torch.Tensor, lin: LinearParams[torch.Tensor]) -> torch.Tensor:
@@ -107,7 +86,7 @@ class FastEngine:
         self.weights = self.params  # every parameter the computation uses (all are inputs)
         gated = structure.kind in (MLPKind.GATED, MLPKind.FUSED_GATED)
         self.glu = glu_kernels.activation_kind(structure.act) if gated else None
-        self.elementwise = _elementwise(structure.act)
+        self.elementwise = is_elementwise(structure.act)
 
     def _fused(self, t: torch.Tensor) -> str | None:
         """The activation kind for the fused elementwise kernels, or None for PyTorch."""
@@ -249,73 +228,20 @@ class FastEngine:
                 h = self._act(w.first(x))
             return [w.down(h.to(cd))]
 
-    # -- intermediate chunks -----------------------------------------------------------------
-
-    # Note [intermediate chunks]
-    # Where the weight gradients are summed in float32 over several tiles (low-precision weights),
-    # every accumulator lives from the first tile to the last at twice its gradient's bytes. To
-    # pay for that, the backward walks each tile's intermediate units in chunks no wider than the
-    # hidden size (rounded up to CHUNK_ALIGN units): the recomputed projections, the activation's
-    # gradient and the down projection's input exist for one chunk at a time, i.e. about
-    # 3 * n * hidden elements per tile of n tokens (fused kernels) instead of
-    # 3 * n * intermediate. With an activation known to be elementwise (`_elementwise`; any
-    # other keeps whole rows), every unit is independent of the others except through the
-    # GEMMs, so a chunk's work is the tile's work restricted to its units: rows of
-    # the first projections' weights (and biases), columns of the down projection's weight
-    # (whose accumulator is kept transposed so that those columns are contiguous rows), and a
-    # part of dx, added to the earlier chunks' parts. The FLOPs are the tile's; the down
-    # projection's bias gradient is added once per tile.
-    CHUNK_ALIGN = 64
+    # -- intermediate chunks (ops/mlp/chunks.py: Note [intermediate chunks]) ------------------
 
     def _chunks(self) -> list[tuple[int, int]]:
         """[start, stop) ranges of the intermediate dimension, each at most about the hidden
-        size wide (see Note [intermediate chunks]); one range when it is not wider."""
-        m, h = self.structure.intermediate_size, self.structure.hidden_size
-        count = -(-m // max(h, 1))
-        if count <= 1:
-            return [(0, m)]
-        width = -(-m // count)
-        width = -(-width // self.CHUNK_ALIGN) * self.CHUNK_ALIGN
-        return [(a, min(a + width, m)) for a in range(0, m, width)]
+        size wide; one range when it is not wider."""
+        return chunk_ranges(self.structure.intermediate_size, self.structure.hidden_size)
 
     def _chunk(
         self, w: _Weights, slots: _Slots, start: int, stop: int
     ) -> tuple[_Weights, _PartSlots]:
-        """The weights and gradient slots of intermediate units [start, stop): rows of the
-        projections of x (a fused gate_up becomes a gate and an up projection), columns of the
-        down projection, without its bias (see Note [intermediate chunks])."""
-        s = self.structure
-        m = s.intermediate_size
-        if s.kind is MLPKind.FUSED_GATED:
-            gate_at, up_at = (0, m) if s.gate_first else (m, 0)
-            sources: list[tuple[int, int]] = [(0, gate_at), (0, up_at)]  # (projection, offset)
-        elif s.kind is MLPKind.GATED:
-            sources = [(0, 0), (1, 0)]
-        else:
-            sources = [(0, 0)]
-
-        def rows(t: Any, at: int) -> Any:
-            if t is None:
-                return None
-            if isinstance(t, GradSlot):
-                return t.part(at + start, at + stop)
-            return t[at + start : at + stop]
-
-        def pick(params: MLPParams[Any]) -> MLPParams[Any]:
-            of_x = params.projections_of_x()
-            lins = [
-                LinearParams(rows(of_x[i].weight, at), rows(of_x[i].bias, at)) for i, at in sources
-            ]
-            dw = params.down.weight
-            if dw is None:
-                down = None
-            elif isinstance(dw, GradSlot):
-                down = dw.part(start, stop)  # a transposed slot: columns of the weight
-            else:
-                down = dw[:, start:stop]
-            return MLPParams(lins[0], lins[1] if len(lins) > 1 else None, LinearParams(down, None))
-
-        return pick(w), pick(slots)
+        """The weights and gradient slots of intermediate units [start, stop)."""
+        return chunk_params(self.structure, w, start, stop), chunk_params(
+            self.structure, slots, start, stop
+        )
 
     # -- backward ----------------------------------------------------------------------------
 
