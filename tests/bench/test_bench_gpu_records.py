@@ -45,3 +45,21 @@ def test_a_changed_number_is_caught_and_rewritten(tmp_path: Path) -> None:
 def test_an_unknown_table_is_refused() -> None:
     with pytest.raises(ValueError, match="unknown GPU table 'nope'"):
         gpu_records.render("2026-11-25-h100", "nope")
+
+
+def test_the_long_step_alone_is_the_long_step_row_of_the_suite_steps() -> None:
+    long = gpu_records.render("2026-11-26-h200", "long_step").splitlines()
+    steps = gpu_records.render("2026-11-26-h200", "suite_steps").splitlines()
+    assert long[:2] == steps[:2]  # the same columns
+    assert long[2:] == [row for row in steps[2:] if row.startswith("| 2 | 512K |")]
+    assert len(long) == 3
+    # a folder without long-step/ gives the header alone
+    assert gpu_records.render("2026-11-26T0339-h200", "long_step").count("\n") == 2
+
+
+def test_the_attention_table_names_each_variants_kernel() -> None:
+    table = gpu_records.render("2026-11-26T0339-h200", "suite_attention")
+    rows = table.splitlines()[2:]
+    assert len(rows) == 3 and all("| cudnn / cudnn |" in row for row in rows)
+    older = gpu_records.render("2026-11-26-h200", "suite_attention")
+    assert "| not recorded / not recorded |" in older

@@ -132,19 +132,28 @@ def _suite(folder: Path, part: str) -> list[Record]:
     ]
 
 
-def suite_steps(folder: Path) -> str:
-    """The suite's whole steps (and the long step under long-step/): time, the allocated peak
-    beside the planner's tensor peak, the card's figure beside the planner's."""
-    records = _suite(folder, "model_steps")
+def _long_step(folder: Path) -> list[Record]:
+    """The long step under folder/long-step/ (step.jsonl beside plan.json), each record with the
+    planner's tensor peak and device overhead for its stack; none when the folder has none."""
     long = folder / "long-step"
-    if (long / "step.jsonl").is_file() and (long / "plan.json").is_file():
-        plan = json.loads((long / "plan.json").read_text())["model"]
-        for r in _load(long / "step.jsonl"):
-            got = plan.get(r.get("stack"), {})
-            overhead = got.get("device_overhead_mib", 0.0)
-            records.append({**r, "planned_peak_mib": got.get("peak_mib"),
-                            "planned_device_overhead_mib": overhead})  # fmt: skip
-    records.sort(key=lambda r: (r["layers"], r["seq_len"], r["max_memory_allocated_mib"]))
+    if not ((long / "step.jsonl").is_file() and (long / "plan.json").is_file()):
+        return []
+    plan = json.loads((long / "plan.json").read_text())["model"]
+    records = []
+    for r in _load(long / "step.jsonl"):
+        got = plan.get(r.get("stack"), {})
+        overhead = got.get("device_overhead_mib", 0.0)
+        records.append({**r, "planned_peak_mib": got.get("peak_mib"),
+                        "planned_device_overhead_mib": overhead})  # fmt: skip
+    return records
+
+
+def _steps_table(records: list[Record]) -> str:
+    """Whole steps: time, the allocated peak beside the planner's tensor peak, the card's figure
+    beside the planner's."""
+    records = sorted(
+        records, key=lambda r: (r["layers"], r["seq_len"], r["max_memory_allocated_mib"])
+    )
     rows = []
     for r in records:
         card = r["max_memory_reserved_mib"] + r["outside_allocator_mib"]
@@ -169,19 +178,33 @@ def suite_steps(folder: Path) -> str:
     return _table(head, rows)
 
 
+def suite_steps(folder: Path) -> str:
+    """The suite's whole steps (and the long step under long-step/): time, the allocated peak
+    beside the planner's tensor peak, the card's figure beside the planner's."""
+    return _steps_table(_suite(folder, "model_steps") + _long_step(folder))
+
+
+def long_step(folder: Path) -> str:
+    """The long step under long-step/ alone, in the columns of suite_steps (for a page that shows
+    a later run's suite steps beside an earlier run's long step)."""
+    return _steps_table(_long_step(folder))
+
+
 def suite_attention(folder: Path) -> str:
-    """The suite's attention part: SDPA against by groups of heads per length."""
+    """The suite's attention part: SDPA against by groups of heads per length, with the kernel
+    each variant ran ("not recorded" in records older than the field)."""
     records = _suite(folder, "attention")
     by = {(r["seq_len"], r["variant"]): r for r in records}
     rows = []
     for seq in sorted({r["seq_len"] for r in records}):
         sdpa, heads = by.get((seq, "sdpa")), by.get((seq, "by_heads"))
         if sdpa and heads:
-            rows.append([_k(seq), _n(sdpa["time_ms"], 1), _n(heads["time_ms"], 1),
-                         str(heads["groups"]), f"{heads['time_ms'] / sdpa['time_ms']:.2f}",
+            kernels = " / ".join(r.get("kernel") or "not recorded" for r in (sdpa, heads))
+            rows.append([_k(seq), kernels, _n(sdpa["time_ms"], 1), _n(heads["time_ms"], 1),
+                         str(heads["groups"]), f"{heads['time_ms'] / sdpa['time_ms']:.3f}",
                          _n(sdpa["step_peak_mib"], 0), _n(heads["step_peak_mib"], 0)])  # fmt: skip
-    head = ["tokens", "SDPA ms", "by heads ms", "groups", "time ratio", "SDPA step MiB"]
-    head += ["by heads step MiB"]
+    head = ["tokens", "kernel (SDPA / by heads)", "SDPA ms", "by heads ms", "groups"]
+    head += ["time ratio", "SDPA step MiB", "by heads step MiB"]
     return _table(head, rows)
 
 
@@ -219,6 +242,7 @@ TABLES: dict[str, Callable[[Path], str]] = {
     "suite_steps": suite_steps,
     "suite_attention": suite_attention,
     "suite_mlp_table": suite_mlp_table,
+    "long_step": long_step,
 }
 
 
