@@ -116,23 +116,42 @@ def test_env_lists_versions() -> None:
     assert "torch 2." in res.stdout and "tiledmlp" in res.stdout
 
 
-@pytest.mark.slow
-def test_bad_flags_exit_nonzero_with_one_line() -> None:
-    for args in (
-        ("bench", "--num-tiles", "zero"),
-        ("bench", "--seq-lens", "12,-4"),
-        ("bench", "--device", "tpu"),
-        ("bench", "--isolate", "maybe"),
-        ("bench", "--device", "cpu", "--memory-snapshot", "s.pickle"),  # CUDA only
-        ("bench", "--device", "cpu", "--liger", "on"),  # Liger needs a GPU
-        ("plan", "--tile-budget-gb", "0"),
-        ("plan", "--num-tiles", "4", "--tile-budget-gb", "2"),
-        ("nope",),
-    ):
-        res = run(*args)
-        assert res.returncode == 2, (args, res.stdout, res.stderr)
-        assert "Traceback" not in res.stderr, res.stderr
-        assert "error:" in res.stderr
+BAD_FLAGS = [
+    ("bench", "--num-tiles", "zero"),
+    ("bench", "--seq-lens", "12,-4"),
+    ("bench", "--device", "tpu"),
+    ("bench", "--isolate", "maybe"),
+    ("bench", "--device", "cpu", "--memory-snapshot", "s.pickle"),  # CUDA only
+    ("bench", "--device", "cpu", "--liger", "on"),  # Liger needs a GPU
+    ("plan", "--tile-budget-gb", "0"),
+    ("plan", "--num-tiles", "4", "--tile-budget-gb", "2"),
+    ("nope",),
+]
+
+
+def _assert_usage_error(args: tuple[str, ...], returncode: int, stdout: str, stderr: str) -> None:
+    assert returncode == 2, (args, stdout, stderr)
+    assert "Traceback" not in stderr, stderr
+    assert "error:" in stderr
+
+
+def test_bad_flags_exit_nonzero_with_one_line(
+    monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    # main() in this process, case after case (the flags are refused before any work; a fresh
+    # process each would only repeat the imports): a raised exception fails the test.
+    from tiledmlp.allocator import _CHOSEN_BY, ALLOC_CONF_ENV
+    from tiledmlp.cli import main
+
+    for name in (ALLOC_CONF_ENV, _CHOSEN_BY):  # main() sets them; restored after the test
+        monkeypatch.setenv(name, os.environ.get(name, ""))
+    for args in BAD_FLAGS:
+        rc = main(list(args))
+        out, err = capfd.readouterr()
+        _assert_usage_error(args, rc, out, err)
+    # and as a user runs it: the console command in a fresh process
+    res = run(*BAD_FLAGS[0])
+    _assert_usage_error(BAD_FLAGS[0], res.returncode, res.stdout, res.stderr)
 
 
 def test_every_flag_of_every_subcommand_has_help() -> None:

@@ -4,6 +4,7 @@ memory and not the losses, the model is saved with unchanged keys, bad input is 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import signal
@@ -266,55 +267,85 @@ def _bad_files(tmp: Path) -> dict[str, str]:
     return {"TMP": str(tmp)}
 
 
-@pytest.mark.slow  # a fresh `tiledmlp train` per case; tests/cli keeps one quick
-@pytest.mark.parametrize(
-    ("args", "message"),
-    [
-        (["--activation-offloading"], "add --gradient-checkpointing"),
-        (["--data", "/nonexistent.txt"], "is not a file"),
-        (["--data", "TMP/bin.txt"], "bin.txt is not UTF-8 text"),
-        (["--data", "TMP/no-text.csv"], 'no-text.csv record 0 has no field "text" (fields: body'),
-        (["--model", "no-such-model"], "neither a preset"),
-        (["--model", "TMP/no-tokenizer"], "no-tokenizer has no weights (model.safetensors"),
-        (["--config", "TMP/bad.yaml"], "unknown key 'max_step'; did you mean 'max_steps'?"),
-        (["--config", "TMP/list.yaml"], "must hold a mapping"),
-        (["--config", "TMP/none.yaml"], "is not a file"),
-        (["--engine", "deepspeed"], "needs --deepspeed CONFIG"),
-        (["--use_tiled_mlp", "maybe"], "must be true or false"),
-        (["--tiled_mlp", "target:lots"], "expected 'target:<GB>'"),
-        (["--dtype", "fp8"], "--dtype must be one of"),
-        (["--max-steps", "0"], "--max-steps must be an integer >= 1, got 0"),
-        (["--learning-rate", "fast"], "--learning-rate expected a number"),
-        (["--save-steps", "2"], "add --output-dir"),
-        (["--output-dir", "TMP/list.yaml"], "list.yaml is a file; expected a directory"),
-        (
-            ["--data", "TMP/bad.jsonl"],
-            "bad.jsonl:2 is not valid JSON (Invalid control character"
-            " at column 14); each line must be one JSON object",
-        ),
-        (["--resume-from-checkpoint", "TMP/none"], "is not a directory"),
-        (["--engine", "ddp"], "needs a launcher"),
-        (
-            ["--sequence-parallel-size", "2"],
-            "world size (1) must be divisible by --sequence-parallel-size (2)",
-        ),
-        (["--sequence-parallel-size", "3"], "--seq-len 64 must be divisible by"),
-        (["--tile-budget-gb", "0"], "positive number of GiB"),
-    ],
-)
-def test_bad_input_is_one_line(args: list[str], message: str, tmp_path: Path) -> None:
-    subst = _bad_files(tmp_path)
+# (args, message): bad input to `tiledmlp train`, reported in one line with exit status 2
+BAD_INPUT = [
+    (["--activation-offloading"], "add --gradient-checkpointing"),
+    (["--data", "/nonexistent.txt"], "is not a file"),
+    (["--data", "TMP/bin.txt"], "bin.txt is not UTF-8 text"),
+    (["--data", "TMP/no-text.csv"], 'no-text.csv record 0 has no field "text" (fields: body'),
+    (["--model", "no-such-model"], "neither a preset"),
+    (["--model", "TMP/no-tokenizer"], "no-tokenizer has no weights (model.safetensors"),
+    (["--config", "TMP/bad.yaml"], "unknown key 'max_step'; did you mean 'max_steps'?"),
+    (["--config", "TMP/list.yaml"], "must hold a mapping"),
+    (["--config", "TMP/none.yaml"], "is not a file"),
+    (["--engine", "deepspeed"], "needs --deepspeed CONFIG"),
+    (["--use_tiled_mlp", "maybe"], "must be true or false"),
+    (["--tiled_mlp", "target:lots"], "expected 'target:<GB>'"),
+    (["--dtype", "fp8"], "--dtype must be one of"),
+    (["--max-steps", "0"], "--max-steps must be an integer >= 1, got 0"),
+    (["--learning-rate", "fast"], "--learning-rate expected a number"),
+    (["--save-steps", "2"], "add --output-dir"),
+    (["--output-dir", "TMP/list.yaml"], "list.yaml is a file; expected a directory"),
+    (
+        ["--data", "TMP/bad.jsonl"],
+        "bad.jsonl:2 is not valid JSON (Invalid control character"
+        " at column 14); each line must be one JSON object",
+    ),
+    (["--resume-from-checkpoint", "TMP/none"], "is not a directory"),
+    (["--engine", "ddp"], "needs a launcher"),
+    (
+        ["--sequence-parallel-size", "2"],
+        "world size (1) must be divisible by --sequence-parallel-size (2)",
+    ),
+    (["--sequence-parallel-size", "3"], "--seq-len 64 must be divisible by"),
+    (["--tile-budget-gb", "0"], "positive number of GiB"),
+]
+
+
+def _bad_args(args: list[str], tmp: Path) -> list[str]:
+    subst = _bad_files(tmp)
     args = [a.replace("TMP", subst["TMP"]) for a in args]
-    res = (
-        train(*args, "--seq-len", "64")
-        if "--max-steps" in args
-        else train(*args, "--seq-len", "64", "--max-steps", "1")
-    )
-    assert res.returncode == 2, res.stderr
-    assert "Traceback" not in res.stderr and message in res.stderr, res.stderr
-    assert [line for line in res.stderr.splitlines() if "error" in line.lower()] == [
-        res.stderr.strip().splitlines()[-1]
-    ], res.stderr
+    return [*args, "--seq-len", "64"] + ([] if "--max-steps" in args else ["--max-steps", "1"])
+
+
+def _assert_one_error_line(returncode: int, stderr: str, message: str) -> None:
+    assert returncode == 2, stderr
+    assert "Traceback" not in stderr and message in stderr, stderr
+    assert [line for line in stderr.splitlines() if "error" in line.lower()] == [
+        stderr.strip().splitlines()[-1]
+    ], stderr
+
+
+@pytest.mark.parametrize(("args", "message"), BAD_INPUT)
+def test_bad_input_is_one_line(
+    args: list[str],
+    message: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capfd: pytest.CaptureFixture[str],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # The command's main() in this process (the checks run before any training, so a fresh
+    # process per case would only repeat the imports; the next test runs one case as a user
+    # does). What a fresh process would print is all here: stderr at the file descriptor, and
+    # the log records its WARNING-level handler would show; a raised exception fails the test.
+    from tiledmlp.allocator import _CHOSEN_BY, ALLOC_CONF_ENV
+    from tiledmlp.cli import main
+
+    for name in (ALLOC_CONF_ENV, _CHOSEN_BY):  # main() sets them; restored after the test
+        monkeypatch.setenv(name, os.environ.get(name, ""))
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):  # no launcher
+        monkeypatch.delenv(name, raising=False)
+    rc = main(["train", *_bad_args(args, tmp_path)])
+    logged = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    _assert_one_error_line(rc, capfd.readouterr().err, message)
+    assert not [m for m in logged if "error" in m.lower()], logged
+
+
+@pytest.mark.slow
+def test_bad_input_is_one_line_in_a_fresh_process(tmp_path: Path) -> None:
+    res = train(*_bad_args(["--data", "TMP/bad.jsonl"], tmp_path))
+    _assert_one_error_line(res.returncode, res.stderr, "bad.jsonl:2 is not valid JSON")
 
 
 @pytest.fixture(scope="module")
