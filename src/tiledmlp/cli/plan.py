@@ -379,6 +379,7 @@ def _plan_model(args: argparse.Namespace, config: Any, dtype: Any) -> dict[str, 
         offload_params=args.offload_params,
         expandable_segments=args.expandable_segments,
         known_peaks=known_peaks,
+        processes=None,  # the stacks in parallel, one process per CPU (plan/forked.py)
         **({} if args.stacks is None else {"stacks": args.stacks}),
     )
     if args.measure:

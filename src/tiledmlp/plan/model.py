@@ -75,6 +75,7 @@ from tiledmlp.ops.tiling.values import check_int
 from tiledmlp.plan.device_overhead import device_overhead
 from tiledmlp.plan.engines import ENGINES, GPUS_PER_NODE, check_engine, engine_memory
 from tiledmlp.plan.estimate import OPTIMIZERS, estimate_step, param_counts
+from tiledmlp.plan.forked import default_processes, run_jobs
 from tiledmlp.plan.search import max_seq_len
 from tiledmlp.plan.segments import CATEGORIES, StepEstimate
 from tiledmlp.sequence_parallel.attention import kv_repeat
@@ -115,6 +116,7 @@ def plan_model(
     offload_params: bool = False,
     expandable_segments: bool = True,
     known_peaks: dict[str, dict[int, int]] | None = None,
+    processes: int | None = 1,
 ) -> dict[str, Any]:
     """Every stack's peak MiB and breakdown at `seq_len`; with a budget, each stack's longest
     sequence that fits ("max_seq_len", a multiple of `granularity`). The tile policy resolves
@@ -126,7 +128,9 @@ def plan_model(
     parameters and gradients on the host. `expandable_segments`: the CUDA caching allocator's
     setting the step will run with (plan/device_overhead.py, Note [Allocator reserve]).
     `known_peaks`, when given, receives each stack's tensor-level estimates by length, for a
-    later search with the same options (plan/search.py).
+    later search with the same options (plan/search.py). `processes`: how many processes the
+    stacks are planned in (plan/forked.py: forked, one stack each at a time; the answer is the
+    same); None: one per available CPU where that is safe.
 
     "peak_mib" is tensor-level; "device_overhead_mib" is what the process holds on the device
     beside the tensors (plan/device_overhead.py, per term in "device_overhead_breakdown_mib";
@@ -162,17 +166,42 @@ def plan_model(
         "exact": device_type != "cpu" and not expandable_segments,
         "expandable_segments": expandable_segments,
     }
+    jobs = [
+        (config, stack, i, len(stacks), seq_len, p, budget_bytes, granularity, options,
+         expandable_segments, {} if known_peaks is None else known_peaks.get(stack, {}))
+        for i, stack in enumerate(stacks, 1)
+    ]  # fmt: skip
+    done = run_jobs(
+        _stack_job, jobs, default_processes(len(jobs)) if processes is None else processes
+    )
     out: dict[str, Any] = {}
-    for i, stack in enumerate(stacks, 1):
-        logger.info(
-            "%s (%d of %d): one step at %s tokens", stack, i, len(stacks), f"{seq_len // p:,}"
-        )
-        known = None if known_peaks is None else known_peaks.setdefault(stack, {})
-        out[stack] = _plan_stack(
-            config, stack, seq_len, p, budget_bytes, granularity, options, expandable_segments,
-            known,
-        )  # fmt: skip
+    for stack, (entry, known) in zip(stacks, done):
+        out[stack] = entry
+        if known_peaks is not None:
+            known_peaks.setdefault(stack, {}).update(known)
     return out
+
+
+def _stack_job(
+    config: Any,
+    stack: str,
+    i: int,
+    n: int,
+    seq_len: int,
+    p: int,
+    budget_bytes: int | None,
+    granularity: int,
+    options: dict[str, Any],
+    expandable_segments: bool,
+    known: dict[int, int],
+) -> tuple[dict[str, Any], dict[int, int]]:
+    """plan_model's job for one stack (the `i`-th of `n`), in this process or a forked one
+    (forked.py): its entry, and `known` with its tensor-level estimates by length added."""
+    logger.info("%s (%d of %d): one step at %s tokens", stack, i, n, f"{seq_len // p:,}")
+    entry = _plan_stack(
+        config, stack, seq_len, p, budget_bytes, granularity, options, expandable_segments, known
+    )
+    return entry, known
 
 
 def _plan_stack(

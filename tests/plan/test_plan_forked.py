@@ -1,0 +1,78 @@
+"""The stacks of one plan in forked processes (plan/forked.py): the same answer as one process,
+the estimates handed back, a job's error raised in the caller."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+import torch
+
+from hf_models import BASE
+from tiledmlp.plan import model as plan_model_module
+from tiledmlp.plan.forked import default_processes, run_jobs
+from tiledmlp.plan.model import plan_model
+
+pytest.importorskip("transformers")
+
+fork_only = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork (Linux, macOS)")
+
+SMALL = {
+    **BASE,
+    "vocab_size": 512,
+    "hidden_size": 64,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,  # one short fake step per estimate
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "use_cache": False,
+}
+
+
+def _config() -> Any:
+    import transformers as tr
+
+    return tr.LlamaConfig(**SMALL)
+
+
+def _pid_times(a: int, b: int) -> tuple[int, int]:
+    return a * b, os.getpid()
+
+
+@fork_only
+def test_jobs_come_back_in_their_order_from_other_processes() -> None:
+    got = run_jobs(_pid_times, [(i, 10) for i in range(5)], processes=2)
+    assert [v for v, _ in got] == [0, 10, 20, 30, 40]
+    assert os.getpid() not in {pid for _, pid in got}  # run in children
+    one = run_jobs(_pid_times, [(i, 10) for i in range(5)], processes=1)
+    assert one == [(v, os.getpid()) for v, _ in got]
+    assert 1 <= default_processes(6) <= 6 and default_processes(1) == 1
+
+
+@fork_only
+def test_a_plan_in_processes_equals_the_plan_in_one() -> None:
+    """Every stack, with a max_seq_len search: the same entries in the same order, and the
+    same estimates handed back for a later search."""
+    options: dict[str, Any] = {"seq_len": 1024, "dtype": torch.float32, "num_tiles": 2,
+                               "budget_bytes": 40 * 2**20, "granularity": 512}  # fmt: skip
+    known_one: dict[str, dict[int, int]] = {}
+    known_two: dict[str, dict[int, int]] = {}
+    one = plan_model(_config(), known_peaks=known_one, processes=1, **options)
+    two = plan_model(_config(), known_peaks=known_two, processes=2, **options)
+    assert list(two) == list(one) and two == one
+    assert known_two == known_one and all(len(v) > 1 for v in known_one.values())
+
+
+@fork_only
+def test_a_job_s_error_is_raised_by_the_plan(monkeypatch: pytest.MonkeyPatch) -> None:
+    real = plan_model_module._plan_stack
+
+    def fails(config: Any, stack: str, *args: Any) -> Any:
+        if stack == "tiled_mlp":
+            raise ValueError("this model cannot be planned yet")
+        return real(config, stack, *args)
+
+    monkeypatch.setattr(plan_model_module, "_plan_stack", fails)  # inherited by the fork
+    with pytest.raises(ValueError, match="cannot be planned yet"):
+        plan_model(_config(), seq_len=512, dtype=torch.float32, num_tiles=2, processes=2)
