@@ -1,85 +1,135 @@
-"""plan/device_overhead.py: the attention term (cuDNN attention's backward buffers, SDPA on
-Hopper, for the heads the kernel sees, under sequence parallelism, and the flash kernel's for one
-head group with tiled decoder layers, grouped-query expansion included) and the allocator term
-(the step's trace replayed through the caching allocator, with or without expandable
-segments)."""
+"""plan/device_overhead.py: the attention term (cuDNN attention's backward buffers, per call,
+added to the simulated trace at the call: what they add to the step's peak at their moment) and
+the allocator term (the step's trace replayed through the caching allocator, with or without
+expandable segments)."""
 
 from __future__ import annotations
 
-import pytest
+import torch
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
 
-from tiledmlp.plan.device_overhead import device_overhead
+from tiledmlp.plan.caching_allocator import FREE
+from tiledmlp.plan.device_overhead import AttentionBuffers, attention_call_bytes, device_overhead
 from tiledmlp.plan.layer import load_config
+from tiledmlp.plan.phase_tracker import PhaseTracker
 
 GiB = 2**30
+MiB = 2**20
 M = 1 << 20
 
 
-def test_an_8b_layer_at_1m_tokens_whole_and_by_heads() -> None:
-    cfg = load_config("llama3-8b")  # 32 query heads, 8 key/value heads of 128
-    whole = device_overhead(cfg, "cuda").terms(peak=0, tokens=M)["attention_backward"]
-    # cuDNN: dq accumulator and row sums (float32) + one output-sized buffer (bf16), no expansion
-    assert whole == M * 32 * 129 * 4 + M * 32 * 128 * 2
-    grouped = device_overhead(cfg, "cuda", by_heads=True).terms(0, M)["attention_backward"]
-    assert grouped == M * 129 * 4  # one query head per call: its dq accumulator, no expansion
-    # float32 models: the output-sized buffer in float32
-    wide = device_overhead(cfg, "cuda", itemsize=4).terms(0, M)["attention_backward"]
-    assert wide == M * 32 * 129 * 4 + M * 32 * 128 * 4
+def test_one_call_of_an_8b_layer_at_1m_tokens_whole_and_by_heads() -> None:
+    # 32 query heads of 128 in one call: cuDNN's float32 dq accumulator and row sums and one
+    # output-sized buffer in the model's dtype; grouped key/value heads are not expanded
+    assert attention_call_bytes(M * 32 * 128, 128, 2) == M * 32 * 129 * 4 + M * 32 * 128 * 2
+    assert attention_call_bytes(M * 128, 128, 2) == M * 129 * 4 + M * 128 * 2  # one head
+    assert attention_call_bytes(M * 32 * 128, 128, 4) == M * 32 * 129 * 4 + M * 32 * 128 * 4
 
 
-def test_the_cudnn_term_and_the_h100_record_of_sdpa() -> None:
+def test_the_cudnn_buffers_and_the_h100_record_of_sdpa() -> None:
     """The record's SDPA step (32 query, 8 key/value heads of 128, bf16): 53,504 bytes per token
-    = output, row statistics, upstream gradient, dq, dk, dv (tensors) + the term."""
+    = output, row statistics, upstream gradient, dq, dk, dv (tensors) + one call's buffers."""
+    n = 131072
+    tensors = n * (3 * 32 * 128 * 2 + 32 * 4 + 2 * 8 * 128 * 2)
+    assert tensors + attention_call_bytes(n * 32 * 128, 128, 2) == 6688 * MiB
+
+
+def _attention_step(tracker_buffers: AttentionBuffers | None, after: int) -> PhaseTracker:
+    """A causal SDPA forward and backward on fake tensors (8 query, 2 key/value heads of 64,
+    1,024 tokens, bf16), then `after` bytes allocated while the gradients live."""
+    with FakeTensorMode():
+        q = torch.zeros(1, 8, 1024, 64, dtype=torch.bfloat16, requires_grad=True)
+        k = torch.zeros(1, 2, 1024, 64, dtype=torch.bfloat16, requires_grad=True)
+        v = torch.zeros(1, 2, 1024, 64, dtype=torch.bfloat16, requires_grad=True)
+        tracker = PhaseTracker([q, k, v], tracker_buffers)
+        with tracker:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            out.sum().backward()
+            tail = torch.empty(after, dtype=torch.uint8)
+            del tail
+            tracker.mark()
+    return tracker
+
+
+def test_each_attention_backward_call_adds_its_buffers_beside_its_outputs() -> None:
+    buffers = AttentionBuffers()
+    with_buffers = _attention_step(buffers, after=0)
+    without = _attention_step(None, after=0)
+    call = attention_call_bytes(8 * 1024 * 64, 64, 2)
+    assert call == 1024 * 8 * 65 * 4 + 1024 * 8 * 64 * 2
+    # the trace gets the buffer as a request released right after it, nothing else
+    at = [i for i, (_, b) in enumerate(with_buffers.trace) if b == call]
+    assert len(at) == 1
+    serial = with_buffers.trace[at[0]][0]
+    assert with_buffers.trace[at[0] + 1] == (serial, FREE)
+    rest = with_buffers.trace[: at[0]] + with_buffers.trace[at[0] + 2 :]
+    assert [b for _, b in rest] == [b for _, b in without.trace]
+    # the tensors' peak is the tensors'; the peak with buffers is the call's moment when the
+    # step peaks inside the backward (its outputs are alive then)
+    ((peak, alive),) = with_buffers.segments
+    assert peak == without.segments[0][0]
+    assert sorted(alive.values()) == sorted(without.segments[0][1].values())
+    assert with_buffers.buffer_peaks[0] > peak
+    assert without.buffer_peaks == [peak]
+
+
+def test_the_term_is_nothing_where_the_step_peaks_elsewhere() -> None:
+    big = 64 * MiB  # allocated after the backward: far above the attention's moment
+    tracker = _attention_step(AttentionBuffers(), after=big)
+    ((peak, _),) = tracker.segments
+    assert peak >= big
+    assert tracker.buffer_peaks == [peak]
+
+
+def test_on_the_cpu_nothing() -> None:
+    cpu = device_overhead("cpu")
+    assert cpu.buffers is None
+    assert cpu.total(10 * GiB, M, reserve=123 * MiB, attention=5 * MiB) == 0
+    cuda = device_overhead("cuda")
+    assert cuda.terms(0, M, reserve=123 * MiB, attention=5 * MiB) == {
+        "outside_allocator": 849 * MiB,
+        "cublas_workspace": int(40.125 * MiB),
+        "attention_backward": 5 * MiB,
+        "allocator": 123 * MiB,
+    }
+
+
+def test_a_planned_step_counts_the_buffers_at_their_moment() -> None:
+    """A 2-layer 8B-shaped step (vocabulary 1,024): untiled, it peaks at the end of the loss,
+    where no attention backward runs (nothing added); with the norms tiled and the inputs
+    offloaded at 64K tokens it peaks inside a layer's attention backward (one call of 32
+    heads), whose buffers add at most their size; on the CPU, nothing."""
+    from tiledmlp.plan.estimate import estimate_step
+
     cfg = load_config("llama3-8b")
-    term = device_overhead(cfg, "cuda").terms(0, 131072)["attention_backward"]
-    tensors = 131072 * (3 * 32 * 128 * 2 + 32 * 4 + 2 * 8 * 128 * 2)
-    assert tensors + term == 6688 * 2**20  # attention_by_heads.jsonl, "sdpa" at 131072
-
-
-@pytest.mark.parametrize("p", [8, 32])
-def test_sequence_parallel_kernels_see_the_whole_sequence_with_heads_over_p(p: int) -> None:
-    cfg = load_config("llama3-8b")
-    local = M // p
-    got = device_overhead(cfg, "cuda", sequence_parallel_size=p).terms(0, local)
-    heads = 32 // p
-    want = M * heads * 129 * 4 + M * heads * 128 * 2
-    assert got["attention_backward"] == want
-    # by heads, one query head per call at 1M tokens under either P
-    grouped = device_overhead(cfg, "cuda", sequence_parallel_size=p, by_heads=True)
-    assert grouped.terms(0, local)["attention_backward"] == M * 129 * 4
-
-
-def test_short_sequences_are_one_call_even_by_heads() -> None:
-    cfg = load_config("llama3-8b")
-    for tokens in (1024, 4096):
-        a = device_overhead(cfg, "cuda", by_heads=True).terms(0, tokens)
-        # one flash call over all heads: dk and dv expanded to the 32 query heads
-        want = tokens * 32 * 129 * 4 + 2 * tokens * 32 * 128 * 2
-        assert a["attention_backward"] == want
-    assert device_overhead(cfg, "cpu", by_heads=True).total(10 * GiB, M) == 0
+    cfg.num_hidden_layers, cfg.vocab_size = 2, 1024
+    kw = {"seq_len": 65536, "checkpointing": True, "dtype": torch.bfloat16}
+    assert estimate_step(cfg, stack="untiled", **kw).attention == 0
+    stack = "tiled_mlp_loss_offload_norms"
+    gpu = estimate_step(cfg, stack=stack, **kw)
+    assert 0 < gpu.attention <= attention_call_bytes(65536 * 32 * 128, 128, 2)
+    assert estimate_step(cfg, stack=stack, device_type="cpu", **kw).attention == 0
 
 
 def test_the_allocator_term_is_the_replayed_reserve_in_both_settings() -> None:
     """The term is the step's own trace replayed through the caching allocator
     (plan/caching_allocator.py) under the step's setting; none on the CPU."""
-    import torch
-
     from tiledmlp.plan.estimate import estimate_step
     from tiledmlp.plan.model import plan_model
 
     cfg = load_config("llama3-8b")
     cfg.num_hidden_layers, cfg.vocab_size = 2, 1024
-    fixed = device_overhead(cfg, "cuda", expandable_segments=False)
-    assert fixed.terms(0, 4096, reserve=123 * 2**20)["allocator"] == 123 * 2**20
-    assert device_overhead(cfg, "cuda").terms(0, 4096, 123 * 2**20)["allocator"] == 123 * 2**20
-    assert device_overhead(cfg, "cpu").terms(0, 4096, 123 * 2**20)["allocator"] == 0
+    cuda = device_overhead("cuda")
+    assert cuda.terms(0, 4096, reserve=123 * MiB)["allocator"] == 123 * MiB
+    assert device_overhead("cpu").terms(0, 4096, 123 * MiB)["allocator"] == 0
     kw = {"seq_len": 4096, "checkpointing": True}
     est = estimate_step(cfg, stack="untiled", dtype=torch.bfloat16, expandable_segments=False, **kw)
     plan = plan_model(cfg, stacks=("untiled",), expandable_segments=False, **kw)["untiled"]
-    assert plan["device_overhead_breakdown_mib"]["allocator"] == round(est.reserve / 2**20, 1)
+    assert plan["device_overhead_breakdown_mib"]["allocator"] == round(est.reserve / MiB, 1)
     assert est.reserve > 0
     on = plan_model(cfg, stacks=("untiled",), **kw)["untiled"]
     grown = estimate_step(cfg, stack="untiled", dtype=torch.bfloat16, **kw)
-    assert on["device_overhead_breakdown_mib"]["allocator"] == round(grown.reserve / 2**20, 1)
+    assert on["device_overhead_breakdown_mib"]["allocator"] == round(grown.reserve / MiB, 1)
     # the same step's trace fragments less when the segment grows at its end
     assert 0 < grown.reserve < est.reserve

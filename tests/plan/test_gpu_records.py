@@ -30,15 +30,14 @@ from tiledmlp.plan.model import plan_model
 
 RECORDS = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "gpu"
 MiB = 2**20
-H100, H200 = "2026-11-25-h100", "2026-11-26-h200"
+H100, H200, H200_2 = "2026-11-25-h100", "2026-11-26-h200", "2026-11-26T0339-h200"
 
 # (record folder, part, seq_len, stack, allocator) -> what the planner does not yet see on the
 # card; allocator: "expandable" (expandable_segments:True) or "fixed" (without them)
 KNOWN_GAPS = {
     (H100, "whole_steps", 32768, "tiled_mlp_loss", "fixed"): (
-        "pessimistic (1.18): the allocator replayed on the step's trace reserves 2,625 MiB "
-        "beyond the peak where the card reserved 1,051; the attention backward's 772 MiB are "
-        "added at a peak the card allocated only 64 MiB beyond the planned tensors"
+        "pessimistic (1.12): the allocator replayed on the step's trace reserves 2,625 MiB "
+        "beyond the peak where the card reserved 1,051"
     ),
     # The next three were measured in one process after earlier patched models whose weights
     # (3,668 MiB each in bf16) were still allocated: a patched forward held its module strongly,
@@ -56,16 +55,14 @@ KNOWN_GAPS = {
     (H100, "whole_steps", 131072, "tiled_layer", "fixed"): (
         "optimistic by the weights of one earlier model still allocated in the measuring process"
     ),
-    (H200, "model_steps", 65536, "tiled_layer", "expandable"): (
-        "optimistic (0.970): the card reserved 12,470 MiB where the replay maps 11,810, not yet "
-        "found; ruled out: offloaded layer inputs freed under record_stream and held until "
-        "the forward ends (the replay then maps 11,830)"
-    ),
     (H200, "allocator", 131072, "tiled_mlp_loss", "fixed"): (
-        "optimistic (0.96): without expandable segments the card reserved 36,002 MiB where the "
-        "replayed trace with the attention backward's 3,088 MiB beside it holds 34,678; the "
-        "same 34,678 when that workspace is replayed inside the trace at each attention "
-        "backward, so the missing 1,324 MiB are not yet found"
+        "optimistic (0.964): without expandable segments the card reserved 36,002 MiB where the "
+        "replayed trace (the attention backward's buffers at their calls) holds 34,638; the "
+        "missing 1,364 MiB are not yet found"
+    ),
+    (H200_2, "allocator", 131072, "tiled_mlp_loss", "fixed"): (
+        "optimistic (0.966): the same step as the first H200 run's; the card reserved 36,024 MiB "
+        "where the replayed trace holds 34,638"
     ),
 }
 
@@ -163,6 +160,8 @@ def test_records_are_committed() -> None:
     assert (H100, "whole_steps") in parts, f"no whole_steps.jsonl under {RECORDS / H100}"
     for part in ("model_steps", "allocator", "long-step"):
         assert (H200, part) in parts, f"no {part} records under {RECORDS / H200}"
+    for part in ("model_steps", "allocator"):
+        assert (H200_2, part) in parts, f"no {part} records under {RECORDS / H200_2}"
 
 
 def test_contaminated_records_are_the_ones_outside_the_others_range() -> None:

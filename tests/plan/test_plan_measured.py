@@ -44,7 +44,7 @@ def test_the_lower_estimate_stands_and_is_named() -> None:
     cfg = _config()
     kw: dict[str, Any] = {"stack": "tiled_mlp_loss", "num_tiles": 2, "device_type": "cpu",
                           "dtype": torch.float32}  # fmt: skip
-    cpu = device_overhead(cfg, "cpu")
+    cpu = device_overhead("cpu")
     budget = 64 * MiB
     known: dict[int, int] = {}
     simulated = max_seq_len(cfg, budget, granularity=512, overhead=cpu, known_peaks=known, **kw)

@@ -304,23 +304,16 @@ def test_device_overhead_terms_and_max_seq_len_on_a_card() -> None:
     from tiledmlp.plan.device_overhead import device_overhead
 
     cfg = _config()
-    heads, head_dim = cfg.num_attention_heads, cfg.hidden_size // cfg.num_attention_heads
-    cuda = device_overhead(cfg, "cuda", expandable_segments=False)
-    terms = cuda.terms(peak=1000 * MiB, tokens=2048, reserve=300 * MiB)
-    # cuDNN's float32 dq accumulator and row sums, and the output-sized buffer (bf16); grouped
-    # key/value heads are not expanded
-    attention = 2048 * heads * (head_dim + 1) * 4 + 2048 * heads * head_dim * 2
+    cuda = device_overhead("cuda")
+    terms = cuda.terms(peak=1000 * MiB, tokens=2048, reserve=300 * MiB, attention=7 * MiB)
     assert terms == {
         "outside_allocator": 849 * MiB,
         "cublas_workspace": int(40.125 * MiB),
-        "attention_backward": attention,
+        # what the attention backward's buffers add at their calls (StepEstimate.attention)
+        "attention_backward": 7 * MiB,
         "allocator": 300 * MiB,  # the step's replayed reserve (plan/caching_allocator.py)
     }
-    # with expandable segments the reserve is replayed through that allocator's rules instead:
-    # the term is whichever reserve the step's replay gives
-    expandable = device_overhead(cfg, "cuda").terms(1000 * MiB, 2048, reserve=300 * MiB)
-    assert expandable == terms
-    assert device_overhead(cfg, "cpu").total(1000 * MiB, 2048, 300 * MiB) == 0
+    assert device_overhead("cpu").total(1000 * MiB, 2048, 300 * MiB, 7 * MiB) == 0
 
     # every layer simulated: the allocator's reserve is the whole depth's (plan_model does so)
     # (the reserve replayed under the same allocator setting as `cuda`'s: without expandable
@@ -329,11 +322,11 @@ def test_device_overhead_terms_and_max_seq_len_on_a_card() -> None:
                           "expandable_segments": False}  # fmt: skip
     est = estimate_step(cfg, seq_len=8192, **kw)
     assert est.reserve > 0  # a step's tensors change size: the allocator holds more
-    card = est.peak + cuda.total(est.peak, 8192, est.reserve)
+    card = est.peak + cuda.total(est.peak, 8192, est.reserve, est.attention)
     n = max_seq_len(cfg, card, granularity=512, overhead=cuda, **kw)
     assert 7_500 < n <= 8192
     for length, fits in ((n, True), (n + 512, False)):
         e = estimate_step(cfg, seq_len=length, **kw)
-        assert (e.peak + cuda.total(e.peak, length, e.reserve) <= card) is fits
+        assert (e.peak + cuda.total(e.peak, length, e.reserve, e.attention) <= card) is fits
     # without the overhead the same card would be said to hold more
     assert max_seq_len(cfg, card, granularity=512, **kw) > n

@@ -87,7 +87,6 @@ def measure_stacks(
 ) -> None:
     """Adds "measured" to each stack's entry of `stacks` (plan_model's answer); the second
     search reuses plan_model's estimates (`known_peaks`, per stack)."""
-    from tiledmlp.config.stacks import stack_option
     from tiledmlp.plan.device_overhead import device_overhead
     from tiledmlp.plan.estimate import estimate_step
     from tiledmlp.plan.layer import cut_config
@@ -105,21 +104,16 @@ def measure_stacks(
     cut = cut_config(config, layers)
     dtype_name = str(dtype).removeprefix("torch.")
     for stack, entry in stacks.items():
-        overhead = device_overhead(
-            config,
-            args.device,
-            itemsize=dtype.itemsize,
-            by_heads=stack_option(stack, "tiled_layers"),
-            expandable_segments=args.expandable_segments,
-        )
+        overhead = device_overhead(args.device)
         points = []
         for n in args.measure_lengths:
             job = {"config": job_config, "seq_len": n, "stack": stack, "dtype": dtype_name,
                    "device": args.device, "steps": 1}  # fmt: skip
             measured = _measured_bytes(_run_job(job))
             sim = estimate_step(cut, seq_len=n, stack=stack, dtype=dtype, checkpointing=True,
-                                num_tiles=args.num_tiles, exact=True, device_type=args.device)  # fmt: skip
-            card = sim.peak + overhead.total(sim.peak, n, sim.reserve)
+                                num_tiles=args.num_tiles, exact=True, device_type=args.device,
+                                expandable_segments=args.expandable_segments)  # fmt: skip
+            card = sim.peak + overhead.total(sim.peak, n, sim.reserve, sim.attention)
             points.append(MeasuredPoint(n, measured, card))
         correction = fit_correction(points)
         measured_entry = {"layers": layers, **correction.as_json()}

@@ -47,7 +47,7 @@ import bisect
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-__all__ = ["FREE", "PAGE", "CachingAllocator", "reserve_beyond_peak"]
+__all__ = ["FREE", "HOLD", "PAGE", "CachingAllocator", "reserve_beyond_peak"]
 
 MiB = 2**20
 MIN_BLOCK = 512  # kMinBlockSize: every request is rounded up to a multiple of it
@@ -59,6 +59,11 @@ ROUND_LARGE = 2 * MiB  # kRoundLarge: larger requests' segments are rounded up t
 # with expandable segments: the pages mapped into the small and the large pool's segment
 PAGE = {True: SMALL_BUFFER, False: LARGE_BUFFER}
 FREE = -1  # a trace event (key, FREE) frees what `key` holds
+# a trace event (key, HOLD): `key`'s tensor is freed while another stream still uses its block
+# (record_stream): its bytes are no longer allocated, the block returns to its pool at the
+# (key, FREE) that follows once that stream's work is done (CUDACachingAllocator.cpp: free ->
+# insert_events; process_events)
+HOLD = -2
 
 
 def round_size(nbytes: int) -> int:
@@ -146,6 +151,12 @@ class CachingAllocator:
         block.free = False
         self._held[key] = (block, nbytes)
 
+    def hold(self, key: int) -> None:
+        """`key`'s bytes are no longer allocated; its block stays taken until `free(key)`."""
+        block, nbytes = self._held[key]
+        self.live -= nbytes
+        self._held[key] = (block, 0)
+
     def free(self, key: int) -> None:
         """Returns `key`'s block to its pool, merged with the free blocks beside it."""
         block, nbytes = self._held.pop(key)
@@ -215,7 +226,8 @@ def reserve_beyond_peak(
 ) -> int:
     """What the caching allocator reserves beyond the peak of requested bytes, for a step that
     starts with tensors of `before` bytes (allocated first, in order, never freed) and then
-    runs `trace`: (key, nbytes) allocates nbytes for key, (key, FREE) frees it. `expandable`:
+    runs `trace`: (key, nbytes) allocates nbytes for key, (key, FREE) frees it, (key, HOLD)
+    frees its bytes and keeps its block until its (key, FREE). `expandable`:
     with `expandable_segments:True`.
 
     Returns:
@@ -229,6 +241,8 @@ def reserve_beyond_peak(
     for key, nbytes in trace:
         if nbytes == FREE:
             alloc.free(key)
+        elif nbytes == HOLD:
+            alloc.hold(key)
         else:
             alloc.malloc(key, nbytes)
     return alloc.reserved - alloc.peak

@@ -15,29 +15,31 @@ A CUDA process also holds memory no tensor accounts for. Each term, with its sou
   taken from the caching allocator.
 - "attention_backward": buffers an attention backward allocates inside the kernel call, for
   the heads it is given, invisible to a tensor-level trace (its dq, dk and dv are tensors the
-  simulation counts); one layer at a time. See Note [Attention backward buffers].
+  simulation counts): what they add to the step's tensor peak at their moment. See Note
+  [Attention backward buffers].
 - "allocator": the caching allocator's reserve beyond the allocated peak, which an
   out-of-memory error counts. See Note [Allocator reserve].
 
 Note [Attention backward buffers]: a model's own attention calls
 `F.scaled_dot_product_attention`, which on Hopper runs cuDNN attention
-(`aten._scaled_dot_product_cudnn_attention`; docs/guides/gpus.md). cuDNN's backward takes a
-workspace holding a float32 dq accumulator (tokens x heads x head_dim) and float32 row sums
-(heads x tokens); grouped-query attention is taken natively, the per-query-head dk and dv
-being virtual tensors that take no workspace (cudnn-frontend, CompositeSDPABackwardNode:
-get_fe_workspace_size_node). The H100 record of the op
+(`aten._scaled_dot_product_cudnn_attention`; docs/guides/gpus.md), and so does the attention
+core by head groups of tiled decoder layers (ops/attention/select.py: SDPA's kernel, per group).
+cuDNN's backward takes a workspace holding a float32 dq accumulator (tokens x heads x head_dim)
+and float32 row sums (heads x tokens); grouped-query attention is taken natively, the
+per-query-head dk and dv being virtual tensors that take no workspace (cudnn-frontend,
+CompositeSDPABackwardNode: get_fe_workspace_size_node). The H100 record of the op
 (benchmarks/results/gpu/2026-11-25-h100/attention_by_heads.jsonl, "sdpa": 53,504 bytes per
 token at 8K, 32K and 128K tokens for 32 query and 8 key/value heads of 128, bf16) equals the
 output, its row statistics, the upstream gradient, dq, dk, dv and that workspace plus one more
 buffer of the output's size; it is counted too (heads x head_dim in the model's dtype per
 token), the record being its source. The same record with key/value repeated to 32 heads
 ("sdpa_repeat", 65,792 bytes per token) adds exactly the repeated dk and dv, which confirms that
-no expanded dk and dv are allocated. With tiled decoder layers the attention core calls the
-flash kernel by groups of heads (ops/attention/heads.py: head_groups,
-attention_buffer_bytes: flash's float32 dq accumulator and row sums, dk and dv expanded to the
-query heads under grouped-query attention), and the buffers are one group's. Under sequence
-parallelism the kernel sees the whole sequence with heads / P (and the key/value heads Ulysses
-sends).
+no expanded dk and dv are allocated. The buffers exist while the call runs: the simulation
+(plan/phase_tracker.py) adds them to the trace at each attention backward call, for the call's
+own query (one head group's, or under sequence parallelism the whole sequence with heads / P),
+beside its outputs, so the allocator replays them in order and the term is what they add to the
+step's tensor peak at their moment: nothing where the step peaks elsewhere (the loss, an MLP's
+recompute), a whole call's buffers where it peaks inside an attention backward.
 
 Note [Allocator reserve]: PyTorch's caching allocator keeps the segments it obtained from the
 driver. Without expandable segments, a freed block can serve only requests no larger than
@@ -57,15 +59,15 @@ replayed through those rules (plan/caching_allocator.py): on the H200 records of
 4-layer untiled step at 32K tokens where the card reserved 62,684. The replay of a trace whose
 repeated tiles ran once (plan/periodic_tiles.py) maps the same pages, so it needs no exact
 simulation; a deeper model's reserve is the larger of the 4- and 5-layer steps' (plan/
-estimate.py), not a line in the depth. In both modes the attention backward's buffers and the
-cuBLAS workspaces are not in the trace; they are counted as allocated bytes beside it.
+estimate.py), not a line in the depth. In both modes the attention backward's buffers are in the trace at their
+calls; the cuBLAS workspaces are allocated before the step's first request.
 
 On the CPU none of these terms exists (no context or workspaces are reserved from a device, the
 allocator is the system's): the overhead is zero, and `--memory-gb` there is the memory the
 step's tensors may use.
 
-Invariant: the overhead is a non-negative function of the tokens per GPU and the step's replayed
-allocator reserve; it is zero on the CPU.
+Invariant: the overhead is a non-negative function of the step's simulated trace (the attention
+buffers' share of its peak, the replayed allocator reserve); it is zero on the CPU.
 """
 
 from __future__ import annotations
@@ -73,10 +75,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from tiledmlp.ops.attention.heads import attention_buffer_bytes, head_groups
-from tiledmlp.sequence_parallel.attention import kv_repeat
-
-__all__ = ["CUBLAS_WORKSPACES", "AttentionKernel", "DeviceOverhead", "device_overhead"]
+__all__ = [
+    "CUBLAS_WORKSPACES",
+    "AttentionBuffers",
+    "DeviceOverhead",
+    "attention_call_bytes",
+    "device_overhead",
+]
 
 MiB = 2**20
 _OUTSIDE_ALLOCATOR = 849 * MiB  # whole_steps.jsonl: the largest outside_allocator_mib, rounded up
@@ -85,38 +90,28 @@ CUBLAS_WORKSPACES = (int(8.125 * MiB), 32 * MiB)
 _CUBLAS = sum(CUBLAS_WORKSPACES)
 
 
+def attention_call_bytes(query_elements: int, head_dim: int, itemsize: int) -> int:
+    """The buffers one cuDNN attention backward call allocates beyond its tensors, for a query
+    of `query_elements` (rows x head_dim over the call's heads) in a dtype of `itemsize` bytes:
+    the float32 dq accumulator and row sums, and the output-sized buffer of the record (Note
+    [Attention backward buffers])."""
+    rows = query_elements // head_dim
+    return rows * (head_dim + 1) * 4 + query_elements * itemsize
+
+
 @dataclass(frozen=True)
-class AttentionKernel:
-    """What one layer's attention kernel sees on a GPU, for its backward's own buffers.
+class AttentionBuffers:
+    """The attention backward's own buffers on a GPU, per call (plan/phase_tracker.py's
+    KernelBuffers): every fused attention backward op the simulation dispatches (on fake
+    tensors the CPU's kernel stands for the device's: the same shapes) gets cuDNN's."""
 
-    Attributes:
-        heads: the model's query heads.
-        kv_heads: its key/value heads.
-        head_dim: per-head size.
-        itemsize: bytes per element of the model's dtype.
-        sequence_parallel_size: P (Ulysses): the kernel sees the whole sequence, heads / P.
-        by_heads: the attention core runs by groups of heads (tiled decoder layers) through the
-            flash kernel; otherwise SDPA runs cuDNN attention (Note [Attention backward
-            buffers]).
-    """
+    def names(self, func: Any) -> bool:
+        name = str(getattr(func, "_name", func))
+        return "attention" in name and "backward" in name
 
-    heads: int
-    kv_heads: int
-    head_dim: int
-    itemsize: int
-    sequence_parallel_size: int = 1
-    by_heads: bool = False
-
-    def buffer_bytes(self, tokens: int) -> int:
-        """The backward's buffers for `tokens` tokens per GPU."""
-        p = self.sequence_parallel_size
-        seq, heads = tokens * p, self.heads // p
-        kv = self.kv_heads * kv_repeat(self.heads, self.kv_heads, p) // p
-        if self.by_heads:
-            groups = head_groups(1, heads, kv, seq, head_dim=self.head_dim, itemsize=self.itemsize)
-            return attention_buffer_bytes(1, heads, kv, seq, self.head_dim, self.itemsize, groups)
-        workspace = seq * heads * (self.head_dim + 1) * 4  # float32 dq accumulator, row sums
-        return workspace + seq * heads * self.head_dim * self.itemsize  # the record's buffer
+    def nbytes(self, func: Any, args: Any) -> int:
+        query = args[1]  # (grad_out, query, key, value, out, ...) for every fused kernel
+        return attention_call_bytes(query.numel(), query.shape[-1], query.element_size())
 
 
 @dataclass(frozen=True)
@@ -125,74 +120,53 @@ class DeviceOverhead:
 
     Attributes:
         fixed: bytes per term that do not depend on the step ("outside_allocator", ...).
-        attention: the attention kernel whose backward buffers no tensor shows
+        buffers: the attention backward's own buffers, for the simulation to add at their calls
             ("attention_backward"); None: none (the CPU).
         replayed: the allocator's reserve is the step's own, replayed through the caching
             allocator's rules (Note [Allocator reserve]); False on the CPU.
     """
 
     fixed: dict[str, int]
-    attention: AttentionKernel | None
+    buffers: AttentionBuffers | None
     replayed: bool = False
 
-    def terms(self, peak: int, tokens: int, reserve: int = 0) -> dict[str, int]:
+    def terms(self, peak: int, tokens: int, reserve: int = 0, attention: int = 0) -> dict[str, int]:
         """Each term in bytes, for a step whose tensors peak at `peak` bytes over `tokens`
-        tokens per GPU; `reserve`: the step's replayed allocator reserve (StepEstimate.reserve),
-        counted when `replayed`."""
-        attention = self.attention.buffer_bytes(tokens) if self.attention is not None else 0
+        tokens per GPU; `reserve`: the step's replayed allocator reserve beyond its allocated
+        peak (StepEstimate.reserve), counted when `replayed`; `attention`: what the attention
+        backward's buffers add to the tensor peak (StepEstimate.attention)."""
+        replayed = self.replayed
         return {
             **self.fixed,
-            "attention_backward": attention,
-            "allocator": reserve if self.replayed else 0,
+            "attention_backward": attention if replayed else 0,
+            "allocator": reserve if replayed else 0,
         }
 
-    def total(self, peak: int, tokens: int, reserve: int = 0) -> int:
+    def total(self, peak: int, tokens: int, reserve: int = 0, attention: int = 0) -> int:
         """The whole overhead in bytes (see `terms`)."""
-        return sum(self.terms(peak, tokens, reserve).values())
+        return sum(self.terms(peak, tokens, reserve, attention).values())
 
-    def as_json(self, peak: int, tokens: int, reserve: int = 0) -> dict[str, Any]:
+    def as_json(
+        self, peak: int, tokens: int, reserve: int = 0, attention: int = 0
+    ) -> dict[str, Any]:
         """{"device_overhead_mib", "device_overhead_breakdown_mib"} for a plan's JSON."""
-        terms = self.terms(peak, tokens, reserve)
+        terms = self.terms(peak, tokens, reserve, attention)
         return {
             "device_overhead_mib": round(sum(terms.values()) / MiB, 1),
             "device_overhead_breakdown_mib": {k: round(v / MiB, 1) for k, v in terms.items()},
         }
 
 
-def device_overhead(
-    config: Any,
-    device_type: str,
-    *,
-    itemsize: int = 2,
-    sequence_parallel_size: int = 1,
-    by_heads: bool = False,
-    expandable_segments: bool = True,
-) -> DeviceOverhead:
-    """The overhead of a training process for the model `config` on `device_type`.
-
-    Args:
-        config: a transformers config (its text config's attention heads and head size).
-        device_type: "cuda" (any accelerator is planned as a CUDA GPU) or "cpu".
-        itemsize: bytes per element of the model's dtype (2: bf16).
-        sequence_parallel_size: Ulysses' P.
-        by_heads: the attention core runs by head groups (tiled decoder layers).
-        expandable_segments: the caching allocator runs with `expandable_segments:True` (what
-            tiledmlp's own entry points set unless PYTORCH_CUDA_ALLOC_CONF is set); the
-            replayed reserve the caller passes to `terms` is that setting's (estimate_step).
-
-    Returns:
-        A DeviceOverhead; all zero on the CPU.
-    """
+def device_overhead(device_type: str) -> DeviceOverhead:
+    """The overhead of a training process on `device_type`: "cuda" (any accelerator is
+    planned as a CUDA GPU) or "cpu" (all zero). The allocator's reserve and the attention
+    buffers' share are the step's own (StepEstimate.reserve, .attention), simulated under the
+    allocator setting and on the device type the step is planned for (estimate_step)."""
     if device_type == "cpu":
         return DeviceOverhead(fixed={"outside_allocator": 0, "cublas_workspace": 0},
-                              attention=None)  # fmt: skip
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    heads = int(text.num_attention_heads)
-    kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
-    head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // heads)
-    kernel = AttentionKernel(heads, kv_heads, head_dim, itemsize, sequence_parallel_size, by_heads)
+                              buffers=None)  # fmt: skip
     return DeviceOverhead(
         fixed={"outside_allocator": _OUTSIDE_ALLOCATOR, "cublas_workspace": _CUBLAS},
-        attention=kernel,
+        buffers=AttentionBuffers(),
         replayed=True,
     )

@@ -20,7 +20,7 @@ from tiledmlp.config.stacks import STACKS, stack_option
 from tiledmlp.plan.apply_stack import build_model, decoder_layers_of
 from tiledmlp.plan.engines import ParamCounts, check_engine, engine_memory
 from tiledmlp.plan.fake_step import simulate
-from tiledmlp.plan.segments import SHORT, StepEstimate, extrapolate, larger
+from tiledmlp.plan.segments import SHORT, Segments, StepEstimate, extrapolate, larger
 
 __all__ = ["OPTIMIZERS", "estimate_step", "param_counts"]
 
@@ -103,6 +103,7 @@ def estimate_step(
         {**est.breakdown, **breakdown},
         est.checkpointing,
         est.reserve,  # the engine's own buffers are not replayed through the allocator
+        est.attention,
     )
 
 
@@ -114,11 +115,9 @@ def _simulated(run: Any, depth: int, exact: bool) -> StepEstimate:
     short, longer = run(SHORT), run(SHORT + 1)
     if longer.middle.peak > max(longer.head.peak, longer.tail.peak):
         return larger(run(depth))  # layers unlike each other: no shortcut
-    est = max(
-        extrapolate(short.head, longer.head, depth),
-        extrapolate(short.tail, longer.tail, depth),
-        key=lambda e: e.peak,
-    )
+    head = extrapolate(short.head, longer.head, depth)
+    tail = extrapolate(short.tail, longer.tail, depth)
+    est = larger(Segments(head, head, tail))
     # the allocator's reserve does not follow a line in the depth; with expandable segments it
     # is that of one layer's backward and the loss, replayed at both depths: the larger stands
     reserve = max(short.head.reserve, longer.head.reserve)

@@ -20,10 +20,10 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from tiledmlp.ops.tiling.policy import assume_device
-from tiledmlp.patching.offloading import enable_checkpointing
+from tiledmlp.patching.offloading import enable_checkpointing, offloader_of
 from tiledmlp.plan.apply_stack import apply_stack, build_model, decoder_layers_of
 from tiledmlp.plan.caching_allocator import reserve_beyond_peak
-from tiledmlp.plan.device_overhead import CUBLAS_WORKSPACES
+from tiledmlp.plan.device_overhead import CUBLAS_WORKSPACES, device_overhead
 from tiledmlp.plan.exchange import register_exchanged
 from tiledmlp.plan.periodic_tiles import PeriodicTiles, replayed_reserve
 from tiledmlp.plan.phase_tracker import PhaseTracker
@@ -94,7 +94,15 @@ def simulate(
         if sequence_parallel_size > 1:
             register_exchanged(sequence_parallel_size, model)
         ids = torch.zeros(1, seq_len, dtype=torch.long)
-        tracker = PhaseTracker([*model.parameters(), *model.buffers(), *step.states, ids])
+        # on a GPU, the attention backward's own buffers at their calls (device_overhead.py)
+        tracker = PhaseTracker(
+            [*model.parameters(), *model.buffers(), *step.states, ids],
+            device_overhead(device_type).buffers,
+        )
+        offloader = offloader_of(model)
+        if offloader is not None and device_type != "cpu":
+            # the offloader's side-stream copies hold their blocks (phase_tracker.py)
+            offloader.side_stream_use = tracker.defer
         grads: set[int | None] = set()
         if sharded:  # the engine takes each gradient into its partition once accumulated
             for p in step.params:
@@ -128,11 +136,10 @@ def simulate(
             reserve = reserve_beyond_peak(
                 [*before, *workspaces], tracker.trace, expandable=expandable_segments
             )
+        seen = (grads, checkpoint_inputs, checkpointing)
         parts = [
-            _categorise(
-                tracker, peak, at_peak, fixed, grads, checkpoint_inputs, checkpointing, reserve
-            )
-            for peak, at_peak in tracker.segments
+            _categorise(tracker, peak, at_peak, fixed, *seen, reserve, with_buffers - peak)
+            for (peak, at_peak), with_buffers in zip(tracker.segments, tracker.buffer_peaks)
         ]
         return Segments(*parts) if len(parts) == 3 else Segments(parts[0], parts[0], parts[0])
 
@@ -202,6 +209,7 @@ def _categorise(
     checkpoint_inputs: set[int | None],
     checkpointing: bool,
     reserve: int = 0,
+    attention: int = 0,
 ) -> StepEstimate:
     """One segment's peak with what was alive at it sorted into CATEGORIES (module docstring);
     `fixed` holds what existed before the step ("weights", "optimizer")."""
@@ -218,7 +226,7 @@ def _categorise(
         else:
             what = {"loss": "loss", "backward": "recompute", "optimizer": "optimizer"}[phase]
         breakdown[what] += nbytes
-    return StepEstimate(sum(fixed.values()) + peak, breakdown, checkpointing, reserve)
+    return StepEstimate(sum(fixed.values()) + peak, breakdown, checkpointing, reserve, attention)
 
 
 def _without_mask(

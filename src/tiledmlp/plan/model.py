@@ -220,25 +220,20 @@ def _plan_stack(
     known = {} if known is None else known
     local = seq_len // p
     per_token = _all_to_all_bytes_per_token(config, p, options["dtype"])
-    overhead = device_overhead(
-        config,
-        options["device_type"],
-        itemsize=options["dtype"].itemsize,
-        sequence_parallel_size=p,
-        by_heads=stack_option(stack, "tiled_layers"),
-        expandable_segments=expandable_segments,
-    )
+    overhead = device_overhead(options["device_type"])
     est = estimate_step(config, seq_len=local, stack=stack, **options)
     known[local] = est.peak  # the search starts here: not simulated twice
-    reserves = {local: est.reserve}
+    # what the device holds beyond the tensors' peak: the attention buffers' share, the reserve
+    reserves = {local: est.reserve + est.attention}
     if p > 1:
         extra = int(per_token * local)
         est = StepEstimate(
             est.peak + extra, {**est.breakdown, "all_to_all": extra}, est.checkpointing,
-            est.reserve,
+            est.reserve, est.attention,
         )  # fmt: skip
-    entry = {**est.as_json(), **overhead.as_json(est.peak, local, est.reserve)}
-    entry["per_gpu_mib"] = round((est.peak + overhead.total(est.peak, local, est.reserve)) / MiB, 1)
+    beyond = (est.peak, local, est.reserve, est.attention)
+    entry = {**est.as_json(), **overhead.as_json(*beyond)}
+    entry["per_gpu_mib"] = round((est.peak + overhead.total(*beyond)) / MiB, 1)
     keys = ("dtype", "optimizer", "engine", "world", "offload_params")
     host = host_breakdown(config, seq_len=local, stack=stack, **{k: options[k] for k in keys})
     entry["host_peak_mib"] = entry["host_per_gpu_mib"] = round(sum(host.values()) / MiB, 1)

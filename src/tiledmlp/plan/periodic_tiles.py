@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from tiledmlp.ops.tiling.tiles import TilePlan
-from tiledmlp.plan.caching_allocator import FREE, CachingAllocator
+from tiledmlp.plan.caching_allocator import FREE, HOLD, CachingAllocator
 from tiledmlp.plan.phase_tracker import PhaseTracker
 
 __all__ = ["PeriodicTiles", "Repeat", "cut_peak_bytes", "replayed_reserve", "whole_trace"]
@@ -127,11 +127,13 @@ class PeriodicTiles:
         """The tile's events since `begin`, comparable between tiles: (bytes, phase) per new
         storage, (FREE, serial relative to the tile's first new storage, bytes) per release,
         with the live bytes at its start; None for a tile that is not a period (it changed the
-        live bytes, closed a segment, or created no storage)."""
+        live bytes, closed a segment, created no storage, or held a block for another stream)."""
         t = self.tracker
         trace_at, live, segments, first = begin
         if t.live != live or len(t.segments) != segments or len(t.phase_of) == first:
             return None
+        if any(nbytes == HOLD for _, nbytes in t.trace[trace_at:]):
+            return None  # a block held for another stream: not repeated
         events = tuple(
             (FREE, serial - first, t.bytes_of[serial])
             if nbytes == FREE
@@ -182,6 +184,8 @@ def replayed_reserve(
         key, nbytes = event
         if nbytes == FREE:
             alloc.free(key)
+        elif nbytes == HOLD:
+            alloc.hold(key)
         else:
             alloc.malloc(key, nbytes)
 

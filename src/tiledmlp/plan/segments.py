@@ -8,6 +8,7 @@ give any depth's (extrapolate).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,14 +21,17 @@ CATEGORIES = ("weights", "grads", "optimizer", "checkpoints", "activations", "lo
 
 @dataclass(frozen=True)
 class StepEstimate:
-    """One stack's peak device bytes and what was alive at the peak, by category; `reserve`:
-    what PyTorch's CUDA caching allocator without expandable segments holds beyond the peak
-    over the whole step (plan/caching_allocator.py); 0 in an extrapolated estimate."""
+    """One stack's peak device bytes (tensors) and what was alive at the peak, by category;
+    `reserve`: what PyTorch's CUDA caching allocator holds beyond the step's allocated peak
+    (tensors and kernel buffers) over the whole step (plan/caching_allocator.py);
+    `attention`: what the attention backward's own buffers add to the tensors' peak at their
+    moment (plan/device_overhead.py, Note [Attention backward buffers]); both 0 on the CPU."""
 
     peak: int
     breakdown: dict[str, int]
     checkpointing: bool
     reserve: int = 0
+    attention: int = 0
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -50,11 +54,17 @@ class Segments:
 
 
 def larger(s: Segments) -> StepEstimate:
-    return max((s.head, s.middle, s.tail), key=lambda e: e.peak)
+    """The segment with the largest tensor peak, its `attention` raised to what the buffers
+    add to it at the segments' largest peak with them."""
+    parts = (s.head, s.middle, s.tail)
+    top = max(parts, key=lambda e: e.peak)
+    with_buffers = max(e.peak + e.attention for e in parts)
+    return dataclasses.replace(top, attention=with_buffers - top.peak)
 
 
 def extrapolate(short: StepEstimate, longer: StepEstimate, depth: int) -> StepEstimate:
-    """From SHORT and SHORT + 1 layers to `depth`, along the line through the two."""
+    """From SHORT and SHORT + 1 layers to `depth`, along the line through the two (the peak
+    with the attention buffers too: both moments hold one more layer's state per layer)."""
 
     def line(a: int, b: int) -> int:
         return a + (depth - SHORT) * (b - a)
@@ -63,4 +73,6 @@ def extrapolate(short: StepEstimate, longer: StepEstimate, depth: int) -> StepEs
     # no reserve: the allocator's does not follow a line in the depth (which blocks a later
     # request finds free depends on every size before it); plan_model simulates every layer
     # where it counts the reserve
-    return StepEstimate(line(short.peak, longer.peak), breakdown, short.checkpointing)
+    peak = line(short.peak, longer.peak)
+    with_buffers = line(short.peak + short.attention, longer.peak + longer.attention)
+    return StepEstimate(peak, breakdown, short.checkpointing, 0, max(0, with_buffers - peak))

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -150,6 +150,9 @@ class ActivationOffloader:
         self._session = _Session(step=0)
         self._stream: Any = None
         self._hidden: torch.Tensor | None = None
+        #: called with each device tensor a copy on the side stream reads or writes (on CUDA the
+        #: tensors given to record_stream), on every device: the planner's view of those blocks
+        self.side_stream_use: Callable[[torch.Tensor], None] | None = None
         #: the largest step (in tokens) whose host memory was checked (patching/offloading.py)
         self.host_checked_tokens = 0
 
@@ -218,6 +221,8 @@ class ActivationOffloader:
         if t is None:
             return
         stream = self._side_stream(t.device)
+        if self.side_stream_use is not None:
+            self.side_stream_use(t)
         host = self.pool.take(t.shape, t.dtype, pin=stream is not None)
         if stream is None:
             host.copy_(t)
@@ -239,6 +244,8 @@ class ActivationOffloader:
         stream = self._side_stream(device)
         if stream is None:
             entry.device_copy = host.to(device, copy=True)
+            if self.side_stream_use is not None:
+                self.side_stream_use(entry.device_copy)
             return
         copy = torch.empty(host.shape, dtype=host.dtype, device=device)
         stream.wait_stream(torch.cuda.current_stream(device))  # `copy`'s memory is free to write
@@ -248,6 +255,8 @@ class ActivationOffloader:
             entry.ready.record(stream)
         copy.record_stream(stream)
         entry.device_copy = copy
+        if self.side_stream_use is not None:
+            self.side_stream_use(copy)
 
     def _prefetch(self, entry: _Saved) -> None:
         self._copy_back(entry)
