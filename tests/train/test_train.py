@@ -44,6 +44,13 @@ def summary(*args: str, env: dict[str, str] | None = None) -> dict:
     return json.loads(res.stdout)  # stdout is the JSON object and nothing else
 
 
+@pytest.fixture(scope="module")
+def single_process_batch_2() -> dict:
+    """One process, batch 2 (what 2 processes of batch 1 or 2 accumulated micro-batches of 1
+    see)."""
+    return summary("--seq-len", "128", "--max-steps", "3", "--batch-size", "2")
+
+
 @pytest.mark.slow
 def test_default_run_learns_saves_and_the_output_dir_is_a_model(tmp_path: Path) -> None:
     out = tmp_path / "model"
@@ -68,11 +75,26 @@ def test_default_run_learns_saves_and_the_output_dir_is_a_model(tmp_path: Path) 
     assert again["first_loss"] < s["first_loss"] - 1.0  # it starts from the trained weights
 
 
-@pytest.mark.slow
-def test_resume_equals_uninterrupted(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def planned_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
+    """One uninterrupted run of 4 steps of 128 tokens with a checkpoint after every step: its
+    summary and output directory (each test resumes from its own copy of it)."""
+    out = tmp_path_factory.mktemp("planned") / "run"
+    s = summary("--seq-len", "128", "--max-steps", "4", "--save-steps", "1",
+                "--output-dir", str(out))  # fmt: skip
+    return s, out
+
+
+def _copy_of(run: Path, tmp_path: Path) -> Path:
     out = tmp_path / "run"
+    shutil.copytree(run, out)
+    return out
+
+
+@pytest.mark.slow
+def test_resume_equals_uninterrupted(planned_run: tuple[dict, Path], tmp_path: Path) -> None:
+    full, out = planned_run[0], _copy_of(planned_run[1], tmp_path)
     args = ("--seq-len", "128", "--max-steps", "4", "--output-dir", str(out))
-    full = summary(*args, "--save-steps", "2")
     assert (out / "checkpoint-2" / "optimizer.pt").is_file()
     resumed = summary(*args, "--resume-from-checkpoint", str(out / "checkpoint-2"))
     assert resumed["resumed_from_step"] == 2 and resumed["global_step"] == 4
@@ -92,10 +114,11 @@ def test_resume_equals_uninterrupted(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_resume_stopping_early_equals_the_planned_run(tmp_path: Path) -> None:
-    out = tmp_path / "run"
+def test_resume_stopping_early_equals_the_planned_run(
+    planned_run: tuple[dict, Path], tmp_path: Path
+) -> None:
+    full, out = planned_run[0], _copy_of(planned_run[1], tmp_path)
     args = ("--seq-len", "128", "--output-dir", str(out))
-    full = summary(*args, "--max-steps", "4", "--save-steps", "1")
     early = summary(
         *args, "--max-steps", "3", "--resume-from-checkpoint", str(out / "checkpoint-1")
     )
@@ -115,11 +138,11 @@ def test_the_small_preset_learns_at_its_default_learning_rate() -> None:
 
 
 @pytest.mark.slow
-def test_gradient_accumulation_equals_the_bigger_batch() -> None:
+def test_gradient_accumulation_equals_the_bigger_batch(single_process_batch_2: dict) -> None:
+    # single_process_batch_2: --seq-len 128 --max-steps 3 --batch-size 2
     args = ("--seq-len", "128", "--max-steps", "3")
-    big = summary(*args, "--batch-size", "2")
     accumulated = summary(*args, "--batch-size", "1", "--gradient-accumulation-steps", "2")
-    assert accumulated["losses"] == pytest.approx(big["losses"], rel=1e-5)
+    assert accumulated["losses"] == pytest.approx(single_process_batch_2["losses"], rel=1e-5)
 
 
 @pytest.mark.slow
@@ -346,11 +369,6 @@ def test_bad_input_is_one_line(
 def test_bad_input_is_one_line_in_a_fresh_process(tmp_path: Path) -> None:
     res = train(*_bad_args(["--data", "TMP/bad.jsonl"], tmp_path))
     _assert_one_error_line(res.returncode, res.stderr, "bad.jsonl:2 is not valid JSON")
-
-
-@pytest.fixture(scope="module")
-def single_process_batch_2() -> dict:
-    return summary("--seq-len", "128", "--max-steps", "3", "--batch-size", "2")
 
 
 @pytest.mark.distributed
