@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -61,6 +62,10 @@ def test_smoke_suite_writes_every_part(tmp_path: Path) -> None:
         capture_output=True,
         text=True,
         timeout=900,
+        # One thread per process: the planner runs in the background beside the whole steps,
+        # and two processes of 2 OpenMP threads each on a 2-core CI machine spend their time
+        # waiting on each other's threads. What runs and what is recorded stay the same.
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     records = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
