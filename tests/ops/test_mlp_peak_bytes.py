@@ -274,3 +274,26 @@ def test_row_wise_activation_keeps_whole_rows() -> None:
     for name, got, want in pairs:
         err = ((got.double() - want.double()).norm() / want.double().norm()).item()
         assert err < 2e-2, f"{name}: relative error {err:.2e}"
+
+
+def test_an_assumed_accelerator_answers_for_the_accelerator(monkeypatch) -> None:
+    """Inside assume_device("cuda") a CPU tensor stands for a GPU's (the planner): the answer is
+    the GPU's (this torch has CUDA's float32-output GEMM overloads), not this CPU's probe; an
+    assumed CPU, or no assumption, probes the CPU."""
+    from tiledmlp.ops.tiling.assumed import assume_device
+
+    monkeypatch.setattr(grads, "_EPILOGUE", {})
+    cpu = grads.fp32_epilogue(torch.device("cpu"), BF16)
+    has = (
+        "dtype_out" in torch.ops.aten.addmm.overloads() and "dtype" in torch.ops.aten.mm.overloads()
+    )
+    with assume_device("cuda"):
+        assert grads.fp32_epilogue(torch.device("cpu"), BF16) is (
+            has
+            if not torch.cuda.is_available()
+            else grads.fp32_epilogue(torch.device("cuda"), BF16)
+        )
+        assert grads.fp32_epilogue(torch.device("cpu"), torch.float32) is False
+        with assume_device("cpu"):
+            assert grads.fp32_epilogue(torch.device("cpu"), BF16) is cpu
+    assert grads.fp32_epilogue(torch.device("cpu"), BF16) is cpu

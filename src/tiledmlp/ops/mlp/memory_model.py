@@ -9,13 +9,12 @@ free memory, so every rank with the same inputs gets the same answer.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 
 from tiledmlp.ops.mlp.structure import MLPKind, MLPStructure
+from tiledmlp.ops.tiling.assumed import assume_device, assumed_type
 from tiledmlp.ops.tiling.grads import fp32_epilogue
 
 __all__ = [
@@ -31,18 +30,6 @@ GENERIC_WIDTH = 4  # intermediate / hidden assumed for "target:<GB>" without a m
 ACCELERATOR_MIN_TILE_TOKENS = 8192
 ACCELERATOR_MAX_TILE_BYTES = 2 * 2**30
 ACCELERATOR_SAVING = 0.9
-_ASSUMED: list[str] = []  # device types set by assume_device, innermost last
-
-
-@contextlib.contextmanager
-def assume_device(device_type: str) -> Iterator[None]:
-    """Within the block, "auto" resolves as on `device_type` whatever device the tensors are on
-    (the planner estimates a GPU's step on fake CPU tensors)."""
-    _ASSUMED.append(device_type)
-    try:
-        yield
-    finally:
-        _ASSUMED.pop()
 
 
 @dataclass(frozen=True)
@@ -108,8 +95,9 @@ class MemoryModel:
     @property
     def on_accelerator(self) -> bool:
         """Whether the "auto" rule is the accelerator's (module docstring)."""
-        if _ASSUMED:
-            return _ASSUMED[-1] != "cpu"
+        assumed = assumed_type()
+        if assumed is not None:
+            return assumed != "cpu"
         params = self._params()
         return bool(params) and params[0].device.type not in ("cpu", "meta")
 

@@ -7,7 +7,8 @@ the backend supports a float32 output for low-precision GEMM inputs (CUDA:
 `torch.addmm(acc32, a, b, out_dtype=torch.float32, out=acc32)`), each tile's product is
 accumulated in float32 inside the GEMM (no rounding of the tile's product, no scratch buffer);
 elsewhere (the CPU) the tile's product is formed in the compute dtype in a shared scratch and
-added to the float32 buffer. Each accumulator is released as soon as its gradient is formed.
+added to the float32 buffer. The planner's fake CPU tensors stand for an accelerator's inside
+`assume_device` (ops/tiling/assumed.py): the answer is then the accelerator's. Each accumulator is released as soon as its gradient is formed.
 
 A caller that walks a weight in row blocks (`GradSlot.part`) adds each block's product into
 those rows of the one buffer; a slot built `transposed` stores the transpose of its parameter's
@@ -19,6 +20,8 @@ from __future__ import annotations
 
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
+
+from tiledmlp.ops.tiling.assumed import assumed_type
 
 __all__ = ["GradPart", "GradSlot", "Scratch", "fp32_epilogue"]
 
@@ -36,6 +39,9 @@ def fp32_epilogue(device: torch.device, dtype: torch.dtype) -> bool:
     FakeTensorMode (the planner), it answers for the device itself, as an eager call would, and
     no fake or meta kernel sees it (nor do FLOP counters or memory trackers).
     """
+    assumed = assumed_type()
+    if assumed is not None and assumed != "cpu" and device.type == "cpu":
+        return _accelerator_epilogue(dtype)
     key = (device.type, dtype)
     known = _EPILOGUE.get(key)
     if known is not None:
@@ -46,6 +52,21 @@ def fp32_epilogue(device: torch.device, dtype: torch.dtype) -> bool:
             ok = _probe(device, dtype)
     _EPILOGUE[key] = ok
     return ok
+
+
+def _accelerator_epilogue(dtype: torch.dtype) -> bool:
+    """fp32_epilogue for an assumed accelerator (a planned GPU step on fake CPU tensors): a
+    visible CUDA device is probed; otherwise the answer is whether this torch has the float32-
+    output overloads (`aten::mm.dtype`, `aten::addmm.dtype_out`), which CUDA implements for
+    half and bfloat16 inputs (an H200 step under torch 2.11 holds no scratch:
+    benchmarks/results/gpu/2026-11-26T0339-h200/plan-measure-steps.jsonl)."""
+    if dtype not in (torch.bfloat16, torch.float16):
+        return False
+    if torch.cuda.is_available():
+        return fp32_epilogue(torch.device("cuda"), dtype)
+    return (
+        "dtype" in torch.ops.aten.mm.overloads() and "dtype_out" in torch.ops.aten.addmm.overloads()
+    )
 
 
 def _probe(device: torch.device, dtype: torch.dtype) -> bool:
