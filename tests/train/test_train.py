@@ -1,5 +1,6 @@
-"""`tiledmlp train`, run as a user runs it (subprocess): the loss goes down, tiling changes the
-memory and not the losses, the model is saved with unchanged keys, bad input is one line."""
+"""`tiledmlp train`, run as a user runs it (subprocess; a command refused before any work through
+main() in this process): the loss goes down, tiling changes the memory and not the losses, the
+model is saved with unchanged keys, bad input is one line."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -42,6 +44,29 @@ def summary(*args: str, env: dict[str, str] | None = None) -> dict:
     res = train(*args, "--json", env=env)
     assert res.returncode == 0, res.stderr[-3000:]
     return json.loads(res.stdout)  # stdout is the JSON object and nothing else
+
+
+@pytest.fixture
+def train_here(
+    monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> Callable[..., tuple[int, str]]:
+    """`tiledmlp train ARGS` through main() in this process: (exit status, stderr). For
+    commands refused before any work (a fresh process would only repeat the imports); stderr
+    is read at the file descriptor, and a raised exception fails the test."""
+    from tiledmlp.allocator import _CHOSEN_BY, ALLOC_CONF_ENV
+    from tiledmlp.cli import main
+
+    for name in (ALLOC_CONF_ENV, _CHOSEN_BY):  # main() sets them; restored after the test
+        monkeypatch.setenv(name, os.environ.get(name, ""))
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):  # no launcher
+        monkeypatch.delenv(name, raising=False)
+
+    def run(*args: str) -> tuple[int, str]:
+        capfd.readouterr()
+        rc = main(["train", *args])
+        return rc, capfd.readouterr().err
+
+    return run
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +117,9 @@ def _copy_of(run: Path, tmp_path: Path) -> Path:
 
 
 @pytest.mark.slow
-def test_resume_equals_uninterrupted(planned_run: tuple[dict, Path], tmp_path: Path) -> None:
+def test_resume_equals_uninterrupted(
+    planned_run: tuple[dict, Path], tmp_path: Path, train_here: Callable[..., tuple[int, str]]
+) -> None:
     full, out = planned_run[0], _copy_of(planned_run[1], tmp_path)
     args = ("--seq-len", "128", "--max-steps", "4", "--output-dir", str(out))
     assert (out / "checkpoint-2" / "optimizer.pt").is_file()
@@ -107,10 +134,11 @@ def test_resume_equals_uninterrupted(planned_run: tuple[dict, Path], tmp_path: P
     assert "saved to" in shorter.stdout and "Writing model shards" not in shorter.stderr
     assert "\x1b[A" not in shorter.stderr  # no other progress bar fighting ours
     # More steps than planned: the schedule ended at step 4; refused before any work.
-    longer = train(*args[:2], "--max-steps", "6", *args[4:], "--resume-from-checkpoint", "latest")
-    assert longer.returncode == 2, longer.stderr
-    assert "planned for --max-steps 4, this one asks for 6" in longer.stderr
-    assert "loading" not in longer.stderr and "Traceback" not in longer.stderr
+    rc, stderr = train_here(*args[:2], "--max-steps", "6", *args[4:],
+                            "--resume-from-checkpoint", "latest")  # fmt: skip
+    assert rc == 2, stderr
+    assert "planned for --max-steps 4, this one asks for 6" in stderr
+    assert "loading" not in stderr and "Traceback" not in stderr
 
 
 @pytest.mark.slow
@@ -204,14 +232,14 @@ def test_ctrl_c_saves_a_checkpoint_and_exits_cleanly(tmp_path: Path) -> None:
 
 
 # Runs `tiledmlp train` with the process killed (SIGKILL, as the OOM killer or a preempted node
-# does) in the middle of saving checkpoint-4: after the model and optimizer, before the RNG
+# does) in the middle of saving checkpoint-3: after the model and optimizer, before the RNG
 # states and the trainer state.
 KILLED_DURING_SAVE = """
 import os, signal, sys
 import transformers
 original = transformers.Trainer._save_rng_state
 def killed(self, output_dir):
-    if self.state.global_step == 4:
+    if self.state.global_step == 3:
         os.kill(os.getpid(), signal.SIGKILL)
     return original(self, output_dir)
 transformers.Trainer._save_rng_state = killed
@@ -221,33 +249,35 @@ sys.exit(main(sys.argv[1:]))
 
 
 @pytest.mark.slow
-def test_a_kill_during_a_save_resumes_from_the_last_complete_checkpoint(tmp_path: Path) -> None:
-    args = ("--seq-len", "64", "--max-steps", "6", "--save-steps", "2")
-    full = summary(*args, "--output-dir", str(tmp_path / "full"))
+def test_a_kill_during_a_save_resumes_from_the_last_complete_checkpoint(
+    planned_run: tuple[dict, Path], tmp_path: Path
+) -> None:
+    args = ("--seq-len", "128", "--max-steps", "4", "--save-steps", "1")  # the planned run's
+    full = planned_run[0]
     out = tmp_path / "run"
     killed = subprocess.run(
         [sys.executable, "-c", KILLED_DURING_SAVE, "train", *args, "--output-dir", str(out)],
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
-    # checkpoint-4 was never published; checkpoint-2 is whole
-    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2"]
+    # checkpoint-3 was never published; checkpoint-2 is whole
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-2"]
     assert (out / "checkpoint-2" / "trainer_state.json").is_file()
     res = train(*args, "--output-dir", str(out), "--resume-from-checkpoint", "latest", "--json")
     assert res.returncode == 0, res.stderr[-3000:]
     notes = [line for line in res.stderr.splitlines() if "skipping" in line]
-    assert len(notes) == 1 and "checkpoint-4: its save did not finish" in notes[0], res.stderr
+    assert len(notes) == 1 and "checkpoint-3: its save did not finish" in notes[0], res.stderr
     resumed = json.loads(res.stdout.strip().splitlines()[-1])
-    assert resumed["resumed_from_step"] == 2 and resumed["global_step"] == 6
+    assert resumed["resumed_from_step"] == 2 and resumed["global_step"] == 4
     assert resumed["losses"] == pytest.approx(full["losses"][2:], rel=0, abs=1e-6)
     assert not (out / ".incomplete").exists()  # the unfinished save was cleared
     # A checkpoint of an older, non-atomic save (no trainer_state.json) is skipped by `latest`
     # with a note; a damaged file is named, in one line.
-    shutil.copytree(out / "checkpoint-6", out / "checkpoint-8")
+    shutil.copytree(out / "checkpoint-4", out / "checkpoint-8")
     (out / "checkpoint-8" / "trainer_state.json").unlink()
-    optimizer = out / "checkpoint-6" / "optimizer.pt"
+    optimizer = out / "checkpoint-4" / "optimizer.pt"
     optimizer.write_bytes(optimizer.read_bytes()[:1000])
-    for spec in ("latest", str(out / "checkpoint-6")):
+    for spec in ("latest", str(out / "checkpoint-4")):
         bad = train(*args, "--output-dir", str(out), "--resume-from-checkpoint", spec)
         assert bad.returncode == 2 and "Traceback" not in bad.stderr, bad.stderr[-3000:]
         last = bad.stderr.strip().splitlines()[-1]
@@ -344,24 +374,14 @@ def test_bad_input_is_one_line(
     args: list[str],
     message: str,
     tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
-    capfd: pytest.CaptureFixture[str],
+    train_here: Callable[..., tuple[int, str]],
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    # The command's main() in this process (the checks run before any training, so a fresh
-    # process per case would only repeat the imports; the next test runs one case as a user
-    # does). What a fresh process would print is all here: stderr at the file descriptor, and
-    # the log records its WARNING-level handler would show; a raised exception fails the test.
-    from tiledmlp.allocator import _CHOSEN_BY, ALLOC_CONF_ENV
-    from tiledmlp.cli import main
-
-    for name in (ALLOC_CONF_ENV, _CHOSEN_BY):  # main() sets them; restored after the test
-        monkeypatch.setenv(name, os.environ.get(name, ""))
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):  # no launcher
-        monkeypatch.delenv(name, raising=False)
-    rc = main(["train", *_bad_args(args, tmp_path)])
+    # In this process (the next test runs one case as a user does). What a fresh process would
+    # print is all here: stderr, and the log records its WARNING-level handler would show.
+    rc, stderr = train_here(*_bad_args(args, tmp_path))
+    _assert_one_error_line(rc, stderr, message)
     logged = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
-    _assert_one_error_line(rc, capfd.readouterr().err, message)
     assert not [m for m in logged if "error" in m.lower()], logged
 
 
@@ -469,7 +489,9 @@ def test_a_rank_that_leaves_mid_run_is_named_and_nothing_hangs(tmp_path: Path) -
 
 
 @pytest.mark.slow
-def test_a_resume_continues_the_runs_settings_and_says_or_refuses_a_change(tmp_path: Path) -> None:
+def test_a_resume_continues_the_runs_settings_and_says_or_refuses_a_change(
+    tmp_path: Path, train_here: Callable[..., tuple[int, str]]
+) -> None:
     out = tmp_path / "run"
     settings = ("--learning-rate", "1e-3", "--lr-scheduler-type", "cosine",
                 "--gradient-accumulation-steps", "2", "--seq-len", "32")  # fmt: skip
@@ -483,18 +505,19 @@ def test_a_resume_continues_the_runs_settings_and_says_or_refuses_a_change(tmp_p
     assert again["max_steps"] == 3 and again["resumed_from_step"] == 1
     assert again["losses"] == pytest.approx(first["losses"][1:], rel=0, abs=1e-6)
     # An option that changes the run is refused in one line, before any work.
-    refused = train("--resume-from-checkpoint", str(checkpoint), "--lr-scheduler-type", "linear")
-    assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr
+    rc, refused = train_here("--resume-from-checkpoint", str(checkpoint),
+                             "--lr-scheduler-type", "linear")  # fmt: skip
+    assert rc == 2 and "Traceback" not in refused, refused
     assert (
-        refused.stderr.strip()
+        refused.strip()
         .splitlines()[-1]
         .endswith(
             f"the run used --lr-scheduler-type cosine, this command gives linear; a resume continues "
             f"the same run: drop --lr-scheduler-type, or start a new run from the saved model with "
             f"--model {checkpoint}"
         )
-    ), refused.stderr
-    assert "loading" not in refused.stderr
+    ), refused
+    assert "loading" not in refused
     # One that changes only memory and speed is applied and said; a shorter --max-steps too.
     res = train("--resume-from-checkpoint", str(checkpoint), "--num-tiles", "2",
                 "--max-steps", "2", "--json")  # fmt: skip
