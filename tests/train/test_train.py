@@ -76,6 +76,14 @@ def single_process_batch_2() -> dict:
     return summary("--seq-len", "128", "--max-steps", "3", "--batch-size", "2")
 
 
+@pytest.fixture(scope="module")
+def single_process_accumulated() -> dict:
+    """One process, 2 accumulated micro-batches of 1 (the same steps as batch 2), evaluated at
+    its last step (the evaluation sequences are held out after the training ones)."""
+    return summary("--seq-len", "128", "--max-steps", "3", "--batch-size", "1",
+                   "--gradient-accumulation-steps", "2", "--eval-steps", "3")  # fmt: skip
+
+
 @pytest.mark.slow
 def test_default_run_learns_saves_and_the_output_dir_is_a_model(tmp_path: Path) -> None:
     out = tmp_path / "model"
@@ -166,11 +174,17 @@ def test_the_small_preset_learns_at_its_default_learning_rate() -> None:
 
 
 @pytest.mark.slow
-def test_gradient_accumulation_equals_the_bigger_batch(single_process_batch_2: dict) -> None:
-    # single_process_batch_2: --seq-len 128 --max-steps 3 --batch-size 2
-    args = ("--seq-len", "128", "--max-steps", "3")
-    accumulated = summary(*args, "--batch-size", "1", "--gradient-accumulation-steps", "2")
-    assert accumulated["losses"] == pytest.approx(single_process_batch_2["losses"], rel=1e-5)
+def test_gradient_accumulation_equals_the_bigger_batch(
+    single_process_batch_2: dict, single_process_accumulated: dict
+) -> None:
+    # the same 3 steps of 128 tokens: batches of 2, and 2 accumulated micro-batches of 1
+    assert (
+        single_process_accumulated["batch_size"],
+        single_process_accumulated["gradient_accumulation_steps"],
+    ) == (1, 2)
+    assert single_process_accumulated["losses"] == pytest.approx(
+        single_process_batch_2["losses"], rel=1e-5
+    )
 
 
 @pytest.mark.slow
@@ -423,12 +437,14 @@ def test_under_torchrun_every_engine_matches_one_process(
 
 
 @pytest.mark.distributed
-def test_sequence_parallel_under_torchrun_matches_one_process(tmp_path: Path) -> None:
+def test_sequence_parallel_under_torchrun_matches_one_process(
+    single_process_accumulated: dict, tmp_path: Path
+) -> None:
     # Each sequence split over 2 ranks (Ulysses), ZeRO-3 over both through the Trainer: the
     # losses are those of one process on the whole sequences.
     pytest.importorskip("deepspeed")
     ga = ("--gradient-accumulation-steps", "2")  # micro-batch means averaged, as one process's
-    one = summary("--seq-len", "128", "--max-steps", "3", "--eval-steps", "3", *ga)
+    one = single_process_accumulated
     launcher = [*TORCHRUN, "--nproc_per_node", "2", "-m"]
     config = tmp_path / "ds.json"  # the example's ZeRO-3 config, batch sizes from the Trainer
     ds = json.loads((EXAMPLES / "ds_zero3.json").read_text())
