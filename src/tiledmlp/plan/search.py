@@ -46,7 +46,8 @@ def max_seq_len(
     `known_peaks` ({tokens: estimate_step(...).peak} for these options) holds estimates
     already made, and receives the search's: a length is never simulated twice (once more
     where `overhead` replays the allocator and only the length's peak is known);
-    `known_reserves` ({tokens: estimate_step(...).reserve}) does the same for the reserves.
+    `known_reserves` ({tokens: estimate_step(...).reserve + .attention}) does the same for what
+    the device holds beyond the tensors.
     """
     cache: dict[int, int] = {}
     tensors = {} if known_peaks is None else known_peaks
@@ -59,7 +60,8 @@ def max_seq_len(
             tokens = n * granularity
             if tokens not in tensors or (replayed and tokens not in reserves):
                 est = estimate_step(config, seq_len=tokens, stack=stack, **options)
-                tensors[tokens], reserves[tokens] = est.peak, est.reserve
+                # beyond the tensors: the attention buffers' share and the allocator's reserve
+                tensors[tokens], reserves[tokens] = est.peak, est.reserve + est.attention
             step = tensors[tokens] + int(extra_bytes_per_token * tokens) + extra_bytes
             if overhead is not None:
                 step += overhead.total(step, tokens, reserves.get(tokens, 0))
