@@ -1,9 +1,12 @@
-"""`tiledmlp train`, run as a user runs it (subprocess; a command refused before any work through
-main() in this process): the loss goes down, tiling changes the memory and not the losses, the
+"""`tiledmlp train`, run as a user runs it (a fresh process wherever the process matters: its
+memory, signals, kills, resumes, launchers; elsewhere main() in this process, the same run
+without the imports): the loss goes down, tiling changes the memory and not the losses, the
 model is saved with unchanged keys, bad input is one line."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import logging
 import os
@@ -46,6 +49,30 @@ def summary(*args: str, env: dict[str, str] | None = None) -> dict:
     return json.loads(res.stdout)  # stdout is the JSON object and nothing else
 
 
+def summary_here(*args: str) -> dict:
+    """`tiledmlp train ARGS --json` through main() in this process: the same run and losses as
+    a fresh process, without its imports. For runs whose assertions are about the run (losses,
+    tiles, options); process memory, signals and resumes keep `summary`. The environment and
+    the transformers log level are restored afterwards."""
+    from tiledmlp.cli import main
+
+    env = dict(os.environ)
+    level = logging.getLogger("transformers").level
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):  # no launcher
+        os.environ.pop(name, None)
+    out = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out):
+            rc = main(["train", *args, "--json"])
+    finally:
+        for name in set(os.environ) - set(env):
+            del os.environ[name]
+        os.environ.update(env)
+        logging.getLogger("transformers").setLevel(level)
+    assert rc == 0, f"tiledmlp train {' '.join(args)} exited {rc} (its stderr is above)"
+    return json.loads(out.getvalue())  # the JSON object and nothing else
+
+
 @pytest.fixture
 def train_here(
     monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
@@ -73,14 +100,14 @@ def train_here(
 def single_process_batch_2() -> dict:
     """One process, batch 2 (what 2 processes of batch 1 or 2 accumulated micro-batches of 1
     see)."""
-    return summary("--seq-len", "128", "--max-steps", "3", "--batch-size", "2")
+    return summary_here("--seq-len", "128", "--max-steps", "3", "--batch-size", "2")
 
 
 @pytest.fixture(scope="module")
 def single_process_accumulated() -> dict:
     """One process, 2 accumulated micro-batches of 1 (the same steps as batch 2), evaluated at
     its last step (the evaluation sequences are held out after the training ones)."""
-    return summary("--seq-len", "128", "--max-steps", "3", "--batch-size", "1",
+    return summary_here("--seq-len", "128", "--max-steps", "3", "--batch-size", "1",
                    "--gradient-accumulation-steps", "2", "--eval-steps", "3")  # fmt: skip
 
 
@@ -113,7 +140,7 @@ def planned_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
     """One uninterrupted run of 4 steps of 128 tokens with a checkpoint after every step: its
     summary and output directory (each test resumes from its own copy of it)."""
     out = tmp_path_factory.mktemp("planned") / "run"
-    s = summary("--seq-len", "128", "--max-steps", "4", "--save-steps", "1",
+    s = summary_here("--seq-len", "128", "--max-steps", "4", "--save-steps", "1",
                 "--output-dir", str(out))  # fmt: skip
     return s, out
 
@@ -168,7 +195,7 @@ def test_resume_stopping_early_equals_the_planned_run(
 
 @pytest.mark.slow
 def test_the_small_preset_learns_at_its_default_learning_rate() -> None:
-    s = summary("--model", "small", "--seq-len", "256", "--max-steps", "6")
+    s = summary_here("--model", "small", "--seq-len", "256", "--max-steps", "6")
     assert s["learning_rate"] == pytest.approx(1e-3)  # 2e-3 x 256 / hidden 512
     assert s["last_loss"] < s["first_loss"] - 1.0
 
@@ -194,13 +221,13 @@ def test_config_file_with_other_frameworks_keys_and_flags_overriding_it(tmp_path
         "seq_len: 128\nmax_steps: 5\ntiled_mlp: true\ntiled_mlp_num_shards: 3\n"
         "learning_rate: 0.001\nlr_scheduler_type: cosine\nwarmup_steps: 1\neval_steps: 2\n"
     )
-    s = summary("--config", str(config), "--max_steps", "2", "--dtype", "bf16", "-v")
+    s = summary_here("--config", str(config), "--max_steps", "2", "--dtype", "bf16", "-v")
     assert s["steps"] == 2 and s["num_tiles"] == 3 and set(s["tiles_per_mlp"].values()) == {3}
     assert s["learning_rate"] == 0.001 and s["lr_scheduler_type"] == "cosine"
     assert s["dtype"] == "bfloat16" and s["eval_loss"] is not None
     swift = tmp_path / "swift.json"
     swift.write_text(json.dumps({"use_tiled_mlp": False, "seq_len": 64, "steps": 1}))
-    off = summary("--config", str(swift))
+    off = summary_here("--config", str(swift))
     assert not off["use_tiled_mlp"] and off["tiled_modules"] == []
 
 
@@ -208,12 +235,12 @@ def test_config_file_with_other_frameworks_keys_and_flags_overriding_it(tmp_path
 def test_other_frameworks_flags_and_local_jsonl(tmp_path: Path) -> None:
     data = tmp_path / "d.jsonl"
     data.write_text("\n".join(json.dumps({"text": "hello tiled world " * 40}) for _ in range(20)))
-    s = summary(
+    s = summary_here(
         "--data", str(data), "--seq-len", "128", "--steps", "2", "--use_tiled_mlp", "true",
         "--tiled_mlp_num_shards", "3",
     )  # fmt: skip
     assert s["num_tiles"] == 3 and set(s["tiles_per_mlp"].values()) == {3}
-    arctic = summary("--seq-len", "1024", "--steps", "1", "--tiled_mlp", "arctic")
+    arctic = summary_here("--seq-len", "1024", "--steps", "1", "--tiled_mlp", "arctic")
     assert set(arctic["tiles_per_mlp"].values()) == {4}  # ceil(1024 / hidden 256)
 
 
@@ -315,8 +342,8 @@ def test_tiling_keeps_the_losses_and_lowers_peak_memory() -> None:
 @pytest.mark.slow
 def test_activation_offloading_keeps_the_losses_exactly() -> None:
     args = ("--seq-len", "256", "--steps", "3", "--gradient-checkpointing")
-    plain = summary(*args)
-    offloaded = summary(*args, "--activation-offloading")
+    plain = summary_here(*args)
+    offloaded = summary_here(*args, "--activation-offloading")
     assert offloaded["losses"] == plain["losses"]  # bit-identical
     assert offloaded["activation_offloading"] and plain["offloaded_mib"] is None
     # tiny preset: 4 layers, hidden 256, fp32: 3 layer inputs of 256 x 256 x 4 B per step
