@@ -130,7 +130,7 @@ def test_default_run_learns_saves_and_the_output_dir_is_a_model(tmp_path: Path) 
     tok = transformers.AutoTokenizer.from_pretrained(out)
     assert tok("hé")["input_ids"] == [256, 104, 195, 169, 257]
     # the output directory trains again as --model (its own tokenizer, fine-tuning lr 2e-5)
-    again = summary("--model", str(out), "--seq-len", "512", "--max-steps", "1")
+    again = summary_here("--model", str(out), "--seq-len", "512", "--max-steps", "1")
     assert again["learning_rate"] == 2e-5
     assert again["first_loss"] < s["first_loss"] - 1.0  # it starts from the trained weights
 
@@ -538,7 +538,9 @@ def test_a_resume_continues_the_runs_settings_and_says_or_refuses_a_change(
     out = tmp_path / "run"
     settings = ("--learning-rate", "1e-3", "--lr-scheduler-type", "cosine",
                 "--gradient-accumulation-steps", "2", "--seq-len", "32")  # fmt: skip
-    first = summary(*settings, "--max-steps", "3", "--save-steps", "1", "--output-dir", str(out))
+    first = summary_here(
+        *settings, "--max-steps", "3", "--save-steps", "1", "--output-dir", str(out)
+    )
     checkpoint = out / "checkpoint-1"
     assert (checkpoint / "tiledmlp_run.json").is_file()
     # Given the checkpoint alone, the run goes on with its own settings, not the defaults.
