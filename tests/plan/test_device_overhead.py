@@ -133,3 +133,46 @@ def test_the_allocator_term_is_the_replayed_reserve_in_both_settings() -> None:
     assert on["device_overhead_breakdown_mib"]["allocator"] == round(grown.reserve / MiB, 1)
     # the same step's trace fragments less when the segment grows at its end
     assert 0 < grown.reserve < est.reserve
+
+
+def test_blocks_held_for_the_side_stream_come_back_on_a_full_card() -> None:
+    """A block freed while another stream uses it stays taken on a card with room (HOLD), and
+    returns at once where the allocator must synchronize to serve a request (holds=False)."""
+    from tiledmlp.plan.caching_allocator import HOLD, reserve_beyond_peak
+
+    big = 64 * MiB
+    trace = [(0, big), (0, HOLD), (1, big), (0, FREE), (1, FREE)]
+    room = reserve_beyond_peak([], trace, expandable=True)
+    full = reserve_beyond_peak([], trace, expandable=True, holds=False)
+    page = 20 * MiB  # the large pool maps 20 MiB pages
+    assert full < page  # the held block served the second request: one mapping's rounding
+    assert room - full >= big - page  # on a card with room it could not
+
+
+def test_an_offloading_step_on_a_gpu_has_reclaimable_blocks_and_max_seq_len_uses_the_full_card() -> (
+    None
+):
+    from tiledmlp.plan.estimate import estimate_step
+    from tiledmlp.plan.model import plan_model
+
+    cfg = load_config("llama3-8b")
+    cfg.num_hidden_layers, cfg.vocab_size = 4, 1024
+    kw = {"seq_len": 16384, "checkpointing": True, "dtype": torch.bfloat16}
+    gpu = estimate_step(cfg, stack="tiled_mlp_loss_offload", **kw)
+    assert 0 < gpu.reclaimable <= gpu.reserve
+    assert estimate_step(cfg, stack="tiled_mlp_loss", **kw).reclaimable == 0  # no side stream
+    assert (
+        estimate_step(cfg, stack="tiled_mlp_loss_offload", device_type="cpu", **kw).reclaimable == 0
+    )
+    entry = plan_model(cfg, stacks=("tiled_mlp_loss_offload",), **kw)["tiled_mlp_loss_offload"]
+    assert entry["reclaimable_mib"] == round(gpu.reclaimable / MiB, 1)
+    # a card exactly as large as the step's figure less what it takes back holds the step
+    card = entry["per_gpu_mib"] - entry["reclaimable_mib"] + 1.0
+    fits = plan_model(
+        cfg,
+        stacks=("tiled_mlp_loss_offload",),
+        budget_bytes=int(card * MiB),
+        granularity=1024,
+        **kw,
+    )["tiled_mlp_loss_offload"]
+    assert fits["max_seq_len"] >= 16384

@@ -128,8 +128,10 @@ def test_depth_extrapolation_equals_simulating_every_layer(stack: str, optimizer
     fast = estimate_step(cfg, checkpointing=True, **kw)
     exact = estimate_step(cfg, checkpointing=True, exact=True, **kw)
     # the allocator's reserve does not follow a line in the depth: the extrapolated estimate
-    # carries the larger of the 4- and 5-layer steps' (plan/estimate.py), the exact one its own
-    assert dataclasses.replace(fast, reserve=0) == dataclasses.replace(exact, reserve=0)
+    # carries the larger of the 4- and 5-layer steps' (plan/estimate.py), the exact one its own;
+    # the blocks held for the offloader's copies, a part of it, neither
+    same = {"reserve": 0, "reclaimable": 0}
+    assert dataclasses.replace(fast, **same) == dataclasses.replace(exact, **same)
     assert fast.reserve > 0 and exact.reserve > 0
 
 

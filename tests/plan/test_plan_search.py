@@ -29,7 +29,7 @@ def _search(
 
     def estimate(_config: Any, *, seq_len: int, **_options: Any) -> Any:
         calls.append(seq_len)
-        return types.SimpleNamespace(peak=f(seq_len), reserve=0, attention=0)
+        return types.SimpleNamespace(peak=f(seq_len), reserve=0, attention=0, reclaimable=0)
 
     monkeypatch.setattr(search, "estimate_step", estimate)
     known = {} if hint is None else {hint: f(hint)}  # the planned length, estimated before

@@ -104,8 +104,13 @@ class CachingAllocator:
         peak: the largest `live` seen.
     """
 
-    def __init__(self, expandable: bool = False) -> None:
+    def __init__(self, expandable: bool = False, holds: bool = True) -> None:
         self.expandable = expandable
+        # False: a held block returns at once, as when an allocation that does not fit makes
+        # the allocator synchronize and take back the blocks other streams were using
+        # (CUDACachingAllocator.cpp: release_cached_blocks -> synchronize_and_free_events)
+        self.holds = holds
+        self._returned: set[int] = set()  # keys held and returned at once (holds=False)
         self.reserved = 0
         self.live = 0
         self.peak = 0
@@ -152,13 +157,21 @@ class CachingAllocator:
         self._held[key] = (block, nbytes)
 
     def hold(self, key: int) -> None:
-        """`key`'s bytes are no longer allocated; its block stays taken until `free(key)`."""
+        """`key`'s bytes are no longer allocated; its block stays taken until `free(key)`
+        (returned at once without `holds`)."""
+        if not self.holds:
+            self.free(key)
+            self._returned.add(key)
+            return
         block, nbytes = self._held[key]
         self.live -= nbytes
         self._held[key] = (block, 0)
 
     def free(self, key: int) -> None:
         """Returns `key`'s block to its pool, merged with the free blocks beside it."""
+        if key in self._returned:  # returned at its hold
+            self._returned.discard(key)
+            return
         block, nbytes = self._held.pop(key)
         self.live -= nbytes
         if block.size == 0:
@@ -222,12 +235,17 @@ class CachingAllocator:
 
 
 def reserve_beyond_peak(
-    before: Iterable[int], trace: Iterable[tuple[int, int]], *, expandable: bool = False
+    before: Iterable[int],
+    trace: Iterable[tuple[int, int]],
+    *,
+    expandable: bool = False,
+    holds: bool = True,
 ) -> int:
     """What the caching allocator reserves beyond the peak of requested bytes, for a step that
     starts with tensors of `before` bytes (allocated first, in order, never freed) and then
     runs `trace`: (key, nbytes) allocates nbytes for key, (key, FREE) frees it, (key, HOLD)
-    frees its bytes and keeps its block until its (key, FREE). `expandable`:
+    frees its bytes and keeps its block until its (key, FREE) (at once without `holds`: a
+    card with no room left, whose allocator synchronizes before it fails). `expandable`:
     with `expandable_segments:True`.
 
     Returns:
@@ -235,7 +253,7 @@ def reserve_beyond_peak(
         requested bytes: rounding, split remainders and segments too small or too fragmented
         for later requests.
     """
-    alloc = CachingAllocator(expandable)
+    alloc = CachingAllocator(expandable, holds)
     for i, nbytes in enumerate(before):
         alloc.malloc(-1 - i, nbytes)
     for key, nbytes in trace:

@@ -104,6 +104,7 @@ def estimate_step(
         est.checkpointing,
         est.reserve,  # the engine's own buffers are not replayed through the allocator
         est.attention,
+        est.reclaimable,
     )
 
 
@@ -120,8 +121,11 @@ def _simulated(run: Any, depth: int, exact: bool) -> StepEstimate:
     est = larger(Segments(head, head, tail))
     # the allocator's reserve does not follow a line in the depth; with expandable segments it
     # is that of one layer's backward and the loss, replayed at both depths: the larger stands
-    reserve = max(short.head.reserve, longer.head.reserve)
-    return dataclasses.replace(est, reserve=reserve)
+    pressed = max(e.head.reserve - e.head.reclaimable for e in (short, longer))
+    # the blocks held for the offloader's copies grow with the layers offloaded: along the line
+    a, b = short.head.reclaimable, longer.head.reclaimable
+    reclaimable = max(a, b, a + (depth - SHORT) * (b - a))
+    return dataclasses.replace(est, reserve=pressed + reclaimable, reclaimable=reclaimable)
 
 
 _COUNTS: dict[str, ParamCounts] = {}

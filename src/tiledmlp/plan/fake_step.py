@@ -22,7 +22,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from tiledmlp.ops.tiling.policy import assume_device
 from tiledmlp.patching.offloading import enable_checkpointing, offloader_of
 from tiledmlp.plan.apply_stack import apply_stack, build_model, decoder_layers_of
-from tiledmlp.plan.caching_allocator import reserve_beyond_peak
+from tiledmlp.plan.caching_allocator import HOLD, reserve_beyond_peak
 from tiledmlp.plan.device_overhead import CUBLAS_WORKSPACES, device_overhead
 from tiledmlp.plan.exchange import register_exchanged
 from tiledmlp.plan.periodic_tiles import PeriodicTiles, replayed_reserve
@@ -129,16 +129,24 @@ def simulate(
         # workspaces its first matmul takes, counted beside the tensors (device_overhead.py)
         before = [*map(nbytes, [*kept, *step.states])]
         workspaces = CUBLAS_WORKSPACES if device_type == "cuda" else ()
-        if cut_tiles:  # replayed on the loops' whole trace, rebuilt (periodic_tiles.py)
-            reserve = replayed_reserve([*before, *workspaces], tracker.trace, periodic.repeats,
-                                       expandable=expandable_segments)  # fmt: skip
-        else:
-            reserve = reserve_beyond_peak(
-                [*before, *workspaces], tracker.trace, expandable=expandable_segments
+        start = [*before, *workspaces]
+
+        def replay(holds: bool) -> int:
+            if cut_tiles:  # replayed on the loops' whole trace, rebuilt (periodic_tiles.py)
+                return replayed_reserve(start, tracker.trace, periodic.repeats,
+                                        expandable=expandable_segments, holds=holds)  # fmt: skip
+            return reserve_beyond_peak(
+                start, tracker.trace, expandable=expandable_segments, holds=holds
             )
+
+        reserve = replay(True)
+        # a card with no room left takes the held blocks back (caching_allocator.py: HOLD)
+        held = any(b == HOLD for _, b in tracker.trace)
+        reclaimable = reserve - replay(False) if held else 0
         seen = (grads, checkpoint_inputs, checkpointing)
+        held_back = (reserve, reclaimable)
         parts = [
-            _categorise(tracker, peak, at_peak, fixed, *seen, reserve, with_buffers - peak)
+            _categorise(tracker, peak, at_peak, fixed, *seen, held_back, with_buffers - peak)
             for (peak, at_peak), with_buffers in zip(tracker.segments, tracker.buffer_peaks)
         ]
         return Segments(*parts) if len(parts) == 3 else Segments(parts[0], parts[0], parts[0])
@@ -208,11 +216,12 @@ def _categorise(
     grads: set[int | None],
     checkpoint_inputs: set[int | None],
     checkpointing: bool,
-    reserve: int = 0,
+    reserve: tuple[int, int] = (0, 0),
     attention: int = 0,
 ) -> StepEstimate:
     """One segment's peak with what was alive at it sorted into CATEGORIES (module docstring);
-    `fixed` holds what existed before the step ("weights", "optimizer")."""
+    `fixed` holds what existed before the step ("weights", "optimizer"); `reserve`: the step's
+    replayed allocator reserve and the part of it a full card takes back (StepEstimate)."""
     breakdown = dict.fromkeys(CATEGORIES, 0)
     breakdown.update(fixed)
     for serial, nbytes in at_peak.items():
@@ -226,7 +235,9 @@ def _categorise(
         else:
             what = {"loss": "loss", "backward": "recompute", "optimizer": "optimizer"}[phase]
         breakdown[what] += nbytes
-    return StepEstimate(sum(fixed.values()) + peak, breakdown, checkpointing, reserve, attention)
+    return StepEstimate(
+        sum(fixed.values()) + peak, breakdown, checkpointing, reserve[0], attention, reserve[1]
+    )
 
 
 def _without_mask(

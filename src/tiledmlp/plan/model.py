@@ -224,16 +224,20 @@ def _plan_stack(
     est = estimate_step(config, seq_len=local, stack=stack, **options)
     known[local] = est.peak  # the search starts here: not simulated twice
     # what the device holds beyond the tensors' peak: the attention buffers' share, the reserve
-    reserves = {local: est.reserve + est.attention}
+    # that a full card must hold: the held blocks come back before an allocation fails
+    reserves = {local: est.reserve - est.reclaimable + est.attention}
     if p > 1:
         extra = int(per_token * local)
         est = StepEstimate(
             est.peak + extra, {**est.breakdown, "all_to_all": extra}, est.checkpointing,
-            est.reserve, est.attention,
+            est.reserve, est.attention, est.reclaimable,
         )  # fmt: skip
     beyond = (est.peak, local, est.reserve, est.attention)
     entry = {**est.as_json(), **overhead.as_json(*beyond)}
     entry["per_gpu_mib"] = round((est.peak + overhead.total(*beyond)) / MiB, 1)
+    if overhead.replayed and est.reclaimable:
+        # held for the side stream's copies on a card with room; taken back on a full one
+        entry["reclaimable_mib"] = round(est.reclaimable / MiB, 1)
     keys = ("dtype", "optimizer", "engine", "world", "offload_params")
     host = host_breakdown(config, seq_len=local, stack=stack, **{k: options[k] for k in keys})
     entry["host_peak_mib"] = entry["host_per_gpu_mib"] = round(sum(host.values()) / MiB, 1)

@@ -170,13 +170,15 @@ def replayed_reserve(
     repeats: list[Repeat],
     *,
     expandable: bool,
+    holds: bool = True,
 ) -> int:
     """caching_allocator.reserve_beyond_peak(before, whole_trace(trace, repeats), ...), with
     whole cycles of the allocator's states skipped: once a copy leaves the free blocks, the
     reserve, the live bytes and the blocks of the loop's storages (by their place in the
     pattern) as an earlier copy did, the copies between them repeat (the allocator is
-    deterministic), so the copies left run less whole multiples of that period."""
-    alloc = CachingAllocator(expandable)
+    deterministic), so the copies left run less whole multiples of that period. `holds`: as in
+    reserve_beyond_peak."""
+    alloc = CachingAllocator(expandable, holds)
     for i, nbytes in enumerate(before):
         alloc.malloc(-1 - i, nbytes)
 

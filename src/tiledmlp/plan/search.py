@@ -46,8 +46,8 @@ def max_seq_len(
     `known_peaks` ({tokens: estimate_step(...).peak} for these options) holds estimates
     already made, and receives the search's: a length is never simulated twice (once more
     where `overhead` replays the allocator and only the length's peak is known);
-    `known_reserves` ({tokens: estimate_step(...).reserve + .attention}) does the same for what
-    the device holds beyond the tensors.
+    `known_reserves` ({tokens: estimate_step(...).reserve - .reclaimable + .attention}) does the
+    same for what a full device holds beyond the tensors.
     """
     cache: dict[int, int] = {}
     tensors = {} if known_peaks is None else known_peaks
@@ -60,8 +60,10 @@ def max_seq_len(
             tokens = n * granularity
             if tokens not in tensors or (replayed and tokens not in reserves):
                 est = estimate_step(config, seq_len=tokens, stack=stack, **options)
-                # beyond the tensors: the attention buffers' share and the allocator's reserve
-                tensors[tokens], reserves[tokens] = est.peak, est.reserve + est.attention
+                # beyond the tensors on a full card: the attention buffers' share and the
+                # allocator's reserve, less the blocks it takes back before it fails
+                fit = est.reserve - est.reclaimable + est.attention
+                tensors[tokens], reserves[tokens] = est.peak, fit
             step = tensors[tokens] + int(extra_bytes_per_token * tokens) + extra_bytes
             if overhead is not None:
                 step += overhead.total(step, tokens, reserves.get(tokens, 0))

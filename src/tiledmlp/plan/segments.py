@@ -25,13 +25,18 @@ class StepEstimate:
     `reserve`: what PyTorch's CUDA caching allocator holds beyond the step's allocated peak
     (tensors and kernel buffers) over the whole step (plan/caching_allocator.py);
     `attention`: what the attention backward's own buffers add to the tensors' peak at their
-    moment (plan/device_overhead.py, Note [Attention backward buffers]); both 0 on the CPU."""
+    moment (plan/device_overhead.py, Note [Attention backward buffers]); `reclaimable`: the part
+    of `reserve` that blocks other streams still use hold on a card with room, which the
+    allocator takes back (synchronizing) before an allocation that does not fit fails
+    (caching_allocator.py: HOLD): a card fits the step when its figure less this does; all 0 on
+    the CPU."""
 
     peak: int
     breakdown: dict[str, int]
     checkpointing: bool
     reserve: int = 0
     attention: int = 0
+    reclaimable: int = 0
 
     def as_json(self) -> dict[str, Any]:
         return {
