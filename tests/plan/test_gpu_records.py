@@ -189,7 +189,8 @@ def test_plan_agrees_with_the_card(folder: str, part: str, rec: dict[str, Any]) 
         expandable_segments=_allocator(rec) == "expandable",
     )[rec["stack"]]
     card = rec["max_memory_reserved_mib"] + _outside(folder, part, rec)
-    ratio = plan["per_gpu_mib"] / card
+    # the cards had room: the blocks held for the offloader's copies were not taken back
+    ratio = (plan["per_gpu_mib"] + plan.get("reclaimable_mib", 0.0)) / card
     detail = (
         f"planned {plan['per_gpu_mib']:,.0f} MiB on the card (tensors {plan['peak_mib']:,.0f}, "
         f"overhead {plan['device_overhead_breakdown_mib']}) against {card:,.0f} measured: "

@@ -158,7 +158,8 @@ def _steps_table(records: list[Record]) -> str:
     for r in records:
         card = r["max_memory_reserved_mib"] + r["outside_allocator_mib"]
         peak = r.get("planned_peak_mib")
-        planned = None if peak is None else peak + r.get("planned_device_overhead_mib", 0.0)
+        overhead = r.get("planned_device_overhead_mib", 0.0) + r.get("planned_reclaimable_mib", 0.0)
+        planned = None if peak is None else peak + overhead
         rows.append(
             [
                 str(r["layers"]),

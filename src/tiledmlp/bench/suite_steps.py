@@ -145,6 +145,8 @@ def _with_plan(record: Record, plan: Record, why: str | None) -> Record:
     record["planned_breakdown_mib"] = predicted.get("breakdown_mib")
     record["planned_device_overhead_mib"] = predicted.get("device_overhead_mib")
     record["planned_device_overhead_breakdown_mib"] = predicted.get("device_overhead_breakdown_mib")
+    # held for the offloader's copies beyond per_gpu_mib while the card has room (the suite's do)
+    record["planned_reclaimable_mib"] = predicted.get("reclaimable_mib", 0.0)
     if why is not None:
         record["plan"] = why
     return record

@@ -116,8 +116,8 @@ def _show_model(args: argparse.Namespace, stacks: dict[str, Any]) -> None:
         )
         if entry.get("device_overhead_mib"):
             parts += f"; + device overhead {entry['device_overhead_mib'] / gib:,.2f}"
-        if entry.get("reclaimable_mib"):  # the offloader's held blocks, back on a full card
-            parts += f", of which {entry['reclaimable_mib'] / gib:,.2f} reclaimable when full"
+        if entry.get("reclaimable_mib"):  # the offloader's held blocks while there is room
+            parts += f"; + {entry['reclaimable_mib'] / gib:,.2f} held while the card has room"
         host = entry.get("host_peak_mib", 0.0)
         host_text = f"; host {host / gib:,.2f} GiB" if host else ""
         if host and args.sequence_parallel_size > 1:

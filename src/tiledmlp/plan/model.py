@@ -232,11 +232,12 @@ def _plan_stack(
             est.peak + extra, {**est.breakdown, "all_to_all": extra}, est.checkpointing,
             est.reserve, est.attention, est.reclaimable,
         )  # fmt: skip
-    beyond = (est.peak, local, est.reserve, est.attention)
+    # the card's figure when it is full: the held blocks come back (reclaimable_mib below)
+    beyond = (est.peak, local, est.reserve - est.reclaimable, est.attention)
     entry = {**est.as_json(), **overhead.as_json(*beyond)}
     entry["per_gpu_mib"] = round((est.peak + overhead.total(*beyond)) / MiB, 1)
     if overhead.replayed and est.reclaimable:
-        # held for the side stream's copies on a card with room; taken back on a full one
+        # held beyond per_gpu_mib for the side stream's copies while the card has room
         entry["reclaimable_mib"] = round(est.reclaimable / MiB, 1)
     keys = ("dtype", "optimizer", "engine", "world", "offload_params")
     host = host_breakdown(config, seq_len=local, stack=stack, **{k: options[k] for k in keys})
