@@ -6,8 +6,8 @@
 # the parameters, gradients and optimizer on the host (ZeRO-Infinity's offload_param and
 # offload_optimizer: examples/ds_zero3_offload_params.json). Host memory: the planner's figure in
 # docs/guides/long-context.md (about 370 GiB for this GPU's step, most of it the offloaded layer
-# inputs). Planned, not yet run on a GPU: the planner puts this step at 69.9 GiB per GPU on a
-# 79.2 GiB card (the attention core runs by head groups; --tiled-layers), and up to 1,192,960
+# inputs). Planned, not yet run on a GPU: the planner puts this step at 70.2 GiB per GPU on a
+# 79.2 GiB card (the attention core runs by head groups; --tiled-layers), and up to 1,188,864
 # tokens fit.
 #
 # Check the plan first:

@@ -4,8 +4,8 @@
 # tokens per GPU), with the full stack of examples/long_context_1m_one_gpu.sh: tiled MLPs, loss,
 # norms and layers, checkpointing with offloaded layer inputs, and DeepSpeed ZeRO-3 sharding over
 # the 8 GPUs with parameters, gradients and optimizer on the host
-# (examples/ds_zero3_offload_params.json). Planned, not yet run on GPUs: 64.9 GiB per GPU at
-# 5,242,880 tokens, up to 6,438,912 within a 79.2 GiB card; 173.7 GiB of host memory per GPU.
+# (examples/ds_zero3_offload_params.json). Planned, not yet run on GPUs: 66.2 GiB per GPU at
+# 5,242,880 tokens, up to 6,316,032 within a 79.2 GiB card; 173.7 GiB of host memory per GPU.
 #
 # Check the plan first:
 #   tiledmlp plan --model llama3-8b --seq-len 5242880 --sequence-parallel-size 8 \
