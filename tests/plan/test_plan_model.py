@@ -307,7 +307,7 @@ def test_device_overhead_terms_and_max_seq_len_on_a_card() -> None:
 
     cfg = _config()
     cuda = device_overhead("cuda")
-    terms = cuda.terms(peak=1000 * MiB, tokens=2048, reserve=300 * MiB, attention=7 * MiB)
+    terms = cuda.terms(reserve=300 * MiB, attention=7 * MiB)
     assert terms == {
         "outside_allocator": 849 * MiB,
         "cublas_workspace": int(40.125 * MiB),
@@ -315,7 +315,7 @@ def test_device_overhead_terms_and_max_seq_len_on_a_card() -> None:
         "attention_backward": 7 * MiB,
         "allocator": 300 * MiB,  # the step's replayed reserve (plan/caching_allocator.py)
     }
-    assert device_overhead("cpu").total(1000 * MiB, 2048, 300 * MiB, 7 * MiB) == 0
+    assert device_overhead("cpu").total(300 * MiB, 7 * MiB) == 0
 
     # every layer simulated: the allocator's reserve is the whole depth's (plan_model does so)
     # (the reserve replayed under the same allocator setting as `cuda`'s: without expandable
@@ -326,13 +326,13 @@ def test_device_overhead_terms_and_max_seq_len_on_a_card() -> None:
     assert est.reserve > 0  # a step's tensors change size: the allocator holds more
 
     # a full card: the blocks held for the offloader's copies come back (est.reclaimable)
-    def full(e: Any, length: int) -> int:
-        return int(e.peak + cuda.total(e.peak, length, e.reserve - e.reclaimable, e.attention))
+    def full(e: Any) -> int:
+        return int(e.peak + cuda.total(e.full_card_reserve, e.attention))
 
-    card = full(est, 8192)
+    card = full(est)
     n = max_seq_len(cfg, card, granularity=512, overhead=cuda, **kw)
     assert 7_500 < n <= 8192
     for length, fits in ((n, True), (n + 512, False)):
-        assert (full(estimate_step(cfg, seq_len=length, **kw), length) <= card) is fits
+        assert (full(estimate_step(cfg, seq_len=length, **kw)) <= card) is fits
     # without the overhead the same card would be said to hold more
     assert max_seq_len(cfg, card, granularity=512, **kw) > n

@@ -5,13 +5,13 @@ and without a hint, and no length is estimated twice."""
 from __future__ import annotations
 
 import random
-import types
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 
 from tiledmlp.plan import search
+from tiledmlp.plan.segments import StepEstimate
 
 GiB = 2**30
 G = 1024  # granularity
@@ -29,7 +29,7 @@ def _search(
 
     def estimate(_config: Any, *, seq_len: int, **_options: Any) -> Any:
         calls.append(seq_len)
-        return types.SimpleNamespace(peak=f(seq_len), reserve=0, attention=0, reclaimable=0)
+        return StepEstimate(f(seq_len), {}, checkpointing=False)
 
     monkeypatch.setattr(search, "estimate_step", estimate)
     known = {} if hint is None else {hint: f(hint)}  # the planned length, estimated before

@@ -113,7 +113,7 @@ def measure_stacks(
             sim = estimate_step(cut, seq_len=n, stack=stack, dtype=dtype, checkpointing=True,
                                 num_tiles=args.num_tiles, exact=True, device_type=args.device,
                                 expandable_segments=args.expandable_segments)  # fmt: skip
-            card = sim.peak + overhead.total(sim.peak, n, sim.reserve, sim.attention)
+            card = sim.peak + overhead.total(sim.reserve, sim.attention)  # cards with room
             points.append(MeasuredPoint(n, measured, card))
         correction = fit_correction(points)
         measured_entry = {"layers": layers, **correction.as_json()}

@@ -59,8 +59,9 @@ replayed through those rules (plan/caching_allocator.py): on the H200 records of
 4-layer untiled step at 32K tokens where the card reserved 62,684. The replay of a trace whose
 repeated tiles ran once (plan/periodic_tiles.py) maps the same pages, so it needs no exact
 simulation; a deeper model's reserve is the larger of the 4- and 5-layer steps' (plan/
-estimate.py), not a line in the depth. In both modes the attention backward's buffers are in the trace at their
-calls; the cuBLAS workspaces are allocated before the step's first request. Blocks the
+estimate.py), not a line in the depth. In both modes the attention backward's buffers are in
+the trace at their calls; the cuBLAS workspaces are allocated before the step's first request.
+Blocks the
 offloader's side-stream copies still use when their tensors die stay taken until the phase ends
 (plan/phase_tracker.py); a full card takes them back before an allocation fails, so the plan's
 figure leaves them out and names them (StepEstimate.reclaimable).
@@ -133,11 +134,11 @@ class DeviceOverhead:
     buffers: AttentionBuffers | None
     replayed: bool = False
 
-    def terms(self, peak: int, tokens: int, reserve: int = 0, attention: int = 0) -> dict[str, int]:
-        """Each term in bytes, for a step whose tensors peak at `peak` bytes over `tokens`
-        tokens per GPU; `reserve`: the step's replayed allocator reserve beyond its allocated
-        peak (StepEstimate.reserve), counted when `replayed`; `attention`: what the attention
-        backward's buffers add to the tensor peak (StepEstimate.attention)."""
+    def terms(self, reserve: int = 0, attention: int = 0) -> dict[str, int]:
+        """Each term in bytes, for a step whose replayed allocator reserve beyond its allocated
+        peak is `reserve` (StepEstimate.full_card_reserve) and whose attention backward's
+        buffers add `attention` to its tensor peak (StepEstimate.attention); both are counted
+        when `replayed`."""
         replayed = self.replayed
         return {
             **self.fixed,
@@ -145,15 +146,13 @@ class DeviceOverhead:
             "allocator": reserve if replayed else 0,
         }
 
-    def total(self, peak: int, tokens: int, reserve: int = 0, attention: int = 0) -> int:
+    def total(self, reserve: int = 0, attention: int = 0) -> int:
         """The whole overhead in bytes (see `terms`)."""
-        return sum(self.terms(peak, tokens, reserve, attention).values())
+        return sum(self.terms(reserve, attention).values())
 
-    def as_json(
-        self, peak: int, tokens: int, reserve: int = 0, attention: int = 0
-    ) -> dict[str, Any]:
+    def as_json(self, reserve: int = 0, attention: int = 0) -> dict[str, Any]:
         """{"device_overhead_mib", "device_overhead_breakdown_mib"} for a plan's JSON."""
-        terms = self.terms(peak, tokens, reserve, attention)
+        terms = self.terms(reserve, attention)
         return {
             "device_overhead_mib": round(sum(terms.values()) / MiB, 1),
             "device_overhead_breakdown_mib": {k: round(v / MiB, 1) for k, v in terms.items()},

@@ -168,7 +168,7 @@ def plan_model(
     }
     jobs = [
         (config, stack, i, len(stacks), seq_len, p, budget_bytes, granularity, options,
-         expandable_segments, {} if known_peaks is None else known_peaks.get(stack, {}))
+         {} if known_peaks is None else known_peaks.get(stack, {}))
         for i, stack in enumerate(stacks, 1)
     ]  # fmt: skip
     done = run_jobs(
@@ -192,15 +192,12 @@ def _stack_job(
     budget_bytes: int | None,
     granularity: int,
     options: dict[str, Any],
-    expandable_segments: bool,
     known: dict[int, int],
 ) -> tuple[dict[str, Any], dict[int, int]]:
     """plan_model's job for one stack (the `i`-th of `n`), in this process or a forked one
     (forked.py): its entry, and `known` with its tensor-level estimates by length added."""
     logger.info("%s (%d of %d): one step at %s tokens", stack, i, n, f"{seq_len // p:,}")
-    entry = _plan_stack(
-        config, stack, seq_len, p, budget_bytes, granularity, options, expandable_segments, known
-    )
+    entry = _plan_stack(config, stack, seq_len, p, budget_bytes, granularity, options, known)
     return entry, known
 
 
@@ -212,7 +209,6 @@ def _plan_stack(
     budget_bytes: int | None,
     granularity: int,
     options: dict[str, Any],
-    expandable_segments: bool = True,
     known: dict[int, int] | None = None,
 ) -> dict[str, Any]:
     """One stack's entry of plan_model's answer; `known` receives its tensor-level estimates
@@ -223,9 +219,9 @@ def _plan_stack(
     overhead = device_overhead(options["device_type"])
     est = estimate_step(config, seq_len=local, stack=stack, **options)
     known[local] = est.peak  # the search starts here: not simulated twice
-    # what the device holds beyond the tensors' peak: the attention buffers' share, the reserve
-    # that a full card must hold: the held blocks come back before an allocation fails
-    reserves = {local: est.reserve - est.reclaimable + est.attention}
+    # what a full device holds beyond the tensors' peak: the attention buffers' share and the
+    # reserve, the held blocks taken back before an allocation fails
+    reserves = {local: est.full_card_reserve + est.attention}
     if p > 1:
         extra = int(per_token * local)
         est = StepEstimate(
@@ -233,7 +229,7 @@ def _plan_stack(
             est.reserve, est.attention, est.reclaimable,
         )  # fmt: skip
     # the card's figure when it is full: the held blocks come back (reclaimable_mib below)
-    beyond = (est.peak, local, est.reserve - est.reclaimable, est.attention)
+    beyond = (est.full_card_reserve, est.attention)
     entry = {**est.as_json(), **overhead.as_json(*beyond)}
     entry["per_gpu_mib"] = round((est.peak + overhead.total(*beyond)) / MiB, 1)
     if overhead.replayed and est.reclaimable:

@@ -46,7 +46,7 @@ def max_seq_len(
     `known_peaks` ({tokens: estimate_step(...).peak} for these options) holds estimates
     already made, and receives the search's: a length is never simulated twice (once more
     where `overhead` replays the allocator and only the length's peak is known);
-    `known_reserves` ({tokens: estimate_step(...).reserve - .reclaimable + .attention}) does the
+    `known_reserves` ({tokens: estimate_step(...).full_card_reserve + .attention}) does the
     same for what a full device holds beyond the tensors.
     """
     cache: dict[int, int] = {}
@@ -62,11 +62,10 @@ def max_seq_len(
                 est = estimate_step(config, seq_len=tokens, stack=stack, **options)
                 # beyond the tensors on a full card: the attention buffers' share and the
                 # allocator's reserve, less the blocks it takes back before it fails
-                fit = est.reserve - est.reclaimable + est.attention
-                tensors[tokens], reserves[tokens] = est.peak, fit
+                tensors[tokens], reserves[tokens] = est.peak, est.full_card_reserve + est.attention
             step = tensors[tokens] + int(extra_bytes_per_token * tokens) + extra_bytes
             if overhead is not None:
-                step += overhead.total(step, tokens, reserves.get(tokens, 0))
+                step += overhead.total(reserves.get(tokens, 0))
             cache[n] = step
             logger.info("  %s tokens: %.1f GiB", f"{tokens:,}", cache[n] / 2**30)
         return cache[n]

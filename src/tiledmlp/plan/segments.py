@@ -38,6 +38,11 @@ class StepEstimate:
     attention: int = 0
     reclaimable: int = 0
 
+    @property
+    def full_card_reserve(self) -> int:
+        """The reserve on a card with no room left: the held blocks taken back."""
+        return self.reserve - self.reclaimable
+
     def as_json(self) -> dict[str, Any]:
         return {
             "peak_mib": round(self.peak / MiB, 1),

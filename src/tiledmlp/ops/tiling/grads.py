@@ -8,7 +8,8 @@ the backend supports a float32 output for low-precision GEMM inputs (CUDA:
 accumulated in float32 inside the GEMM (no rounding of the tile's product, no scratch buffer);
 elsewhere (the CPU) the tile's product is formed in the compute dtype in a shared scratch and
 added to the float32 buffer. The planner's fake CPU tensors stand for an accelerator's inside
-`assume_device` (ops/tiling/assumed.py): the answer is then the accelerator's. Each accumulator is released as soon as its gradient is formed.
+`assume_device` (ops/tiling/assumed.py): the answer is then the accelerator's. Each accumulator
+is released as soon as its gradient is formed.
 
 A caller that walks a weight in row blocks (`GradSlot.part`) adds each block's product into
 those rows of the one buffer; a slot built `transposed` stores the transpose of its parameter's
