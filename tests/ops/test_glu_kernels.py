@@ -484,3 +484,27 @@ def test_meta_and_fake_tensors_take_the_reference_path() -> None:
         assert glu_forward(gu[:, :6], gu[:, 6:], "gelu").shape == (4, 6)
     g = torch.empty(4, 6, device="meta")
     assert glu_forward(g, g.clone(), "gelu_tanh").device.type == "meta"
+
+
+def test_a_planned_gpu_step_takes_the_kernels_memory() -> None:
+    # The planner's fake tensors of a GPU step (assume_device): the GPU runs the kernels, which
+    # allocate nothing and write in place; on the CPU the references' temporaries are counted.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from tiledmlp.ops.tiling.assumed import assume_device
+    from tiledmlp.plan.fake_memory import fake_peak_bytes
+
+    def peak(device_type: str) -> int:
+        with FakeTensorMode(), assume_device(device_type):
+            g, u, dh = (torch.empty(64, 32, dtype=torch.bfloat16) for _ in range(3))
+
+            def step() -> None:
+                glu_backward(g, u, dh, "silu", h_out=dh)
+                glu_forward(g, u, "silu", out=g)
+
+            assert glu.kernels_planned(g) == (device_type == "cuda")
+            return fake_peak_bytes(step, [g, u, dh])
+
+    operands = 3 * 64 * 32 * 2
+    assert peak("cuda") == operands
+    assert peak("cpu") > operands

@@ -3,8 +3,8 @@
 The CUDA path differs from the CPU's in two ways that decide its memory: the weight gradients
 accumulate in float32 inside the GEMM (`addmm(..., out_dtype=torch.float32)`, no scratch), and the
 fused GLU kernels write into their operands (no temporaries). Both are selected here as on a GPU
-(the epilogue probe's answer and the kernels' availability are set; the kernels are replaced by
-stand-ins that allocate nothing, like a Triton launch) and the step runs on fake tensors, whose
+(the planner's GPU step, ops/tiling/assumed.py: the float32-output GEMM overloads and the fused
+kernels, which allocate nothing, like a Triton launch) and the step runs on fake tensors, whose
 every storage the planner's tracker counts from birth to death: the same count as the device's
 `max_memory_allocated` at the tensor level.
 
@@ -30,8 +30,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from tiledmlp import tiled_mlp
 from tiledmlp.models.mlps import GatedMLP
 from tiledmlp.ops.mlp.fast import FastEngine
-from tiledmlp.ops.mlp.glu import kernels as glu_kernels
 from tiledmlp.ops.tiling import grads
+from tiledmlp.ops.tiling.assumed import assume_device
 from tiledmlp.plan.fake_memory import fake_peak_bytes
 
 H, M = 512, 1536  # the benchmark's 4096 / 12288, divided by 8
@@ -39,17 +39,11 @@ BF16 = torch.bfloat16
 
 
 @pytest.fixture
-def cuda_path(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """The op takes the CUDA path on (fake) CPU tensors."""
-    monkeypatch.setattr(grads, "_EPILOGUE", {("cpu", BF16): True})
-    monkeypatch.setattr(glu_kernels, "kernels_available", lambda device: True)
-
-    def forward(g: torch.Tensor, u: torch.Tensor, act: str, out: Any = None) -> torch.Tensor:
-        return out if out is not None else torch.empty_like(g)
-
-    monkeypatch.setattr(glu_kernels, "glu_forward", forward)
-    monkeypatch.setattr(glu_kernels, "glu_backward", lambda g, u, dh, act, h_out=None: None)
-    yield
+def cuda_path() -> Iterator[None]:
+    """The op takes the CUDA path on (fake) CPU tensors: the planner's GPU step
+    (ops/tiling/assumed.py), which runs the fused kernels' memory and the float32 epilogue."""
+    with assume_device("cuda"):
+        yield
 
 
 class _SiluMulInPlace(torch.autograd.Function):

@@ -60,16 +60,6 @@ KNOWN_GAPS = {
         "optimistic (0.938): the same step as the first H200 run's; the card reserved 36,024 MiB "
         "where the replayed trace holds 33,636"
     ),
-    # The card's peak of the norms stack at 32K lies in the first layer's backward with its MLP's
-    # weight gradients formed (the records' categories: gradients 2,618 MiB); the simulation's
-    # tensors at that layer's attention backward, with the call's buffers, come to 380 MiB less.
-    (H200, "model_steps", 32768, "tiled_mlp_loss_offload_norms", "expandable"): (
-        "optimistic (0.956): the card allocated 9,447 MiB where the simulation's tensors peak at "
-        "9,067; the missing 380 MiB are not yet found"
-    ),
-    (H200_2, "model_steps", 32768, "tiled_mlp_loss_offload_norms", "expandable"): (
-        "optimistic (0.959): as the first H200 run's step (allocated 9,447 MiB, planned 9,067)"
-    ),
 }
 
 # outside_allocator_mib is the device's used memory (torch.cuda.mem_get_info) less the

@@ -9,7 +9,7 @@ one by one and watches each tile's window of the tracker's events (phase_tracker
 start of the tile's loop body to the next. As soon as two consecutive tiles of one size are
 alike (the same allocations and phases, the same releases relative to the tile's first new
 storage and of the same bytes, the same live bytes at their start, each tile leaving the live
-bytes it found, and no segment closed), it skips to the last tile of that size. A skipped tile
+bytes it found, and no segment closed), it skips the rest of the tiles of that size. A skipped tile
 would start from the state the two alike tiles started from and run the same code on the same
 shapes: it would repeat their window exactly, so the step's peak, the moment it is first
 reached, what is alive then and its categories are those of the whole loop. (The product's
@@ -109,14 +109,12 @@ class PeriodicTiles:
                 begin = (len(t.trace), t.live, len(t.segments), len(t.phase_of))
                 yield offsets[i], offsets[i + 1]
                 window = None if inner else self._window(begin)
-                if window is not None and window == before and i + 1 < last[i]:
-                    # tiles i + 1 .. last[i] - 1 would repeat tiles i - 1 and i
+                if window is not None and window == before and i < last[i]:
+                    # tiles i + 1 .. last[i] would repeat tiles i - 1 and i
                     new = len(t.phase_of) - begin[3]
-                    self.repeats.append(
-                        Repeat(begin[0], len(t.trace), begin[3], new, last[i] - i - 1)
-                    )
+                    self.repeats.append(Repeat(begin[0], len(t.trace), begin[3], new, last[i] - i))
                     self.cut = True
-                    i, before = last[i], None
+                    i, before = last[i] + 1, None
                     continue
                 before = window if i + 1 < len(sizes) and sizes[i + 1] == sizes[i] else None
                 i += 1

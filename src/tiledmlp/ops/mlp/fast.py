@@ -90,9 +90,11 @@ class FastEngine:
 
     def _fused(self, t: torch.Tensor) -> str | None:
         """The activation kind for the fused elementwise kernels, or None for PyTorch."""
-        if self.glu is None or not self.kernels or not glu_kernels.kernels_available(t.device):
+        if self.glu is None or not self.kernels:
             return None
-        return self.glu
+        if glu_kernels.kernels_available(t.device) or glu_kernels.kernels_planned(t):
+            return self.glu
+        return None
 
     # -- dtypes ------------------------------------------------------------------------------
 

@@ -28,6 +28,7 @@ from tiledmlp.ops.mlp.glu import triton_kernels as glu_triton
 from tiledmlp.ops.mlp.glu.activation import ACT_KINDS, ActKind, activation_kind, check_act
 from tiledmlp.ops.mlp.glu.operands import absent, check_aliasing, check_operands
 from tiledmlp.ops.mlp.glu.reference import glu_backward_reference, glu_forward_reference
+from tiledmlp.ops.tiling.assumed import assumed_type
 
 __all__ = [
     "ACT_KINDS",
@@ -39,6 +40,7 @@ __all__ = [
     "glu_forward_reference",
     "kernel_failure",
     "kernels_available",
+    "kernels_planned",
 ]
 
 logger = logging.getLogger(__name__)
@@ -69,6 +71,8 @@ def glu_forward(
     if out is None:
         out = torch.empty(g.shape, dtype=g.dtype, device=g.device)
     check_aliasing("glu_forward", written={"out": out}, read={"g": g, "u": u})
+    if kernels_planned(g):
+        return out  # the kernel's memory: its output alone
     if not _use_kernel(g) or not _launched("forward", [g, u, out], act):
         return glu_forward_reference(g, u, act, out=out)
     return out
@@ -107,6 +111,8 @@ def glu_backward(
     check_aliasing("glu_backward", written={"g": g, "u": u, "h_out": h_out}, read={"dh": dh})
     # Without h_out the kernel's h pointer is dh's, never written (WRITE_H=False).
     h = dh if h_out is None else h_out
+    if kernels_planned(g):
+        return  # the kernel's memory: none (it writes in place)
     if not _use_kernel(g) or not _launched(
         "backward", [g, u, dh, h], act, WRITE_H=h_out is not None
     ):
@@ -131,6 +137,16 @@ def kernels_available(device: torch.device | str) -> bool:
     if dev.type != "cuda" and not glu_triton.interpreting():
         return False
     return _device_key(dev) not in _FAILED and glu_triton.triton_imports()
+
+
+def kernels_planned(t: torch.Tensor) -> bool:
+    """Whether `t` is a shapes-only tensor of a planned accelerator step (the planner's fake
+    tensors under ops/tiling/assumed.py's `assume_device`), whose GPU runs the kernels: the
+    step is planned with them. A kernel allocates nothing and writes its operands in place, so
+    on tensors without values a call is its operand checks alone: the memory the GPU's call
+    takes, in no time."""
+    assumed = assumed_type()
+    return assumed is not None and assumed != "cpu" and absent(t)
 
 
 def kernel_failure(device: torch.device | str) -> str | None:
