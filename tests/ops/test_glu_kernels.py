@@ -442,7 +442,8 @@ def test_fused_halves_reference_path_in_place() -> None:
 
 
 def test_glu_kernels_imports_no_triton_or_transformers() -> None:
-    # The glu modules loaded without tiledmlp's and tiledmlp.ops' __init__ (bare packages whose
+    # The glu modules (and the planner's assumed device type, ops/tiling/assumed.py: standard
+    # library only) loaded without tiledmlp's and tiledmlp.ops' __init__ (bare packages whose
     # __path__ finds the submodules): importing `tiledmlp.ops` already loads Triton through
     # torch._dynamo (ops/mlp/functional.py's @torch.compiler.disable, torch 2.13), which would hide
     # an eager import here. Checked after the reference path and the recognisers ran too.
@@ -451,6 +452,7 @@ def test_glu_kernels_imports_no_triton_or_transformers() -> None:
         "tiledmlp": glu_dir.parents[2],
         "tiledmlp.ops": glu_dir.parents[1],
         "tiledmlp.ops.mlp": glu_dir.parent,
+        "tiledmlp.ops.tiling": glu_dir.parents[1] / "tiling",
     }
     prelude = "import sys, types, torch; " + "".join(
         f"m = types.ModuleType({name!r}); m.__path__ = [{str(path)!r}]; sys.modules[{name!r}] = m; "
@@ -466,7 +468,7 @@ def test_glu_kernels_imports_no_triton_or_transformers() -> None:
         "mods = sorted(m for m in sys.modules if m.startswith('tiledmlp.ops.')); "
         "assert {'tiledmlp.ops.mlp.glu.triton_kernels', 'tiledmlp.ops.mlp.glu.activation'} <= set(mods), mods; "
         "assert all(m.startswith('tiledmlp.ops.mlp.glu') for m in mods if m not in "
-        f"{sorted(bare)!r}), mods; "
+        f"{[*sorted(bare), 'tiledmlp.ops.tiling.assumed']!r}), mods; "
         "bad = [m for m in ('triton', 'transformers') if m in sys.modules]; "
         "assert not bad, bad"
     )

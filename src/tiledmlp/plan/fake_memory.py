@@ -21,6 +21,8 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from tiledmlp.plan.written_out import written_out
+
 __all__ = ["StorageTracker", "fake_peak_bytes"]
 
 _DEVICE = torch.ops.prim.device.default
@@ -78,7 +80,10 @@ class StorageTracker(TorchDispatchMode):
             if isinstance(t, FakeTensor) and not t.fake_mode.in_kernel_invocation:
                 return t.fake_device  # FakeTensor's own answer, without its dispatch
             return func(*args, **(kwargs or {}))
-        out = func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        out = written_out(func, args, kwargs)  # a GEMM into its `out=` buffer: no storage
+        if out is None:
+            out = func(*args, **kwargs)
         if isinstance(out, torch.Tensor):  # most ops: one tensor, no tree to flatten
             self._track(out)
             return out

@@ -17,7 +17,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
 
 from tiledmlp.ops.tiling.policy import assume_device
 from tiledmlp.patching.offloading import enable_checkpointing, offloader_of
@@ -25,6 +24,7 @@ from tiledmlp.plan.apply_stack import apply_stack, build_model, decoder_layers_o
 from tiledmlp.plan.caching_allocator import HOLD, reserve_beyond_peak
 from tiledmlp.plan.device_overhead import CUBLAS_WORKSPACES, device_overhead
 from tiledmlp.plan.exchange import register_exchanged
+from tiledmlp.plan.fast_fake import fake_mode
 from tiledmlp.plan.periodic_tiles import PeriodicTiles, replayed_reserve
 from tiledmlp.plan.phase_tracker import PhaseTracker
 from tiledmlp.plan.segments import CATEGORIES, SHORT, Segments, StepEstimate
@@ -88,7 +88,7 @@ def simulate(
     breakdowns and allocator reserve (replayed on the whole loops' trace, rebuilt).
     `expandable_segments`: the caching allocator's setting the reserve is replayed with
     (caching_allocator.py)."""
-    with FakeTensorMode(), assume_device(device_type):
+    with fake_mode(), assume_device(device_type):
         step = prepare(config, layers, stack, dtype, checkpointing, optimizer, num_tiles)
         model = step.model
         if sequence_parallel_size > 1:

@@ -30,7 +30,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_flatten
 
 from tiledmlp.config.patch import PatchConfig
@@ -40,6 +39,7 @@ from tiledmlp.ops.tiling.policy import TilePolicy, assume_device
 from tiledmlp.patching.detect import Candidate
 from tiledmlp.patching.features.tiled_mlp import FoundModules
 from tiledmlp.patching.patch import apply_features
+from tiledmlp.plan.fast_fake import fake_mode
 from tiledmlp.plan.mlp import estimate_fields
 from tiledmlp.plan.periodic_tiles import cut_peak_bytes
 
@@ -211,7 +211,7 @@ def _estimate(
     import transformers
 
     cfg = cut_config(config)
-    with FakeTensorMode(), assume_device(device_type):
+    with fake_mode(), assume_device(device_type):
         model = transformers.AutoModel.from_config(
             cfg, attn_implementation="sdpa", dtype=dtype, trust_remote_code=False
         )

@@ -14,11 +14,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
 
 from tiledmlp.models.mlps import GatedMLP
 from tiledmlp.ops.mlp.functional import tile_plan, tiled_mlp
 from tiledmlp.ops.tiling.policy import TilePolicy, assume_device
+from tiledmlp.plan.fast_fake import fake_mode
 from tiledmlp.plan.periodic_tiles import cut_peak_bytes
 
 __all__ = ["estimate_fields", "plan_mlp"]
@@ -38,7 +38,7 @@ def _estimate(
 ) -> tuple[int, int]:
     """(peak bytes, tiles used) of one forward + backward; tiles None means untiled; "auto"
     resolves as on `device_type`."""
-    mode = FakeTensorMode()
+    mode = fake_mode()
     default = torch.get_default_dtype()
     with mode, assume_device(device_type):
         torch.set_default_dtype(dtype)  # build in dtype: .to() cannot swap fake parameters

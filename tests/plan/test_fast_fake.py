@@ -1,0 +1,60 @@
+"""The planner's fake mode (plan/fast_fake.py) keys FakeTensorMode's dispatch cache exactly as
+FakeTensorMode does, and a planned step is the same under either."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch._subclasses._fake_tensor_utils import _CacheKeyState
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from tiledmlp.plan import fake_step
+from tiledmlp.plan.estimate import estimate_step
+from tiledmlp.plan.fast_fake import PlannerFakeMode, fake_mode
+from tiledmlp.plan.layer import load_config
+
+
+def _args(mode: FakeTensorMode) -> list[Any]:
+    """Arguments of the kinds a planned step passes, made under `mode`."""
+    with mode:
+        x = torch.empty(6, 8, dtype=torch.bfloat16)
+        w = torch.empty(8, 4, requires_grad=True)
+        image = torch.empty(2, 3, 4, 5).to(memory_format=torch.channels_last)
+        with torch.inference_mode():
+            frozen = torch.empty(3)
+        z = torch.empty(2, dtype=torch.complex64).conj()
+        return [
+            x, x.t(), x[2:5], x[:, ::2], w, image, frozen, z, torch.empty(0),
+            1, 2.5, True, None, "mean", torch.float32, torch.device("cpu"), torch.strided,
+            [3, 4], (x, [w, 7]), torch.Size([2, 3]), {"dim": 1, "out": x}, slice(1, 2),
+        ]  # fmt: skip
+
+
+def _key(mode: FakeTensorMode, args: list[Any]) -> list[object]:
+    result: list[object] = []
+    mode._prep_args_for_hash(result, args, _CacheKeyState(mode.shape_env), [])
+    return result
+
+
+def test_this_torch_gets_the_planner_s_mode() -> None:
+    # a torch whose TensorMetadata changed falls back to FakeTensorMode: this one must not
+    assert type(fake_mode()) is PlannerFakeMode
+
+
+def test_the_keys_are_fake_tensor_mode_s() -> None:
+    planner, plain = PlannerFakeMode(), FakeTensorMode()
+    want, got = _key(plain, _args(plain)), _key(planner, _args(planner))
+    assert got == want
+    for i, arg in enumerate(_args(plain)):  # one by one, so that a difference is named
+        assert _key(planner, [_args(planner)[i]]) == _key(plain, [arg]), arg
+
+
+def test_a_planned_step_is_the_same_under_either_mode(monkeypatch: pytest.MonkeyPatch) -> None:
+    config = load_config("tiny")
+    options: dict[str, Any] = {"seq_len": 2048, "stack": "tiled_layer", "checkpointing": True,
+                               "optimizer": "adamw", "num_tiles": 4}  # fmt: skip
+    fast = estimate_step(config, **options)
+    monkeypatch.setattr(fake_step, "fake_mode", FakeTensorMode)
+    assert estimate_step(config, **options) == fast
