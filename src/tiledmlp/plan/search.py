@@ -82,11 +82,14 @@ def max_seq_len(
         step = int((budget_bytes - peak(hi)) / slope * 1.05) + 1
         lo, hi = hi, min(limit, hi + max(1, step))
     while hi - lo > 1:  # fits(lo), not fits(hi)
-        guess = lo + int((budget_bytes - peak(lo)) * (hi - lo) / max(1, peak(hi) - peak(lo)))
+        slope = max(1.0, (peak(hi) - peak(lo)) / (hi - lo))  # bytes per granule
+        guess = lo + int((budget_bytes - peak(lo)) / slope)
         mid = min(max(guess, lo + 1), hi - 1)
         if peak(mid) <= budget_bytes:
             lo = mid
-            if mid + 1 < hi and peak(mid + 1) > budget_bytes:
+            # one more granule where the line puts the budget within one: likely the answer
+            near = budget_bytes - peak(mid) < slope
+            if near and mid + 1 < hi and peak(mid + 1) > budget_bytes:
                 return mid * granularity
         else:
             hi = mid
