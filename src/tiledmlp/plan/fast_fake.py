@@ -40,9 +40,8 @@ def _flatten_tensor(result: list[object], t: torch.Tensor) -> None:
     """TensorMetadata(t)._flatten_into(result, ...) for a dense strided tensor with concrete
     sizes: its fields in order, the shape and stride as tuples are (type, length, then type and
     value per element)."""
-    memory_format: torch.memory_format | None = suggest_memory_format(t)
-    if not t.is_contiguous(memory_format=memory_format):
-        memory_format = None
+    suggested = suggest_memory_format(t)
+    memory_format = suggested if t.is_contiguous(memory_format=suggested) else None
     shape, stride = t.shape, t.stride()
     result.append(t.dtype)
     result.append(torch.Size)
