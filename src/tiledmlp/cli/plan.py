@@ -146,8 +146,8 @@ def _add_whole_step_flags(whole: Any) -> None:
         type=_stacks,
         default=None,
         metavar="NAME[,NAME...]",
-        help="plan only these stacks, comma-separated (default: every stack); a whole-model "
-        "search takes minutes per stack",
+        help="plan only these stacks, comma-separated (default: every stack); with --memory-gb "
+        "each stack's search estimates several lengths, seconds each",
     )
     whole.add_argument(
         "--engine",

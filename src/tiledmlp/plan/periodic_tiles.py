@@ -9,9 +9,9 @@ one by one and watches each tile's window of the tracker's events (phase_tracker
 start of the tile's loop body to the next. As soon as two consecutive tiles of one size are
 alike (the same allocations and phases, the same releases relative to the tile's first new
 storage and of the same bytes, the same live bytes at their start, each tile leaving the live
-bytes it found, and no segment closed), it skips the rest of the tiles of that size. A skipped tile
-would start from the state the two alike tiles started from and run the same code on the same
-shapes: it would repeat their window exactly, so the step's peak, the moment it is first
+bytes it found, and no segment closed), it skips the rest of the tiles of that size. A skipped
+tile would start from the state the two alike tiles started from and run the same code on the
+same shapes: it would repeat their window exactly, so the step's peak, the moment it is first
 reached, what is alive then and its categories are those of the whole loop. (The product's
 loops branch on the tile's index only for the first tile.)
 

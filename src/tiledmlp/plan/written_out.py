@@ -2,12 +2,13 @@
 
 The tile engines accumulate products into buffers they own (`torch.mm(a, b, out=...)`,
 `torch.addmm(acc, a, b, out=acc)`, with a float32 `out_dtype` on a GPU). On fake tensors such a
-call creates no storage: its result is the `out` tensor. FakeTensorMode does not cache calls whose
-arguments alias their output, so each one runs its meta kernel, about ten times a cached call's
-cost; the trackers (fake_memory.py) take the result from here instead, where the operands are
-what the kernel accepts as they are: 2-D matrices whose inner sizes agree, an `out` of the
+call creates no storage: its result is the `out` tensor. FakeTensorMode does not cache calls
+whose arguments alias their output, so each one runs its meta kernel, about ten times a cached
+call's cost; the trackers (fake_memory.py) take the result from here instead, where the operands
+are what the kernel accepts as they are: 2-D matrices whose inner sizes agree, an `out` of the
 product's shape and of the dtype the kernel writes (the inputs', or `out_dtype`), an added
-`self` of the product's shape and of `out`'s dtype. Anything else is dispatched (a resize, a broadcast, an error).
+`self` of the product's shape and of `out`'s dtype. Anything else is dispatched (a resize, a
+broadcast, an error).
 
 Invariant: `written_out` returns a tensor only where the op would return that same tensor and
 allocate nothing.
