@@ -4,12 +4,14 @@ the estimates handed back, a job's error raised in the caller."""
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 import pytest
 import torch
 
 from hf_models import BASE
+from tiledmlp.plan import forked
 from tiledmlp.plan import model as plan_model_module
 from tiledmlp.plan.forked import default_processes, run_jobs
 from tiledmlp.plan.model import plan_model
@@ -76,3 +78,34 @@ def test_a_job_s_error_is_raised_by_the_plan(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setattr(plan_model_module, "_plan_stack", fails)  # inherited by the fork
     with pytest.raises(ValueError, match="cannot be planned yet"):
         plan_model(_config(), seq_len=512, dtype=torch.float32, num_tiles=2, processes=2)
+
+
+def _side(kind: str) -> Any:
+    """A job: "quick" returns at once; "pair" waits until it is the only job computing (at
+    most a minute), then runs two pids beside each other; "error" the same with a failing
+    second computation."""
+    if kind == "quick":
+        return None
+    deadline = time.monotonic() + 60
+    while forked._busy is not None and forked._busy.value > 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    if kind == "error":
+        return forked.beside(os.getpid, _fail)
+    return forked.beside(os.getpid, os.getpid)
+
+
+def _fail() -> int:
+    raise ValueError("the second computation failed")
+
+
+@fork_only
+@pytest.mark.skipif(forked.available_cpus() < 2, reason="needs an idle second CPU")
+def test_beside_forks_where_a_cpu_is_idle_and_hands_errors_back() -> None:
+    _, (here, there) = run_jobs(_side, [("quick",), ("pair",)], processes=2)
+    assert here != there and os.getpid() not in (here, there)
+    with pytest.raises(ValueError, match="second computation failed"):
+        run_jobs(_side, [("quick",), ("error",)], processes=2)
+    # outside a job: one after the other, here
+    assert forked.beside(os.getpid, os.getpid) == (os.getpid(), os.getpid())
+    with pytest.raises(ValueError):
+        forked.beside(os.getpid, _fail)

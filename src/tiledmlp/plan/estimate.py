@@ -20,6 +20,7 @@ from tiledmlp.config.stacks import STACKS, stack_option
 from tiledmlp.plan.apply_stack import build_model, decoder_layers_of
 from tiledmlp.plan.engines import ParamCounts, check_engine, engine_memory
 from tiledmlp.plan.fake_step import simulate
+from tiledmlp.plan.forked import beside
 from tiledmlp.plan.segments import SHORT, Segments, StepEstimate, extrapolate, larger
 
 __all__ = ["OPTIMIZERS", "estimate_step", "param_counts"]
@@ -113,7 +114,7 @@ def _simulated(run: Any, depth: int, exact: bool) -> StepEstimate:
     (estimate_step)."""
     if exact or depth <= SHORT + 1:
         return larger(run(depth))
-    short, longer = run(SHORT), run(SHORT + 1)
+    short, longer = beside(lambda: run(SHORT), lambda: run(SHORT + 1))  # forked.py
     if longer.middle.peak > max(longer.head.peak, longer.tail.peak):
         return larger(run(depth))  # layers unlike each other: no shortcut
     head = extrapolate(short.head, longer.head, depth)

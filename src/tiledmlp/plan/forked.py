@@ -5,6 +5,10 @@ CPUs they run in child processes forked from this one (on Linux, where fork is a
 imports and the config come along, nothing is imported again), at most one per CPU; the results
 come back in the jobs' order.
 
+Inside a job, `beside` runs two independent computations at once where a CPU has gone idle (the
+other jobs done: a long stack's search would otherwise run alone): the second in a process forked
+from the job's.
+
 Invariant: the answer is that of running the jobs one after another in this process; an exception
 raised by a job is raised here (the jobs not yet started are cancelled).
 """
@@ -13,15 +17,21 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import pickle
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor
+from multiprocessing.sharedctypes import Synchronized
 from typing import Any, TypeVar
 
 import torch
 
-__all__ = ["available_cpus", "default_processes", "run_jobs"]
+__all__ = ["available_cpus", "beside", "default_processes", "run_jobs"]
 
 T = TypeVar("T")
+U = TypeVar("U")
+
+# in a job's process: how many of run_jobs' processes (and their forks) are computing
+_busy: Synchronized[int] | None = None
 
 
 def available_cpus() -> int:
@@ -54,18 +64,79 @@ def run_jobs(fn: Callable[..., T], jobs: Sequence[tuple[Any, ...]], processes: i
     workers = min(processes, len(jobs))
     if workers <= 1:
         return [fn(*args) for args in jobs]
+    context = multiprocessing.get_context("fork")
+    busy = context.Value("i", 0)
     pool = ProcessPoolExecutor(
-        max_workers=workers, mp_context=multiprocessing.get_context("fork"), initializer=_child
+        max_workers=workers, mp_context=context, initializer=_child, initargs=(busy,)
     )
     try:
         futures: dict[int, Future[T]] = {}
         for i in reversed(range(len(jobs))):
-            futures[i] = pool.submit(fn, *jobs[i])
+            futures[i] = pool.submit(_counted, fn, *jobs[i])
         return [futures[i].result() for i in range(len(jobs))]
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
 
 
-def _child() -> None:
+def beside(first: Callable[[], T], second: Callable[[], U]) -> tuple[T, U]:
+    """(first(), second()). Inside a job of run_jobs with a CPU idle, `second` runs in a process
+    forked from this one while `first` runs here (its result comes back pickled); otherwise one
+    after the other here.
+
+    Raises:
+        Whatever `first` or `second` raised (`first`'s when both did).
+    """
+    busy = _busy
+    if busy is None:
+        return first(), second()
+    with busy.get_lock():
+        idle = busy.value < available_cpus()
+        if idle:
+            busy.value += 1
+    if not idle:
+        return first(), second()
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the forked process: `second`, its result or its error down the pipe
+        os.close(read)
+        try:
+            payload = pickle.dumps((True, second()))
+        except BaseException as e:  # handed to the caller, raised there
+            payload = pickle.dumps((False, e))
+        with os.fdopen(write, "wb") as out:
+            out.write(payload)
+        os._exit(0)
+    os.close(write)
+    try:
+        a = first()
+    finally:
+        with os.fdopen(read, "rb") as pipe:
+            data = pipe.read()
+        os.waitpid(pid, 0)
+        with busy.get_lock():
+            busy.value -= 1
+    if not data:
+        raise RuntimeError("tiledmlp plan: a forked estimate ended without a result")
+    ok, b = pickle.loads(data)
+    if not ok:
+        raise b
+    return a, b
+
+
+def _counted(fn: Callable[..., T], *args: Any) -> T:
+    """fn(*args), counted as computing (beside)."""
+    assert _busy is not None  # set by _child in every process of the pool
+    with _busy.get_lock():
+        _busy.value += 1
+    try:
+        return fn(*args)
+    finally:
+        with _busy.get_lock():
+            _busy.value -= 1
+
+
+def _child(busy: Synchronized[int]) -> None:
+    global _busy
+    _busy = busy
     # one process per CPU: a child's own operations stay on one thread
     torch.set_num_threads(1)
