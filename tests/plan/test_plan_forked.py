@@ -4,6 +4,7 @@ the estimates handed back, a job's error raised in the caller."""
 from __future__ import annotations
 
 import os
+import threading
 import time
 from typing import Any
 
@@ -91,6 +92,8 @@ def _side(kind: str) -> Any:
         time.sleep(0.01)
     if kind == "error":
         return forked.beside(os.getpid, _fail)
+    if kind == "unpicklable":
+        return forked.beside(os.getpid, _fail_unpicklable)
     return forked.beside(os.getpid, os.getpid)
 
 
@@ -98,13 +101,24 @@ def _fail() -> int:
     raise ValueError("the second computation failed")
 
 
+class _Unpicklable(Exception):
+    def __init__(self) -> None:
+        super().__init__("held a lock")
+        self.lock = threading.Lock()  # no pickle for a lock
+
+
+def _fail_unpicklable() -> int:
+    raise _Unpicklable()
+
+
 @fork_only
-@pytest.mark.skipif(forked.available_cpus() < 2, reason="needs an idle second CPU")
 def test_beside_forks_where_a_cpu_is_idle_and_hands_errors_back() -> None:
     _, (here, there) = run_jobs(_side, [("quick",), ("pair",)], processes=2)
     assert here != there and os.getpid() not in (here, there)
     with pytest.raises(ValueError, match="second computation failed"):
         run_jobs(_side, [("quick",), ("error",)], processes=2)
+    with pytest.raises(RuntimeError, match="_Unpicklable: held a lock"):
+        run_jobs(_side, [("quick",), ("unpicklable",)], processes=2)
     # outside a job: one after the other, here
     assert forked.beside(os.getpid, os.getpid) == (os.getpid(), os.getpid())
     with pytest.raises(ValueError):

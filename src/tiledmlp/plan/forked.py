@@ -30,8 +30,10 @@ __all__ = ["available_cpus", "beside", "default_processes", "run_jobs"]
 T = TypeVar("T")
 U = TypeVar("U")
 
-# in a job's process: how many of run_jobs' processes (and their forks) are computing
+# in a job's process: how many of run_jobs' processes (and their forks) are computing, and how
+# many processes its caller allowed
 _busy: Synchronized[int] | None = None
+_workers = 1
 
 
 def available_cpus() -> int:
@@ -67,7 +69,7 @@ def run_jobs(fn: Callable[..., T], jobs: Sequence[tuple[Any, ...]], processes: i
     context = multiprocessing.get_context("fork")
     busy = context.Value("i", 0)
     pool = ProcessPoolExecutor(
-        max_workers=workers, mp_context=context, initializer=_child, initargs=(busy,)
+        max_workers=workers, mp_context=context, initializer=_child, initargs=(busy, workers)
     )
     try:
         futures: dict[int, Future[T]] = {}
@@ -79,9 +81,9 @@ def run_jobs(fn: Callable[..., T], jobs: Sequence[tuple[Any, ...]], processes: i
 
 
 def beside(first: Callable[[], T], second: Callable[[], U]) -> tuple[T, U]:
-    """(first(), second()). Inside a job of run_jobs with a CPU idle, `second` runs in a process
-    forked from this one while `first` runs here (its result comes back pickled); otherwise one
-    after the other here.
+    """(first(), second()). Inside a job of run_jobs while fewer of its processes compute than it
+    was allowed (a CPU idle), `second` runs in a process forked from this one while `first` runs
+    here (its result comes back pickled); otherwise one after the other here.
 
     Raises:
         Whatever `first` or `second` raised (`first`'s when both did).
@@ -90,7 +92,7 @@ def beside(first: Callable[[], T], second: Callable[[], U]) -> tuple[T, U]:
     if busy is None:
         return first(), second()
     with busy.get_lock():
-        idle = busy.value < available_cpus()
+        idle = busy.value < _workers
         if idle:
             busy.value += 1
     if not idle:
@@ -98,14 +100,19 @@ def beside(first: Callable[[], T], second: Callable[[], U]) -> tuple[T, U]:
     read, write = os.pipe()
     pid = os.fork()
     if pid == 0:  # the forked process: `second`, its result or its error down the pipe
-        os.close(read)
         try:
-            payload = pickle.dumps((True, second()))
-        except BaseException as e:  # handed to the caller, raised there
-            payload = pickle.dumps((False, e))
-        with os.fdopen(write, "wb") as out:
-            out.write(payload)
-        os._exit(0)
+            os.close(read)
+            try:
+                payload = pickle.dumps((True, second()))
+            except BaseException as e:  # handed to the caller, raised there
+                try:
+                    payload = pickle.dumps((False, e))
+                except Exception:  # an error that does not pickle: its type and message
+                    payload = pickle.dumps((False, RuntimeError(f"{type(e).__name__}: {e}")))
+            with os.fdopen(write, "wb") as out:
+                out.write(payload)
+        finally:
+            os._exit(0)  # never back into the job's code
     os.close(write)
     try:
         a = first()
@@ -135,8 +142,8 @@ def _counted(fn: Callable[..., T], *args: Any) -> T:
             _busy.value -= 1
 
 
-def _child(busy: Synchronized[int]) -> None:
-    global _busy
-    _busy = busy
+def _child(busy: Synchronized[int], workers: int) -> None:
+    global _busy, _workers
+    _busy, _workers = busy, workers
     # one process per CPU: a child's own operations stay on one thread
     torch.set_num_threads(1)
