@@ -61,10 +61,9 @@ repeated tiles ran once (plan/periodic_tiles.py) maps the same pages, so it need
 simulation; a deeper model's reserve is the larger of the 4- and 5-layer steps' (plan/
 estimate.py), not a line in the depth. In both modes the attention backward's buffers are in
 the trace at their calls; the cuBLAS workspaces are allocated before the step's first request.
-Blocks the
-offloader's side-stream copies still use when their tensors die stay taken until the phase ends
-(plan/phase_tracker.py); a full card takes them back before an allocation fails, so the plan's
-figure leaves them out and names them (StepEstimate.reclaimable).
+Blocks the offloader's side-stream copies still use when their tensors die stay taken until the
+phase ends (plan/phase_tracker.py); a full card takes them back before an allocation fails, so
+the plan's figure leaves them out and names them (StepEstimate.reclaimable).
 
 On the CPU none of these terms exists (no context or workspaces are reserved from a device, the
 allocator is the system's): the overhead is zero, and `--memory-gb` there is the memory the
