@@ -1,11 +1,16 @@
 #!/usr/bin/env bash
 # One prepared GPU run that writes its records as it goes (a run cut short keeps what it measured):
-#   1. the suite within its time budget (python -m tiledmlp.bench.suite --budget SUITE_S);
+#   0. (trace) the caching allocator's own trace of whole steps (bench/allocator_trace.py): the
+#      4-layer Llama-3-8B shape, tiled_mlp_loss at 128K without expandable segments and the
+#      norms stack at 32K with them, each in a fresh process;
+#   1. the suite within its time budget (python -m tiledmlp.bench.suite --budget SUITE_S;
+#      SUITE_PARTS, if set, is passed as --parts);
 #   2. `tiledmlp plan --measure` of Llama-3-8B cut to 2 layers (tiled_mlp_loss, tiled_layer);
 #   3. a long Llama-3-8B-shaped step with the full stack (tiled_layer), layers cut to 2, and
 #      the planner's prediction for the same model (on this machine's CPU, in the background).
 # Usage: benchmarks/run_gpu.sh OUT_DIR [SUITE_S] [TOTAL_S] [WHAT]
-# WHAT: comma-separated subset of suite,long,measure (default: all three, in that order).
+# WHAT: comma-separated subset of trace,suite,long,measure (default: suite,long,measure; they run
+# in that order).
 # Peers' packages (DeepSpeed, Liger) are installed from .gpu-wheels/ when that folder exists.
 set -u
 OUT_DIR=${1:?usage: benchmarks/run_gpu.sh OUT_DIR [SUITE_S] [TOTAL_S]}
@@ -30,9 +35,24 @@ export PYTHONUNBUFFERED=1
   python3 -c "import torch, transformers, triton; print(torch.__version__, torch.version.cuda, transformers.__version__, triton.__version__)"
 } >"$OUT_DIR/machine.txt" 2>&1
 
+if want trace; then
+  mkdir -p "$OUT_DIR/trace"
+  SHAPE='"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 4, "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256, "max_position_embeddings": 1048576, "rope_theta": 500000.0, "tie_word_embeddings": false'
+  for spec in "131072 tiled_mlp_loss expandable_segments:False" \
+              "32768 tiled_mlp_loss_offload_norms expandable_segments:True"; do
+    set -- $spec
+    echo "trace $2 $1 $3"
+    PYTORCH_CUDA_ALLOC_CONF=$3 timeout 150 python3 -m tiledmlp.bench.allocator_trace \
+      "{\"config\": {$SHAPE}, \"seq_len\": $1, \"stack\": \"$2\"}" \
+      "$OUT_DIR/trace/$2-$1-${3#expandable_segments:}.json.gz" >>"$OUT_DIR/trace/trace.log" 2>&1
+    echo "trace exit $? at $(($(date +%s) - START)) s"
+  done
+fi
+
 if want suite; then
   echo "suite (budget ${SUITE_S} s)"
-  python3 -m tiledmlp.bench.suite --budget "$SUITE_S" --out "$OUT_DIR/suite" -v >"$OUT_DIR/suite.log" 2>&1
+  python3 -m tiledmlp.bench.suite --budget "$SUITE_S" --out "$OUT_DIR/suite" -v \
+    ${SUITE_PARTS:+--parts "$SUITE_PARTS"} >"$OUT_DIR/suite.log" 2>&1
   echo "suite exit $? at $(($(date +%s) - START)) s"
 fi
 
