@@ -101,14 +101,22 @@ def record_step_trace(job: StepJob) -> dict[str, Any]:
     mem._record_memory_history(enabled=None, device=device)
     events, frames = compact_trace(snapshot["device_traces"][_index(device)])
     segments = [
-        [int(s["address"]), int(s["total_size"]), int(s["allocated_size"]),
-         str(s.get("segment_type", ""))]  # fmt: skip
+        [
+            int(s["address"]),
+            int(s["total_size"]),
+            int(s["allocated_size"]),
+            str(s.get("segment_type", "")),
+        ]
         for s in snapshot["segments"]
         if s.get("device", _index(device)) == _index(device)
     ]
     return {
-        "job": {"config": job.config, "seq_len": job.seq_len, "stack": job.stack,
-                "dtype": job.dtype},  # fmt: skip
+        "job": {
+            "config": job.config,
+            "seq_len": job.seq_len,
+            "stack": job.stack,
+            "dtype": job.dtype,
+        },
         "cuda_alloc_conf": allocator_setting()["value"],
         "torch": torch.__version__,
         "device_name": torch.cuda.get_device_name(device),
