@@ -19,19 +19,27 @@ M = 1 << 20
 
 
 def test_one_call_of_an_8b_layer_at_1m_tokens_whole_and_by_heads() -> None:
-    # 32 query heads of 128 in one call: cuDNN's float32 dq accumulator and row sums and one
-    # output-sized buffer in the model's dtype; grouped key/value heads are not expanded
-    assert attention_call_bytes(M * 32 * 128, 128, 2) == M * 32 * 129 * 4 + M * 32 * 128 * 2
-    assert attention_call_bytes(M * 128, 128, 2) == M * 129 * 4 + M * 128 * 2  # one head
-    assert attention_call_bytes(M * 32 * 128, 128, 4) == M * 32 * 129 * 4 + M * 32 * 128 * 4
+    # cuDNN's workspace: two float32 values per query element and one per query row, and 256
+    # bytes; grouped key/value heads are not expanded, the dtype does not matter
+    assert attention_call_bytes(1, 32, 8, M, 128) == M * 32 * 257 * 4 + 256
+    assert attention_call_bytes(1, 1, 1, M, 128) == M * 257 * 4 + 256  # one head
+    assert attention_call_bytes(2, 32, 32, M, 64) == 2 * M * 32 * 129 * 4 + 256
 
 
-def test_the_cudnn_buffers_and_the_h100_record_of_sdpa() -> None:
+def test_the_cudnn_workspace_of_the_h100_traces() -> None:
+    """The caching allocator's trace of whole steps on an H100 (32 query, 8 key/value heads of
+    128): each attention backward's one request beyond its tensors."""
+    assert attention_call_bytes(1, 32, 8, 32768, 128) == 1_077_936_384
+    assert attention_call_bytes(1, 32, 8, 131072, 128) == 4_311_744_768
+
+
+def test_the_h100_record_of_sdpa_is_its_tensors_and_the_workspace() -> None:
     """The record's SDPA step (32 query, 8 key/value heads of 128, bf16): 53,504 bytes per token
-    = output, row statistics, upstream gradient, dq, dk, dv (tensors) + one call's buffers."""
+    = row statistics, dq and a second buffer of its size, dk, dv (tensors) + the workspace."""
     n = 131072
-    tensors = n * (3 * 32 * 128 * 2 + 32 * 4 + 2 * 8 * 128 * 2)
-    assert tensors + attention_call_bytes(n * 32 * 128, 128, 2) == 6688 * MiB
+    tensors = n * (32 * 4 + 2 * 32 * 128 * 2 + 2 * 8 * 128 * 2)
+    workspace = attention_call_bytes(1, 32, 8, n, 128)
+    assert tensors + workspace - 256 == 6688 * MiB
 
 
 def _attention_step(tracker_buffers: AttentionBuffers | None, after: int) -> PhaseTracker:
@@ -55,8 +63,8 @@ def test_each_attention_backward_call_adds_its_buffers_beside_its_outputs() -> N
     buffers = AttentionBuffers()
     with_buffers = _attention_step(buffers, after=0)
     without = _attention_step(None, after=0)
-    call = attention_call_bytes(8 * 1024 * 64, 64, 2)
-    assert call == 1024 * 8 * 65 * 4 + 1024 * 8 * 64 * 2
+    call = attention_call_bytes(1, 8, 2, 1024, 64)
+    assert call == 1024 * 8 * 129 * 4 + 256
     # the trace gets the buffer as a request released right after it, nothing else
     at = [i for i, (_, b) in enumerate(with_buffers.trace) if b == call]
     assert len(at) == 1
@@ -107,7 +115,7 @@ def test_a_planned_step_counts_the_buffers_at_their_moment() -> None:
     assert estimate_step(cfg, stack="untiled", **kw).attention == 0
     stack = "tiled_mlp_loss_offload_norms"
     gpu = estimate_step(cfg, stack=stack, **kw)
-    assert 0 < gpu.attention <= attention_call_bytes(65536 * 32 * 128, 128, 2)
+    assert 0 < gpu.attention <= attention_call_bytes(1, 32, 8, 65536, 128)
     assert estimate_step(cfg, stack=stack, device_type="cpu", **kw).attention == 0
 
 

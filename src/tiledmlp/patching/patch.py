@@ -6,7 +6,8 @@ submodules are never touched, so state_dict keys and values, save_pretrained and
 are unaffected. Each feature probes the model first (all of them before any is applied, so a
 refusal changes nothing), then is applied from its probe's result (probe_features,
 apply_features: the planner applies the same features to a model on fake tensors with results
-it declares by structure).
+it declares by structure). On a GPU the segments the probes made the caching allocator take
+are given back once they are done (probe_cache.py).
 
 Invariant: a patched module computes what its original forward computes, with the same
 gradients; calling patch_model again is idempotent (same arguments) or updates the tile policy.
@@ -23,6 +24,7 @@ from torch import nn
 from tiledmlp.config.patch import PatchConfig
 from tiledmlp.patching.features import FEATURES, Found
 from tiledmlp.patching.features.tiled_modules import reset_tile_counts, tile_counts, tiled_forward
+from tiledmlp.patching.probe_cache import probes_released
 from tiledmlp.patching.report import PatchReport, ReportParts
 from tiledmlp.patching.state import original_forward
 
@@ -80,7 +82,13 @@ def patch_model(model: nn.Module, config: PatchConfig | None = None, **options: 
             collective runs).
     """
     config = _config(config, options)
-    report = apply_features(model, config, probe_features(model, config))
+    with probes_released(model) as released:  # the probes' cached segments (probe_cache.py)
+        found = probe_features(model, config)
+    if released:
+        logger.debug(
+            "released the cache patch_model's probes grew on %s", sorted(map(str, released))
+        )
+    report = apply_features(model, config, found)
     logger.info("%s", report)
     return report
 

@@ -24,17 +24,18 @@ Note [Attention backward buffers]: a model's own attention calls
 `F.scaled_dot_product_attention`, which on Hopper runs cuDNN attention
 (`aten._scaled_dot_product_cudnn_attention`; docs/guides/gpus.md), and so does the attention
 core by head groups of tiled decoder layers (ops/attention/select.py: SDPA's kernel, per group).
-cuDNN's backward takes a workspace holding a float32 dq accumulator (tokens x heads x head_dim)
-and float32 row sums (heads x tokens); grouped-query attention is taken natively, the
-per-query-head dk and dv being virtual tensors that take no workspace (cudnn-frontend,
-CompositeSDPABackwardNode: get_fe_workspace_size_node). The H100 record of the op
-(benchmarks/results/gpu/2026-11-25-h100/attention_by_heads.jsonl, "sdpa": 53,504 bytes per
-token at 8K, 32K and 128K tokens for 32 query and 8 key/value heads of 128, bf16) equals the
-output, its row statistics, the upstream gradient, dq, dk, dv and that workspace plus one more
-buffer of the output's size; it is counted too (heads x head_dim in the model's dtype per
-token), the record being its source. The same record with key/value repeated to 32 heads
-("sdpa_repeat", 65,792 bytes per token) adds exactly the repeated dk and dv, which confirms that
-no expanded dk and dv are allocated. The buffers exist while the call runs: the simulation
+cuDNN's backward takes one workspace per call: two float32 values per query element (a dq
+accumulator among them) and a float32 row sum per query row, and 256 bytes more; grouped-query
+attention is taken natively (no per-query-head dk and dv). The source is the caching
+allocator's own trace of whole steps on an H100 (benchmarks/results/gpu/2026-11-26T0933-h100/
+trace/, bench/allocator_trace.py): each attention backward requests dq, a second buffer of dq's
+size, dk and dv (tensors, which the simulation's fake kernel creates as well) and then that
+workspace, released before the call returns (1,077,936,384 bytes at 32K tokens, 4,311,744,768
+at 128K, 32 query heads of 128). The H100 record of the op (benchmarks/results/gpu/2026-11-25-
+h100/attention_by_heads.jsonl, "sdpa": 53,504 bytes per token for 32 query and 8 key/value
+heads of 128, bf16) is exactly the row statistics, dq, the second buffer, dk, dv and the
+workspace; with key/value repeated to 32 heads ("sdpa_repeat", 65,792) exactly the larger dk
+and dv. The buffers exist while the call runs: the simulation
 (plan/phase_tracker.py) adds them to the trace at each attention backward call, for the call's
 own query (one head group's, or under sequence parallelism the whole sequence with heads / P),
 beside its outputs, so the allocator replays them in order and the term is what they add to the
@@ -78,6 +79,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from tiledmlp.ops.attention.heads import attention_buffer_bytes
+
 __all__ = [
     "CUBLAS_WORKSPACES",
     "AttentionBuffers",
@@ -93,13 +96,11 @@ CUBLAS_WORKSPACES = (int(8.125 * MiB), 32 * MiB)
 _CUBLAS = sum(CUBLAS_WORKSPACES)
 
 
-def attention_call_bytes(query_elements: int, head_dim: int, itemsize: int) -> int:
-    """The buffers one cuDNN attention backward call allocates beyond its tensors, for a query
-    of `query_elements` (rows x head_dim over the call's heads) in a dtype of `itemsize` bytes:
-    the float32 dq accumulator and row sums, and the output-sized buffer of the record (Note
-    [Attention backward buffers])."""
-    rows = query_elements // head_dim
-    return rows * (head_dim + 1) * 4 + query_elements * itemsize
+def attention_call_bytes(batch: int, heads: int, kv_heads: int, tokens: int, head_dim: int) -> int:
+    """The workspace one cuDNN attention backward call allocates beyond its tensors, for the
+    call's heads and key/value heads (Note [Attention backward buffers];
+    ops/attention/heads.py: attention_buffer_bytes)."""
+    return attention_buffer_bytes(batch, heads, kv_heads, tokens, head_dim, 0, 1, "cudnn")
 
 
 @dataclass(frozen=True)
@@ -113,8 +114,10 @@ class AttentionBuffers:
         return "attention" in name and "backward" in name
 
     def nbytes(self, func: Any, args: Any) -> int:
-        query = args[1]  # (grad_out, query, key, value, out, ...) for every fused kernel
-        return attention_call_bytes(query.numel(), query.shape[-1], query.element_size())
+        # (grad_out, query, key, value, out, ...) for every fused kernel, q, k and v each
+        # (batch, heads, tokens, head_dim)
+        (batch, heads, tokens, head_dim), kv_heads = args[1].shape, args[2].shape[1]
+        return attention_call_bytes(batch, heads, kv_heads, tokens, head_dim)
 
 
 @dataclass(frozen=True)

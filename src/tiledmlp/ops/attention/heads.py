@@ -69,18 +69,22 @@ __all__ = [
 #   holds for it. Taken alone this bound gives the smallest buffers the launches allow;
 # - memory: what one grouping holds beyond the op's tensors is one call's float32 dq
 #   accumulator and row sums, which every fused backward allocates for the heads of the call
-#   (tokens x heads/groups x (head_dim + 1) x 4 bytes), the call's results in flight before
-#   they are copied (its dq, dk and dv), and, for calls inside one key/value head, that head's
-#   dk and dv summed in float32. head_groups takes the FEWEST groups that hold at most what the
-#   launch bound's grouping holds, or BUFFER_FLOOR bytes where that is more: below it a split
-#   saves too little memory for what its calls cost. With 32 query and 8 key/value heads of 128
-#   in bf16: one call up to 8K tokens, 2 groups at 16K, 4 at 32K, a key/value head per call (8
-#   groups) at 64K, and from 128K, where every fewer grouping passes the floor and holds more
-#   than one query head per call, the launch bound's 32.
+#   (tokens x heads/groups x (head_dim + 1) x 4 bytes; cuDNN's workspace holds one more
+#   float32 value per query element, attention_buffer_bytes, but the rule weighs every
+#   grouping by the flash kernel's buffers, the measure its timed groupings were chosen by),
+#   the call's results in flight before they are copied (its dq, dk and dv), and, for calls
+#   inside one key/value head, that head's dk and dv summed in float32. head_groups takes the
+#   FEWEST groups that hold at most what the launch bound's grouping holds, or BUFFER_FLOOR
+#   bytes where that is more: below it a split saves too little memory for what its calls
+#   cost. With 32 query and 8 key/value heads of 128 in bf16: one call up to 8K tokens, 2
+#   groups at 16K, 4 at 32K, a key/value head per call (8 groups) at 64K, and from 128K, where
+#   every fewer grouping passes the floor and holds more than one query head per call, the
+#   launch bound's 32.
 # The multiprocessor count is the device's (CUDA); elsewhere (the CPU, fake tensors in the
 # planner) DEFAULT_MULTIPROCESSORS stands for the accelerator planned for (an H100's 132).
 
 MIN_WAVES = 4
+CUDNN_WORKSPACE_EXTRA = 256  # bytes beyond the float32 buffers in every cuDNN backward workspace
 DEFAULT_MULTIPROCESSORS = 132
 BUFFER_FLOOR = 256 * 2**20
 
@@ -172,16 +176,22 @@ def attention_buffer_bytes(
 ) -> int:
     """Bytes a fused attention backward allocates inside one call (invisible to a tensor trace)
     when the attention runs in `groups` groups: for the call's heads h = heads / groups and
-    key/value heads h_kv (kv_heads / groups, or 1 inside one key/value head), a float32 dq
-    accumulator (tokens x h x head_dim, head_dim rounded up to 8) and float32 row sums
-    (h x tokens); where h != h_kv, dk and dv per query head (the flash kernel's expanded ones,
-    the efficient kernel's per-head gradients of its stride-0 key/value view). cuDNN takes
-    grouped-query attention natively: no per-query-head dk and dv ("cudnn").
+    key/value heads h_kv (kv_heads / groups, or 1 inside one key/value head), the flash and
+    memory-efficient kernels a float32 dq accumulator (tokens x h x head_dim, head_dim rounded
+    up to 8) and float32 row sums (h x tokens), and where h != h_kv dk and dv per query head
+    (the flash kernel's expanded ones, the efficient kernel's per-head gradients of its
+    stride-0 key/value view). cuDNN ("cudnn") takes grouped-query attention natively (no
+    per-query-head dk and dv) and its workspace holds two float32 values per query element and
+    one per row: tokens x h x (2 x head_dim + 1) x 4 bytes and 256 more, one allocation per call
+    (the H100 allocator traces of benchmarks/results/gpu/2026-11-26T0933-h100/trace/: 1,077,936,384
+    bytes per call at 32K tokens and 4,311,744,768 at 128K for 32 query heads of 128, torch 2.11).
     """
     h, h_kv = heads // groups, max(1, kv_heads // groups)
     rounded = -(-head_dim // 8) * 8
+    if kernel == "cudnn":
+        return batch * tokens * h * (2 * head_dim + 1) * 4 + CUDNN_WORKSPACE_EXTRA
     size = batch * tokens * h * (rounded + 1) * 4
-    if h != h_kv and kernel != "cudnn":
+    if h != h_kv:
         size += 2 * batch * tokens * h * rounded * itemsize
     return size
 
