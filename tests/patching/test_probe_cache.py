@@ -70,7 +70,8 @@ def test_the_release_happens_when_a_probe_refuses_too() -> None:
 @pytest.mark.gpu
 def test_on_a_gpu_patch_model_leaves_no_probe_segment_cached() -> None:
     """A Llama layer's MLP probes draw stand-ins of its weights on the device: the caching
-    allocator's reservation grows while they run, and is back to at most where it was after."""
+    allocator's reservation grows while they run, and afterwards every segment it keeps holds
+    a live tensor (the weights, cuBLAS's workspaces taken by the probes' first matmuls)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(hidden_size=1024, intermediate_size=4096, num_hidden_layers=2,
@@ -83,4 +84,5 @@ def test_on_a_gpu_patch_model_leaves_no_probe_segment_cached() -> None:
     torch.cuda.reset_peak_memory_stats()
     patch_model(model, tiled_loss=True)
     assert torch.cuda.max_memory_reserved() > before  # the probes did take segments
-    assert torch.cuda.memory_reserved() <= before
+    unused = [s["total_size"] for s in torch.cuda.memory_snapshot() if s["allocated_size"] == 0]
+    assert unused == []

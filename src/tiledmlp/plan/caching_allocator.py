@@ -36,9 +36,15 @@ itself, so the mapped range fragments too; what changes:
 
 One stream, the default settings (no max_split_size, no garbage-collection threshold, no
 power-of-two rounding), and a device large enough that no allocation fails (so no page is ever
-unmapped, and no segment released).
+unmapped, and no segment released but by `release_unused`, which is `torch.cuda.empty_cache()`
+without expandable segments).
 
-Invariant: the reserved bytes never decrease, and are at least the rounded live bytes.
+The rules are checked against the card: replayed on the caching allocator's own trace of whole
+steps on an H100 (bench/allocator_trace.py; tests/plan/test_allocator_traces.py), with and
+without expandable segments, they take exactly the segments the card took.
+
+Invariant: the reserved bytes never decrease but by `release_unused`, and are at least the
+rounded live bytes.
 """
 
 from __future__ import annotations
@@ -198,6 +204,18 @@ class CachingAllocator:
                         last = block
         self._last[block.small] = last
         self._insert(block)
+
+    def release_unused(self) -> int:
+        """`torch.cuda.empty_cache()` without expandable segments: every segment no block of
+        which is taken goes back to the driver (release_cached_blocks). Returns the bytes
+        released."""
+        if self.expandable:
+            raise ValueError("releasing the pages of expandable segments is not modelled")
+        whole = [b for b in self._blocks.values() if b.prev is None and b.next is None]
+        for block in whole:
+            self._remove(block)
+            self.reserved -= block.size
+        return sum(b.size for b in whole)
 
     def _end_addr(self, small: bool) -> int | None:
         """The address of the free block at the end of the pool's mapped range, if it is free."""
