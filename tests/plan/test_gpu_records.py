@@ -18,6 +18,7 @@ the largest outside figure of their folder's other records instead.
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import Any
@@ -181,16 +182,30 @@ def test_contaminated_records_are_the_ones_outside_the_others_range() -> None:
     assert far == CONTAMINATED_OUTSIDE
 
 
+@functools.cache
+def _plan(shape: str, layers: int, seq_len: int, stack: str, dtype: str, checkpointing: bool,
+          expandable: bool) -> dict[str, Any]:  # fmt: skip
+    """The planner's entry for a record's step; several folders measured the same step, and a
+    plan depends on nothing else, so each is planned once."""
+    config = load_config("llama3-8b")
+    assert shape == "llama3-8b"
+    config.num_hidden_layers = layers
+    return plan_model(
+        config,
+        seq_len=seq_len,
+        dtype=getattr(torch, dtype),
+        checkpointing=checkpointing,
+        stacks=(stack,),
+        expandable_segments=expandable,
+    )[stack]
+
+
 @pytest.mark.parametrize(("folder", "part", "rec"), _records())
 def test_plan_agrees_with_the_card(folder: str, part: str, rec: dict[str, Any]) -> None:
-    plan = plan_model(
-        _config(folder, part, rec),
-        seq_len=rec["seq_len"],
-        dtype=getattr(torch, rec["dtype"]),
-        checkpointing=rec["gradient_checkpointing"],
-        stacks=(rec["stack"],),
-        expandable_segments=_allocator(rec) == "expandable",
-    )[rec["stack"]]
+    config = _config(folder, part, rec)  # checks the record's shape against the preset's
+    plan = _plan("llama3-8b", config.num_hidden_layers, rec["seq_len"], rec["stack"],
+                 rec["dtype"], rec["gradient_checkpointing"],
+                 _allocator(rec) == "expandable")  # fmt: skip
     card = rec["max_memory_reserved_mib"] + _outside(folder, part, rec)
     # the cards had room: the blocks held for the offloader's copies were not taken back
     ratio = (plan["per_gpu_mib"] + plan.get("reclaimable_mib", 0.0)) / card
