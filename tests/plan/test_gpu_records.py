@@ -183,12 +183,12 @@ def test_contaminated_records_are_the_ones_outside_the_others_range() -> None:
 
 
 @functools.cache
-def _plan(shape: str, layers: int, seq_len: int, stack: str, dtype: str, checkpointing: bool,
+def _plan(layers: int, seq_len: int, stack: str, dtype: str, checkpointing: bool,
           expandable: bool) -> dict[str, Any]:  # fmt: skip
-    """The planner's entry for a record's step; several folders measured the same step, and a
-    plan depends on nothing else, so each is planned once."""
+    """The planner's entry for a record's step (the preset's shape cut to `layers`); several
+    folders measured the same step, and a plan depends on nothing else, so each is planned
+    once."""
     config = load_config("llama3-8b")
-    assert shape == "llama3-8b"
     config.num_hidden_layers = layers
     return plan_model(
         config,
@@ -203,7 +203,7 @@ def _plan(shape: str, layers: int, seq_len: int, stack: str, dtype: str, checkpo
 @pytest.mark.parametrize(("folder", "part", "rec"), _records())
 def test_plan_agrees_with_the_card(folder: str, part: str, rec: dict[str, Any]) -> None:
     config = _config(folder, part, rec)  # checks the record's shape against the preset's
-    plan = _plan("llama3-8b", config.num_hidden_layers, rec["seq_len"], rec["stack"],
+    plan = _plan(config.num_hidden_layers, rec["seq_len"], rec["stack"],
                  rec["dtype"], rec["gradient_checkpointing"],
                  _allocator(rec) == "expandable")  # fmt: skip
     card = rec["max_memory_reserved_mib"] + _outside(folder, part, rec)

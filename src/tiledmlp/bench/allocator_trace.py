@@ -3,9 +3,10 @@ every block it handed out and took back, and every segment it took from the driv
 
 Run as `python -m tiledmlp.bench.allocator_trace '<job JSON>' OUT.json.gz` (a whole_step.StepJob:
 config, seq_len, stack, dtype; the allocator setting is PYTORCH_CUDA_ALLOC_CONF's, read when
-CUDA starts). The model is built on the device, patched for the stack, and runs a warm-up step
-and one more, as whole_step.py measures it; the allocator's history is recorded from before the
-build (`torch.cuda.memory._record_memory_history`). OUT holds:
+CUDA starts). The model is built on the device, made ready as whole_step.py makes its steps
+(ready_for_step: checkpointing, patched for the stack, the same tokens), and runs a warm-up
+step and one more; the allocator's history is recorded from before the build
+(`torch.cuda.memory._record_memory_history`). OUT holds:
 
 - "events": [action, address, bytes, stream, frame] per allocator event, in order; action one of
   ACTIONS ("alloc": bytes as requested; "free_completed": the block back in its pool;
@@ -32,11 +33,8 @@ from typing import Any
 import torch
 
 from tiledmlp.allocator import allocator_setting
-from tiledmlp.bench.whole_step import StepJob
-from tiledmlp.config.stacks import STACK_OPTIONS
+from tiledmlp.bench.whole_step import StepJob, ready_for_step
 from tiledmlp.models.build import build_causal_lm, llama_config
-from tiledmlp.patching import patch_model
-from tiledmlp.patching.offloading import enable_checkpointing
 
 __all__ = ["ACTIONS", "compact_trace", "record_step_trace"]
 
@@ -86,12 +84,7 @@ def record_step_trace(job: StepJob) -> dict[str, Any]:
     cfg = llama_config(**job.config)
     model = build_causal_lm(cfg, device=device, dtype=getattr(torch, job.dtype), seed=0,
                             attn_implementation="sdpa")  # fmt: skip
-    enable_checkpointing(model)
-    options = STACK_OPTIONS[job.stack]
-    if options is not None:
-        patch_model(model, None, **options)
-    gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, cfg.vocab_size, (1, job.seq_len), generator=gen).to(device)
+    ids = ready_for_step(model, job, cfg.vocab_size)
     mark("build")
     for name in ("warmup", "step"):
         model(input_ids=ids, labels=ids).loss.backward()

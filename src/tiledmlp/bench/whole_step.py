@@ -47,7 +47,7 @@ from tiledmlp.patching import patch_model
 from tiledmlp.patching.offloading import enable_checkpointing
 from tiledmlp.process_memory import proc_status_bytes
 
-__all__ = ["STACKS", "StepJob", "measure_whole_step", "measure_whole_steps"]
+__all__ = ["STACKS", "StepJob", "measure_whole_step", "measure_whole_steps", "ready_for_step"]
 
 MiB = 2**20
 
@@ -127,12 +127,7 @@ def measure_whole_step(job: StepJob) -> dict[str, Any]:
     cfg = llama_config(**job.config)
     model = build_causal_lm(cfg, device=device, dtype=dtype, seed=0, attn_implementation="sdpa")
     build_s = time.perf_counter() - start_wall
-    enable_checkpointing(model)
-    options = STACK_OPTIONS[job.stack]
-    if options is not None:
-        patch_model(model, None, **options)
-    gen = torch.Generator().manual_seed(0)  # the same tokens on every device
-    ids = torch.randint(0, cfg.vocab_size, (1, job.seq_len), generator=gen).to(device)
+    ids = ready_for_step(model, job, cfg.vocab_size)
 
     def step(keep_grads: bool = False) -> float:
         if cuda:
@@ -199,6 +194,19 @@ def measure_whole_step(job: StepJob) -> dict[str, Any]:
         "cuda_alloc_conf": allocator_setting()["value"] if cuda else None,
         **record,
     }
+
+
+def ready_for_step(model: Any, job: StepJob, vocab_size: int) -> torch.Tensor:
+    """`job`'s built model made ready for its step: the model's own non-reentrant gradient
+    checkpointing, patched for the stack; returns the step's tokens (the same on every
+    device)."""
+    enable_checkpointing(model)
+    options = STACK_OPTIONS[job.stack]
+    if options is not None:
+        patch_model(model, None, **options)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab_size, (1, job.seq_len), generator=gen)
+    return ids.to(torch.device(job.device))
 
 
 def _release(device: torch.device) -> None:

@@ -25,10 +25,10 @@ from typing import Protocol
 import torch
 from torch import nn
 
-__all__ = ["CachingAllocator", "CudaCache", "probes_released"]
+__all__ = ["CudaCache", "DeviceCache", "probes_released"]
 
 
-class CachingAllocator(Protocol):
+class DeviceCache(Protocol):
     """A device allocator's cache: how much it holds, and a way to give back what is unused."""
 
     def reserved(self, device: torch.device) -> int: ...
@@ -49,7 +49,7 @@ class CudaCache:
 
 @contextlib.contextmanager
 def probes_released(
-    model: nn.Module, cache: CachingAllocator | None = None, device_type: str = "cuda"
+    model: nn.Module, cache: DeviceCache | None = None, device_type: str = "cuda"
 ) -> Iterator[set[torch.device]]:
     """Within the block the probes run; afterwards every device of `device_type` holding
     `model`'s parameters or buffers whose reservation grew has its unused cached segments

@@ -187,9 +187,9 @@ def attention_buffer_bytes(
     bytes per call at 32K tokens and 4,311,744,768 at 128K for 32 query heads of 128, torch 2.11).
     """
     h, h_kv = heads // groups, max(1, kv_heads // groups)
-    rounded = -(-head_dim // 8) * 8
     if kernel == "cudnn":
         return batch * tokens * h * (2 * head_dim + 1) * 4 + CUDNN_WORKSPACE_EXTRA
+    rounded = -(-head_dim // 8) * 8
     size = batch * tokens * h * (rounded + 1) * 4
     if h != h_kv:
         size += 2 * batch * tokens * h * rounded * itemsize
