@@ -110,7 +110,8 @@ def test_ddp_is_the_default_and_keeps_its_figures() -> None:
     assert tuple(entry["breakdown_mib"]) == CATEGORIES  # no engine terms
     model = tr.LlamaForCausalLM(config).to(torch.bfloat16)
     whole = sum(p.numel() * 2 for p in model.parameters())
-    assert entry["breakdown_mib"]["optimizer"] == round(2 * whole / MiB, 1)  # AdamW, whole
+    # AdamW's two states, whole; the peak lies in its foreach step: one update temporary more
+    assert entry["breakdown_mib"]["optimizer"] == round(3 * whole / MiB, 1)
     total = entry["peak_mib"] + entry["device_overhead_mib"]
     assert entry["per_gpu_mib"] == pytest.approx(total, abs=0.11)
     assert entry["host_per_gpu_mib"] == entry["host_peak_mib"]

@@ -20,7 +20,6 @@ from tiledmlp.config.stacks import STACKS, stack_option
 from tiledmlp.plan.apply_stack import build_model, decoder_layers_of
 from tiledmlp.plan.engines import ParamCounts, check_engine, engine_memory
 from tiledmlp.plan.fake_step import simulate
-from tiledmlp.plan.forked import beside
 from tiledmlp.plan.segments import SHORT, Segments, StepEstimate, extrapolate, larger
 
 __all__ = ["OPTIMIZERS", "estimate_step", "param_counts"]
@@ -51,9 +50,10 @@ def estimate_step(
     affinely with their number, and in the backward it changes by the same amount from one
     middle layer to the next: the peak is the larger of the peak up to the end of the
     second-to-last layer's backward and the peak from the start of the second layer's backward
-    on (the middle layers lie on a line between the two). Both are measured with 4 and 5
-    layers and extrapolated to the model's depth; `exact=True` runs every layer instead (what
-    the tests compare the extrapolation with). Under a sharding `engine` ("zero3", "fsdp2")
+    on (the middle layers lie on a line between the two). Both are measured with 5 layers
+    (simulated) and 6 (built from the 5 layers' record where it shows them, plan/deeper.py;
+    else simulated) and extrapolated to the model's depth; `exact=True` runs every layer
+    instead (what the tests compare the extrapolation with). Under a sharding `engine` ("zero3", "fsdp2")
     over `world` GPUs, the parameters, gradients and optimizer states are the engine's
     (plan/engines.py) instead of whole ones. With `sequence_parallel_size` P > 1, `seq_len` is
     one GPU's share and its attention runs on the whole sequence's shapes (plan/exchange.py).
@@ -110,11 +110,12 @@ def estimate_step(
 
 
 def _simulated(run: Any, depth: int, exact: bool) -> StepEstimate:
-    """The simulated peak of the whole depth, extrapolated from 4 and 5 layers unless `exact`
+    """The simulated peak of the whole depth, extrapolated from 5 and 6 layers unless `exact`
     (estimate_step)."""
     if exact or depth <= SHORT + 1:
         return larger(run(depth))
-    short, longer = beside(lambda: run(SHORT), lambda: run(SHORT + 1))  # forked.py
+    # SHORT + 1 layers built from SHORT's record where it shows them (deeper.py)
+    short, longer = run(SHORT, deeper_too=True)
     if longer.middle.peak > max(longer.head.peak, longer.tail.peak):
         return larger(run(depth))  # layers unlike each other: no shortcut
     head = extrapolate(short.head, longer.head, depth)

@@ -22,14 +22,19 @@ from tiledmlp.ops.tiling.policy import assume_device
 from tiledmlp.patching.offloading import enable_checkpointing, offloader_of
 from tiledmlp.plan.apply_stack import apply_stack, build_model, decoder_layers_of
 from tiledmlp.plan.caching_allocator import HOLD, reserve_beyond_peak
+from tiledmlp.plan.deeper import deeper
 from tiledmlp.plan.device_overhead import CUBLAS_WORKSPACES, device_overhead
 from tiledmlp.plan.exchange import register_exchanged
 from tiledmlp.plan.fast_fake import fake_mode
+from tiledmlp.plan.forked import beside
 from tiledmlp.plan.periodic_tiles import PeriodicTiles, replayed_reserve
 from tiledmlp.plan.phase_tracker import PhaseTracker
-from tiledmlp.plan.segments import CATEGORIES, SHORT, Segments, StepEstimate
+from tiledmlp.plan.segments import CATEGORIES, Segments, StepEstimate
+from tiledmlp.plan.step_record import StepRecord, segment_peaks
 
 __all__ = ["FakeStep", "prepare", "simulate"]
+
+MARKED = 4  # the fewest layers whose step is cut in three segments (Segments)
 
 
 @dataclass
@@ -80,14 +85,81 @@ def simulate(
     sequence_parallel_size: int = 1,
     cut_tiles: bool = False,
     expandable_segments: bool = True,
-) -> Segments:
+    deeper_too: bool = False,
+) -> Any:
     """One step of the model cut to `layers` decoder layers, on fake tensors; the tile policy
     resolves as on `device_type`. `sharded`: the parameters are not counted (and their
     gradients leave once accumulated): a sharding engine's own memory is added by the caller.
     `cut_tiles`: the tile loops' repeated tiles run once (periodic_tiles.py): the same peaks,
     breakdowns and allocator reserve (replayed on the whole loops' trace, rebuilt).
     `expandable_segments`: the caching allocator's setting the reserve is replayed with
-    (caching_allocator.py)."""
+    (caching_allocator.py). `deeper_too`: also the step of `layers` + 1 layers, as a pair
+    (Segments of each): built from this step's record where it shows it (deeper.py), else
+    simulated."""
+    options = dict(seq_len=seq_len, stack=stack, dtype=dtype, checkpointing=checkpointing,
+                   optimizer=optimizer, num_tiles=num_tiles, device_type=device_type,
+                   sharded=sharded, sequence_parallel_size=sequence_parallel_size,
+                   cut_tiles=cut_tiles)  # fmt: skip
+    record, held = _run(config, layers, **options)
+    finish = functools.partial(
+        _finish, checkpointing=checkpointing, cut_tiles=cut_tiles, expandable=expandable_segments
+    )
+    if not deeper_too:
+        return finish(record, held)
+    ahead = deeper(record)
+    if ahead is None:
+        more, more_held = _run(config, layers + 1, **options)
+    else:
+        more, more_held = ahead, _held_of(config, layers + 1, **options)
+    # the two allocator replays side by side where a CPU is idle (forked.py)
+    return beside(lambda: finish(record, held), lambda: finish(more, more_held))
+
+
+@dataclass
+class _Held:
+    """What exists before the step: by category ("weights", "optimizer"), and the caching
+    allocator's first requests (the tensors', then on a GPU the cuBLAS workspaces)."""
+
+    fixed: dict[str, int]
+    start: list[int]
+
+
+def _held(step: FakeStep, ids: torch.Tensor, sharded: bool, device_type: str) -> _Held:
+    model = step.model
+    kept = [*model.buffers(), ids] if sharded else [*model.parameters(), *model.buffers(), ids]
+    fixed = {"weights": sum(map(nbytes, kept)), "optimizer": sum(map(nbytes, step.states))}
+    # the caching allocator's view: what exists before the step, then (on a GPU) the cuBLAS
+    # workspaces its first matmul takes, counted beside the tensors (device_overhead.py)
+    before = [*map(nbytes, [*kept, *step.states])]
+    workspaces = CUBLAS_WORKSPACES if device_type == "cuda" else ()
+    return _Held(fixed, [*before, *workspaces])
+
+
+def _held_of(config: Any, layers: int, *, stack: str, dtype: torch.dtype, checkpointing: bool,
+             optimizer: str, num_tiles: int | str, device_type: str, sharded: bool,
+             seq_len: int, **_: Any) -> _Held:  # fmt: skip
+    """_held of the model cut to `layers`, built (not run) on fake tensors."""
+    with fake_mode(), assume_device(device_type):
+        step = prepare(config, layers, stack, dtype, checkpointing, optimizer, num_tiles)
+        return _held(step, torch.zeros(1, seq_len, dtype=torch.long), sharded, device_type)
+
+
+def _run(
+    config: Any,
+    layers: int,
+    *,
+    seq_len: int,
+    stack: str,
+    dtype: torch.dtype,
+    checkpointing: bool,
+    optimizer: str,
+    num_tiles: int | str,
+    device_type: str,
+    sharded: bool,
+    sequence_parallel_size: int,
+    cut_tiles: bool,
+) -> tuple[StepRecord, _Held]:
+    """The step run on fake tensors (simulate): its record and what existed before it."""
     with fake_mode(), assume_device(device_type):
         step = prepare(config, layers, stack, dtype, checkpointing, optimizer, num_tiles)
         model = step.model
@@ -110,12 +182,12 @@ def simulate(
         decoder_layers = decoder_layers_of(model)
         # The gradient of layer i's input is formed when layer i's backward ends.
         # With 4 layers both marks close at once; fewer layers are simulated whole (no marks).
-        marks = [len(decoder_layers) - 2, 2] if len(decoder_layers) >= SHORT else []
-        checkpoint_inputs, hooks = _watchdecoder_layers_of(decoder_layers, tracker, marks)
+        marks = [len(decoder_layers) - 2, 2] if len(decoder_layers) >= MARKED else []
+        watch = _watch_layers(decoder_layers, tracker, marks)
         periodic = PeriodicTiles(tracker)
         with tracker, periodic if cut_tiles else contextlib.nullcontext():
             _step(model, ids, step.opt, tracker)
-        for h in hooks:
+        for h in watch.hooks:
             h.remove()
         if marks and len(tracker.segments) != 3:
             raise ValueError(
@@ -123,33 +195,62 @@ def simulate(
                 f"(saw {len(tracker.segments) - 1} of 2 marks); this model cannot be planned yet"
             )
         grads |= {tracker.serial(p.grad) for p in step.params if p.grad is not None}
-        kept = [*model.buffers(), ids] if sharded else [*model.parameters(), *model.buffers(), ids]
-        fixed = {"weights": sum(map(nbytes, kept)), "optimizer": sum(map(nbytes, step.states))}
-        # the caching allocator's view: what exists before the step, then (on a GPU) the cuBLAS
-        # workspaces its first matmul takes, counted beside the tensors (device_overhead.py)
-        before = [*map(nbytes, [*kept, *step.states])]
-        workspaces = CUBLAS_WORKSPACES if device_type == "cuda" else ()
-        start = [*before, *workspaces]
+        held = _held(step, ids, sharded, device_type)
+    changes = {phase: where for where, phase in zip(tracker.flushes, (
+        p for _, p in tracker.phase_changes))}  # fmt: skip
+    loss_at, backward_at = changes.get("loss", (0, 0)), changes.get("backward", (0, 0))
+    ends = watch.backward_ends
+    record = StepRecord(
+        # as the step left it: the model's release after it is no part of it
+        trace=tracker.trace[: tracker.marks[-1]],
+        phase_of=tracker.phase_of,
+        bytes_of=tracker.bytes_of,
+        buffers=tracker.buffers,
+        marks=tracker.marks,
+        flushes=tracker.flushes,
+        repeats=periodic.repeats,
+        grads=grads,
+        checkpoint_inputs=watch.checkpoint_inputs,
+        forward_starts=watch.forward_starts,
+        forward_end=loss_at[0],
+        backward_start=backward_at[0] + backward_at[1],
+        backward_ends=[ends.get(i, -1) for i in range(len(decoder_layers))],
+    )
+    return record, held
 
-        def replay(holds: bool) -> int:
-            if cut_tiles:  # replayed on the loops' whole trace, rebuilt (periodic_tiles.py)
-                return replayed_reserve(start, tracker.trace, periodic.repeats,
-                                        expandable=expandable_segments, holds=holds)  # fmt: skip
-            return reserve_beyond_peak(
-                start, tracker.trace, expandable=expandable_segments, holds=holds
-            )
 
-        reserve = replay(True)
-        # a card with no room left takes the held blocks back (caching_allocator.py: HOLD)
-        held = any(b == HOLD for _, b in tracker.trace)
-        reclaimable = reserve - replay(False) if held else 0
-        seen = (grads, checkpoint_inputs, checkpointing)
-        held_back = (reserve, reclaimable)
-        parts = [
-            _categorise(tracker, peak, at_peak, fixed, *seen, held_back, with_buffers - peak)
-            for (peak, at_peak), with_buffers in zip(tracker.segments, tracker.buffer_peaks)
-        ]
-        return Segments(*parts) if len(parts) == 3 else Segments(parts[0], parts[0], parts[0])
+def _finish(
+    record: StepRecord, held: _Held, *, checkpointing: bool, cut_tiles: bool, expandable: bool
+) -> Segments:
+    """The step's Segments from its record: each segment's peak and what was alive at it by
+    category, the allocator's reserve replayed on its trace (simulate)."""
+    trace = record.trace
+
+    def replay(holds: bool) -> int:
+        if cut_tiles:  # replayed on the loops' whole trace, rebuilt (periodic_tiles.py)
+            return replayed_reserve(held.start, trace, record.repeats,
+                                    expandable=expandable, holds=holds)  # fmt: skip
+        return reserve_beyond_peak(held.start, trace, expandable=expandable, holds=holds)
+
+    reserve = replay(True)
+    # a card with no room left takes the held blocks back (caching_allocator.py: HOLD)
+    has_held = any(b == HOLD for _, b in trace)
+    reclaimable = reserve - replay(False) if has_held else 0
+    segments, buffer_peaks = segment_peaks(record)
+    seen = (record.grads, record.checkpoint_inputs, checkpointing)
+    parts = [
+        _categorise(
+            record.phase_of,
+            peak,
+            at_peak,
+            held.fixed,
+            *seen,
+            (reserve, reclaimable),
+            with_buffers - peak,
+        )
+        for (peak, at_peak), with_buffers in zip(segments, buffer_peaks)
+    ]
+    return Segments(*parts) if len(parts) == 3 else Segments(parts[0], parts[0], parts[0])
 
 
 def _hand_over(tracker: PhaseTracker, grads: set[int | None], p: torch.Tensor) -> None:
@@ -159,27 +260,44 @@ def _hand_over(tracker: PhaseTracker, grads: set[int | None], p: torch.Tensor) -
     p.grad = None
 
 
-def _watchdecoder_layers_of(
-    decoder_layers: nn.ModuleList, tracker: PhaseTracker, marks: list[int]
-) -> tuple[set[int | None], list[Any]]:
-    """Hooks that note each checkpointed layer's input (by serial) and close the tracker's
-    segments when the gradients of layers `marks`' inputs form; and that pass no mask."""
-    checkpoint_inputs: set[int | None] = set()
+@dataclass
+class _Watch:
+    """What the hooks on the decoder layers saw: their inputs' serials, where each layer's
+    forward began and where the gradient of its input formed (indices into the trace)."""
+
+    hooks: list[Any]
+    checkpoint_inputs: set[int | None]
+    forward_starts: list[int]
+    backward_ends: dict[int, int]
+
+
+def _watch_layers(decoder_layers: nn.ModuleList, tracker: PhaseTracker, marks: list[int]) -> _Watch:
+    """Hooks that note each checkpointed layer's input (by serial), where each layer's forward
+    begins and its input's gradient forms, and close the tracker's segments when the gradients
+    of layers `marks`' inputs form; and that pass no mask."""
+    watch = _Watch([], set(), [], {})
+
+    def formed(index: int, _g: torch.Tensor) -> None:
+        watch.backward_ends.setdefault(index, len(tracker.trace))
+        for _ in range(marks.count(index)):
+            tracker.mark()
 
     def remember(m: nn.Module, args: tuple[Any, ...]) -> None:
         x = args[0] if args else None
         if not isinstance(x, torch.Tensor) or tracker.phase != "forward":
             return
-        checkpoint_inputs.add(tracker.serial(x))
+        watch.checkpoint_inputs.add(tracker.serial(x))
         index = next(i for i, layer in enumerate(decoder_layers) if layer is m)
-        for _ in range(marks.count(index) if x.requires_grad else 0):
-            x.register_hook(lambda _g: tracker.mark())
+        if len(watch.forward_starts) == index:
+            watch.forward_starts.append(len(tracker.trace))
+        if x.requires_grad:
+            x.register_hook(functools.partial(formed, index))
 
-    hooks = [layer.register_forward_pre_hook(remember) for layer in decoder_layers]
-    hooks += [
+    watch.hooks += [layer.register_forward_pre_hook(remember) for layer in decoder_layers]
+    watch.hooks += [
         layer.register_forward_pre_hook(_without_mask, with_kwargs=True) for layer in decoder_layers
     ]
-    return checkpoint_inputs, hooks
+    return watch
 
 
 def _step(
@@ -209,7 +327,7 @@ def _step(
 
 
 def _categorise(
-    tracker: PhaseTracker,
+    phase_of: list[str],
     peak: int,
     at_peak: dict[int, int],
     fixed: dict[str, int],
@@ -225,7 +343,7 @@ def _categorise(
     breakdown = dict.fromkeys(CATEGORIES, 0)
     breakdown.update(fixed)
     for serial, nbytes in at_peak.items():
-        phase = tracker.phase_of[serial]
+        phase = phase_of[serial]
         if serial in grads:
             what = "grads"
         elif serial in checkpoint_inputs:

@@ -77,7 +77,7 @@ from tiledmlp.plan.engines import ENGINES, GPUS_PER_NODE, check_engine, engine_m
 from tiledmlp.plan.estimate import OPTIMIZERS, estimate_step, param_counts
 from tiledmlp.plan.forked import default_processes, run_jobs
 from tiledmlp.plan.search import max_seq_len
-from tiledmlp.plan.segments import CATEGORIES, StepEstimate
+from tiledmlp.plan.segments import CATEGORIES, GROWING, StepEstimate
 from tiledmlp.sequence_parallel.attention import kv_repeat
 from tiledmlp.sequence_parallel.sizes import check_sequence_divisible
 
@@ -219,6 +219,8 @@ def _plan_stack(
     overhead = device_overhead(options["device_type"])
     est = estimate_step(config, seq_len=local, stack=stack, **options)
     known[local] = est.peak  # the search starts here: not simulated twice
+    # what does not grow with the sequence: the search's first line runs from it to this step
+    fixed = sum(v for k, v in est.breakdown.items() if k not in GROWING)
     # what a full device holds beyond the tensors' peak: the attention buffers' share and the
     # reserve, the held blocks taken back before an allocation fails
     reserves = {local: est.full_card_reserve + est.attention}
@@ -250,6 +252,7 @@ def _plan_stack(
             stack=stack,
             granularity=granularity,
             hint=local,
+            fixed_bytes=fixed,
             extra_bytes_per_token=per_token,
             overhead=overhead,
             known_peaks=known,

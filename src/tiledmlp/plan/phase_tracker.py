@@ -68,6 +68,11 @@ class PhaseTracker(StorageTracker):
         # (serial, bytes) on creation, (serial, FREE) on release, in order: the step's
         # allocation trace (plan/caching_allocator.py replays it)
         self.trace: list[tuple[int, int]] = []
+        self.buffers: set[int] = set()  # serials of the kernels' buffers
+        self.marks: list[int] = []  # where each segment was closed, in the trace
+        # (where, how many): the held blocks released at each phase change, and the phase
+        self.flushes: list[tuple[int, int]] = []
+        self.phase_changes: list[tuple[int, str]] = []
 
     @property
     def phase(self) -> str:
@@ -77,8 +82,10 @@ class PhaseTracker(StorageTracker):
     @phase.setter
     def phase(self, phase: str) -> None:
         self._phase = phase
+        self.flushes.append((len(self.trace), len(self._held)))
         self.trace += [(serial, FREE) for serial in self._held]  # the other stream is done
         self._held.clear()
+        self.phase_changes.append((len(self.trace), phase))
 
     def defer(self, t: torch.Tensor) -> None:
         """`t`'s block is used by another stream until the phase ends (module docstring)."""
@@ -96,6 +103,7 @@ class PhaseTracker(StorageTracker):
     def mark(self) -> None:
         """Closes the current segment; the next starts from what is alive now."""
         self.segments.append((self._peak, self._at_peak))
+        self.marks.append(len(self.trace))
         self.buffer_peaks.append(max(self._peak, self._buffer_peak))
         self._peak, self._at_peak = self.live, self._alive()
         self._buffer_peak = self.live
@@ -113,6 +121,7 @@ class PhaseTracker(StorageTracker):
                 serial = len(self.phase_of)
                 self.phase_of.append(self.phase)
                 self.bytes_of.append(nbytes)
+                self.buffers.add(serial)
                 self.trace += [(serial, nbytes), (serial, FREE)]
                 self._buffer_peak = max(self._buffer_peak, self.live + nbytes)
         return out

@@ -25,6 +25,7 @@ def max_seq_len(
     granularity: int = 1024,
     upper: int = 1 << 24,
     hint: int | None = None,
+    fixed_bytes: int | None = None,
     extra_bytes_per_token: float = 0.0,
     extra_bytes: int = 0,
     overhead: DeviceOverhead | None = None,
@@ -36,9 +37,14 @@ def max_seq_len(
     `budget_bytes` with `stack`; 0 when not even `granularity` tokens fit.
 
     The peak grows with the sequence, nearly affinely (exactly between tile-count changes), so
-    the search extrapolates along the line through its last two estimates until it has a length
-    that does not fit, then interpolates inside that bracket; every answer is verified (it fits,
-    one more granule does not). `hint` (tokens) is a first guess, e.g. a length already planned.
+    each length estimated is where the line through two lengths already estimated (the two
+    ends of the bracket once there is one) puts the budget, and right after a length that fits
+    within one granule's growth of the budget by such a line, the next granule; where two
+    guesses in a row do not halve the bracket, the next one does. `hint` (tokens) is a length already planned; `fixed_bytes`, the part of its
+    tensor-level peak that does not grow with the sequence (weights, gradients, optimizer
+    states), gives the first line without estimating a short length (without it the first
+    line starts at one granule, estimated). Every answer is verified: it fits and one more
+    granule does not (or it is the upper bound).
     `extra_bytes_per_token` and `extra_bytes` add memory the simulation does not see (the
     all-to-all's buffers; a measured correction, plan/measured.py);
     `overhead` adds the device's own (plan/device_overhead.py: CUDA context, workspaces,
@@ -55,6 +61,11 @@ def max_seq_len(
     reserves: dict[int, int] = {} if known_reserves is None else known_reserves
     replayed = overhead is not None and overhead.replayed
 
+    def beside(tensor_bytes: float, tokens: int, reserve: int) -> int:
+        """The step's bytes from its tensors' (what the simulation does not see added)."""
+        step = int(tensor_bytes) + int(extra_bytes_per_token * tokens) + extra_bytes
+        return step + (0 if overhead is None else overhead.total(reserve))
+
     def peak(n: int) -> int:
         if n not in cache:
             tokens = n * granularity
@@ -63,34 +74,74 @@ def max_seq_len(
                 # beyond the tensors on a full card: the attention buffers' share and the
                 # allocator's reserve, less the blocks it takes back before it fails
                 tensors[tokens], reserves[tokens] = est.peak, est.full_card_reserve + est.attention
-            step = tensors[tokens] + int(extra_bytes_per_token * tokens) + extra_bytes
-            if overhead is not None:
-                step += overhead.total(reserves.get(tokens, 0))
-            cache[n] = step
+            cache[n] = beside(tensors[tokens], tokens, reserves.get(tokens, 0))
             logger.info("  %s tokens: %.1f GiB", f"{tokens:,}", cache[n] / 2**30)
         return cache[n]
 
     limit = max(1, upper // granularity)
-    lo = 1
-    if peak(lo) > budget_bytes:
-        return 0
-    hi = min(limit, max(2, (hint or 0) // granularity))
-    while peak(hi) <= budget_bytes:  # extend along the line until past the budget
-        if hi >= limit:
-            return limit * granularity
-        slope = max(1.0, (peak(hi) - peak(lo)) / (hi - lo))
-        step = int((budget_bytes - peak(hi)) / slope * 1.05) + 1
-        lo, hi = hi, min(limit, hi + max(1, step))
-    while hi - lo > 1:  # fits(lo), not fits(hi)
-        slope = max(1.0, (peak(hi) - peak(lo)) / (hi - lo))  # bytes per granule
-        guess = lo + int((budget_bytes - peak(lo)) / slope)
-        mid = min(max(guess, lo + 1), hi - 1)
-        if peak(mid) <= budget_bytes:
-            lo = mid
-            # one more granule where the line puts the budget within one: likely the answer
-            near = budget_bytes - peak(mid) < slope
-            if near and mid + 1 < hi and peak(mid + 1) > budget_bytes:
-                return mid * granularity
+    lo, hi = 0, limit + 1  # the longest known to fit (0: none), the shortest known not to
+    seen: list[int] = []  # granules estimated, in order
+
+    def try_(n: int) -> bool:
+        nonlocal lo, hi
+        seen.append(n)
+        fits = peak(n) <= budget_bytes
+        if fits:
+            lo = max(lo, n)
         else:
-            hi = mid
+            hi = min(hi, n)
+        return fits
+
+    start = min(limit, (hint or 0) // granularity)
+    anchor: tuple[int, float] | None = None  # a point of the first line not estimated
+    if start >= 1 and fixed_bytes is not None and start * granularity in tensors:
+        anchor = (0, beside(fixed_bytes, 0, 0))
+    else:
+        if not try_(1):
+            return 0
+        start = min(limit, max(2, start))  # a second length for the first line
+    if start > 1:
+        try_(start)
+    slow = 0  # guesses in a row that did not halve a bracket
+    while hi - lo > 1:
+        width = hi - lo
+        halve = slow >= 2 and hi <= limit  # the line converges slowly here: bisect
+        sure = False  # whether the guess comes from a line through two estimates
+        if halve:
+            guess = (lo + hi) // 2
+        else:
+            a, b = _line(seen, lo, hi, anchor, peak)
+            slope = (peak_of(b, peak, anchor) - peak_of(a, peak, anchor)) / (b - a)
+            if slope <= 0:  # no growth seen: double (or halve the bracket)
+                guess = min(limit, 2 * lo) if hi > limit else (lo + hi) // 2
+            else:
+                guess = a + int((budget_bytes - peak_of(a, peak, anchor)) // slope)
+                sure = anchor is None or a != anchor[0]
+        guess = min(max(guess, lo + 1), hi - 1)
+        if try_(guess) and guess + 1 < hi and sure and budget_bytes - peak(guess) < slope:
+            try_(guess + 1)  # within a granule of the budget: one more should not fit
+        slow = slow + 1 if hi <= limit and hi - lo > width // 2 else 0
     return lo * granularity
+
+
+def peak_of(n: int, peak: Any, anchor: tuple[int, float] | None) -> float:
+    """The step at granule n: the anchor's where n is the anchor, else estimated."""
+    return anchor[1] if anchor is not None and n == anchor[0] else peak(n)
+
+
+def _line(
+    seen: list[int], lo: int, hi: int, anchor: tuple[int, float] | None, peak: Any
+) -> tuple[int, int]:
+    """The two granules whose line gives the next guess: the bracket's ends once both are
+    estimated, else the two latest estimated, more than one granule apart where two are (the
+    anchor and the one where only one is)."""
+    if lo in seen and hi in seen:
+        return lo, hi
+    points = sorted(set(seen), key=seen.index)
+    pairs = [(points[j], points[i]) for i in range(len(points) - 1, 0, -1)
+             for j in range(i - 1, -1, -1)]  # fmt: skip
+    apart = [p for p in pairs if abs(p[0] - p[1]) > 1] or pairs
+    if apart:
+        return min(apart[0]), max(apart[0])
+    assert anchor is not None  # one granule estimated: the first line's other point
+    return anchor[0], points[-1]

@@ -2,8 +2,9 @@
 
 A StepEstimate is a peak with what was alive at it by category (CATEGORIES). A simulated step
 of L layers is cut in three segments (Segments); the peaks of the head and tail segments grow
-affinely with the number of layers, so two short simulations (SHORT and SHORT + 1 layers)
-give any depth's (extrapolate).
+affinely with the number of layers, so two short steps (SHORT and SHORT + 1 layers: the first
+simulated, the second built from its record where it shows it, plan/deeper.py) give any
+depth's (extrapolate).
 """
 
 from __future__ import annotations
@@ -12,11 +13,14 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["CATEGORIES", "SHORT", "Segments", "StepEstimate", "extrapolate", "larger"]
+__all__ = ["CATEGORIES", "GROWING", "SHORT", "Segments", "StepEstimate", "extrapolate", "larger"]
 
 MiB = 2**20
-SHORT = 4  # the extrapolation simulates 4 and 5 layers
+SHORT = 5  # the extrapolation's shorter step: 5 layers (6 built from it, or simulated)
 CATEGORIES = ("weights", "grads", "optimizer", "checkpoints", "activations", "loss", "recompute")
+# the categories whose bytes grow with the sequence (the others are the parameters' and the
+# engines' buffers: plan/engines.py; "all_to_all": plan/model.py)
+GROWING = ("checkpoints", "activations", "loss", "recompute", "all_to_all")
 
 
 @dataclass(frozen=True)

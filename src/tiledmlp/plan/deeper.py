@@ -1,0 +1,261 @@
+"""The record of a step with one more decoder layer, built from a simulated step's record.
+
+A model's middle decoder layers are alike: each runs the same code on the same shapes, so in a
+simulated step the forward of layer L-2 creates and releases the same storages, in the same
+order, as that of layer L-3, and so do their backwards. One more middle layer would do it once
+more. `deeper` builds that step's record from the record of L layers (StepRecord,
+step_record.py) without running it: the forward and the backward of layer L-2 appear twice, the
+copy's storages under new serials, and every release names the storage that plays the same part
+in the deeper step: a storage of the layer d places before or after the releasing one (counted
+from its window's start in the forward, from its end in the backward, where each layer's work
+ends with the gradient of its input) is the one of the layer d places from it in the deeper
+step. The held blocks released at each phase change are those of the deeper step.
+
+It refuses (None) wherever the record does not show this: fewer than four layers, the two
+middle layers' windows unlike (their events, with each release named relative to the layer
+doing it), a release outside the layers of a storage of the copied layer, a tile window or a
+phase change inside a layer's window across its bounds, or a release that would name no
+storage.
+
+Invariant: where it answers, the record is the one the step of L + 1 layers records (as
+tests/plan/test_deeper.py checks stack by stack against simulating it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from tiledmlp.plan.caching_allocator import FREE, HOLD
+from tiledmlp.plan.periodic_tiles import Repeat
+from tiledmlp.plan.step_record import StepRecord
+
+__all__ = ["deeper"]
+
+Kind = str  # "F" (a layer's forward) or "B" (its backward)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Window:
+    """A layer's forward or backward in the trace: events [begin, end), serials [first, stop)."""
+
+    kind: Kind
+    layer: int
+    begin: int
+    end: int
+    first: int
+    stop: int
+
+    def offset(self, serial: int) -> int:
+        """A serial's place: from the start in a forward, from the end in a backward."""
+        return serial - self.first if self.kind == "F" else self.stop - serial
+
+    def at(self, offset: int) -> int | None:
+        serial = self.first + offset if self.kind == "F" else self.stop - offset
+        return serial if self.first <= serial < self.stop else None
+
+
+def _windows(r: StepRecord) -> list[_Window] | None:
+    """The layers' windows in trace order; None where their serials are not contiguous."""
+    layers = len(r.forward_starts)
+    spans = [("F", i, r.forward_starts[i], r.forward_starts[i + 1] if i + 1 < layers
+              else r.forward_end) for i in range(layers)]  # fmt: skip
+    ends = r.backward_ends
+    spans += [("B", i, ends[i + 1] if i + 1 < layers else r.backward_start, ends[i])
+              for i in reversed(range(layers))]  # fmt: skip
+    out = []
+    for kind, layer, begin, end in spans:
+        if not 0 <= begin <= end <= len(r.trace):
+            return None
+        created = [s for s, b in r.trace[begin:end] if b != FREE and b != HOLD]
+        first = created[0] if created else _first_serial_from(r, begin)
+        if created != list(range(first, first + len(created))):
+            return None
+        out.append(_Window(kind, layer, begin, end, first, first + len(created)))
+    return out
+
+
+def _first_serial_from(r: StepRecord, index: int) -> int:
+    """The serial the next storage created at or after trace `index` gets."""
+    for s, b in r.trace[index:]:
+        if b != FREE and b != HOLD:
+            return s
+    return len(r.phase_of)
+
+
+def deeper(r: StepRecord) -> StepRecord | None:
+    """The record of the step with one more middle decoder layer (module docstring), or None
+    where this record does not show it."""
+    layers = len(r.forward_starts)
+    if layers < 4 or len(r.backward_ends) != layers:
+        return None
+    wins = _windows(r)
+    if wins is None:
+        return None
+    win = {(w.kind, w.layer): w for w in wins}
+    owner: dict[int, _Window] = {}
+    for w in wins:
+        for s in range(w.first, w.stop):
+            owner[s] = w
+    copied = layers - 2  # the middle layer that appears twice; layer copied - 1 is like it
+    inside = [(w.begin, w.end) for w in wins]
+    for index, _count in r.flushes:
+        if any(b < index < e for b, e in inside):
+            return None
+    for rep in r.repeats:
+        if not any(b <= rep.begin and rep.end <= e for b, e in inside) and any(
+            b < rep.end and rep.begin < e for b, e in inside
+        ):
+            return None
+
+    def relative(w: _Window, serial: int) -> tuple[Any, ...]:
+        o = owner.get(serial)
+        if o is None:
+            return ("abs", serial)
+        return (o.kind, o.layer - w.layer, o.offset(serial))
+
+    def signature(w: _Window) -> tuple[Any, ...]:
+        events = tuple(
+            (b, relative(w, s))
+            if b in (FREE, HOLD)
+            else (b, r.phase_of[s], s in r.buffers, s in r.grads, s in r.checkpoint_inputs)
+            for s, b in r.trace[w.begin : w.end]
+        )
+        reps = tuple(
+            (rep.begin - w.begin, rep.end - w.begin, rep.first - w.first, rep.new, rep.times)
+            for rep in r.repeats
+            if w.begin <= rep.begin and rep.end <= w.end
+        )
+        return events, reps
+
+    for kind in ("F", "B"):
+        if signature(win[kind, copied]) != signature(win[kind, copied - 1]):
+            return None
+    # the deeper step's layers: J -> the recorded layer whose windows it repeats
+    source = [j if j <= copied else j - 1 for j in range(layers + 1)]
+    fresh = len(r.phase_of)  # the copy's serials follow the recorded ones
+    copy_first: dict[Kind, int] = {}
+    phase_of, bytes_of = list(r.phase_of), list(r.bytes_of)
+    for kind in ("F", "B"):
+        w = win[kind, copied]
+        copy_first[kind] = fresh
+        phase_of += r.phase_of[w.first : w.stop]
+        bytes_of += r.bytes_of[w.first : w.stop]
+        fresh += w.stop - w.first
+
+    def new_window(kind: Kind, layer: int) -> _Window:
+        w = win[kind, source[layer]]
+        if layer != copied + 1:
+            return dataclasses.replace(w, layer=layer)
+        first = copy_first[kind]
+        return dataclasses.replace(w, layer=layer, first=first, stop=first + w.stop - w.first)
+
+    def renamed(serial: int, layer: int | None) -> int | None:
+        """The deeper step's serial for a recorded one named in new layer `layer`'s window
+        (None: outside the layers)."""
+        o = owner.get(serial)
+        if o is None:
+            return serial
+        if layer is None:  # outside the layers: the same layer, unless it is the copied one
+            if o.layer == copied:
+                return None
+            target = o.layer if o.layer < copied else o.layer + 1
+        else:
+            target = layer + o.layer - source[layer]
+        if not 0 <= target <= layers:
+            return None
+        return new_window(o.kind, target).at(o.offset(serial))
+
+    trace: list[tuple[int, int]] = []
+    repeats: list[Repeat] = []
+    held: list[int] = []
+    flushes: list[tuple[int, int]] = []
+    flush_at = dict(r.flushes)
+    copies: dict[int, int] = {}  # recorded serial of the copied layer -> its copy's
+
+    def flush(index: int) -> int:
+        """The deeper step's held blocks released at the phase change recorded at `index`;
+        the recorded releases' count (skipped)."""
+        flushes.append((len(trace), len(held)))
+        trace.extend((s, FREE) for s in held)
+        held.clear()
+        return flush_at[index]
+
+    def emit(begin: int, end: int, layer: int | None) -> bool:
+        """The recorded events [begin, end) as new layer `layer`'s (None: outside the layers),
+        with the tile windows among them."""
+        shift = layer == copied + 1  # the copy: its storages under new serials
+        placed: dict[int, int] = {}  # recorded index -> index in the deeper trace
+        i = begin
+        while i < end:
+            if i in flush_at and layer is None and i not in placed:
+                placed[i] = len(trace)
+                skip = flush(i)
+                if skip:
+                    i += skip
+                    continue
+            placed[i] = len(trace)
+            s, b = r.trace[i]
+            if b in (FREE, HOLD):
+                t = renamed(s, layer)
+                if t is None:
+                    return False
+                if b == HOLD:
+                    held.append(t)
+            else:
+                t = s
+                if shift:
+                    t = copies[s] = s - owner[s].first + new_window(owner[s].kind, layer).first
+            trace.append((t, b))
+            i += 1
+        if layer is None and end in flush_at and end not in placed:
+            placed[end] = len(trace)
+            flush(end)  # a phase change at the part's end (none of its releases recorded)
+        for rep in r.repeats:
+            if begin <= rep.begin and rep.end <= end:
+                first = copies[rep.first] if shift else rep.first
+                repeats.append(
+                    dataclasses.replace(
+                        rep, begin=placed[rep.begin], end=placed[rep.end - 1] + 1, first=first
+                    )
+                )
+        return True
+
+    forward_starts: list[int] = []
+    backward_ends: list[int] = [0] * (layers + 1)
+    ok = emit(0, win["F", 0].begin, None)
+    for j in range(layers + 1):
+        forward_starts.append(len(trace))
+        ok = ok and emit(win["F", source[j]].begin, win["F", source[j]].end, j)
+    forward_end = len(trace)
+    ok = ok and emit(r.forward_end, r.backward_start, None)
+    backward_start = len(trace)
+    for j in reversed(range(layers + 1)):
+        ok = ok and emit(win["B", source[j]].begin, win["B", source[j]].end, j)
+        backward_ends[j] = len(trace)
+    ok = ok and emit(win["B", 0].end, len(r.trace), None)
+    if not ok:
+        return None
+    # the segments close as in the step of layers + 1 (fake_step.py): at the gradients of the
+    # inputs of its layers L-2 and 2, and at the end
+    marks = sorted([backward_ends[layers - 1], backward_ends[2], len(trace)])
+    repeats.sort(key=lambda rep: rep.begin)
+
+    def with_copies(serials: set[int | None]) -> set[int | None]:
+        return serials | {copies[s] for s in serials if s in copies}
+
+    return StepRecord(
+        trace=trace,
+        phase_of=phase_of,
+        bytes_of=bytes_of,
+        buffers={*r.buffers, *(copies[s] for s in r.buffers if s in copies)},
+        marks=marks,
+        flushes=flushes,
+        repeats=repeats,
+        grads=with_copies(r.grads),
+        checkpoint_inputs=with_copies(r.checkpoint_inputs),
+        forward_starts=forward_starts,
+        forward_end=forward_end,
+        backward_start=backward_start,
+        backward_ends=backward_ends,
+    )
