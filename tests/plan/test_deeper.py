@@ -1,0 +1,101 @@
+"""plan/deeper.py: the record of one more decoder layer, built from a simulated step's record,
+gives what simulating that step gives (peaks, breakdowns, allocator reserve), stack by stack;
+step_record.segment_peaks reads a tracker's own segments back; deeper refuses records it cannot
+extend."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from hf_models import BASE
+from tiledmlp.config.stacks import STACKS, stack_option
+from tiledmlp.plan import fake_step
+from tiledmlp.plan.deeper import deeper
+from tiledmlp.plan.step_record import segment_peaks
+
+pytest.importorskip("transformers")
+
+TINY = {
+    **BASE,
+    "vocab_size": 512,
+    "hidden_size": 64,
+    "intermediate_size": 256,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "use_cache": False,
+}
+
+
+def _config() -> Any:
+    import transformers as tr
+
+    return tr.LlamaConfig(**{**TINY, "num_hidden_layers": 5})
+
+
+def _options(stack: str, **over: Any) -> dict[str, Any]:
+    options: dict[str, Any] = {
+        "seq_len": 2048,
+        "stack": stack,
+        "dtype": torch.bfloat16,
+        "checkpointing": stack_option(stack, "activation_offloading"),
+        "optimizer": "none",
+        "num_tiles": 4,
+        "device_type": "cuda",
+        "sharded": False,
+        "sequence_parallel_size": 1,
+        "cut_tiles": True,
+    }
+    return {**options, **over}
+
+
+CHECKPOINTED_ADAMW = {"checkpointing": True, "optimizer": "adamw"}
+SHARDED_CPU = {"sharded": True, "device_type": "cpu"}
+CASES = [(stack, {}) for stack in STACKS] + [
+    ("tiled_mlp_loss", CHECKPOINTED_ADAMW),
+    ("tiled_layer", CHECKPOINTED_ADAMW),
+    ("untiled", SHARDED_CPU),
+    ("tiled_mlp_loss_offload", SHARDED_CPU),
+]
+
+
+@pytest.mark.parametrize(
+    ("stack", "over"), CASES, ids=[f"{s}-{'-'.join(o) or 'plain'}" for s, o in CASES]
+)
+def test_built_step_is_the_simulated_one(stack: str, over: dict[str, Any]) -> None:
+    options = _options(stack, **over)
+    record, _ = fake_step._run(_config(), 5, **options)
+    assert deeper(record) is not None  # these models' records show their middle layers
+    _, built = fake_step.simulate(_config(), 5, deeper_too=True, **options)
+    assert built == fake_step.simulate(_config(), 6, **options)
+
+
+def test_segment_peaks_are_the_trackers() -> None:
+    tracker_segments: list[Any] = []
+    original = fake_step.PhaseTracker.mark
+
+    def mark(self: Any) -> None:
+        original(self)
+        tracker_segments[:] = [list(self.segments), list(self.buffer_peaks)]
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(fake_step.PhaseTracker, "mark", mark)
+        record, _ = fake_step._run(_config(), 5, **_options("tiled_mlp_loss_offload"))
+    segments, buffer_peaks = segment_peaks(record)
+    assert [segments, buffer_peaks] == tracker_segments
+
+
+def test_refuses_what_the_record_does_not_show() -> None:
+    record, _ = fake_step._run(_config(), 5, **_options("untiled"))
+    few = fake_step._run(_config(), 3, **_options("untiled"))[0]
+    assert deeper(few) is None  # no two middle layers to compare
+    # the two middle layers' forwards made unlike: one storage of the copied one larger
+    i = record.forward_starts[3]
+    while record.trace[i][1] < 0:  # its first allocation
+        i += 1
+    serial, nbytes = record.trace[i]
+    record.trace[i] = (serial, nbytes + 512)
+    record.bytes_of[serial] += 512
+    assert deeper(record) is None
