@@ -205,7 +205,8 @@ def deeper(r: StepRecord) -> StepRecord | None:
             else:
                 t = s
                 if shift:
-                    t = copies[s] = s - owner[s].first + new_window(owner[s].kind, layer).first
+                    copy = new_window(owner[s].kind, copied + 1)
+                    t = copies[s] = s - owner[s].first + copy.first
             trace.append((t, b))
             i += 1
         if layer is None and end in flush_at and end not in placed:

@@ -96,7 +96,7 @@ def simulate(
     (caching_allocator.py). `deeper_too`: also the step of `layers` + 1 layers, as a pair
     (Segments of each): built from this step's record where it shows it (deeper.py), else
     simulated."""
-    options = dict(seq_len=seq_len, stack=stack, dtype=dtype, checkpointing=checkpointing,
+    options: dict[str, Any] = dict(seq_len=seq_len, stack=stack, dtype=dtype, checkpointing=checkpointing,
                    optimizer=optimizer, num_tiles=num_tiles, device_type=device_type,
                    sharded=sharded, sequence_parallel_size=sequence_parallel_size,
                    cut_tiles=cut_tiles)  # fmt: skip
