@@ -1,5 +1,6 @@
-"""plan/deeper.py: the record of one more decoder layer, built from a simulated step's record,
-gives what simulating that step gives (peaks, breakdowns, allocator reserve), stack by stack;
+"""plan/deeper.py: the record of one or more decoder layers more, built from a simulated step's
+record, gives what simulating that step gives (peaks, breakdowns, allocator reserve), stack by
+stack, and so does a whole depth built from 5 layers;
 step_record.segment_peaks reads a tracker's own segments back; deeper refuses records it cannot
 extend."""
 
@@ -14,6 +15,7 @@ from hf_models import BASE
 from tiledmlp.config.stacks import STACKS, stack_option
 from tiledmlp.plan import fake_step
 from tiledmlp.plan.deeper import deeper
+from tiledmlp.plan.estimate import estimate_step
 from tiledmlp.plan.step_record import segment_peaks
 
 pytest.importorskip("transformers")
@@ -55,7 +57,7 @@ CHECKPOINTED_ADAMW = {"checkpointing": True, "optimizer": "adamw"}
 SHARDED_CPU = {"sharded": True, "device_type": "cpu"}
 CASES = [(stack, {}) for stack in STACKS] + [
     ("tiled_mlp_loss", CHECKPOINTED_ADAMW),
-    ("tiled_layer", CHECKPOINTED_ADAMW),
+    ("tiled_mlp", CHECKPOINTED_ADAMW),
     ("untiled", SHARDED_CPU),
     ("tiled_mlp_loss_offload", SHARDED_CPU),
 ]
@@ -70,6 +72,18 @@ def test_built_step_is_the_simulated_one(stack: str, over: dict[str, Any]) -> No
     assert deeper(record) is not None  # these models' records show their middle layers
     _, built = fake_step.simulate(_config(), 5, deeper_too=True, **options)
     assert built == fake_step.simulate(_config(), 6, **options)
+
+
+@pytest.mark.parametrize("stack", ["tiled_mlp_loss_offload_norms"])
+def test_whole_depth_built_is_the_whole_depth_simulated(stack: str) -> None:
+    import transformers as tr
+
+    config = tr.LlamaConfig(**{**TINY, "num_hidden_layers": 8})
+    kw: dict[str, Any] = {"seq_len": 2048, "stack": stack, "num_tiles": 4,
+                          "checkpointing": True, "expandable_segments": False}  # fmt: skip
+    built = estimate_step(config, whole=True, **kw)
+    assert built == estimate_step(config, exact=True, **kw)
+    assert built.reserve > 0  # the whole depth's trace replayed without expandable segments
 
 
 def test_segment_peaks_are_the_trackers() -> None:

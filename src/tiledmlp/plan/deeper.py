@@ -83,11 +83,11 @@ def _first_serial_from(r: StepRecord, index: int) -> int:
     return len(r.phase_of)
 
 
-def deeper(r: StepRecord) -> StepRecord | None:
-    """The record of the step with one more middle decoder layer (module docstring), or None
-    where this record does not show it."""
+def deeper(r: StepRecord, more: int = 1) -> StepRecord | None:
+    """The record of the step with `more` more middle decoder layers (module docstring), or
+    None where this record does not show it."""
     layers = len(r.forward_starts)
-    if layers < 4 or len(r.backward_ends) != layers:
+    if layers < 4 or len(r.backward_ends) != layers or more < 1:
         return None
     wins = _windows(r)
     if wins is None:
@@ -97,7 +97,7 @@ def deeper(r: StepRecord) -> StepRecord | None:
     for w in wins:
         for s in range(w.first, w.stop):
             owner[s] = w
-    copied = layers - 2  # the middle layer that appears twice; layer copied - 1 is like it
+    copied = layers - 2  # the middle layer repeated; layer copied - 1 is like it
     inside = [(w.begin, w.end) for w in wins]
     for index, _count in r.flushes:
         if any(b < index < e for b, e in inside):
@@ -131,23 +131,26 @@ def deeper(r: StepRecord) -> StepRecord | None:
     for kind in ("F", "B"):
         if signature(win[kind, copied]) != signature(win[kind, copied - 1]):
             return None
-    # the deeper step's layers: J -> the recorded layer whose windows it repeats
-    source = [j if j <= copied else j - 1 for j in range(layers + 1)]
-    fresh = len(r.phase_of)  # the copy's serials follow the recorded ones
-    copy_first: dict[Kind, int] = {}
+    # the deeper step's layers: J -> the recorded layer whose windows it repeats; its layers
+    # copied + 1 .. copied + more are the copies
+    total = layers + more
+    source = [min(j, copied) if j <= copied + more else j - more for j in range(total)]
+    fresh = len(r.phase_of)  # the copies' serials follow the recorded ones
+    copy_first: dict[tuple[Kind, int], int] = {}
     phase_of, bytes_of = list(r.phase_of), list(r.bytes_of)
-    for kind in ("F", "B"):
-        w = win[kind, copied]
-        copy_first[kind] = fresh
-        phase_of += r.phase_of[w.first : w.stop]
-        bytes_of += r.bytes_of[w.first : w.stop]
-        fresh += w.stop - w.first
+    for c in range(copied + 1, copied + more + 1):
+        for kind in ("F", "B"):
+            w = win[kind, copied]
+            copy_first[kind, c] = fresh
+            phase_of += r.phase_of[w.first : w.stop]
+            bytes_of += r.bytes_of[w.first : w.stop]
+            fresh += w.stop - w.first
 
     def new_window(kind: Kind, layer: int) -> _Window:
         w = win[kind, source[layer]]
-        if layer != copied + 1:
+        if (kind, layer) not in copy_first:
             return dataclasses.replace(w, layer=layer)
-        first = copy_first[kind]
+        first = copy_first[kind, layer]
         return dataclasses.replace(w, layer=layer, first=first, stop=first + w.stop - w.first)
 
     def renamed(serial: int, layer: int | None) -> int | None:
@@ -159,10 +162,10 @@ def deeper(r: StepRecord) -> StepRecord | None:
         if layer is None:  # outside the layers: the same layer, unless it is the copied one
             if o.layer == copied:
                 return None
-            target = o.layer if o.layer < copied else o.layer + 1
+            target = o.layer if o.layer < copied else o.layer + more
         else:
             target = layer + o.layer - source[layer]
-        if not 0 <= target <= layers:
+        if not 0 <= target < total:
             return None
         return new_window(o.kind, target).at(o.offset(serial))
 
@@ -171,7 +174,7 @@ def deeper(r: StepRecord) -> StepRecord | None:
     held: list[int] = []
     flushes: list[tuple[int, int]] = []
     flush_at = dict(r.flushes)
-    copies: dict[int, int] = {}  # recorded serial of the copied layer -> its copy's
+    copies: dict[int, list[int]] = {}  # recorded serial of the copied layer -> its copies
 
     def flush(index: int) -> int:
         """The deeper step's held blocks released at the phase change recorded at `index`;
@@ -184,7 +187,7 @@ def deeper(r: StepRecord) -> StepRecord | None:
     def emit(begin: int, end: int, layer: int | None) -> bool:
         """The recorded events [begin, end) as new layer `layer`'s (None: outside the layers),
         with the tile windows among them."""
-        shift = layer == copied + 1  # the copy: its storages under new serials
+        shift = layer is not None and copied < layer <= copied + more  # a copy: new serials
         placed: dict[int, int] = {}  # recorded index -> index in the deeper trace
         i = begin
         while i < end:
@@ -205,8 +208,9 @@ def deeper(r: StepRecord) -> StepRecord | None:
             else:
                 t = s
                 if shift:
-                    copy = new_window(owner[s].kind, copied + 1)
-                    t = copies[s] = s - owner[s].first + copy.first
+                    assert layer is not None
+                    t = s - owner[s].first + new_window(owner[s].kind, layer).first
+                    copies.setdefault(s, []).append(t)
             trace.append((t, b))
             i += 1
         if layer is None and end in flush_at and end not in placed:
@@ -214,7 +218,7 @@ def deeper(r: StepRecord) -> StepRecord | None:
             flush(end)  # a phase change at the part's end (none of its releases recorded)
         for rep in r.repeats:
             if begin <= rep.begin and rep.end <= end:
-                first = copies[rep.first] if shift else rep.first
+                first = copies[rep.first][-1] if shift else rep.first
                 repeats.append(
                     dataclasses.replace(
                         rep, begin=placed[rep.begin], end=placed[rep.end - 1] + 1, first=first
@@ -223,33 +227,33 @@ def deeper(r: StepRecord) -> StepRecord | None:
         return True
 
     forward_starts: list[int] = []
-    backward_ends: list[int] = [0] * (layers + 1)
+    backward_ends: list[int] = [0] * total
     ok = emit(0, win["F", 0].begin, None)
-    for j in range(layers + 1):
+    for j in range(total):
         forward_starts.append(len(trace))
         ok = ok and emit(win["F", source[j]].begin, win["F", source[j]].end, j)
     forward_end = len(trace)
     ok = ok and emit(r.forward_end, r.backward_start, None)
     backward_start = len(trace)
-    for j in reversed(range(layers + 1)):
+    for j in reversed(range(total)):
         ok = ok and emit(win["B", source[j]].begin, win["B", source[j]].end, j)
         backward_ends[j] = len(trace)
     ok = ok and emit(win["B", 0].end, len(r.trace), None)
     if not ok:
         return None
-    # the segments close as in the step of layers + 1 (fake_step.py): at the gradients of the
-    # inputs of its layers L-2 and 2, and at the end
-    marks = sorted([backward_ends[layers - 1], backward_ends[2], len(trace)])
+    # the segments close as in the deeper step (fake_step.py): at the gradients of the inputs
+    # of its layers L-2 and 2, and at the end
+    marks = sorted([backward_ends[total - 2], backward_ends[2], len(trace)])
     repeats.sort(key=lambda rep: rep.begin)
 
-    def with_copies(serials: set[int | None]) -> set[int | None]:
-        return serials | {copies[s] for s in serials if s in copies}
+    def with_copies(serials: set[Any]) -> set[Any]:
+        return serials | {t for s in serials if s in copies for t in copies[s]}
 
     return StepRecord(
         trace=trace,
         phase_of=phase_of,
         bytes_of=bytes_of,
-        buffers={*r.buffers, *(copies[s] for s in r.buffers if s in copies)},
+        buffers=with_copies(r.buffers),
         marks=marks,
         flushes=flushes,
         repeats=repeats,

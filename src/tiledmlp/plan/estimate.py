@@ -37,6 +37,7 @@ def estimate_step(
     optimizer: str = "none",
     num_tiles: int | str = "auto",
     exact: bool = False,
+    whole: bool = False,
     device_type: str = "cuda",
     engine: str = "ddp",
     world: int = 1,
@@ -53,7 +54,9 @@ def estimate_step(
     on (the middle layers lie on a line between the two). Both are measured with 5 layers
     (simulated) and 6 (built from the 5 layers' record where it shows them, plan/deeper.py;
     else simulated) and extrapolated to the model's depth; `exact=True` runs every layer
-    instead (what the tests compare the extrapolation with). Under a sharding `engine` ("zero3", "fsdp2")
+    instead (what the tests compare the extrapolation with); `whole=True` counts every layer
+    too, the layers beyond 5 built from the 5 layers' record where it shows them (deeper.py:
+    the same figures as `exact`, at the cost of one short simulation). Under a sharding `engine` ("zero3", "fsdp2")
     over `world` GPUs, the parameters, gradients and optimizer states are the engine's
     (plan/engines.py) instead of whole ones. With `sequence_parallel_size` P > 1, `seq_len` is
     one GPU's share and its attention runs on the whole sequence's shapes (plan/exchange.py).
@@ -87,7 +90,10 @@ def estimate_step(
         cut_tiles=True,
         expandable_segments=expandable_segments,
     )
-    est = _simulated(run, config.get_text_config().num_hidden_layers, exact)
+    depth = int(config.get_text_config().num_hidden_layers)
+    if whole and not exact:
+        run = functools.partial(run, build_from=SHORT)
+    est = _simulated(run, depth, exact or whole)
     if not sharded:
         return est
     held = engine_memory(

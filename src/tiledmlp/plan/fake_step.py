@@ -86,6 +86,7 @@ def simulate(
     cut_tiles: bool = False,
     expandable_segments: bool = True,
     deeper_too: bool = False,
+    build_from: int = 0,
 ) -> Any:
     """One step of the model cut to `layers` decoder layers, on fake tensors; the tile policy
     resolves as on `device_type`. `sharded`: the parameters are not counted (and their
@@ -95,15 +96,23 @@ def simulate(
     `expandable_segments`: the caching allocator's setting the reserve is replayed with
     (caching_allocator.py). `deeper_too`: also the step of `layers` + 1 layers, as a pair
     (Segments of each): built from this step's record where it shows it (deeper.py), else
-    simulated."""
-    options: dict[str, Any] = dict(seq_len=seq_len, stack=stack, dtype=dtype, checkpointing=checkpointing,
-                   optimizer=optimizer, num_tiles=num_tiles, device_type=device_type,
-                   sharded=sharded, sequence_parallel_size=sequence_parallel_size,
-                   cut_tiles=cut_tiles)  # fmt: skip
-    record, held = _run(config, layers, **options)
+    simulated. `build_from` (between 4 and `layers`): simulate that many layers and build the
+    step of `layers` from its record (deeper.py), or simulate it where the record does not
+    show it."""
+    options: dict[str, Any] = {
+        "seq_len": seq_len, "stack": stack, "dtype": dtype, "checkpointing": checkpointing,
+        "optimizer": optimizer, "num_tiles": num_tiles, "device_type": device_type,
+        "sharded": sharded, "sequence_parallel_size": sequence_parallel_size,
+        "cut_tiles": cut_tiles,
+    }  # fmt: skip
     finish = functools.partial(
         _finish, checkpointing=checkpointing, cut_tiles=cut_tiles, expandable=expandable_segments
     )
+    if MARKED <= build_from < layers and not deeper_too:
+        built = deeper(_run(config, build_from, **options)[0], layers - build_from)
+        if built is not None:
+            return finish(built, _held_of(config, layers, **options))
+    record, held = _run(config, layers, **options)
     if not deeper_too:
         return finish(record, held)
     ahead = deeper(record)

@@ -162,8 +162,9 @@ def plan_model(
         "offload_params": offload_params,
         "sequence_parallel_size": p,
         # the allocator's reserve without expandable segments is the whole depth's trace
-        # replayed (plan/device_overhead.py, Note [Allocator reserve]): every layer simulated
-        "exact": device_type != "cpu" and not expandable_segments,
+        # replayed (plan/device_overhead.py, Note [Allocator reserve]): every layer counted,
+        # those beyond the first five built from their record (plan/deeper.py)
+        "whole": device_type != "cpu" and not expandable_segments,
         "expandable_segments": expandable_segments,
     }
     jobs = [
