@@ -14,8 +14,9 @@ step. The held blocks released at each phase change are those of the deeper step
 It refuses (None) wherever the record does not show this: fewer than four layers, the two
 middle layers' windows unlike (their events, with each release named relative to the layer
 doing it), a release outside the layers of a storage of the copied layer, a tile window or a
-phase change inside a layer's window across its bounds, or a release that would name no
-storage.
+phase change inside a layer's window across its bounds, a release that would name no storage,
+or an optimizer step on the device (its foreach operations request memory for every layer's
+parameters at once).
 
 Invariant: where it answers, the record is the one the step of L + 1 layers records (as
 tests/plan/test_deeper.py checks stack by stack against simulating it).
@@ -88,6 +89,10 @@ def deeper(r: StepRecord, more: int = 1) -> StepRecord | None:
     None where this record does not show it."""
     layers = len(r.forward_starts)
     if layers < 4 or len(r.backward_ends) != layers or more < 1:
+        return None
+    # an optimizer's step touches every layer's parameters in each of its (foreach) operations:
+    # its requests are not the layers' own, and the deeper step's are not these
+    if any(r.phase_of[s] == "optimizer" for s, b in r.trace if b not in (FREE, HOLD)):
         return None
     wins = _windows(r)
     if wins is None:

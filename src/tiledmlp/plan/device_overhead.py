@@ -49,8 +49,10 @@ tensors change size from phase to phase holds segments it cannot reuse. The term
 allocator's own rules (c10/cuda/CUDACachingAllocator.cpp: 512-byte rounding, the 2 MiB small
 and 20 MiB large segments, best fit, splitting, merging; plan/caching_allocator.py) replayed
 on the step's allocation trace, every storage's creation and release in order, which the
-simulation records (plan/phase_tracker.py): the segments' total minus the step's tensor peak;
-every layer is simulated then. With `expandable_segments:True` (the same file, Note [Expandable
+simulation records (plan/phase_tracker.py): the segments' total minus the step's tensor peak,
+over every layer of the model (the first five simulated, the rest built from their record,
+plan/deeper.py; with AdamW stepping on the device, whose requests are not per layer, the
+larger of the 5- and 6-layer steps', plan/estimate.py). With `expandable_segments:True` (the same file, Note [Expandable
 Segments]) each pool has one segment that grows by mapping pages (20 MiB for the large pool)
 at its end when no free block is large enough; a freed block still serves only requests no
 larger than itself, so the mapped range fragments as well: a step whose loss frees 16 GiB of
@@ -59,8 +61,9 @@ replayed through those rules (plan/caching_allocator.py): on the H200 records of
 (benchmarks/results/gpu/2026-11-26-h200/suite/records.jsonl) the replay maps 62,682 MiB for the
 4-layer untiled step at 32K tokens where the card reserved 62,684. The replay of a trace whose
 repeated tiles ran once (plan/periodic_tiles.py) maps the same pages, so it needs no exact
-simulation; a deeper model's reserve is the larger of the 4- and 5-layer steps' (plan/
-estimate.py), not a line in the depth. In both modes the attention backward's buffers are in
+simulation; the reserve follows no line in the depth (which blocks a later request finds free
+depends on every size before it), so it too is the whole depth's trace replayed, as above. In
+both modes the attention backward's buffers are in
 the trace at their calls; the cuBLAS workspaces are allocated before the step's first request.
 Blocks the offloader's side-stream copies still use when their tensors die stay taken until the
 phase ends (plan/phase_tracker.py); a full card takes them back before an allocation fails, so

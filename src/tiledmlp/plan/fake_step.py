@@ -144,12 +144,14 @@ def _held(step: FakeStep, ids: torch.Tensor, sharded: bool, device_type: str) ->
     return _Held(fixed, [*before, *workspaces])
 
 
-def _held_of(config: Any, layers: int, *, stack: str, dtype: torch.dtype, checkpointing: bool,
-             optimizer: str, num_tiles: int | str, device_type: str, sharded: bool,
-             seq_len: int, **_: Any) -> _Held:  # fmt: skip
-    """_held of the model cut to `layers`, built (not run) on fake tensors."""
+def _held_of(config: Any, layers: int, *, dtype: torch.dtype, optimizer: str,
+             num_tiles: int | str, device_type: str, sharded: bool, seq_len: int,
+             **_: Any) -> _Held:  # fmt: skip
+    """_held of the model cut to `layers`, built (not run) on fake tensors. The stack is not
+    applied: patching changes no parameter, buffer or optimizer state (its probes are most of
+    the cost of building a deep model)."""
     with fake_mode(), assume_device(device_type):
-        step = prepare(config, layers, stack, dtype, checkpointing, optimizer, num_tiles)
+        step = prepare(config, layers, "untiled", dtype, False, optimizer, num_tiles)
         return _held(step, torch.zeros(1, seq_len, dtype=torch.long), sharded, device_type)
 
 

@@ -161,10 +161,12 @@ def plan_model(
         "world": p,
         "offload_params": offload_params,
         "sequence_parallel_size": p,
-        # the allocator's reserve without expandable segments is the whole depth's trace
-        # replayed (plan/device_overhead.py, Note [Allocator reserve]): every layer counted,
-        # those beyond the first five built from their record (plan/deeper.py)
-        "whole": device_type != "cpu" and not expandable_segments,
+        # on a GPU the allocator's reserve is the whole depth's trace replayed (it follows no
+        # line in the depth: plan/device_overhead.py, Note [Allocator reserve]): every layer
+        # counted, those beyond the first five built from their record (plan/deeper.py), unless
+        # AdamW steps on the device (its requests are not per layer: the line through 5 and 6
+        # layers then); on the CPU there is no reserve, and the peaks follow the line exactly
+        "whole": device_type != "cpu" and not (optimizer == "adamw" and engine == "ddp"),
         "expandable_segments": expandable_segments,
     }
     jobs = [
