@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from hf_models import BASE
+from test_periodic_tiles import SMALL as TINY
 from tiledmlp.config.stacks import STACKS, stack_option
 from tiledmlp.plan import fake_step
 from tiledmlp.plan.deeper import deeper
@@ -19,16 +19,6 @@ from tiledmlp.plan.estimate import estimate_step
 from tiledmlp.plan.step_record import segment_peaks
 
 pytest.importorskip("transformers")
-
-TINY = {
-    **BASE,
-    "vocab_size": 512,
-    "hidden_size": 64,
-    "intermediate_size": 256,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "use_cache": False,
-}
 
 
 def _config() -> Any:
