@@ -52,11 +52,12 @@ on the step's allocation trace, every storage's creation and release in order, w
 simulation records (plan/phase_tracker.py): the segments' total minus the step's tensor peak,
 over every layer of the model (the first five simulated, the rest built from their record,
 plan/deeper.py; with AdamW stepping on the device, whose requests are not per layer, the
-larger of the 5- and 6-layer steps', plan/estimate.py). With `expandable_segments:True` (the same file, Note [Expandable
-Segments]) each pool has one segment that grows by mapping pages (20 MiB for the large pool)
-at its end when no free block is large enough; a freed block still serves only requests no
-larger than itself, so the mapped range fragments as well: a step whose loss frees 16 GiB of
-logits and then asks for other sizes maps new pages beyond them. The term is the same trace
+larger of the 5- and 6-layer steps', plan/estimate.py). With `expandable_segments:True` (the
+same file, Note [Expandable Segments]) each pool has one segment that grows by mapping pages
+(20 MiB for the large pool) at its end when no free block is large enough; a freed block
+still serves only requests no larger than itself, so the mapped range fragments as well: a
+step whose loss frees 16 GiB of logits and then asks for other sizes maps new pages beyond
+them. The term is the same trace
 replayed through those rules (plan/caching_allocator.py): on the H200 records of 2026-11-26
 (benchmarks/results/gpu/2026-11-26-h200/suite/records.jsonl) the replay maps 62,682 MiB for the
 4-layer untiled step at 32K tokens where the card reserved 62,684. The replay of a trace whose

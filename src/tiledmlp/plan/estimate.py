@@ -56,10 +56,11 @@ def estimate_step(
     else simulated) and extrapolated to the model's depth; `exact=True` runs every layer
     instead (what the tests compare the extrapolation with); `whole=True` counts every layer
     too, the layers beyond 5 built from the 5 layers' record where it shows them (deeper.py:
-    the same figures as `exact`, at the cost of one short simulation). Under a sharding `engine` ("zero3", "fsdp2")
-    over `world` GPUs, the parameters, gradients and optimizer states are the engine's
-    (plan/engines.py) instead of whole ones. With `sequence_parallel_size` P > 1, `seq_len` is
-    one GPU's share and its attention runs on the whole sequence's shapes (plan/exchange.py).
+    the same figures as `exact`, at the cost of one short simulation). Under a sharding
+    `engine` ("zero3", "fsdp2") over `world` GPUs, the parameters, gradients and optimizer
+    states are the engine's (plan/engines.py) instead of whole ones. With
+    `sequence_parallel_size` P > 1, `seq_len` is one GPU's share and its attention runs on the
+    whole sequence's shapes (plan/exchange.py).
     `expandable_segments`: the CUDA caching allocator's setting whose reserve the estimate
     carries (plan/caching_allocator.py).
 

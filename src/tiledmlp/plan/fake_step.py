@@ -207,8 +207,7 @@ def _run(
             )
         grads |= {tracker.serial(p.grad) for p in step.params if p.grad is not None}
         held = _held(step, ids, sharded, device_type)
-    changes = {phase: where for where, phase in zip(tracker.flushes, (
-        p for _, p in tracker.phase_changes))}  # fmt: skip
+    changes = {phase: (where, n) for where, n, phase in tracker.phase_changes}
     loss_at, backward_at = changes.get("loss", (0, 0)), changes.get("backward", (0, 0))
     ends = watch.backward_ends
     record = StepRecord(
@@ -218,7 +217,7 @@ def _run(
         bytes_of=tracker.bytes_of,
         buffers=tracker.buffers,
         marks=tracker.marks,
-        flushes=tracker.flushes,
+        flushes=[(where, n) for where, n, _ in tracker.phase_changes],
         repeats=periodic.repeats,
         grads=grads,
         checkpoint_inputs=watch.checkpoint_inputs,

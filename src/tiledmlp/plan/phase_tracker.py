@@ -70,9 +70,8 @@ class PhaseTracker(StorageTracker):
         self.trace: list[tuple[int, int]] = []
         self.buffers: set[int] = set()  # serials of the kernels' buffers
         self.marks: list[int] = []  # where each segment was closed, in the trace
-        # (where, how many): the held blocks released at each phase change, and the phase
-        self.flushes: list[tuple[int, int]] = []
-        self.phase_changes: list[tuple[int, str]] = []
+        # (where, how many, the new phase): the held blocks released at each phase change
+        self.phase_changes: list[tuple[int, int, str]] = []
 
     @property
     def phase(self) -> str:
@@ -82,10 +81,9 @@ class PhaseTracker(StorageTracker):
     @phase.setter
     def phase(self, phase: str) -> None:
         self._phase = phase
-        self.flushes.append((len(self.trace), len(self._held)))
+        self.phase_changes.append((len(self.trace), len(self._held), phase))
         self.trace += [(serial, FREE) for serial in self._held]  # the other stream is done
         self._held.clear()
-        self.phase_changes.append((len(self.trace), phase))
 
     def defer(self, t: torch.Tensor) -> None:
         """`t`'s block is used by another stream until the phase ends (module docstring)."""

@@ -40,11 +40,11 @@ def max_seq_len(
     each length estimated is where the line through two lengths already estimated (the two
     ends of the bracket once there is one) puts the budget, and right after a length that fits
     within one granule's growth of the budget by such a line, the next granule; where two
-    guesses in a row do not halve the bracket, the next one does. `hint` (tokens) is a length already planned; `fixed_bytes`, the part of its
-    tensor-level peak that does not grow with the sequence (weights, gradients, optimizer
-    states), gives the first line without estimating a short length (without it the first
-    line starts at one granule, estimated). Every answer is verified: it fits and one more
-    granule does not (or it is the upper bound).
+    guesses in a row do not halve the bracket, the next one does. `hint` (tokens) is a length
+    already planned; `fixed_bytes`, the part of its tensor-level peak that does not grow with
+    the sequence (weights, gradients, optimizer states), gives the first line without
+    estimating a short length (without it the first line starts at one granule, estimated).
+    Every answer is verified: it fits and one more granule does not (or it is the upper bound).
     `extra_bytes_per_token` and `extra_bytes` add memory the simulation does not see (the
     all-to-all's buffers; a measured correction, plan/measured.py);
     `overhead` adds the device's own (plan/device_overhead.py: CUDA context, workspaces,
@@ -61,7 +61,7 @@ def max_seq_len(
     reserves: dict[int, int] = {} if known_reserves is None else known_reserves
     replayed = overhead is not None and overhead.replayed
 
-    def beside(tensor_bytes: float, tokens: int, reserve: int) -> int:
+    def step_bytes(tensor_bytes: float, tokens: int, reserve: int) -> int:
         """The step's bytes from its tensors' (what the simulation does not see added)."""
         step = int(tensor_bytes) + int(extra_bytes_per_token * tokens) + extra_bytes
         return step + (0 if overhead is None else overhead.total(reserve))
@@ -74,7 +74,7 @@ def max_seq_len(
                 # beyond the tensors on a full card: the attention buffers' share and the
                 # allocator's reserve, less the blocks it takes back before it fails
                 tensors[tokens], reserves[tokens] = est.peak, est.full_card_reserve + est.attention
-            cache[n] = beside(tensors[tokens], tokens, reserves.get(tokens, 0))
+            cache[n] = step_bytes(tensors[tokens], tokens, reserves.get(tokens, 0))
             logger.info("  %s tokens: %.1f GiB", f"{tokens:,}", cache[n] / 2**30)
         return cache[n]
 
@@ -95,13 +95,18 @@ def max_seq_len(
     start = min(limit, (hint or 0) // granularity)
     anchor: tuple[int, float] | None = None  # a point of the first line not estimated
     if start >= 1 and fixed_bytes is not None and start * granularity in tensors:
-        anchor = (0, beside(fixed_bytes, 0, 0))
+        anchor = (0, step_bytes(fixed_bytes, 0, 0))
     else:
         if not try_(1):
             return 0
         start = min(limit, max(2, start))  # a second length for the first line
     if start > 1:
         try_(start)
+
+    def at(n: int) -> float:
+        """The step at granule n: the anchor's where n is the anchor, else estimated."""
+        return anchor[1] if anchor is not None and n == anchor[0] else peak(n)
+
     slow = 0  # guesses in a row that did not halve a bracket
     while hi - lo > 1:
         width = hi - lo
@@ -110,12 +115,12 @@ def max_seq_len(
         if halve:
             guess = (lo + hi) // 2
         else:
-            a, b = _line(seen, lo, hi, anchor, peak)
-            slope = (peak_of(b, peak, anchor) - peak_of(a, peak, anchor)) / (b - a)
+            a, b = _line(seen, lo, hi, anchor)
+            slope = (at(b) - at(a)) / (b - a)
             if slope <= 0:  # no growth seen: double (or halve the bracket)
                 guess = min(limit, 2 * lo) if hi > limit else (lo + hi) // 2
             else:
-                guess = a + int((budget_bytes - peak_of(a, peak, anchor)) // slope)
+                guess = a + int((budget_bytes - at(a)) // slope)
                 sure = anchor is None or a != anchor[0]
         guess = min(max(guess, lo + 1), hi - 1)
         if try_(guess) and guess + 1 < hi and sure and budget_bytes - peak(guess) < slope:
@@ -124,14 +129,7 @@ def max_seq_len(
     return lo * granularity
 
 
-def peak_of(n: int, peak: Any, anchor: tuple[int, float] | None) -> float:
-    """The step at granule n: the anchor's where n is the anchor, else estimated."""
-    return anchor[1] if anchor is not None and n == anchor[0] else peak(n)
-
-
-def _line(
-    seen: list[int], lo: int, hi: int, anchor: tuple[int, float] | None, peak: Any
-) -> tuple[int, int]:
+def _line(seen: list[int], lo: int, hi: int, anchor: tuple[int, float] | None) -> tuple[int, int]:
     """The two granules whose line gives the next guess: the bracket's ends once both are
     estimated, else the two latest estimated, more than one granule apart where two are (the
     anchor and the one where only one is)."""
