@@ -78,6 +78,34 @@ def test_whole_depth_built_is_the_whole_depth_simulated(stack: str) -> None:
     assert built.reserve > 0  # the whole depth's trace replayed without expandable segments
 
 
+def test_full_card_estimate_is_the_estimate_without_what_a_card_takes_back() -> None:
+    import transformers as tr
+
+    config = tr.LlamaConfig(**{**TINY, "num_hidden_layers": 8})
+    kw: dict[str, Any] = {"seq_len": 8192, "stack": "tiled_mlp_loss_offload", "num_tiles": 4,
+                          "checkpointing": True, "whole": True}  # fmt: skip
+    est = estimate_step(config, **kw)
+    assert est.reclaimable > 0  # the offloader's copies hold blocks on a GPU
+    full = estimate_step(config, full_card=True, **kw)
+    assert (full.peak, full.breakdown, full.attention) == (est.peak, est.breakdown, est.attention)
+    assert (full.full_card_reserve, full.reclaimable) == (est.full_card_reserve, 0)
+
+
+@pytest.mark.parametrize("options", [{}, {"optimizer": "adamw"}, SHARDED_CPU])
+def test_held_of_built_once_is_the_models_at_every_length(options: dict[str, Any]) -> None:
+    from tiledmlp.ops.tiling.policy import assume_device
+    from tiledmlp.plan.fast_fake import fake_mode
+
+    kw = {k: v for k, v in _options("untiled", **options).items() if k != "seq_len"}
+    for seq_len in (1024, 3072, 1024):  # the second and third from the model built once
+        held = fake_step._held_of(_config(), 6, seq_len=seq_len, **kw)
+        with fake_mode(), assume_device(kw["device_type"]):
+            step = fake_step.prepare(_config(), 6, "untiled", kw["dtype"], False,
+                                     kw["optimizer"], kw["num_tiles"])  # fmt: skip
+            ids = torch.zeros(1, seq_len, dtype=torch.long)
+            assert held == fake_step._held(step, ids, kw["sharded"], kw["device_type"])
+
+
 def test_segment_peaks_are_the_trackers() -> None:
     tracker_segments: list[Any] = []
     original = fake_step.PhaseTracker.mark

@@ -86,7 +86,7 @@ def segment_size(size: int) -> int:
     return -(-size // ROUND_LARGE) * ROUND_LARGE
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _Block:
     """A piece of one segment; `prev` and `next` are its neighbours in that segment."""
 
@@ -132,11 +132,12 @@ class CachingAllocator:
         if key in self._held:
             raise ValueError(f"key {key} already holds a block; free it first")
         self.live += nbytes
-        self.peak = max(self.peak, self.live)
+        if self.live > self.peak:
+            self.peak = self.live
         if nbytes == 0:
             self._held[key] = (_Block(-1, 0, True, free=False), 0)
             return
-        size = round_size(nbytes)
+        size = -(-nbytes // MIN_BLOCK) * MIN_BLOCK  # round_size (nbytes > 0)
         small = size <= SMALL_SIZE
         pool = self._free[small]
         i = bisect.bisect_left(pool, (size, -1))

@@ -44,6 +44,7 @@ def estimate_step(
     offload_params: bool = False,
     sequence_parallel_size: int = 1,
     expandable_segments: bool = True,
+    full_card: bool = False,
 ) -> StepEstimate:
     """Peak device memory of one training step of `stack` on one GPU (see the module docstring).
 
@@ -62,7 +63,9 @@ def estimate_step(
     `sequence_parallel_size` P > 1, `seq_len` is one GPU's share and its attention runs on the
     whole sequence's shapes (plan/exchange.py).
     `expandable_segments`: the CUDA caching allocator's setting whose reserve the estimate
-    carries (plan/caching_allocator.py).
+    carries (plan/caching_allocator.py). `full_card=True`: only what a card with no room left
+    holds is replayed (`full_card_reserve`, as without it; nothing `reclaimable`): what a search
+    for the longest sequence needs, at one replay of the allocator instead of two.
 
     Raises:
         ValueError: an unknown stack, optimizer or engine, or options the engine cannot
@@ -90,6 +93,7 @@ def estimate_step(
         # repeated tiles run once; the allocator replays the loops' whole trace, rebuilt
         cut_tiles=True,
         expandable_segments=expandable_segments,
+        full_card=full_card,
     )
     depth = int(config.get_text_config().num_hidden_layers)
     if whole and not exact:

@@ -87,6 +87,7 @@ def simulate(
     expandable_segments: bool = True,
     deeper_too: bool = False,
     build_from: int = 0,
+    full_card: bool = False,
 ) -> Any:
     """One step of the model cut to `layers` decoder layers, on fake tensors; the tile policy
     resolves as on `device_type`. `sharded`: the parameters are not counted (and their
@@ -98,7 +99,8 @@ def simulate(
     (Segments of each): built from this step's record where it shows it (deeper.py), else
     simulated. `build_from` (between 4 and `layers`): simulate that many layers and build the
     step of `layers` from its record (deeper.py), or simulate it where the record does not
-    show it."""
+    show it. `full_card`: only the reserve of a card with no room left (the held blocks taken
+    back: caching_allocator.py, HOLD) is replayed; the Segments then have nothing reclaimable."""
     options: dict[str, Any] = {
         "seq_len": seq_len, "stack": stack, "dtype": dtype, "checkpointing": checkpointing,
         "optimizer": optimizer, "num_tiles": num_tiles, "device_type": device_type,
@@ -106,8 +108,9 @@ def simulate(
         "cut_tiles": cut_tiles,
     }  # fmt: skip
     finish = functools.partial(
-        _finish, checkpointing=checkpointing, cut_tiles=cut_tiles, expandable=expandable_segments
-    )
+        _finish, checkpointing=checkpointing, cut_tiles=cut_tiles, expandable=expandable_segments,
+        full_card=full_card,
+    )  # fmt: skip
     if MARKED <= build_from < layers and not deeper_too:
         built = deeper(_run(config, build_from, **options)[0], layers - build_from)
         if built is not None:
@@ -144,15 +147,29 @@ def _held(step: FakeStep, ids: torch.Tensor, sharded: bool, device_type: str) ->
     return _Held(fixed, [*before, *workspaces])
 
 
+# _held_of's model built once per process for each config and options: the sequence's length
+# changes only the token ids' bytes (fixed["weights"], and their request among the first)
+_HELD: dict[tuple[Any, ...], tuple[_Held, int]] = {}
+
+
 def _held_of(config: Any, layers: int, *, dtype: torch.dtype, optimizer: str,
              num_tiles: int | str, device_type: str, sharded: bool, seq_len: int,
              **_: Any) -> _Held:  # fmt: skip
     """_held of the model cut to `layers`, built (not run) on fake tensors. The stack is not
     applied: patching changes no parameter, buffer or optimizer state (its probes are most of
     the cost of building a deep model)."""
-    with fake_mode(), assume_device(device_type):
-        step = prepare(config, layers, "untiled", dtype, False, optimizer, num_tiles)
-        return _held(step, torch.zeros(1, seq_len, dtype=torch.long), sharded, device_type)
+    key = (config.to_json_string(), layers, dtype, optimizer, str(num_tiles), device_type, sharded)
+    if key not in _HELD:
+        with fake_mode(), assume_device(device_type):
+            step = prepare(config, layers, "untiled", dtype, False, optimizer, num_tiles)
+            one = _held(step, torch.zeros(1, 1, dtype=torch.long), sharded, device_type)
+        workspaces = len(CUBLAS_WORKSPACES) if device_type == "cuda" else 0
+        # the ids' request: the last before the optimizer states' and the workspaces'
+        _HELD[key] = (one, len(one.start) - len(step.states) - workspaces - 1)
+    one, at = _HELD[key]
+    ids = seq_len * torch.empty((), dtype=torch.long).element_size()
+    start = [*one.start[:at], ids, *one.start[at + 1 :]]
+    return _Held({**one.fixed, "weights": one.fixed["weights"] - one.start[at] + ids}, start)
 
 
 def _run(
@@ -230,10 +247,16 @@ def _run(
 
 
 def _finish(
-    record: StepRecord, held: _Held, *, checkpointing: bool, cut_tiles: bool, expandable: bool
+    record: StepRecord,
+    held: _Held,
+    *,
+    checkpointing: bool,
+    cut_tiles: bool,
+    expandable: bool,
+    full_card: bool = False,
 ) -> Segments:
     """The step's Segments from its record: each segment's peak and what was alive at it by
-    category, the allocator's reserve replayed on its trace (simulate)."""
+    category, the allocator's reserve replayed on its trace (simulate; `full_card` as there)."""
     trace = record.trace
 
     def replay(holds: bool) -> int:
@@ -242,10 +265,13 @@ def _finish(
                                     expandable=expandable, holds=holds)  # fmt: skip
         return reserve_beyond_peak(held.start, trace, expandable=expandable, holds=holds)
 
-    reserve = replay(True)
     # a card with no room left takes the held blocks back (caching_allocator.py: HOLD)
     has_held = any(b == HOLD for _, b in trace)
-    reclaimable = reserve - replay(False) if has_held else 0
+    if full_card:
+        reserve, reclaimable = replay(not has_held), 0
+    else:
+        reserve = replay(True)
+        reclaimable = reserve - replay(False) if has_held else 0
     segments, buffer_peaks = segment_peaks(record)
     seen = (record.grads, record.checkpoint_inputs, checkpointing)
     parts = [

@@ -226,7 +226,7 @@ def _plan_stack(
     fixed = sum(v for k, v in est.breakdown.items() if k not in GROWING)
     # what a full device holds beyond the tensors' peak: the attention buffers' share and the
     # reserve, the held blocks taken back before an allocation fails
-    reserves = {local: est.full_card_reserve + est.attention}
+    reserves = {local: (est.full_card_reserve, est.attention)}
     if p > 1:
         extra = int(per_token * local)
         est = StepEstimate(

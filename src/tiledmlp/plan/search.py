@@ -30,17 +30,19 @@ def max_seq_len(
     extra_bytes: int = 0,
     overhead: DeviceOverhead | None = None,
     known_peaks: dict[int, int] | None = None,
-    known_reserves: dict[int, int] | None = None,
+    known_reserves: dict[int, tuple[int, int]] | None = None,
     **options: Any,
 ) -> int:
     """The longest sequence (a multiple of `granularity`, at most `upper`) whose step fits
     `budget_bytes` with `stack`; 0 when not even `granularity` tokens fit.
 
-    The peak grows with the sequence, nearly affinely (exactly between tile-count changes), so
-    each length estimated is where the line through two lengths already estimated (the two
-    ends of the bracket once there is one) puts the budget, and right after a length that fits
-    within one granule's growth of the budget by such a line, the next granule; where two
-    guesses in a row do not halve the bracket, the next one does. `hint` (tokens) is a length
+    The step less the allocator's reserve grows with the sequence, nearly affinely (exactly
+    between tile-count changes); the reserve does not follow it (it moves by a few hundred MiB
+    from one granule to the next). So each length estimated is where the line through the two
+    lengths estimated last, of the step less the reserve, puts the budget less the reserve of
+    the length estimated last; right after a length that fits within one granule's growth of
+    the budget by that line, the next granule; where two guesses in a row do not halve the
+    bracket, the next one does. `hint` (tokens) is a length
     already planned; `fixed_bytes`, the part of its tensor-level peak that does not grow with
     the sequence (weights, gradients, optimizer states), gives the first line without
     estimating a short length (without it the first line starts at one granule, estimated).
@@ -52,29 +54,40 @@ def max_seq_len(
     `known_peaks` ({tokens: estimate_step(...).peak} for these options) holds estimates
     already made, and receives the search's: a length is never simulated twice (once more
     where `overhead` replays the allocator and only the length's peak is known);
-    `known_reserves` ({tokens: estimate_step(...).full_card_reserve + .attention}) does the
+    `known_reserves` ({tokens: (estimate_step(...).full_card_reserve, .attention)}) does the
     same for what a full device holds beyond the tensors.
     """
-    cache: dict[int, int] = {}
+    cache: dict[int, int] = {}  # granule -> the step's bytes
+    smooth: dict[int, int] = {}  # granule -> the step's bytes less the allocator's reserve
     tensors = {} if known_peaks is None else known_peaks
     # the replayed allocator reserve (device_overhead.py)
-    reserves: dict[int, int] = {} if known_reserves is None else known_reserves
+    reserves: dict[int, tuple[int, int]] = {} if known_reserves is None else known_reserves
     replayed = overhead is not None and overhead.replayed
 
-    def step_bytes(tensor_bytes: float, tokens: int, reserve: int) -> int:
+    def step_bytes(tensor_bytes: float, tokens: int, attention: int, reserve: int) -> int:
         """The step's bytes from its tensors' (what the simulation does not see added)."""
         step = int(tensor_bytes) + int(extra_bytes_per_token * tokens) + extra_bytes
-        return step + (0 if overhead is None else overhead.total(reserve))
+        return step + (0 if overhead is None else overhead.total(reserve, attention))
+
+    def simulated(tokens: int) -> tuple[int, tuple[int, int]]:
+        """The step's tensor peak, and beyond the tensors on a full card the allocator's
+        reserve (less the blocks it takes back before it fails) and the attention buffers'
+        share; one allocator replay, a full card's (what decides whether it fits)."""
+        est = estimate_step(config, seq_len=tokens, stack=stack, full_card=True, **options)
+        return est.peak, (est.full_card_reserve, est.attention)
+
+    def known(tokens: int) -> bool:
+        return tokens in tensors and (not replayed or tokens in reserves)
 
     def peak(n: int) -> int:
+        """The step at granule n."""
         if n not in cache:
             tokens = n * granularity
-            if tokens not in tensors or (replayed and tokens not in reserves):
-                est = estimate_step(config, seq_len=tokens, stack=stack, **options)
-                # beyond the tensors on a full card: the attention buffers' share and the
-                # allocator's reserve, less the blocks it takes back before it fails
-                tensors[tokens], reserves[tokens] = est.peak, est.full_card_reserve + est.attention
-            cache[n] = step_bytes(tensors[tokens], tokens, reserves.get(tokens, 0))
+            if not known(tokens):
+                tensors[tokens], reserves[tokens] = simulated(tokens)
+            reserve, attention = reserves.get(tokens, (0, 0))
+            smooth[n] = step_bytes(tensors[tokens], tokens, attention, 0)
+            cache[n] = step_bytes(tensors[tokens], tokens, attention, reserve)
             logger.info("  %s tokens: %.1f GiB", f"{tokens:,}", cache[n] / 2**30)
         return cache[n]
 
@@ -95,7 +108,7 @@ def max_seq_len(
     start = min(limit, (hint or 0) // granularity)
     anchor: tuple[int, float] | None = None  # a point of the first line not estimated
     if start >= 1 and fixed_bytes is not None and start * granularity in tensors:
-        anchor = (0, step_bytes(fixed_bytes, 0, 0))
+        anchor = (0, step_bytes(fixed_bytes, 0, 0, 0))
     else:
         if not try_(1):
             return 0
@@ -103,9 +116,13 @@ def max_seq_len(
     if start > 1:
         try_(start)
 
-    def at(n: int) -> float:
-        """The step at granule n: the anchor's where n is the anchor, else estimated."""
-        return anchor[1] if anchor is not None and n == anchor[0] else peak(n)
+    def at(n: int, sure: bool) -> float:
+        """The step at granule n as a line through it sees it: through two estimates (`sure`)
+        less the allocator's reserve, else whole (the anchor's at the anchor)."""
+        if anchor is not None and n == anchor[0]:
+            return anchor[1]
+        whole = peak(n)  # estimated where it is not yet
+        return smooth[n] if sure else whole
 
     slow = 0  # guesses in a row that did not halve a bracket
     while hi - lo > 1:
@@ -116,12 +133,17 @@ def max_seq_len(
             guess = (lo + hi) // 2
         else:
             a, b = _line(seen, lo, hi, anchor)
-            slope = (at(b) - at(a)) / (b - a)
+            sure = anchor is None or a != anchor[0]
+            slope = (at(b, sure) - at(a, sure)) / (b - a)
             if slope <= 0:  # no growth seen: double (or halve the bracket)
                 guess = min(limit, 2 * lo) if hi > limit else (lo + hi) // 2
+                sure = False
             else:
-                guess = a + int((budget_bytes - at(a)) // slope)
-                sure = anchor is None or a != anchor[0]
+                # through two estimates: the reserve of the length estimated last beside the
+                # line (it does not follow it); from the anchor, the reserve grows along the
+                # line from none at no tokens
+                noise = peak(seen[-1]) - smooth[seen[-1]] if sure else 0
+                guess = a + int((budget_bytes - noise - at(a, sure)) // slope)
         guess = min(max(guess, lo + 1), hi - 1)
         if try_(guess) and guess + 1 < hi and sure and budget_bytes - peak(guess) < slope:
             try_(guess + 1)  # within a granule of the budget: one more should not fit
@@ -130,16 +152,10 @@ def max_seq_len(
 
 
 def _line(seen: list[int], lo: int, hi: int, anchor: tuple[int, float] | None) -> tuple[int, int]:
-    """The two granules whose line gives the next guess: the bracket's ends once both are
-    estimated, else the two latest estimated, more than one granule apart where two are (the
-    anchor and the one where only one is)."""
-    if lo in seen and hi in seen:
-        return lo, hi
+    """The two latest granules estimated (the anchor and the one where only one is)."""
+    del lo, hi
     points = sorted(set(seen), key=seen.index)
-    pairs = [(points[j], points[i]) for i in range(len(points) - 1, 0, -1)
-             for j in range(i - 1, -1, -1)]  # fmt: skip
-    apart = [p for p in pairs if abs(p[0] - p[1]) > 1] or pairs
-    if apart:
-        return min(apart[0]), max(apart[0])
+    if len(points) >= 2:
+        return min(points[-2:]), max(points[-2:])
     assert anchor is not None  # one granule estimated: the first line's other point
     return anchor[0], points[-1]
