@@ -42,10 +42,11 @@ def max_seq_len(
     lengths estimated last, of the step less the reserve, puts the budget less the reserve of
     the length estimated last; right after a length that fits within one granule's growth of
     the budget by that line, the next granule; where two guesses in a row do not halve the
-    bracket, the next one does. `hint` (tokens) is a length
-    already planned; `fixed_bytes`, the part of its tensor-level peak that does not grow with
-    the sequence (weights, gradients, optimizer states), gives the first line without
-    estimating a short length (without it the first line starts at one granule, estimated).
+    bracket, the next one does. `hint` (tokens) is a length already planned; `fixed_bytes`,
+    the part of its tensor-level peak that does not grow with the sequence (weights,
+    gradients, optimizer states), gives the first line without estimating a short length: the
+    whole step's, from those bytes at no tokens through the planned length (without it the
+    first line starts at one granule, estimated).
     Every answer is verified: it fits and one more granule does not (or it is the upper bound).
     `extra_bytes_per_token` and `extra_bytes` add memory the simulation does not see (the
     all-to-all's buffers; a measured correction, plan/measured.py);
@@ -132,7 +133,7 @@ def max_seq_len(
         if halve:
             guess = (lo + hi) // 2
         else:
-            a, b = _line(seen, lo, hi, anchor)
+            a, b = _line(seen, anchor)
             sure = anchor is None or a != anchor[0]
             slope = (at(b, sure) - at(a, sure)) / (b - a)
             if slope <= 0:  # no growth seen: double (or halve the bracket)
@@ -151,9 +152,8 @@ def max_seq_len(
     return lo * granularity
 
 
-def _line(seen: list[int], lo: int, hi: int, anchor: tuple[int, float] | None) -> tuple[int, int]:
+def _line(seen: list[int], anchor: tuple[int, float] | None) -> tuple[int, int]:
     """The two latest granules estimated (the anchor and the one where only one is)."""
-    del lo, hi
     points = sorted(set(seen), key=seen.index)
     if len(points) >= 2:
         return min(points[-2:]), max(points[-2:])
