@@ -1,7 +1,7 @@
 """Tile loops cut short on fake tensors (plan/periodic_tiles.py): the cut simulation gives the
 same peaks, breakdowns and allocator reserves as the whole one for every stack, the rebuilt trace
-is the whole one's event for event, and a tile is skipped only after two tiles of its size were
-seen alike."""
+is the whole one's event for event, and a tile is skipped only after a steady tile of its size
+(its releases all of the tiles just before it, of its size, not the loop's first)."""
 
 from __future__ import annotations
 
@@ -117,52 +117,57 @@ def test_cut_peak_bytes_equals_the_whole_loop_s_for_a_tiled_mlp() -> None:
         assert cut_peak_bytes(step, alive) == fake_peak_bytes(step, alive)
 
 
-def _loop(plan: TilePlan, leak: bool) -> list[tuple[int, int]]:
+def _loop(plan: TilePlan, leak: bool, keep: int = 1) -> list[tuple[int, int]]:
     """A tile loop on fake tensors whose tiles each create and free a tile-sized tensor and
-    keep one until the next tile (with `leak`, also one until the end); returns the tiles it
-    ran."""
-    ran, kept = [], []
-    last = None
+    keep one for the `keep` tiles after them (with `leak`, also one until the end); returns the
+    tiles it ran."""
+    ran, kept, lasts = [], [], []
     for start, stop in plan.bounds():
         t = torch.empty(stop - start, 8)
-        last = torch.empty(stop - start, 2)  # the previous tile's is released here
+        lasts.append(torch.empty(stop - start, 2))
+        if len(lasts) > keep:
+            del lasts[0]  # the one of `keep` tiles before is released here
         if leak:
             kept.append(torch.empty(stop - start))
         del t
         ran.append((start, stop))
-    del last
+    del lasts
     return ran
 
 
-def test_a_tile_is_skipped_only_after_two_alike_tiles_of_its_size() -> None:
+def _same_as_whole(plan: TilePlan, keep: int = 1) -> list[int]:
+    """The tile sizes the cut loop ran; its rebuilt trace and allocator replays are checked
+    against the whole loop's."""
+    tracker = PhaseTracker([])
+    with tracker, PeriodicTiles(tracker) as periodic:
+        ran = _loop(plan, leak=False, keep=keep)
+    whole = PhaseTracker([])
+    with whole:
+        _loop(plan, leak=False, keep=keep)
+    rebuilt = list(whole_trace(tracker.trace, periodic.repeats))
+    assert _canonical(rebuilt) == _canonical(whole.trace)
+    assert len(tracker.trace) < len(whole.trace)
+    for expandable in (False, True):
+        replayed = replayed_reserve([300], tracker.trace, periodic.repeats, expandable=expandable)
+        assert replayed == reserve_beyond_peak([300], whole.trace, expandable=expandable)
+    return [b - a for a, b in ran]
+
+
+def test_a_tile_is_skipped_only_after_a_steady_tile_of_its_size() -> None:
     plan = split_even(100, 10)  # ten tiles of 10 tokens: one run
     with FakeTensorMode():
+        # the first tile keeps its `last` (the one before has none) and the second releases
+        # it; the third releases only the second's, a tile of its size that is not the first:
+        # the seven after it are skipped
+        assert _same_as_whole(plan) == [10, 10, 10]
+        # three tiles of 11, then seven of 10: the first 10 releases an 11's `last`, the
+        # second 10 only the first 10's
+        assert _same_as_whole(split_even(103, 10)) == [11, 11, 11, 10, 10]
+        # each `last` kept for two tiles: the third tile releases the first's, the fourth the
+        # second's
+        assert _same_as_whole(plan, keep=2) == [10, 10, 10, 10]
         tracker = PhaseTracker([])
         with tracker, PeriodicTiles(tracker) as periodic:
-            ran = _loop(plan, leak=False)
-        # the first tile keeps its `last` (the one before has none): the second and third
-        # are alike, the seven after them are skipped
-        assert ran == [(0, 10), (10, 20), (20, 30)]
-        assert periodic.cut
-        whole = PhaseTracker([])
-        with whole:
-            _loop(plan, leak=False)
-        rebuilt = list(whole_trace(tracker.trace, periodic.repeats))
-        assert _canonical(rebuilt) == _canonical(whole.trace)
-        assert len(tracker.trace) < len(whole.trace)
-        for expandable in (False, True):
-            replayed = replayed_reserve(
-                [300], tracker.trace, periodic.repeats, expandable=expandable
-            )
-            assert replayed == reserve_beyond_peak([300], whole.trace, expandable=expandable)
-        uneven = split_even(103, 10)  # three tiles of 11, then seven of 10
-        tracker = PhaseTracker([])
-        with tracker, PeriodicTiles(tracker):
-            ran = _loop(uneven, leak=False)
-        # the first 10 releases an 11's `last`: the second and third 10s are alike
-        assert [b - a for a, b in ran] == [11, 11, 11, 10, 10, 10]
-        tracker = PhaseTracker([])
-        with tracker, PeriodicTiles(tracker) as periodic:
-            ran = _loop(plan, leak=True)  # every tile leaves memory behind: never alike
+            ran = _loop(plan, leak=True)  # every tile leaves memory behind: never a period
         assert len(ran) == 10 and not periodic.cut
     assert list(plan.bounds()) == [(10 * i, 10 * i + 10) for i in range(10)]  # restored

@@ -6,14 +6,19 @@ tensors (values are meaningless) they create and free the same storages in the s
 once the loop's first tiles (which allocate accumulators and output buffers, or keep the
 first tile's output) are past. While `PeriodicTiles` is active, `bounds()` yields the tiles
 one by one and watches each tile's window of the tracker's events (phase_tracker.py): from the
-start of the tile's loop body to the next. As soon as two consecutive tiles of one size are
-alike (the same allocations and phases, the same releases relative to the tile's first new
-storage and of the same bytes, the same live bytes at their start, each tile leaving the live
-bytes it found, and no segment closed), it skips the rest of the tiles of that size. A skipped
-tile would start from the state the two alike tiles started from and run the same code on the
-same shapes: it would repeat their window exactly, so the step's peak, the moment it is first
-reached, what is alive then and its categories are those of the whole loop. (The product's
-loops branch on the tile's index only for the first tile.)
+start of the tile's loop body to the next. As soon as a tile is steady, it skips the rest of
+the tiles of its size: its window leaves the live bytes it found, closes no segment and holds
+no block for another stream, and every storage it releases that it did not create belongs to
+the tiles just before it, each of its size, not the loop's first tile, and each creating as
+many storages as it did (or, the same evidence another way, two consecutive tiles of its size
+are alike: the same allocations and phases, the same releases relative to the tile's first new
+storage and of the same bytes, the same live bytes at their start). A skipped tile would start
+from the state the steady tile started from (the tiles before it of its size, the same code on
+the same shapes, created the same storages of the same bytes) and run the same code on the
+same shapes: it would repeat the steady tile's window exactly, so the step's peak, the moment
+it is first reached, what is alive then and its categories are those of the whole loop. (The
+product's loops branch on the tile's index only for the first tile.) A loop of two sizes (as
+`split_even` cuts them) runs its first tile, then about two of each size.
 
 The tracker's allocation trace is the cut one; `whole_trace` gives the whole loop's, for the
 caching allocator's replay (caching_allocator.py), which depends on every request in order:
@@ -27,8 +32,8 @@ bytes, the loop's storages' blocks by their place in the pattern), the copies be
 repeat, the allocator being deterministic.
 
 Invariant: outside the context `TilePlan.bounds` is the product's own; inside, a tile is
-skipped only after two tiles of its size were seen alike, and `whole_trace` is the trace the
-loops would have recorded run whole. A loop inside another's tile runs whole.
+skipped only after a steady tile of its size, and `whole_trace` is the trace the loops would
+have recorded run whole. A loop inside another's tile runs whole.
 """
 
 from __future__ import annotations
@@ -100,6 +105,8 @@ class PeriodicTiles:
             if sizes[i] == sizes[i + 1]:
                 last[i] = last[i + 1]
         before: tuple[Any, ...] | None = None  # the previous tile's window, in this run
+        firsts: list[int] = []  # each tile's first new storage (serial)
+        news: list[int] = []  # how many storages each tile created
         inner = self._open > 0
         self._open += 1
         try:
@@ -109,17 +116,52 @@ class PeriodicTiles:
                 begin = (len(t.trace), t.live, len(t.segments), len(t.phase_of))
                 yield offsets[i], offsets[i + 1]
                 window = None if inner else self._window(begin)
-                if window is not None and window == before and i < last[i]:
-                    # tiles i + 1 .. last[i] would repeat tiles i - 1 and i
-                    new = len(t.phase_of) - begin[3]
+                new = len(t.phase_of) - begin[3]
+                firsts.append(begin[3])
+                news.append(new)
+                if (
+                    window is not None
+                    and i < last[i]
+                    and (window == before or self._steady(i, sizes, firsts, news, begin[0]))
+                ):
+                    # tiles i + 1 .. last[i] would repeat tile i
                     self.repeats.append(Repeat(begin[0], len(t.trace), begin[3], new, last[i] - i))
                     self.cut = True
                     i, before = last[i] + 1, None
+                    firsts.extend([-1] * (i - len(firsts)))  # skipped: no storages of theirs
+                    news.extend([0] * (i - len(news)))
                     continue
                 before = window if i + 1 < len(sizes) and sizes[i + 1] == sizes[i] else None
                 i += 1
         finally:
             self._open -= 1
+
+    def _steady(
+        self, i: int, sizes: tuple[int, ...], firsts: list[int], news: list[int], trace_at: int
+    ) -> bool:
+        """Whether tile i (its window valid) is one every later tile of its size repeats: it
+        released only storages of the tiles just before it, each of its size, not the loop's
+        first tile, and created as many storages as it did (so the same code on the same shapes
+        releases, in each later tile, the same storages of the tiles before it, of the same
+        bytes: the product's loops branch on the tile's index only for the first tile)."""
+        first = firsts[i]
+        for serial, nbytes in self.tracker.trace[trace_at:]:
+            if nbytes != FREE or serial >= first:
+                continue
+            d = -((serial - first) // news[i]) if news[i] else 0  # tiles back
+            j = i - d
+            if (
+                d < 1
+                or j < 1
+                or any(
+                    sizes[k] != sizes[i]
+                    or news[k] != news[i]
+                    or firsts[k] != first - (i - k) * news[i]
+                    for k in range(j, i)
+                )
+            ):
+                return False
+        return True
 
     def _window(self, begin: tuple[int, int, int, int]) -> tuple[Any, ...] | None:
         """The tile's events since `begin`, comparable between tiles: (bytes, phase) per new
