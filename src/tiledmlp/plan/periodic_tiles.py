@@ -139,11 +139,14 @@ class PeriodicTiles:
     def _steady(
         self, i: int, sizes: tuple[int, ...], firsts: list[int], news: list[int], trace_at: int
     ) -> bool:
-        """Whether tile i (its window valid) is one every later tile of its size repeats: it
-        released only storages of the tiles just before it, each of its size, not the loop's
-        first tile, and created as many storages as it did (so the same code on the same shapes
-        releases, in each later tile, the same storages of the tiles before it, of the same
-        bytes: the product's loops branch on the tile's index only for the first tile)."""
+        """Whether tile i (its window valid) is one every later tile of its size repeats: it is
+        not the loop's first tile, and it released only storages of the tiles just before it,
+        each of its size, not the loop's first tile, and created as many storages as it did (so
+        the same code on the same shapes releases, in each later tile, the same storages of the
+        tiles before it, of the same bytes: the product's loops branch on the tile's index only
+        for the first tile)."""
+        if i < 1:  # the loop's first tile may do what no other does
+            return False
         first = firsts[i]
         for serial, nbytes in self.tracker.trace[trace_at:]:
             if nbytes != FREE or serial >= first:
