@@ -137,7 +137,7 @@ class CachingAllocator:
         if nbytes == 0:
             self._held[key] = (_Block(-1, 0, True, free=False), 0)
             return
-        size = -(-nbytes // MIN_BLOCK) * MIN_BLOCK  # round_size (nbytes > 0)
+        size = round_size(nbytes)
         small = size <= SMALL_SIZE
         pool = self._free[small]
         i = bisect.bisect_left(pool, (size, -1))

@@ -143,8 +143,12 @@ def _held(step: FakeStep, ids: torch.Tensor, sharded: bool, device_type: str) ->
     # the caching allocator's view: what exists before the step, then (on a GPU) the cuBLAS
     # workspaces its first matmul takes, counted beside the tensors (device_overhead.py)
     before = [*map(nbytes, [*kept, *step.states])]
-    workspaces = CUBLAS_WORKSPACES if device_type == "cuda" else ()
-    return _Held(fixed, [*before, *workspaces])
+    return _Held(fixed, [*before, *_workspaces(device_type)])
+
+
+def _workspaces(device_type: str) -> tuple[int, ...]:
+    """The cuBLAS workspaces a GPU's first matmul takes (device_overhead.py); none elsewhere."""
+    return CUBLAS_WORKSPACES if device_type == "cuda" else ()
 
 
 # _held_of's model built once per process for each config and options: the sequence's length
@@ -163,9 +167,8 @@ def _held_of(config: Any, layers: int, *, dtype: torch.dtype, optimizer: str,
         with fake_mode(), assume_device(device_type):
             step = prepare(config, layers, "untiled", dtype, False, optimizer, num_tiles)
             one = _held(step, torch.zeros(1, 1, dtype=torch.long), sharded, device_type)
-        workspaces = len(CUBLAS_WORKSPACES) if device_type == "cuda" else 0
         # the ids' request: the last before the optimizer states' and the workspaces'
-        _HELD[key] = (one, len(one.start) - len(step.states) - workspaces - 1)
+        _HELD[key] = (one, len(one.start) - len(step.states) - len(_workspaces(device_type)) - 1)
     one, at = _HELD[key]
     ids = seq_len * torch.empty((), dtype=torch.long).element_size()
     start = [*one.start[:at], ids, *one.start[at + 1 :]]
@@ -267,8 +270,8 @@ def _finish(
 
     # a card with no room left takes the held blocks back (caching_allocator.py: HOLD)
     has_held = any(b == HOLD for _, b in trace)
-    if full_card:
-        reserve, reclaimable = replay(not has_held), 0
+    if full_card:  # a full card's replay: the held blocks taken back (with none, the same)
+        reserve, reclaimable = replay(False), 0
     else:
         reserve = replay(True)
         reclaimable = reserve - replay(False) if has_held else 0

@@ -151,7 +151,7 @@ class PeriodicTiles:
         for serial, nbytes in self.tracker.trace[trace_at:]:
             if nbytes != FREE or serial >= first:
                 continue
-            d = -((serial - first) // news[i]) if news[i] else 0  # tiles back
+            d = -((serial - first) // news[i])  # tiles back (a valid window created some)
             j = i - d
             if (
                 d < 1

@@ -153,9 +153,9 @@ def max_seq_len(
 
 
 def _line(seen: list[int], anchor: tuple[int, float] | None) -> tuple[int, int]:
-    """The two latest granules estimated (the anchor and the one where only one is)."""
-    points = sorted(set(seen), key=seen.index)
-    if len(points) >= 2:
-        return min(points[-2:]), max(points[-2:])
+    """The two latest granules estimated (the anchor and the one where only one is; no
+    granule is estimated twice)."""
+    if len(seen) >= 2:
+        return min(seen[-2:]), max(seen[-2:])
     assert anchor is not None  # one granule estimated: the first line's other point
-    return anchor[0], points[-1]
+    return anchor[0], seen[-1]
