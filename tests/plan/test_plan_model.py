@@ -337,3 +337,10 @@ def test_device_overhead_terms_and_max_seq_len_on_a_card() -> None:
         assert (full(estimate_step(cfg, seq_len=length, **kw)) <= card) is fits
     # without the overhead the same card would be said to hold more
     assert max_seq_len(cfg, card, granularity=512, **kw) > n
+
+
+def test_a_card_no_length_fits_says_so_instead_of_up_to_0_tokens() -> None:
+    from tiledmlp.cli.plan_report import _fits_text
+
+    assert _fits_text(1.0, 0) == "; does not fit 1 GiB at any sequence length"
+    assert _fits_text(79.2, 764928) == "; fits 79.2 GiB up to 764,928 tokens"

@@ -109,11 +109,7 @@ def _show_model(args: argparse.Namespace, stacks: dict[str, Any]) -> None:
         parts = ", ".join(
             f"{k} {v / gib:,.2f}" for k, v in entry["breakdown_mib"].items() if v >= 0.005 * gib
         )
-        fits = (
-            f"; fits {args.memory_gb:g} GiB up to {entry['max_seq_len']:,} tokens"
-            if "max_seq_len" in entry
-            else ""
-        )
+        fits = _fits_text(args.memory_gb, entry["max_seq_len"]) if "max_seq_len" in entry else ""
         if entry.get("device_overhead_mib"):
             parts += f"; + device overhead {entry['device_overhead_mib'] / gib:,.2f}"
         if entry.get("reclaimable_mib"):  # the offloader's held blocks while there is room
@@ -127,6 +123,14 @@ def _show_model(args: argparse.Namespace, stacks: dict[str, Any]) -> None:
         )
         if "measured" in entry:
             show(f"  {'':<{width}}  {_measured_text(entry['measured'], args.memory_gb)}")
+
+
+def _fits_text(memory_gb: float, tokens: int) -> str:
+    """The longest sequence a card of `memory_gb` fits, or that none does (0: not even one
+    granule of the search)."""
+    if tokens == 0:
+        return f"; does not fit {memory_gb:g} GiB at any sequence length"
+    return f"; fits {memory_gb:g} GiB up to {tokens:,} tokens"
 
 
 def _measured_text(m: dict[str, Any], memory_gb: float | None) -> str:
