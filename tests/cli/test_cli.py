@@ -154,6 +154,25 @@ def test_bad_flags_exit_nonzero_with_one_line(
     _assert_usage_error(BAD_FLAGS[0], res.returncode, res.stdout, res.stderr)
 
 
+def test_plan_measure_on_cuda_without_a_gpu_is_refused_before_any_planning(
+    monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    import torch
+
+    from tiledmlp.allocator import _CHOSEN_BY, ALLOC_CONF_ENV
+    from tiledmlp.cli import main
+
+    if torch.cuda.is_available():
+        pytest.skip("the refusal is for a machine without a visible GPU")
+    for name in (ALLOC_CONF_ENV, _CHOSEN_BY):
+        monkeypatch.setenv(name, os.environ.get(name, ""))
+    args = ["plan", "--model", "tiny", "--seq-len", "4096", "--measure", "--gradient-checkpointing"]
+    rc = main(args)
+    out, err = capfd.readouterr()
+    _assert_usage_error(tuple(args), rc, out, err)
+    assert "needs a visible GPU" in err and "one step at" not in err  # no stack planned first
+
+
 def test_every_flag_of_every_subcommand_has_help() -> None:
     import argparse
 

@@ -319,6 +319,13 @@ def _check_flags(args: argparse.Namespace) -> None:
             "--measure runs one GPU's step without sharding: drop --sequence-parallel-size "
             "and --engine"
         )
+    if args.measure and args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():  # before any planning: the measure needs the card
+            raise UsageError(
+                "--measure on cuda needs a visible GPU; add --device cpu to measure on the CPU"
+            )
     if args.measure_lengths is None:
         args.measure_lengths = (8192, 16384, 32768) if args.device != "cpu" else (512, 1024, 2048)
     from tiledmlp.plan.engines import check_engine

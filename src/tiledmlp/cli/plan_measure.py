@@ -92,13 +92,6 @@ def measure_stacks(
     from tiledmlp.plan.layer import cut_config
     from tiledmlp.plan.measured import MeasuredPoint, fit_correction, measured_max_seq_len
 
-    if args.device == "cuda":
-        import torch
-
-        if not torch.cuda.is_available():
-            raise UsageError(
-                "--measure on cuda needs a visible GPU; add --device cpu to measure on the CPU"
-            )
     layers = args.measure_layers
     job_config = _job_config(config, layers)
     cut = cut_config(config, layers)
