@@ -3,8 +3,9 @@ lengths, beside the planner's simulation of the same cut model (plan/measured.py
 
 Each length runs in a fresh process (`python -m tiledmlp.bench.whole_step`): on a GPU the card's
 figure (max_memory_reserved plus the memory outside the allocator, per category where the
-bench names them), on the CPU the process's peak resident memory. The simulation of the same cut
-model is exact (every layer simulated) on the same device type.
+bench names them), on the CPU the process's peak resident memory; on a GPU one process at a
+time, on the CPU a few at once. The simulation of the same cut model is exact (every layer
+simulated) on the same device type.
 
 Invariant: a stack's answer names which estimate stands; the lower one always does.
 """
@@ -22,6 +23,8 @@ from tiledmlp.cli.common import UsageError
 __all__ = ["measure_stacks", "parse_lengths"]
 
 MiB = 2**20
+# measurement processes at once on the CPU (each holds the cut model and its step in memory)
+MEASURED_AT_ONCE = 4
 
 
 def parse_lengths(text: str) -> tuple[int, ...]:
@@ -67,6 +70,20 @@ def _run_job(job: dict[str, Any]) -> dict[str, Any]:
     return dict(json.loads(lines[-1]))
 
 
+def _measure_all(jobs: list[dict[str, Any]], device: str) -> list[int]:
+    """Each job's measured bytes, in order. On a GPU one process at a time: nothing else holds
+    the card's memory while a step is measured. On the CPU each process's own peak is measured,
+    so up to MEASURED_AT_ONCE run at once (at most one per CPU)."""
+    if device != "cpu":
+        return [_measured_bytes(_run_job(job)) for job in jobs]
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tiledmlp.plan.forked import available_cpus
+
+    with ThreadPoolExecutor(max(1, min(available_cpus(), MEASURED_AT_ONCE))) as pool:
+        return [_measured_bytes(record) for record in pool.map(_run_job, jobs)]
+
+
 def _measured_bytes(record: dict[str, Any]) -> int:
     if "error" in record:
         raise UsageError(f"--measure: the step at {record['seq_len']} tokens: {record['error']}")
@@ -96,13 +113,17 @@ def measure_stacks(
     job_config = _job_config(config, layers)
     cut = cut_config(config, layers)
     dtype_name = str(dtype).removeprefix("torch.")
+    jobs = [
+        {"config": job_config, "seq_len": n, "stack": stack, "dtype": dtype_name,
+         "device": args.device, "steps": 1}
+        for stack in stacks for n in args.measure_lengths
+    ]  # fmt: skip
+    measured_bytes = iter(_measure_all(jobs, args.device))
     for stack, entry in stacks.items():
         overhead = device_overhead(args.device)
         points = []
         for n in args.measure_lengths:
-            job = {"config": job_config, "seq_len": n, "stack": stack, "dtype": dtype_name,
-                   "device": args.device, "steps": 1}  # fmt: skip
-            measured = _measured_bytes(_run_job(job))
+            measured = next(measured_bytes)
             sim = estimate_step(cut, seq_len=n, stack=stack, dtype=dtype, checkpointing=True,
                                 num_tiles=args.num_tiles, exact=True, device_type=args.device,
                                 expandable_segments=args.expandable_segments)  # fmt: skip
