@@ -256,7 +256,10 @@ def test_cli_text_states_its_assumptions_in_aligned_gib_rows_with_progress(tmp_p
     rows = [line for line in lines if line.startswith("  ")]
     assert [r.split()[0] for r in rows] == list(STACKS)
     assert len({r.index(" GiB") for r in rows}) == 1, rows  # one column for every stack
-    assert all("fits 0.05 GiB up to" in r for r in rows)
+    # each row gives the card's longest sequence, or says that no length fits it
+    fit, none = "fits 0.05 GiB up to", "does not fit 0.05 GiB at any sequence length"
+    assert all((fit in r) != (none in r) for r in rows), rows
+    assert "up to 0 tokens" not in res.stdout
     help_ = subprocess.run(
         [sys.executable, "-m", "tiledmlp", "plan", "--help"], capture_output=True, text=True
     ).stdout

@@ -151,12 +151,19 @@ def deeper(r: StepRecord, more: int = 1) -> StepRecord | None:
             bytes_of += r.bytes_of[w.first : w.stop]
             fresh += w.stop - w.first
 
+    made: dict[tuple[Kind, int], _Window] = {}  # new_window's answers (asked once per event)
+
     def new_window(kind: Kind, layer: int) -> _Window:
-        w = win[kind, source[layer]]
-        if (kind, layer) not in copy_first:
-            return dataclasses.replace(w, layer=layer)
-        first = copy_first[kind, layer]
-        return dataclasses.replace(w, layer=layer, first=first, stop=first + w.stop - w.first)
+        if (kind, layer) not in made:
+            w = win[kind, source[layer]]
+            if (kind, layer) not in copy_first:
+                made[kind, layer] = dataclasses.replace(w, layer=layer)
+            else:
+                first = copy_first[kind, layer]
+                made[kind, layer] = dataclasses.replace(
+                    w, layer=layer, first=first, stop=first + w.stop - w.first
+                )
+        return made[kind, layer]
 
     def renamed(serial: int, layer: int | None) -> int | None:
         """The deeper step's serial for a recorded one named in new layer `layer`'s window
