@@ -385,3 +385,35 @@ def test_fused_lm_head_never_reaches_the_decoder(trl_head: bool) -> None:
         out = model(input_ids=ids, labels=ids, fused_lm_head=fused)
         assert (out.log_probs is not None) if fused else (out.loss is not None)
     assert len(seen) == 2 and not any("fused_lm_head" in kwargs for kwargs in seen)
+
+
+def test_fused_head_with_moe_router_logits_runs_trls_head_with_one_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """An MoE model whose loss adds the router's auxiliary loss: its loss is tiled, but TRL's
+    fused slot (which the tiled head does not serve with router logits) goes to TRL's head."""
+    import copy
+    import logging
+
+    import transformers as tr
+    import trl.trainer.utils as trl_utils
+
+    torch.manual_seed(0)
+    cfg = tr.Qwen3MoeConfig(
+        vocab_size=258, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16, moe_intermediate_size=16,
+        num_experts=4, num_experts_per_tok=2, output_router_logits=True,
+        router_aux_loss_coef=0.1,
+    )  # fmt: skip
+    ref = tr.Qwen3MoeForCausalLM(cfg).train()
+    model = copy.deepcopy(ref)
+    assert tiledmlp.patch_model(model, tiled_mlp=False, tiled_loss=True).loss == "tiled"
+    for m in (model, ref):
+        trl_utils.add_fused_lm_head(m, outputs=("log_probs",))
+    ids = torch.randint(3, 258, (2, 9))
+    with caplog.at_level(logging.WARNING, logger="tiledmlp.patching.loss"):
+        outs = [model(input_ids=ids, labels=ids, fused_lm_head=True) for _ in range(2)]
+    told = [r.getMessage() for r in caplog.records if "fused_lm_head=True" in r.getMessage()]
+    assert len(told) == 1 and "output_router_logits=False" in told[0]
+    want = ref(input_ids=ids, labels=ids, fused_lm_head=True)
+    assert_close_rel(outs[0].log_probs.detach(), want.log_probs.detach(), "log_probs")

@@ -1,7 +1,8 @@
-"""The tiled loss on the causal LMs whose logits are transformed before the cross-entropy or
-whose attention is multi-head latent (MLA) or linear: built tiny from each architecture's own
-config (fp32, 2 layers), patched with tiled_loss=True, the loss and every gradient equal the
-unpatched model's, and the logits are never formed."""
+"""The tiled loss on the causal LMs whose logits are transformed before the cross-entropy,
+whose attention is multi-head latent (MLA) or linear, or whose loss adds an MoE auxiliary loss:
+built tiny from each architecture's own config (fp32, 2 layers), patched with tiled_loss=True,
+the loss and every gradient equal the unpatched model's, and the logits are never formed; a
+model whose auxiliary loss is its own is refused in one line."""
 
 from __future__ import annotations
 
@@ -35,6 +36,8 @@ MOE = {"moe_intermediate_size": 16, "n_routed_experts": 4, "num_experts_per_tok"
 MOE |= {"n_shared_experts": 1, "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1}
 KDA = {"kda_layers": [1], "full_attn_layers": [2], "num_heads": 2, "head_dim": 8}
 KDA |= {"short_conv_kernel_size": 4}
+# the router's auxiliary loss on, weighted enough to show
+AUX = {"output_router_logits": True, "router_aux_loss_coef": 0.1, "num_experts_per_tok": 2}
 
 #: model_type -> the config's overrides beside BASE (what makes the case: the scale, the cap)
 ARCHITECTURES = {
@@ -52,13 +55,19 @@ ARCHITECTURES = {
     # a cap small enough that it bends the logits of random weights
     "gemma2": {"head_dim": 16, "final_logit_softcapping": 2.0},
     "gemma3_text": {"head_dim": 16, "final_logit_softcapping": 2.0},
+    # the loss plus router_aux_loss_coef * load_balancing_loss_func(router logits, ...)
+    "qwen3_moe": AUX | {"head_dim": 16, "moe_intermediate_size": 16, "num_experts": 4},
+    "mixtral": AUX | {"num_local_experts": 4},
+    "gpt_oss": AUX | {"num_local_experts": 4, "head_dim": 16},
 }
 
 
-def _tiny(model_type: str) -> torch.nn.Module:
+def _tiny(model_type: str, **overrides: object) -> torch.nn.Module:
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.for_model(model_type, **BASE, **ARCHITECTURES[model_type])
+    config = AutoConfig.for_model(
+        model_type, **(BASE | ARCHITECTURES.get(model_type, {}) | overrides)
+    )
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config).float()
     for module in model.modules():
@@ -94,6 +103,19 @@ def test_loss_and_every_gradient_equal_the_models_own(model_type: str) -> None:
         ref_out, ref_grads = _step(ref, **kw)
         assert out.logits is None
         assert_close_rel(out.loss.detach(), ref_out.loss.detach(), f"{model_type}: loss")
+        if "output_router_logits" in ARCHITECTURES[model_type]:
+            assert ref_out.aux_loss is not None
+            assert_close_rel(out.aux_loss.detach(), ref_out.aux_loss.detach(), "aux_loss")
         assert grads.keys() == ref_grads.keys()
         for name in grads:
             assert_close_rel(grads[name], ref_grads[name], f"{model_type}: {name}")
+
+
+def test_an_auxiliary_loss_of_the_models_own_making_is_refused_in_one_line() -> None:
+    """JetMoE computes its router's auxiliary loss in its own way: refused with the way out;
+    with output_router_logits=False its loss is tiled."""
+    jetmoe = AUX | {"num_local_experts": 4, "kv_channels": 16}
+    with pytest.raises(ValueError, match=r"cannot be tiled: its loss adds an MoE auxiliary"):
+        patch_model(_tiny("jetmoe", **jetmoe), tiled_mlp=False, tiled_loss=True)
+    model = _tiny("jetmoe", **(jetmoe | {"output_router_logits": False}))
+    assert patch_model(model, tiled_mlp=False, tiled_loss=True).loss == "tiled"

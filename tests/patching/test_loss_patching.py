@@ -73,12 +73,21 @@ def test_num_items_in_batch_and_shift_labels_like_hugging_face() -> None:
     assert_close_rel(a.detach(), b.detach(), "loss with shift_labels")
 
 
-def test_moe_with_aux_loss_keeps_its_own_loss() -> None:
-    model = tiny_causal_lm("qwen3_moe")
-    report = patch_model(model, tiled_loss=True)
-    assert report.loss is not None and "differs" in report.loss and "auxiliary" in report.loss
-    assert report.patched  # the experts are still tiled
-    assert "forward" not in model.__dict__
+def test_moe_aux_loss_is_added_to_the_tiled_loss_exactly() -> None:
+    ref = tiny_causal_lm("qwen3_moe")  # output_router_logits=True: its loss adds the aux loss
+    model = copy.deepcopy(ref)
+    report = patch_model(model, tiled_loss=True, num_tiles=3)
+    assert report.loss == "tiled"
+    assert report.patched  # the experts are tiled too
+    ids = torch.randint(3, VOCAB, (2, 23))
+    out, grads = _step(model, ids, _labels(ids))
+    ref_out, ref_grads = _step(ref, ids, _labels(ids))
+    assert out.logits is None and ref_out.aux_loss is not None
+    assert_close_rel(out.aux_loss.detach(), ref_out.aux_loss.detach(), "aux_loss")
+    assert_close_rel(out.loss.detach(), ref_out.loss.detach(), "loss")
+    assert grads.keys() == ref_grads.keys()
+    for name in grads:
+        assert_close_rel(grads[name], ref_grads[name], name)
 
 
 def test_unpatch_restores_the_model_forward() -> None:
@@ -108,8 +117,6 @@ def test_loss_only_patching_leaves_the_mlps_alone() -> None:
     assert unpatch_model(model) == ["<loss>"]
 
 
-def test_loss_only_patching_refuses_what_it_cannot_do() -> None:
-    with pytest.raises(ValueError, match=r"cannot be tiled: .*auxiliary"):
-        patch_model(tiny_causal_lm("qwen3_moe"), tiled_mlp=False, tiled_loss=True)
+def test_loss_only_patching_needs_something_to_do() -> None:
     with pytest.raises(ValueError, match="nothing to do with tiled_mlp=False"):
         patch_model(tiny_causal_lm("llama"), tiled_mlp=False)

@@ -13,7 +13,8 @@ registered (tiledmlp.integrations.trl); `fused_lm_head` never reaches the decode
 
 Invariant: a model is only patched after a probe (patching/loss_probe.py) shows that, on random
 ids, the patched loss equals the model's own loss; a model whose forward adds anything else to
-the loss (an MoE auxiliary loss) fails the probe and is left alone, with the reason reported. A
+the loss (an MoE auxiliary loss computed otherwise than transformers' load_balancing_loss_func)
+fails the probe and is left alone, with the reason reported. A
 logits_to_keep form the probe could not match runs the model's own loss, logged once and named
 in the report. Unpatching restores the forward this patch replaced; when another forward was
 installed over it since, that one is kept and ours stays below it as a pure pass-through.
@@ -36,11 +37,13 @@ from torch import nn
 from tiledmlp.ops.loss.cross_entropy import tiled_cross_entropy
 from tiledmlp.ops.tiling.policy import TilePolicy
 from tiledmlp.patching.bound import BoundForward, bind
+from tiledmlp.patching.detect import text_config
 from tiledmlp.patching.loss_head import (
     ALL,
     HeadTransform,
     keep_form,
     kept_rows,
+    router_aux_loss,
     scale_candidates,
     softcap_of,
     targets_of,
@@ -120,6 +123,15 @@ def _loss_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     state: _LossState = self.__dict__[_STATE]
     if not state.active:
         return _original(self)(*args, **kwargs)
+    if kwargs.get("fused_lm_head", False) and _router_on(self, kwargs):
+        # TRL's fused head with an MoE auxiliary loss: the head below ours serves it
+        _tell_own_loss(
+            self,
+            "fused_lm_head=True",
+            "the fused LM head with MoE router logits (an auxiliary loss) is served by the "
+            "head the trainer installed; set output_router_logits=False to tile it",
+        )
+        return _original(self)(*args, **kwargs)
     if kwargs.pop("fused_lm_head", False):
         if not _FUSED_SERVER:
             raise TypeError(
@@ -140,7 +152,7 @@ def _loss_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     form = keep_form(keep)
     why = "not one of transformers' forms" if form is None else state.head.unserved.get(form)
     if why is not None:
-        _tell_own_loss(self, form or _described(keep), why)
+        _tell_own_loss(self, f"logits_to_keep={form or _described(keep)}", why)
         return orig(*args, **kwargs)
     shifted = params.pop("shift_labels", None)
     num_items = params.pop("num_items_in_batch", None)
@@ -182,7 +194,11 @@ def _loss_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         loss, predictions = loss.loss, loss.predictions
     if num_items is not None:
         loss = loss / num_items
-    return _output(outputs, loss, predictions, _wants_dict(config, return_dict))
+    aux = router_aux_loss(self, outputs, params.get("attention_mask"))
+    if aux is not None:  # added after the division, as the model's own forward does
+        loss = loss + aux[1] * aux[0].to(loss.device)
+    aux_loss = None if aux is None else aux[0]
+    return _output(outputs, loss, predictions, aux_loss, _wants_dict(config, return_dict))
 
 
 def _names(fn: Any, name: str) -> bool:
@@ -195,19 +211,32 @@ def _described(keep: Any) -> str:
     return f"{type(keep).__name__} {keep!r}"
 
 
-def _tell_own_loss(model: nn.Module, form: str, why: str) -> None:
-    """Logs once per model class and form that a call runs the model's own loss, and why."""
-    key = (type(model).__name__, form)
+def _tell_own_loss(model: nn.Module, call: str, why: str) -> None:
+    """Logs once per model class and kind of call that it runs the model's own loss, and why
+    (`call`: the arguments that make it, as "logits_to_keep=<form>")."""
+    key = (type(model).__name__, call)
     if key in _TOLD_OWN:
         return
     _TOLD_OWN.add(key)
     logger.warning(
-        "tiled loss: %s(labels=..., logits_to_keep=%s) runs the model's own loss (its logits "
-        "formed whole): %s",
+        "tiled loss: %s(labels=..., %s) runs the model's own loss (its logits formed whole): %s",
         key[0],
-        form,
+        call,
         why,
     )
+
+
+def _router_on(model: nn.Module, kwargs: dict[str, Any]) -> bool:
+    """Whether the call returns MoE router logits (and the model's loss adds their auxiliary
+    loss): output_router_logits if passed, else the config's."""
+    flag = kwargs.get("output_router_logits")
+    if flag is None:
+        config = getattr(model, "config", None)
+        flag = any(
+            getattr(cfg, "output_router_logits", False)
+            for cfg in (config, text_config(config) if config is not None else None)
+        )
+    return bool(flag)
 
 
 def _by_name(orig: Any, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any] | None:
@@ -224,25 +253,32 @@ def _by_name(orig: Any, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any] |
     return params
 
 
-def _output(outputs: Any, loss: torch.Tensor, predictions: Any, as_dict: bool) -> Any:
+def _output(
+    outputs: Any, loss: torch.Tensor, predictions: Any, aux_loss: Any, as_dict: bool
+) -> Any:
     """The causal LM's output from the decoder's `outputs` and the tiled loss: its tuple layout
-    or a CausalLMOutputWithPast, logits None (with `predictions` when evaluating)."""
+    or a CausalLMOutputWithPast (MoeCausalLMOutputWithPast with an auxiliary loss), logits None
+    (with `predictions` when evaluating)."""
     if not as_dict:
-        # The model's tuple layout, (loss, logits, *the base model's outputs), with None where
-        # the logits would be: they are never materialised, and positions must not shift.
+        # The model's tuple layout, (loss, [aux_loss,] logits, *the base model's outputs), with
+        # None where the logits would be: they are never materialised, and positions must not
+        # shift.
         rest = outputs.to_tuple()[1:] if hasattr(outputs, "to_tuple") else tuple(outputs[1:])
-        return (loss, None, *rest)
-    from transformers.modeling_outputs import CausalLMOutputWithPast
+        return (loss, None, *rest) if aux_loss is None else (loss, aux_loss, None, *rest)
+    from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 
+    kind = CausalLMOutputWithPast if aux_loss is None else MoeCausalLMOutputWithPast
     # The KV cache's field is `past_key_values` up to transformers 5.23 and `cache` from 5.24.
-    fields = CausalLMOutputWithPast.__dataclass_fields__
+    fields = kind.__dataclass_fields__
     cache = "cache" if "cache" in fields else "past_key_values"
-    result = CausalLMOutputWithPast(
+    moe = {} if aux_loss is None else {"aux_loss": aux_loss, "router_logits": outputs.router_logits}
+    result = kind(
         loss=loss,
         logits=None,
         hidden_states=getattr(outputs, "hidden_states", None),
         attentions=getattr(outputs, "attentions", None),
         **{cache: getattr(outputs, cache, None)},
+        **moe,
     )
     if predictions is not None:
         # an extra key: the Trainer's prediction loop hands every non-loss output to

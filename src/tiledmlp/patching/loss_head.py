@@ -16,6 +16,7 @@ form by form.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +28,7 @@ __all__ = [
     "ALL",
     "HeadTransform",
     "keep_probes",
+    "router_aux_loss",
     "keep_form",
     "kept_rows",
     "scale_candidates",
@@ -112,6 +114,30 @@ def keep_probes(seq: int, batch: int, device: torch.device) -> list[tuple[str, A
         ("a 2-D bool tensor", mask2, (1, int(mask2.sum()))),
         ("a 2-D index tensor", index2, (batch, 3)),
     ]
+
+
+def router_aux_loss(
+    model: Any, outputs: Any, attention_mask: torch.Tensor | None
+) -> tuple[torch.Tensor, float] | None:
+    """The MoE auxiliary loss a causal LM adds to its loss, and its coefficient, from the router
+    logits its decoder returned; None when it returned none (output_router_logits off), or
+    when the model computes it otherwise (the probe then shows the difference).
+
+    Transformers' MoE causal LMs (Mixtral, Qwen2/3-MoE, OLMoE, GPT-OSS, ...) add
+    router_aux_loss_coef * load_balancing_loss_func(router_logits, num_experts,
+    num_experts_per_tok, attention_mask), that function from the model's own module.
+    """
+    router = getattr(outputs, "router_logits", None)
+    if router is None or (isinstance(router, tuple | list) and not router):
+        return None
+    module = sys.modules.get(type(model).__module__)
+    fn = getattr(module, "load_balancing_loss_func", None)
+    experts = getattr(model, "num_experts", None)
+    top_k = getattr(model, "num_experts_per_tok", None)
+    coef = getattr(model, "router_aux_loss_coef", None)
+    if not callable(fn) or experts is None or top_k is None or coef is None:
+        return None
+    return fn(router, experts, top_k, attention_mask), float(coef)
 
 
 def softcap_of(config: Any) -> float | None:

@@ -117,7 +117,18 @@ def _first_difference(
     for large in (False, True):
         with _large_logits(own, head, ids) if large else contextlib.nullcontext():
             for what, inputs in cases:
-                theirs, tiled = _both_losses(own, ours, inputs)
+                output, tiled = _both_losses(own, ours, inputs)
+                theirs = output.loss
+                if getattr(output, "aux_loss", None) is not None and not _close(
+                    tiled, theirs, rtol
+                ):
+                    return (
+                        "its loss adds an MoE auxiliary loss (aux_loss) computed otherwise than "
+                        "transformers' load_balancing_loss_func, which the tiled loss does not "
+                        f"reproduce (own loss {float(theirs)}, tiled {float(tiled)}); set "
+                        "output_router_logits=False to train without it, or leave the loss "
+                        "untiled"
+                    )
                 if theirs is None or not torch.allclose(
                     tiled.float(), theirs.float(), rtol=rtol, atol=rtol * 0.1
                 ):
@@ -136,11 +147,16 @@ def _first_difference(
 def _both_losses(
     own: Callable[..., Any], ours: Callable[..., Any], inputs: dict[str, Any]
 ) -> tuple[Any, torch.Tensor]:
-    """The model's own loss and the patched one on `inputs`, each from the same random state."""
+    """The model's own output and the patched loss on `inputs`, each from the same random
+    state."""
     torch.manual_seed(0)
-    theirs = own(**inputs).loss
+    theirs = own(**inputs)
     torch.manual_seed(0)
     return theirs, ours(**inputs).loss
+
+
+def _close(a: torch.Tensor, b: Any, rtol: float) -> bool:
+    return b is not None and torch.allclose(a.float(), b.float(), rtol=rtol, atol=rtol / 10)
 
 
 def _unserved_forms(
@@ -157,7 +173,8 @@ def _unserved_forms(
         labels.view(-1)[0] = -100
         inputs = {"input_ids": ids, "labels": labels, "logits_to_keep": keep}
         try:
-            theirs, tiled = _both_losses(own, ours, inputs)
+            output, tiled = _both_losses(own, ours, inputs)
+            theirs = output.loss
         except Exception as e:  # the model's own forward does not take this form either
             out[form] = f"the probe failed with it ({type(e).__name__}: {e})"
             continue
