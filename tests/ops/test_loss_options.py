@@ -15,6 +15,8 @@ from torch.utils.flop_counter import FlopCounterMode
 from tiledmlp import tiled_cross_entropy, tiled_token_logprobs
 from tiledmlp.bench.memory import peak_bytes, tensor_bytes
 
+from conftest import assert_close_rel
+
 N, H, V = 19, 8, 23
 
 
@@ -224,6 +226,36 @@ def test_narrow_label_dtypes_and_softcap_zero() -> None:
         tiled_token_logprobs(h, w, labels.to(torch.uint8), bias=b, softcap=0),
         tiled_token_logprobs(h, w, labels, bias=b),
     )
+
+
+@pytest.mark.parametrize(
+    ("scale", "softcap", "reduction", "bias"),
+    [(0.25, None, "mean", False), (3.0, 2.0, "mean", True), (-0.5, None, "none", True)],
+)
+def test_logit_scale_matches_scaled_logits(scale, softcap, reduction, bias) -> None:
+    """logit_scale multiplies the logits before soft-capping (Cohere, Granite): values and every
+    gradient as F.cross_entropy of scale * (h @ W.T + b), capped, over uneven tiles; a
+    non-finite scale is refused."""
+    h, w, b = leaves()
+    labels, _, _ = targets()
+    b = b if bias else None
+    up = torch.randn(N) if reduction == "none" else None
+    got = tiled_cross_entropy(
+        h, w, labels, bias=b, num_tiles=4, softcap=softcap, logit_scale=scale,
+        reduction=reduction,
+    )  # fmt: skip
+    inputs = [t for t in (h, w, b) if t is not None]
+    grads = torch.autograd.grad(got, inputs, up)
+    z = F.linear(h, w, b) * scale
+    if softcap:
+        z = torch.tanh(z / softcap) * softcap
+    ref = F.cross_entropy(z.float(), labels, reduction=reduction)
+    ref_grads = torch.autograd.grad(ref, inputs, up)
+    assert_close_rel(got.detach(), ref.detach(), "loss")
+    for name, a, r in zip(("d hidden", "d weight", "d bias"), grads, ref_grads):
+        assert_close_rel(a, r, name)
+    with pytest.raises(ValueError, match="logit_scale must be a finite number"):
+        tiled_cross_entropy(h, w, labels, logit_scale=float("nan"))
 
 
 def _flops(fn, backward: bool) -> int:
