@@ -417,3 +417,23 @@ def test_fused_head_with_moe_router_logits_runs_trls_head_with_one_warning(
     assert len(told) == 1 and "output_router_logits=False" in told[0]
     want = ref(input_ids=ids, labels=ids, fused_lm_head=True)
     assert_close_rel(outs[0].log_probs.detach(), want.log_probs.detach(), "log_probs")
+
+
+def test_logits_to_keep_is_tiled_with_trls_head_below_ours() -> None:
+    """TRL's head added after the patch sits below the tiled loss: the forward below ours takes
+    **kwargs, and logits_to_keep is still the model's (its class's forward names it), tiled
+    exactly."""
+    import copy
+
+    import trl.trainer.utils as trl_utils
+
+    ref = _model()
+    model = copy.deepcopy(ref)
+    assert tiledmlp.patch_model(model, tiled_mlp=False, tiled_loss=True).loss == "tiled"
+    trl_utils.add_fused_lm_head(model)
+    ids = torch.randint(3, 258, (2, 9))
+    for keep, labels in ((4, ids[:, -4:]), (torch.tensor([1, 5, 8]), ids[:, [1, 5, 8]])):
+        out = model(input_ids=ids, labels=labels, logits_to_keep=keep)
+        want = ref(input_ids=ids, labels=labels, logits_to_keep=keep)
+        assert out.logits is None
+        assert_close_rel(out.loss.detach(), want.loss.detach(), f"loss, logits_to_keep={keep}")

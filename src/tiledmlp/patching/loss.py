@@ -42,6 +42,7 @@ from tiledmlp.patching.loss_head import (
     ALL,
     HeadTransform,
     keep_form,
+    keeps_positions,
     kept_rows,
     router_aux_loss,
     scale_candidates,
@@ -146,9 +147,10 @@ def _loss_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     labels = params.pop("labels", None)
     if labels is None:
         return orig(*args, **kwargs)  # no loss to tile
-    # logits_to_keep is the model's to read only where its forward names it; else it stays in
-    # the keyword arguments that reach the decoder, as in the model's own forward
-    keep = params.pop("logits_to_keep", None) if _names(orig, "logits_to_keep") else None
+    # logits_to_keep is the model's to read only where its class's forward names it (a wrapper
+    # installed below ours, TRL's, takes **kwargs); else it stays in the keyword arguments that
+    # reach the decoder, as in the model's own forward
+    keep = params.pop("logits_to_keep", None) if keeps_positions(self) else None
     form = keep_form(keep)
     why = "not one of transformers' forms" if form is None else state.head.unserved.get(form)
     if why is not None:
@@ -199,10 +201,6 @@ def _loss_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         loss = loss + aux[1] * aux[0].to(loss.device)
     aux_loss = None if aux is None else aux[0]
     return _output(outputs, loss, predictions, aux_loss, _wants_dict(config, return_dict))
-
-
-def _names(fn: Any, name: str) -> bool:
-    return name in inspect.signature(fn).parameters
 
 
 def _described(keep: Any) -> str:

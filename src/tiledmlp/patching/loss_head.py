@@ -16,6 +16,7 @@ form by form.
 
 from __future__ import annotations
 
+import inspect
 import sys
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,6 +31,7 @@ __all__ = [
     "keep_probes",
     "router_aux_loss",
     "keep_form",
+    "keeps_positions",
     "kept_rows",
     "scale_candidates",
     "softcap_of",
@@ -70,6 +72,13 @@ def keep_form(keep: Any) -> str | None:
     else:
         return None
     return f"a {keep.dim()}-D {kind} tensor"
+
+
+def keeps_positions(model: Any) -> bool:
+    """Whether the model's class's forward takes logits_to_keep (whatever wrapper an instance
+    has installed over it)."""
+    forward = getattr(type(model), "forward", None)
+    return forward is not None and "logits_to_keep" in inspect.signature(forward).parameters
 
 
 def kept_rows(hidden: torch.Tensor, keep: Any) -> torch.Tensor:

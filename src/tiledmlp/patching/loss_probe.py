@@ -23,7 +23,12 @@ from torch import nn
 
 from tiledmlp.ops.tiling.probe import stand_ins
 from tiledmlp.patching.detect import probing
-from tiledmlp.patching.loss_head import HeadTransform, keep_probes, scale_candidates
+from tiledmlp.patching.loss_head import (
+    HeadTransform,
+    keep_probes,
+    keeps_positions,
+    scale_candidates,
+)
 
 __all__ = ["probe"]
 
@@ -97,7 +102,7 @@ def probe(
                 why = why or failed
             else:
                 return why
-            if "logits_to_keep" in inspect.signature(own).parameters:
+            if keeps_positions(model):
                 chosen.unserved = _unserved_forms(own, ours, ids, rtol)
     except Exception as e:  # a forward that the generic reimplementation cannot drive
         return f"the probe failed ({type(e).__name__}: {e})"
