@@ -30,7 +30,7 @@ from torch import nn
 
 from tiledmlp.config.patch import PatchConfig
 from tiledmlp.ops.tiling.policy import TilePolicy
-from tiledmlp.patching.check_result import CheckResult, StepCost, compare
+from tiledmlp.patching.check_result import NO_REFERENCE_ULPS, CheckResult, StepCost, compare
 from tiledmlp.patching.features.tiled_modules import tile_counts
 from tiledmlp.patching.patch import patch_model
 from tiledmlp.process_memory import process_peak_bytes
@@ -154,10 +154,10 @@ def check(
     report = patch_model(tiled.model, config)
     tiled.step(micro, engine, autocast, loss_fn, seed)
     counts = {n: c.last for n, c in tile_counts(tiled.model).items()}
-    ref: _Run | None = None
-    if reference_dtype is not None and (reference_dtype != dtype or autocast is not None):
-        ref = _Run(copy.deepcopy(model).to(reference_dtype))
-        ref.step([_to(mb, device, reference_dtype) for mb in micro], engine, None, loss_fn, seed)
+    ref_notes: list[str] = []
+    ref, reference_dtype = _reference(
+        model, micro, engine, loss_fn, seed, reference_dtype, dtype, autocast, ref_notes
+    )
 
     names = list(dict.fromkeys([*untiled.grads, *tiled.grads]))
     compared = [
@@ -182,15 +182,15 @@ def check(
         losses={"untiled": untiled.loss, "tiled": tiled.loss, "reference": ref.loss if ref else None},
         params=compared,
         failed=failed,
-        dtype=str(dtype).removeprefix("torch."),
-        reference_dtype=None if ref is None else str(reference_dtype).removeprefix("torch."),
+        dtype=_name(dtype),
+        reference_dtype=None if reference_dtype is None else _name(reference_dtype),
         micro_batches=len(micro),
         tokens=_tokens(micro[0]),
         engine=engine.name,
         world_size=engine.world_size,
         untiled_cost=untiled.cost,
         tiled_cost=tiled.cost,
-        notes=[*notes, *policy_notes],
+        notes=[*notes, *policy_notes, *ref_notes],
     )
 
 
@@ -239,6 +239,43 @@ class _Run:
                 self.grads[name] = engine.whole(p.grad).detach()
             p.grad = None
         del wrapped
+
+
+def _reference(
+    model: nn.Module,
+    micro: list[dict[str, Any]],
+    engine: StepEngine,
+    loss_fn: LossFn,
+    seed: int,
+    wanted: torch.dtype | None,
+    dtype: torch.dtype,
+    autocast: torch.dtype | None,
+    notes: list[str],
+) -> tuple[_Run | None, torch.dtype | None]:
+    """The reference step in `wanted` (None where it would run as the untiled step does);
+    where the model's kernels refuse float64, float32 for a narrower dtype, else none (noted)."""
+    if wanted is None or (wanted == dtype and autocast is None):
+        return None, None
+    for ref_dtype in (wanted, torch.float32):
+        if ref_dtype == torch.float32 and (wanted == torch.float32 or dtype == torch.float32):
+            break
+        run = _Run(copy.deepcopy(model).to(ref_dtype))
+        try:
+            run.step([_to(mb, None, ref_dtype) for mb in micro], engine, None, loss_fn, seed)
+        except (RuntimeError, NotImplementedError) as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            notes.append(f"reference: the model does not run in {_name(ref_dtype)} ({first})")
+            continue
+        return run, ref_dtype
+    notes.append(
+        "reference: none; the tiled step is compared with the untiled one directly (within "
+        f"{NO_REFERENCE_ULPS:g} units of rounding at each gradient's scale)"
+    )
+    return None, None
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def _measure(run: Callable[[], None], device: torch.device) -> StepCost:
@@ -320,12 +357,14 @@ def _micro_batches(
     return micro
 
 
-def _to(mb: Mapping[str, Any], device: torch.device, dtype: torch.dtype | None) -> dict[str, Any]:
+def _to(
+    mb: Mapping[str, Any], device: torch.device | None, dtype: torch.dtype | None
+) -> dict[str, Any]:
     """The micro-batch on `device`, its floating tensors in `dtype` (None: as they are)."""
     out: dict[str, Any] = {}
     for k, v in mb.items():
         if isinstance(v, torch.Tensor):
-            v = v.to(device)
+            v = v if device is None else v.to(device)
             if dtype is not None and v.is_floating_point():
                 v = v.to(dtype)
         out[k] = v
