@@ -64,9 +64,7 @@ def _doubling_backward(original: Any) -> Any:
 def test_a_wrong_tiled_backward_fails_and_names_the_parameters(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(
-        TiledMLPFunction, "backward", _doubling_backward(TiledMLPFunction.backward)
-    )
+    monkeypatch.setattr(TiledMLPFunction, "backward", _doubling_backward(TiledMLPFunction.backward))
     result = tiledmlp.check(tiny_causal_lm("llama").train(), _batch())
     assert not result.passed
     expected = {f"model.layers.{i}.mlp.down_proj.weight" for i in range(2)}

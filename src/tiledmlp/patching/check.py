@@ -35,10 +35,12 @@ from tiledmlp.patching.features.tiled_modules import tile_counts
 from tiledmlp.patching.patch import patch_model
 from tiledmlp.process_memory import process_peak_bytes
 
-__all__ = ["CHECK_TILES", "LocalEngine", "StepEngine", "check", "check_policy"]
+__all__ = ["CHECK_SEQ_LEN", "CHECK_TILES", "LocalEngine", "StepEngine", "check", "check_policy"]
 
 #: tiles per call where the user's policy picks its count from the length or memory
 CHECK_TILES = 4
+#: the check's default tokens per sequence: short, the tiles' logic is what is checked
+CHECK_SEQ_LEN = 256
 _MiB = 2**20
 
 LossFn = Callable[[nn.Module, Mapping[str, Any]], torch.Tensor]
@@ -53,7 +55,9 @@ class StepEngine(Protocol):
 
     def wrap(self, model: nn.Module) -> nn.Module: ...
 
-    def accumulating(self, wrapped: nn.Module, last: bool) -> contextlib.AbstractContextManager[Any]: ...
+    def accumulating(
+        self, wrapped: nn.Module, last: bool
+    ) -> contextlib.AbstractContextManager[Any]: ...
 
     def whole(self, grad: torch.Tensor) -> torch.Tensor: ...
 
@@ -67,7 +71,9 @@ class LocalEngine:
     def wrap(self, model: nn.Module) -> nn.Module:
         return model
 
-    def accumulating(self, wrapped: nn.Module, last: bool) -> contextlib.AbstractContextManager[Any]:
+    def accumulating(
+        self, wrapped: nn.Module, last: bool
+    ) -> contextlib.AbstractContextManager[Any]:
         return contextlib.nullcontext()
 
     def whole(self, grad: torch.Tensor) -> torch.Tensor:
@@ -161,7 +167,9 @@ def check(
 
     names = list(dict.fromkeys([*untiled.grads, *tiled.grads]))
     compared = [
-        compare(n, tiled.grads.get(n), untiled.grads.get(n), ref.grads.get(n) if ref else None, dtype)
+        compare(
+            n, tiled.grads.get(n), untiled.grads.get(n), ref.grads.get(n) if ref else None, dtype
+        )
         for n in names
     ]
     compared.sort(key=lambda c: c.ratio, reverse=True)
@@ -179,7 +187,11 @@ def check(
         tiles=counts,
         untiled_calls=[n for n, c in counts.items() if c <= 1],
         loss=loss,
-        losses={"untiled": untiled.loss, "tiled": tiled.loss, "reference": ref.loss if ref else None},
+        losses={
+            "untiled": untiled.loss,
+            "tiled": tiled.loss,
+            "reference": ref.loss if ref else None,
+        },
         params=compared,
         failed=failed,
         dtype=_name(dtype),
@@ -238,7 +250,6 @@ class _Run:
             if p.grad is not None:
                 self.grads[name] = engine.whole(p.grad).detach()
             p.grad = None
-        del wrapped
 
 
 def _reference(
@@ -388,4 +399,3 @@ def _agreed(passed: bool) -> bool:
         flag = flag.cuda()
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     return bool(flag.item())
-

@@ -21,7 +21,15 @@ from typing import Any
 
 import torch
 
-__all__ = ["FACTOR", "FLOOR_ULPS", "NO_REFERENCE_ULPS", "CheckResult", "Compared", "StepCost", "compare"]
+__all__ = [
+    "FACTOR",
+    "FLOOR_ULPS",
+    "NO_REFERENCE_ULPS",
+    "CheckResult",
+    "Compared",
+    "StepCost",
+    "compare",
+]
 
 #: the tiled step's error may be this many times the untiled step's (flash-attention's rule)
 FACTOR = 2.0
@@ -61,7 +69,11 @@ class Compared:
         """max_abs / allowed: above 1 fails (inf for a missing gradient)."""
         if self.missing is not None:
             return math.inf
-        return self.max_abs / self.allowed if self.allowed > 0 else (0.0 if not self.max_abs else math.inf)
+        return (
+            self.max_abs / self.allowed
+            if self.allowed > 0
+            else (0.0 if not self.max_abs else math.inf)
+        )
 
 
 def compare(
@@ -78,12 +90,18 @@ def compare(
     ref = untiled if reference is None else reference
     have = {"tiled": tiled is not None, "untiled": untiled is not None}
     if have["tiled"] != have["untiled"] or (ref is None) != (untiled is None):
-        missing = "no gradient in the tiled step" if not have["tiled"] else "a gradient only in the tiled step"
+        missing = (
+            "no gradient in the tiled step"
+            if not have["tiled"]
+            else "a gradient only in the tiled step"
+        )
         return Compared(name, math.inf, math.inf, 0.0, 0.0, missing)
     if tiled is None or untiled is None or ref is None:
         return Compared(name, 0.0, 0.0, 0.0, 0.0)
     if tiled.shape != ref.shape:
-        return Compared(name, math.inf, math.inf, 0.0, 0.0, f"shape {tuple(tiled.shape)} != {tuple(ref.shape)}")
+        return Compared(
+            name, math.inf, math.inf, 0.0, 0.0, f"shape {tuple(tiled.shape)} != {tuple(ref.shape)}"
+        )
     r = ref.detach().double()
     err = (tiled.detach().double() - r).abs().max().item() if r.numel() else 0.0
     base = (untiled.detach().double() - r).abs().max().item() if r.numel() else 0.0
@@ -203,7 +221,9 @@ class CheckResult:
         lines.append(f"untiled step: {_cost(self.untiled_cost)}")
         lines.append(f"tiled step:   {_cost(self.tiled_cost)}")
         if not self.passed:
-            lines.append(f"FAIL: {', '.join(self.failed[:8])}{' ...' if len(self.failed) > 8 else ''}")
+            lines.append(
+                f"FAIL: {', '.join(self.failed[:8])}{' ...' if len(self.failed) > 8 else ''}"
+            )
         return "\n".join(lines)
 
 

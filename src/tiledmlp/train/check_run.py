@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tiledmlp.patching.check import LocalEngine, StepEngine, check
+from tiledmlp.patching.check import CHECK_SEQ_LEN, LocalEngine, StepEngine, check
 from tiledmlp.patching.check_result import CheckResult
 from tiledmlp.patching.offloading import enable_checkpointing
 from tiledmlp.train.launch import Launch, check_launch, shard_fsdp2
@@ -31,8 +31,6 @@ from tiledmlp.train.options import TrainOptions
 
 __all__ = ["CHECK_MICRO_BATCHES", "CHECK_SEQ_LEN", "refusal", "run_check"]
 
-#: the check's default tokens per sequence (short: the tiles' logic is what is checked)
-CHECK_SEQ_LEN = 256
 #: the check's default micro-batches per step (at least 2: gradient accumulation is checked)
 CHECK_MICRO_BATCHES = 2
 
@@ -76,7 +74,9 @@ class _DDP:
         ids = [self.launch.device] if self.launch.cuda else None
         return DistributedDataParallel(model, device_ids=ids)
 
-    def accumulating(self, wrapped: nn.Module, last: bool) -> contextlib.AbstractContextManager[Any]:
+    def accumulating(
+        self, wrapped: nn.Module, last: bool
+    ) -> contextlib.AbstractContextManager[Any]:
         return contextlib.nullcontext() if last else wrapped.no_sync()  # type: ignore[operator]
 
     def whole(self, grad: torch.Tensor) -> torch.Tensor:
@@ -98,7 +98,9 @@ class _FSDP2:
         shard_fsdp2(model, self.opts, self.launch)
         return model
 
-    def accumulating(self, wrapped: nn.Module, last: bool) -> contextlib.AbstractContextManager[Any]:
+    def accumulating(
+        self, wrapped: nn.Module, last: bool
+    ) -> contextlib.AbstractContextManager[Any]:
         wrapped.set_requires_gradient_sync(last)  # type: ignore[operator]
         return contextlib.nullcontext()
 
