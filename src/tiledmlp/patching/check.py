@@ -173,12 +173,12 @@ def check(
         for n in names
     ]
     compared.sort(key=lambda c: c.ratio, reverse=True)
-    loss = compare(
+    loss = compare(  # the loss's rounding is its own dtype's (a bf16 model's loss is float32)
         "loss",
         torch.tensor(tiled.loss),
         torch.tensor(untiled.loss),
         torch.tensor(ref.loss) if ref else None,
-        dtype,
+        untiled.loss_dtype,
     )
     failed = [c.name for c in compared if not c.ok] + ([] if loss.ok else ["loss"])
     return CheckResult(
@@ -215,6 +215,7 @@ class _Run:
         for p in model.parameters():
             p.grad = None
         self.loss = 0.0
+        self.loss_dtype = torch.float32
         self.grads: dict[str, torch.Tensor] = {}
         self.cost = StepCost(0.0, None, "")
 
@@ -242,6 +243,7 @@ class _Run:
                         )
                     (loss / len(micro)).backward()
                 losses.append(loss.detach().double().item())
+                self.loss_dtype = loss.dtype
 
         torch.manual_seed(seed)
         self.cost = _measure(run, device)
