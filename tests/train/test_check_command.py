@@ -70,6 +70,18 @@ def test_a_saved_model_folder_without_tokenizer_files_passes(
     assert len(lines) <= 25  # one screen
 
 
+def test_train_still_needs_the_tokenizer_files_that_check_does_without(
+    check_here: Any, tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    from tiledmlp.cli import main
+
+    tiny_causal_lm("llama").save_pretrained(tmp_path)
+    capfd.readouterr()
+    assert main(["train", "--model", str(tmp_path), "--max-steps", "1"]) == 2
+    last = capfd.readouterr().err.strip().splitlines()[-1]  # after train's "loading ..." line
+    assert last.startswith("tiledmlp train: error: ") and "its tokenizer could not be" in last
+
+
 def test_a_wrong_tiled_backward_exits_1_naming_the_parameters(
     check_here: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
