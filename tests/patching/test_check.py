@@ -107,3 +107,17 @@ def test_a_patched_model_is_refused() -> None:
     tiledmlp.patch_model(model, num_tiles=2)
     with pytest.raises(ValueError, match="unpatched model"):
         tiledmlp.check(model, _batch())
+
+
+def test_a_lora_model_passes_with_only_the_adapters_compared() -> None:
+    peft = pytest.importorskip("peft")
+    config = peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=["gate_proj", "up_proj", "down_proj"],
+        init_lora_weights=False,  # nonzero B: every adapter weight gets a gradient
+    )  # fmt: skip
+    model = peft.get_peft_model(tiny_causal_lm("llama"), config).train()
+    result = tiledmlp.check(model, _batch(), num_tiles=3)
+    assert result.passed, result.text()
+    assert result.params and all("lora_" in c.name for c in result.params)
+    assert len(result.params) == 2 * 3 * 2  # A and B of 3 projections in 2 layers
+    assert set(result.tiles.values()) == {3} and "generic" in result.report

@@ -139,3 +139,38 @@ def test_under_torchrun_it_passes_against_the_same_engine_unpatched(engine: str)
     assert r["passed"] and r["engine"] == engine and r["world_size"] == 2
     assert r["micro_batches"] == 2 and set(r["tiles"].values()) == {4}
     assert len(res.stdout.strip().splitlines()) == 1
+
+
+_DOUBLED = """
+import sys
+
+from tiledmlp.ops.mlp.function import TiledMLPFunction
+
+original = TiledMLPFunction.backward
+
+
+def doubled(ctx, *grads):
+    out = list(original(ctx, *grads))
+    last = max(i for i, g in enumerate(out) if g is not None)
+    out[last] = out[last] * 2
+    return tuple(out)
+
+
+TiledMLPFunction.backward = staticmethod(doubled)  # a wrong tiling, in this test only
+from tiledmlp.cli import main
+
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.distributed
+def test_under_ddp_a_wrong_tiled_backward_fails_on_every_rank(tmp_path: Path) -> None:
+    script = tmp_path / "doubled.py"
+    script.write_text(_DOUBLED)
+    cmd = [*TORCHRUN, "--nproc_per_node", "2", str(script), "check", "--model", "tiny",
+           "--seq-len", "32"]  # fmt: skip
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 1, res.stderr[-3000:]
+    assert res.stdout.startswith("tiledmlp check: FAIL  (ddp, 2 processes")
+    names = [f"model.layers.{i}.mlp.down_proj.weight" for i in range(4)]
+    assert all(f"FAIL {n}: max abs" in res.stdout for n in names), res.stdout
