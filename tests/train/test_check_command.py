@@ -60,8 +60,12 @@ def test_the_tiny_preset_passes_with_a_readable_verdict(check_here: Any) -> None
 def test_a_saved_model_folder_without_tokenizer_files_passes(
     check_here: Any, tmp_path: Path
 ) -> None:
-    tiny_causal_lm("qwen3").save_pretrained(tmp_path)
-    rc, out, err = check_here("--model", str(tmp_path), "--num-tiles", "3", "--seq-len", "48")
+    tiny_causal_lm("qwen3").save_pretrained(tmp_path / "model")
+    recipe = tmp_path / "run.yaml"  # a training run's config: its training-only keys do nothing
+    recipe.write_text("num_tiles: 3\nmax_steps: 500\nlearning_rate: 1.0e-4\n")
+    rc, out, err = check_here(
+        "--model", str(tmp_path / "model"), "--config", str(recipe), "--seq-len", "48"
+    )
     assert rc == 0, err
     lines = out.splitlines()
     assert lines[0].startswith("tiledmlp check: PASS  (single, 1 process, float32, 2 micro")
