@@ -22,8 +22,11 @@ def _batch(n: int = 2, seq: int = 24) -> dict[str, torch.Tensor]:
 
 
 # qwen3_moe's grouped matmul refuses float64: its check compares tiled with untiled directly
-@pytest.mark.parametrize(("family", "reference"), [("llama", "float64"), ("gpt2", "float64"),
-                                                   ("qwen3_moe", None)])  # fmt: skip
+@pytest.mark.parametrize(("family", "reference"), [
+    ("llama", "float64"),
+    pytest.param("gpt2", "float64", marks=pytest.mark.slow),
+    pytest.param("qwen3_moe", None, marks=pytest.mark.slow),
+])  # fmt: skip
 def test_it_passes_on_real_models_with_every_tiled_call_running_several_tiles(
     family: str, reference: str | None
 ) -> None:
@@ -109,6 +112,7 @@ def test_a_patched_model_is_refused() -> None:
         tiledmlp.check(model, _batch())
 
 
+@pytest.mark.slow  # peft's import and three steps of a LoRA model
 def test_a_lora_model_passes_with_only_the_adapters_compared() -> None:
     peft = pytest.importorskip("peft")
     config = peft.LoraConfig(
