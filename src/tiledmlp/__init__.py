@@ -16,6 +16,8 @@ from tiledmlp.ops.loss.cross_entropy import (
     tiled_token_stats,
 )
 from tiledmlp.patching import PatchReport, patch_from_args, patch_model, unpatch_model
+from tiledmlp.patching.check import check
+from tiledmlp.patching.check_result import CheckResult
 
 __version__ = "0.1.0"
 
@@ -37,6 +39,7 @@ def disable() -> None:
 
 
 __all__ = [
+    "CheckResult",
     "CrossEntropyOutput",
     "PatchConfig",
     "PatchReport",
@@ -47,6 +50,7 @@ __all__ = [
     "TiledMLPFunction",
     "TokenStats",
     "__version__",
+    "check",
     "disable",
     "enable",
     "patch_from_args",

@@ -195,7 +195,7 @@ def test_the_plugin_takes_each_of_our_keys(monkeypatch: pytest.MonkeyPatch) -> N
     pytest.importorskip("pydantic")
     plugin = _fake_axolotl(monkeypatch)
     ours = {PREFIX + k for k, spec in KEYS.items() if spec.key.ours}
-    assert set(plugin.TiledMLPArgs.model_fields) == {"tiledmlp", *ours}
+    assert set(plugin.TiledMLPArgs.model_fields) == {"tiledmlp", "tiledmlp_check", *ours}
 
 
 @pytest.mark.parametrize("case", CASES, ids=_ids)
@@ -279,3 +279,30 @@ def test_the_patching_guides_option_table_names_every_option() -> None:
         assert spellings & named, f"docs/guides/patching.md's option table misses {f.name}"
     fields = {f.name for f in dataclasses.fields(PatchConfig)}
     assert named <= {"config"} | fields | set(KEYS), named - fields - set(KEYS)
+
+
+def test_the_plugins_check_runs_before_patching_and_stops_a_wrong_tiling(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # the plugin's own code on a real tiny model (axolotl's base class stood in for, as above)
+    pytest.importorskip("pydantic")
+    from hf_models import tiny_causal_lm
+    from tiledmlp.ops.mlp.function import TiledMLPFunction
+
+    plugin = _fake_axolotl(monkeypatch)
+    cfg = {"tiledmlp": True, "tiledmlp_check": True, "tiledmlp_num_tiles": 2}
+    assert plugin.patch_options(cfg) == {"num_tiles": 2}  # the check key is the plugin's own
+    hook = plugin.TiledMLPPlugin()
+    model = tiny_causal_lm("llama").train()
+    hook.post_model_load(cfg, model)
+    assert len(hook.report.patched) == 2  # checked, then patched
+    original = TiledMLPFunction.backward
+
+    def doubled(ctx: Any, *grads: Any) -> Any:
+        out = list(original(ctx, *grads))
+        out[-1] = out[-1] * 2 if out[-1] is not None else None
+        return tuple(out)
+
+    monkeypatch.setattr(TiledMLPFunction, "backward", staticmethod(doubled))
+    with pytest.raises(ValueError, match=r"tiledmlp_check failed; training not started"):
+        plugin.TiledMLPPlugin().post_model_load(cfg, tiny_causal_lm("llama").train())

@@ -24,7 +24,7 @@ from typing import Any
 from tiledmlp.cli.common import UsageError, bool_value
 from tiledmlp.cli.output import show
 
-__all__ = ["add_parser", "run"]
+__all__ = ["add_model_flags", "add_parser", "option_values", "run"]
 
 _NOT_OPTIONS = ("config", "json", "verbose", "command", "argv")
 
@@ -74,11 +74,22 @@ def add_parser(sub: Any) -> None:
 
 def _add_model_and_data_flags(groups: _Groups) -> None:
     """The model to train and the text it reads."""
+    add_model_flags(groups.model)
+    data = groups.data
+    data("--data", metavar="PATH", help="a local file or folder: .txt/.md, .jsonl, .json (an array "
+         "of records), .csv, .parquet, .arrow, or a folder written by datasets' save_to_disk "
+         "(all but text and .jsonl need the data extra) (default: the Python stdlib source)")  # fmt: skip
+    data("--data-field", metavar="NAME", help="the records' field to train on: text, or chat "
+         "turns through the tokenizer's chat template (default: text, else messages)")  # fmt: skip
+    data("--seq-len", help="tokens per sequence (default: 2048)")
+    data("--max-data-bytes", help="read at most about this much text (default: 4000000)")
+
+
+def add_model_flags(model: _Adder) -> None:
+    """--model, --dtype and --seed (`check` shares them)."""
     from tiledmlp.models.presets import PRESETS
     from tiledmlp.train.options import DTYPES
 
-    model = groups.model
-    data = groups.data
     model("--model", metavar="NAME_OR_DIR", help=f"a preset ({', '.join(sorted(PRESETS))}), trained from scratch, "
           "or a local model folder (e.g. a previous --output-dir) or a Hugging Face Hub id "
           "(org/name, from the local cache or the Hub), fine-tuned, or a model's config.json, "
@@ -87,13 +98,6 @@ def _add_model_and_data_flags(groups: _Groups) -> None:
           "bfloat16/bf16 (pure bf16 weights; DeepSpeed keeps fp32 masters), float16/fp16 (mixed "
           "precision with loss scaling, CUDA only) (default: float32)")  # fmt: skip
     model("--seed", metavar="SEED", help="model init and data order seed (default: 0)")
-    data("--data", metavar="PATH", help="a local file or folder: .txt/.md, .jsonl, .json (an array "
-         "of records), .csv, .parquet, .arrow, or a folder written by datasets' save_to_disk "
-         "(all but text and .jsonl need the data extra) (default: the Python stdlib source)")  # fmt: skip
-    data("--data-field", metavar="NAME", help="the records' field to train on: text, or chat "
-         "turns through the tokenizer's chat template (default: text, else messages)")  # fmt: skip
-    data("--seq-len", help="tokens per sequence (default: 2048)")
-    data("--max-data-bytes", help="read at most about this much text (default: 4000000)")
 
 
 def _add_tiling_flags(groups: _Groups) -> None:
@@ -239,25 +243,9 @@ class _Switch(_Adder):
 
 def run(args: argparse.Namespace) -> int:
     """Runs `tiledmlp train`."""
-    from tiledmlp.train.options import (
-        canonical_key,
-        known_keys,
-        options_from,
-        read_config_file,
-    )
+    from tiledmlp.train.options import options_from
 
-    given = {k: v for k, v in vars(args).items() if k not in _NOT_OPTIONS}
-    values: dict[str, Any] = {}
-    config = getattr(args, "config", None)
-    if config is not None:
-        known = known_keys()
-        for key, value in read_config_file(config).items():
-            if canonical_key(key) not in known:
-                close = difflib.get_close_matches(canonical_key(key), sorted(known), n=1)
-                hint = f"did you mean {close[0]!r}?" if close else "see tiledmlp train --help"
-                raise UsageError(f"--config {config}: unknown key {key!r}; {hint}")
-            values[canonical_key(key)] = value
-    values.update({canonical_key(k): v for k, v in given.items()})
+    values = option_values(args)
     opts = options_from(values)
     # Imported after the options are checked: a bad option is reported before the Trainer's
     # imports (transformers, accelerate) take seconds.
@@ -271,6 +259,26 @@ def run(args: argparse.Namespace) -> int:
     else:
         _print_summary(summary, getattr(args, "argv", []))
     return 130 if summary["interrupted"] else 0
+
+
+def option_values(args: argparse.Namespace) -> dict[str, Any]:
+    """The options given, by canonical key: `--config FILE`'s keys, then the flags typed (a
+    key the options do not know is one line, with the closest known one)."""
+    from tiledmlp.train.options import canonical_key, known_keys, read_config_file
+
+    given = {k: v for k, v in vars(args).items() if k not in _NOT_OPTIONS}
+    values: dict[str, Any] = {}
+    config = getattr(args, "config", None)
+    if config is not None:
+        known = known_keys()
+        for key, value in read_config_file(config).items():
+            if canonical_key(key) not in known:
+                close = difflib.get_close_matches(canonical_key(key), sorted(known), n=1)
+                hint = f"did you mean {close[0]!r}?" if close else "see tiledmlp train --help"
+                raise UsageError(f"--config {config}: unknown key {key!r}; {hint}")
+            values[canonical_key(key)] = value
+    values.update({canonical_key(k): v for k, v in given.items()})
+    return values
 
 
 def resume_command(argv: list[str], checkpoint: str) -> str:

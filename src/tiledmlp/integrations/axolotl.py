@@ -5,6 +5,7 @@
     tiledmlp: true
     tiledmlp_tiled_loss: true       # optional: tiledmlp_ + any of tiledmlp's keys
                                     # (tiledmlp_num_tiles, tiledmlp_tile_tokens, ...)
+    tiledmlp_check: true            # optional: tiledmlp.check once before training
 
 The plugin's arguments are derived from the schema (PatchConfig's fields): `tiledmlp_` + each
 of tiledmlp's own keys, typed as the key's value. They are namespaced `tiledmlp*`, so they
@@ -12,7 +13,9 @@ never collide with axolotl's own `tiled_mlp*` (DeepSpeed's TiledMLP port, which 
 applies by class). The plugin runs patch_model on
 the loaded model (after any LoRA adapter; `post_model_load`) and, when the installed TRL gives
 its trainers a fused LM head, lets the tiled loss serve it once the trainer is built
-(`post_trainer_create`). With axolotl's context parallelism on (`context_parallel_size` > 1)
+(`post_trainer_create`). With `tiledmlp_check: true` it first runs tiledmlp.check on the
+loaded model (one step of random token ids, unpatched and patched, float32 reference) and stops
+with the verdict when a gradient is out of tolerance. With axolotl's context parallelism on (`context_parallel_size` > 1)
 the attention is left to axolotl.
 
 The validators refuse, each with a one-line reason, what would make two libraries replace the
@@ -48,6 +51,7 @@ from tiledmlp.config.schema import option_of
 __all__ = ["TiledMLPArgs", "TiledMLPPlugin", "patch_config", "patch_options"]
 
 logger = logging.getLogger(__name__)
+_CHECK = "tiledmlp_check"  # the plugin's own key: run tiledmlp.check before patching
 
 _KINDS: dict[str, Any] = {
     "bool": bool | None,
@@ -105,6 +109,7 @@ TiledMLPArgs: type[BaseModel] = create_model(  # type: ignore[call-overload]
     "`tiledmlp_` + each of tiledmlp's keys.",
     __module__=__name__,
     tiledmlp=(bool | None, None),
+    tiledmlp_check=(bool | None, None),
     **{name: (_KINDS[kind], None) for name, kind in _plugin_keys().items()},
 )
 
@@ -150,7 +155,7 @@ def patch_options(cfg: Any) -> dict[str, Any]:
     options: dict[str, Any] = {}
     for field in TiledMLPArgs.model_fields:
         value = get(field, None)
-        if field != "tiledmlp" and value is not None:
+        if field not in ("tiledmlp", _CHECK) and value is not None:
             options[field[len(_PREFIX) :]] = value
     if (get("context_parallel_size", None) or 1) > 1:
         options.pop("sequence_parallel_size", None)  # the attention is axolotl's
@@ -189,6 +194,8 @@ class TiledMLPPlugin(BasePlugin):  # type: ignore[misc]
             return
         from tiledmlp.patching.patch import patch_model
 
+        if cfg.get(_CHECK):
+            run_check(model, patch_config(cfg))
         self.report = patch_model(model, patch_config(cfg))
         logger.info("tiledmlp: %s", self.report)
 
@@ -199,3 +206,32 @@ class TiledMLPPlugin(BasePlugin):  # type: ignore[misc]
 
         if ready():  # the installed TRL has a fused LM head for the tiled loss to serve
             install(trainer, patch_config(cfg))
+
+
+def run_check(model: Any, config: PatchConfig) -> None:
+    """tiledmlp.check on the loaded model before it is patched (CHECK_SEQ_LEN random token ids,
+    two micro-batches, a float32 reference for narrower weights: a float64 copy of a large model
+    may not fit); raises ValueError with the verdict when it fails."""
+    import torch
+
+    from tiledmlp.patching.check import CHECK_SEQ_LEN, check
+
+    param = next(model.parameters())
+    if any(hasattr(p, "ds_id") for p in model.parameters()):
+        raise ValueError(
+            "tiledmlp_check: the model's parameters are partitioned by DeepSpeed ZeRO-3 at load, "
+            "so no whole copy can run; remove tiledmlp_check, or check without ZeRO-3"
+        )
+    vocab = int(model.config.vocab_size)
+    ids = torch.randint(0, vocab, (2, CHECK_SEQ_LEN), generator=torch.Generator().manual_seed(0))
+    ids = ids.to(param.device)
+    wide = param.dtype in (torch.float32, torch.float64)
+    result = check(
+        model,
+        {"input_ids": ids, "labels": ids},
+        config,
+        reference_dtype=torch.float64 if wide else torch.float32,
+    )
+    if not result.passed:
+        raise ValueError(f"tiledmlp_check failed; training not started:\n{result.text()}")
+    logger.info("tiledmlp: %s", result.text())

@@ -147,11 +147,18 @@ def _cached_hub_folder(name: str) -> Path | None:
 
 
 def load_model(
-    name: str, dtype: str, seq_len: int, seed: int, build_on: torch.device | None = None
+    name: str,
+    dtype: str,
+    seq_len: int,
+    seed: int,
+    build_on: torch.device | None = None,
+    *,
+    tokenizer_needed: bool = True,
 ) -> tuple[Any, Any]:
     """(model in train mode, tokenizer): a preset (random init, byte tokenizer, its parameters
-    created on `build_on`, default the CPU), a model folder or a Hub id. Raises ValueError, in
-    one line, when it cannot be loaded."""
+    created on `build_on`, default the CPU), a model folder or a Hub id. With
+    `tokenizer_needed=False` a folder or Hub id without tokenizer files loads too (tokenizer
+    None). Raises ValueError, in one line, when it cannot be loaded."""
     if name in PRESETS:
         tokenizer = byte_tokenizer()
         model = build_preset(name, VOCAB_SIZE, seq_len, seed, device=build_on or "cpu")
@@ -163,11 +170,14 @@ def load_model(
         try:
             tokenizer = transformers.AutoTokenizer.from_pretrained(name)
         except Exception as e:  # missing files, missing optional packages: one line
-            raise ValueError(
-                f"--model {name}: its tokenizer could not be loaded ({_first_line(e)}); a model "
-                "folder needs tokenizer files next to config.json (tiledmlp train's "
-                "--output-dir has them)"
-            ) from None
+            if not tokenizer_needed:
+                tokenizer = None
+            else:
+                raise ValueError(
+                    f"--model {name}: its tokenizer could not be loaded ({_first_line(e)}); a "
+                    "model folder needs tokenizer files next to config.json (tiledmlp train's "
+                    "--output-dir has them)"
+                ) from None
         try:
             model = transformers.AutoModelForCausalLM.from_pretrained(name)
         except Exception as e:  # a damaged file the header checks cannot see, a network error
