@@ -25,8 +25,8 @@ def test_table_columns_and_ratios() -> None:
     ]
     lines = markdown_table(records).splitlines()
     assert lines[0] == "| " + " | ".join(CONTRACT_COLUMNS) + " | Tiles | Tiled FLOPs (x) |"
-    # rows sorted by length; Speed (+%) = tiled/regular - 1, Memory (-%) = 1 - tiled/regular,
-    # each said in words (a positive "Speed" is a slowdown, not a gain)
+    # rows sorted by length; the time column = tiled/regular - 1, the memory one = 1 -
+    # tiled/regular, each said in words ("faster", "less")
     assert lines[2] == (
         "| 1024 | 50.0 | 45.0 | 10.0% faster | 200.0 | 150.0 | 25.0% less | 2 | 1.222 |"
     )
