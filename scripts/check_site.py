@@ -4,7 +4,8 @@ not fit.
 
 Cut: an element of the content whose content is wider than its box (scrollWidth > clientWidth),
 whether it clips it or scrolls it (a reader at 1280 px sees part of a diagram, a code line or a
-table's columns either way), and a page wider than the window. Tables that are still too wide
+table's columns either way), and a page wider than the window; 4 px of slack (the padding of an
+inline code span that wraps at the end of a line reaches a few pixels past its paragraph). Tables that are still too wide
 for the column are to be split into the columns that matter.
 
     python scripts/check_site.py [--out DIR] [--pages / benchmarks/ ...] [--no-build]
@@ -58,22 +59,21 @@ MEASURE_JS = r"""
                 text: "the page is wider than the window"});
     }
     var content = document.querySelector(".md-content") || document.body;
-    content.querySelectorAll("pre, code, table, img, svg, p, li, div, h1, h2, h3").forEach(
+    content.querySelectorAll("pre, pre > code, table, img, svg, p, li, div, h1, h2, h3").forEach(
       function (el) {
         if (el.clientWidth === 0) return;
-        // a code element inside a pre is measured as its pre; a table as its scroll wrapper
-        if (el.tagName === "CODE" && el.closest("pre")) return;
+        // a code block scrolls in its code element (Material): measured there, not as its pre
+        if (el.tagName === "PRE" && el.querySelector("code")) return;
         var over = el.scrollWidth - el.clientWidth;
         var right = el.getBoundingClientRect().right;
-        if (over > 1) {
+        if (over > SLACK) {
           cut.push({what: el.tagName.toLowerCase(), where: where(el), width: el.scrollWidth,
                     box: el.clientWidth, text: text(el)});
-        } else if (right > root.clientWidth + 1) {
+        } else if (right > root.clientWidth + SLACK) {
           cut.push({what: el.tagName.toLowerCase(), where: where(el), width: Math.round(right),
                     box: root.clientWidth, text: "beyond the window: " + text(el)});
         }
       });
-    // an inner element reported with its scroll container: keep the outermost
     var pre = document.createElement("pre");
     pre.id = "MARK";
     pre.textContent = JSON.stringify({width: root.clientWidth, cut: cut});
@@ -82,7 +82,7 @@ MEASURE_JS = r"""
   if (document.readyState === "complete") run();
   else window.addEventListener("load", run);
 })();
-""".replace("MARK", MARK)
+""".replace("MARK", MARK).replace("SLACK", "4")
 
 
 class _Handler(http.server.SimpleHTTPRequestHandler):
