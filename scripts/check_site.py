@@ -212,8 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     for line in lines:
         print(line)
     print(
-        f"check_site: {len(a.pages)} pages at {WIDTH} px, {len(lines)} cut; screenshots in "
-        f"{a.out}",
+        f"check_site: {len(a.pages)} pages at {WIDTH} px, {len(lines)} cut; screenshots in {a.out}",
         file=sys.stderr,
     )
     return 1 if lines else 0

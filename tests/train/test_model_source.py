@@ -41,7 +41,7 @@ def test_a_folder_without_config_or_checkpoints_says_what_a_model_folder_holds(
     tmp_path: Path,
 ) -> None:
     (tmp_path / "notes.txt").write_text("x")
-    with pytest.raises(ValueError, match="has no config.json; expected a model saved with"):
+    with pytest.raises(ValueError, match=r"has no config\.json; expected a model saved with"):
         check_model(str(tmp_path))
 
 

@@ -45,7 +45,10 @@ def test_options_not_given_again_are_the_runs(tmp_path: Path) -> None:
         ({"lr": "2e-3"}, "the run used --learning-rate 0.001, this command gives 0.002"),
         ({"seq_len": "128"}, "the run used --seq-len 64, this command gives 128"),
         ({"lr_scheduler_type": "linear"}, "--lr-scheduler-type cosine, this command gives linear"),
-        ({"data_field": "body"}, "the run used --data-field (text, else messages), this command gives body"),
+        (
+            {"data_field": "body"},
+            "the run used --data-field (text, else messages), this command gives body",
+        ),
         ({"max_steps": "10"}, "that run was planned for --max-steps 9, this one asks for 10"),
     ],
 )

@@ -150,3 +150,25 @@ def test_a_run_leaves_its_curve_and_says_what_it_read_without_deepspeeds_banner(
     # DeepSpeed is imported by the Trainer whenever installed; its CPU-accelerator banner is
     # about DeepSpeed's own device choice, not this run
     assert "Setting accelerator to CPU" not in done.stdout + done.stderr
+
+
+def test_deepspeeds_cpu_accelerator_warning_is_dropped_and_nothing_else() -> None:
+    import logging
+
+    from tiledmlp.integrations.deepspeed import quiet_accelerator_guess
+
+    quiet_accelerator_guess()
+    quiet_accelerator_guess()  # once is enough: the filter is not added twice
+    logger = logging.getLogger("DeepSpeed")  # deepspeed/utils/logging.py's logger
+    assert len(logger.filters) == len({type(f) for f in logger.filters})
+
+    def kept(message: str) -> bool:
+        record = logger.makeRecord("DeepSpeed", logging.WARNING, "real_accelerator.py", 213,
+                                   message, (), None)  # fmt: skip
+        return bool(logger.filter(record))
+
+    assert not kept(
+        "Setting accelerator to CPU. If you have GPU or other accelerator, we were unable to "
+        "detect it."
+    )
+    assert kept("ZeRO-3 partitioned 12 parameters")

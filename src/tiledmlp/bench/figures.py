@@ -101,7 +101,9 @@ def mlp_data(root: Path = RECORDS) -> dict[str, Any]:
         peers = [r for r in here if r["variant"] in ("deepspeed", "liger")]
         tiles = {p["tiles"] for p in peers}
         for r in here:
-            ours_same = r["variant"] == "tiled" and r["tiles"] in tiles and r["num_tiles"] == "arctic"
+            ours_same = (
+                r["variant"] == "tiled" and r["tiles"] in tiles and r["num_tiles"] == "arctic"
+            )
             if r["variant"] in ("untiled", "deepspeed", "liger") or ours_same:
                 series.setdefault(_MLP_VARIANTS[r["variant"]], []).append(
                     [seq, round(r["time_ms"], 3), round(r["peak_mib"], 1)]
@@ -133,7 +135,7 @@ def _draw_memory(data: dict[str, Any], path: Path) -> None:
     FigureCanvasAgg(fig)
     axes = fig.subplots(1, len(data), sharey=True)
     colors = dict(zip(_STACKS, ("#444444", "#8c564b", "#1f77b4", "#17becf", "#2ca02c", "#d62728")))
-    for ax, (card, got) in zip(axes, data.items()):
+    for ax, got in zip(axes, data.values()):
         lengths: set[int] = set()
         for stack, rows in got["stacks"].items():
             seqs = [r[0] for r in rows]
@@ -216,7 +218,9 @@ def write(out: Path = ASSETS, root: Path = RECORDS) -> list[Path]:
 def check(out: Path = ASSETS, root: Path = RECORDS) -> list[str]:
     """What differs between the committed figures and the records, one line each."""
     sidecar = out / SIDECAR.name
-    wrong = [f"{out / (n + '.png')} is missing" for n in FIGURES if not (out / f"{n}.png").is_file()]
+    wrong = [
+        f"{out / (n + '.png')} is missing" for n in FIGURES if not (out / f"{n}.png").is_file()
+    ]
     if not sidecar.is_file():
         return [*wrong, f"{sidecar} is missing"]
     committed = json.loads(sidecar.read_text())

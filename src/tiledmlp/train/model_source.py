@@ -28,7 +28,14 @@ from tiledmlp.models.presets import PRESETS, build_preset
 from tiledmlp.train.checkpoints import damage, newest_checkpoint
 from tiledmlp.train.tokenizer import VOCAB_SIZE, byte_tokenizer
 
-__all__ = ["check_model", "hub_endpoint", "is_hub_id", "load_model", "model_name_error", "unreachable"]
+__all__ = [
+    "check_model",
+    "hub_endpoint",
+    "is_hub_id",
+    "load_model",
+    "model_name_error",
+    "unreachable",
+]
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _WEIGHTS = ("*.safetensors", "pytorch_model*.bin")
