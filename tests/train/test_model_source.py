@@ -90,3 +90,22 @@ def answering_server() -> Iterator[str]:
 def test_a_hub_that_answers_is_reachable_whatever_its_status(answering_server: str) -> None:
     assert unreachable(answering_server) is None
     assert unreachable("http://127.0.0.1:9") is not None
+
+
+def test_a_model_trained_at_another_length_is_noted(tmp_path: Path) -> None:
+    from tiledmlp.train.model_source import seq_len_note
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "summary.json").write_text(json.dumps({"seq_len": 4096, "model": "tiny"}))
+    assert seq_len_note(str(run), 2048) == (
+        f"--model {run} was trained on 4096-token sequences; this run trains on 2048 "
+        "(--seq-len 4096 keeps the length)"
+    )
+    assert seq_len_note(str(run), 4096) is None
+    checkpoint = _checkpoint(run, 7)
+    (checkpoint / "tiledmlp_run.json").write_text(
+        json.dumps({"options": {"seq_len": 1024}, "max_steps": 9})
+    )
+    assert "trained on 1024-token sequences" in (seq_len_note(str(checkpoint), 2048) or "")
+    assert seq_len_note("tiny", 2048) is None  # a preset is trained from scratch

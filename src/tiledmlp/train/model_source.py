@@ -34,6 +34,8 @@ __all__ = [
     "is_hub_id",
     "load_model",
     "model_name_error",
+    "seq_len_note",
+    "trained_seq_len",
     "unreachable",
 ]
 
@@ -197,6 +199,37 @@ def unreachable(url: str, timeout: float = PROBE_TIMEOUT_S) -> str | None:
         return str(e.reason)
     except (OSError, ValueError) as e:  # a timeout, a malformed address
         return _first_line(e)
+
+
+def trained_seq_len(name: str) -> int | None:
+    """The sequence length a model folder was trained at by `tiledmlp train`: its summary.json
+    (an --output-dir) or its run settings (a checkpoint-N); None for anything else."""
+    folder = Path(name)
+    if not folder.is_dir():
+        return None
+    for file, keys in (
+        ("summary.json", ("seq_len",)),
+        ("tiledmlp_run.json", ("options", "seq_len")),
+    ):
+        try:
+            value: Any = json.loads((folder / file).read_text())
+            for key in keys:
+                value = value[key]
+            return int(value)
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return None
+
+
+def seq_len_note(name: str, seq_len: int) -> str | None:
+    """A one-line note when --model was trained at another sequence length than this run's."""
+    before = trained_seq_len(name)
+    if before is None or before == seq_len:
+        return None
+    return (
+        f"--model {name} was trained on {before}-token sequences; this run trains on {seq_len} "
+        f"(--seq-len {before} keeps the length)"
+    )
 
 
 def load_model(

@@ -45,7 +45,7 @@ from tiledmlp.train.launch import (
     start_sequence_parallel,
     training_arguments,
 )
-from tiledmlp.train.model_source import check_model, load_model
+from tiledmlp.train.model_source import check_model, load_model, seq_len_note
 from tiledmlp.train.options import TrainOptions
 from tiledmlp.train.resume import given_of, resume, settings_record
 from tiledmlp.train.summary import peak_mib, summary
@@ -125,6 +125,9 @@ def run(opts: TrainOptions, given: Mapping[str, Any] | None = None) -> dict[str,
     if opts.data is not None:
         check_data(Path(opts.data))
 
+    note = seq_len_note(opts.model, opts.seq_len)
+    if note is not None:
+        _say(note)
     _say(f"loading {opts.model} and packing {opts.seq_len}-token sequences ...")
     # a preset or a config.json is built where the Trainer runs it (DeepSpeed and FSDP place it themselves)
     build_on = launch.device if launch.cuda and launch.engine in ("single", "ddp") else None
