@@ -182,8 +182,8 @@ def _add_output_flags(groups: _Groups) -> None:
     """What the run writes and resumes from."""
     output = groups.output
     output("--output-dir", metavar="DIR", help="save the trained model, its tokenizer, "
-           "summary.json and metrics.jsonl here, a directory that works as --model (default: "
-           "nothing is saved)")  # fmt: skip
+           "summary.json, metrics.jsonl and curve.png (with matplotlib) here, a directory that "
+           "works as --model (default: nothing is saved)")  # fmt: skip
     output("--save-steps", help="save OUTPUT_DIR/checkpoint-N every N steps (default: never)")
     output("--save-total-limit", help="keep at most this many checkpoints (default: all)")
     output("--resume-from-checkpoint", metavar="DIR|latest", help="continue that run from "
