@@ -51,3 +51,19 @@ def test_deepspeed_columns_when_present_and_missing_cells_blank() -> None:
         "| 1.333 |"
     )
     assert lines[3] == "| 8192 |  | 22.0 |  |  | 40.0 |  |  |  | 8 |  |  |"
+
+
+def test_the_change_columns_are_named_for_what_their_cells_say() -> None:
+    # a cell reads "25.0% slower" or "75.0% less": its header names the comparison, not a
+    # signed percentage ("Speed (+%)" above "256.5% slower" read as a gain)
+    records = [
+        _rec(2048, "untiled", 100.0, 400.0, 900, 0),
+        _rec(2048, "tiled", 125.0, 100.0, 1100, 4),
+    ]
+    header, _, row = markdown_table(records).splitlines()[:3]
+    columns = [c.strip() for c in header.strip("|").split("|")]
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    by = dict(zip(columns, cells))
+    assert by["Time, tiled vs regular"] == "25.0% slower"
+    assert by["Memory, tiled vs regular"] == "75.0% less"
+    assert not any("%" in c for c in columns)
