@@ -25,8 +25,8 @@ def test_table_columns_and_ratios() -> None:
     ]
     lines = markdown_table(records).splitlines()
     assert lines[0] == "| " + " | ".join(CONTRACT_COLUMNS) + " | Tiles | Tiled FLOPs (x) |"
-    # rows sorted by length; Speed (+%) = tiled/regular - 1, Memory (-%) = 1 - tiled/regular,
-    # each said in words (a positive "Speed" is a slowdown, not a gain)
+    # rows sorted by length; the time column = tiled/regular - 1, the memory one = 1 -
+    # tiled/regular, each said in words ("faster", "less")
     assert lines[2] == (
         "| 1024 | 50.0 | 45.0 | 10.0% faster | 200.0 | 150.0 | 25.0% less | 2 | 1.222 |"
     )
@@ -51,3 +51,19 @@ def test_deepspeed_columns_when_present_and_missing_cells_blank() -> None:
         "| 1.333 |"
     )
     assert lines[3] == "| 8192 |  | 22.0 |  |  | 40.0 |  |  |  | 8 |  |  |"
+
+
+def test_the_change_columns_are_named_for_what_their_cells_say() -> None:
+    # a cell reads "25.0% slower" or "75.0% less": its header names the comparison, not a
+    # signed percentage ("Speed (+%)" above "256.5% slower" read as a gain)
+    records = [
+        _rec(2048, "untiled", 100.0, 400.0, 900, 0),
+        _rec(2048, "tiled", 125.0, 100.0, 1100, 4),
+    ]
+    header, _, row = markdown_table(records).splitlines()[:3]
+    columns = [c.strip() for c in header.strip("|").split("|")]
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    by = dict(zip(columns, cells))
+    assert by["Time, tiled vs regular"] == "25.0% slower"
+    assert by["Memory, tiled vs regular"] == "75.0% less"
+    assert not any("%" in c for c in columns)

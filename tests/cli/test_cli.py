@@ -43,8 +43,8 @@ def test_bench_writes_records_table_and_plot(tmp_path: Path) -> None:
             assert key in tiled
     table = (out / "bench.md").read_text()
     header = (
-        "| Seq Length | Regular (ms) | Tiled (ms) | Speed (+%) | Regular (MB) | Tiled (MB) "
-        "| Memory (-%) |"
+        "| Seq Length | Regular (ms) | Tiled (ms) | Time, tiled vs regular | Regular (MB) | Tiled (MB) "
+        "| Memory, tiled vs regular |"
     )
     assert header in table and "| 96 |" in table and "1.222" in table
     png = (out / "bench.png").read_bytes()

@@ -246,3 +246,42 @@ def test_every_documented_command_line_parses() -> None:
                 if unknown:
                     bad.append(f"{page.relative_to(ROOT)}:{line_no}: {line.strip()} -> {unknown}")
     assert not bad, "documented commands that do not parse:\n" + "\n".join(bad)
+
+
+# A README command that runs for more than a minute says how long it took (measured, and where).
+_LONG_COMMANDS = re.compile(r"^tiledmlp (train .*--max-steps|plan|bench)")
+_TIME = re.compile(r"\b\d+(\.\d+)? ?(s|min|minutes|seconds|h)\b")
+
+
+def test_the_readmes_longer_commands_say_how_long_they_take() -> None:
+    missing = []
+    for _, code, _ in code_blocks(ROOT / "README.md", "bash"):
+        for line in code.splitlines():
+            command, _, comment = line.partition("#")
+            if _LONG_COMMANDS.match(command.strip()) and not _TIME.search(comment):
+                missing.append(line.strip())
+    assert not missing, "README commands without a time:\n" + "\n".join(missing)
+
+
+def test_no_page_says_the_gpu_is_unmeasured_where_gpu_records_exist() -> None:
+    records = sorted((ROOT / "benchmarks" / "results" / "gpu").rglob("records.jsonl"))
+    assert records, "the GPU records are committed under benchmarks/results/gpu/"
+    stale = [
+        f"{page.relative_to(ROOT)}:{n}: {line.strip()}"
+        for page in PAGES
+        for n, line in enumerate(page.read_text().splitlines(), 1)
+        if re.search(r"(on a GPU|GPU error).{0,40}not (been )?measured yet", line, re.I)
+    ]
+    assert not stale, "pages that call measured GPU figures unmeasured:\n" + "\n".join(stale)
+
+
+def test_no_block_promises_to_write_nothing() -> None:
+    """A block with TrainingArguments makes its output folder (the Trainer creates it, even
+    with save_strategy "no"), so no block's comment may say it writes nothing."""
+    promising = [
+        (page, line)
+        for page in _RUNNABLE
+        for line, code in runnable_blocks(page)
+        if re.search(r"#.*\bwrites nothing\b", code)
+    ]
+    assert not promising, f"blocks that say they write nothing (the Trainer writes): {promising}"

@@ -7,6 +7,7 @@ The map (lowest first; see the README's layout section):
     ops, then sequence_parallel        torch only (and optional kernels)
     config, models, process_memory     typed configuration; built-in models; process memory;
     allocator                          the CUDA allocator setting of the entry points
+    extras                             the install command of an optional extra
     module, patching                   TiledMLP; finding and patching MLPs of a model
     integrations                       engines and frameworks
     plan | bench | train               siblings: they share what lies below, never each other
@@ -34,6 +35,7 @@ LAYERS = {
     "models": 2,
     "process_memory": 2,
     "allocator": 2,
+    "extras": 2,
     "module": 3,
     "patching": 3,
     "integrations": 4,

@@ -45,7 +45,10 @@ def test_options_not_given_again_are_the_runs(tmp_path: Path) -> None:
         ({"lr": "2e-3"}, "the run used --learning-rate 0.001, this command gives 0.002"),
         ({"seq_len": "128"}, "the run used --seq-len 64, this command gives 128"),
         ({"lr_scheduler_type": "linear"}, "--lr-scheduler-type cosine, this command gives linear"),
-        ({"data_field": "body"}, "the run used --data-field (not set), this command gives body"),
+        (
+            {"data_field": "body"},
+            "the run used --data-field (text, else messages), this command gives body",
+        ),
         ({"max_steps": "10"}, "that run was planned for --max-steps 9, this one asks for 10"),
     ],
 )
@@ -56,6 +59,20 @@ def test_a_change_to_the_run_is_refused_in_one_line(
     with pytest.raises(ValueError) as info:
         _resume({"resume_from_checkpoint": str(ckpt), **change})
     assert refused in str(info.value) and "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("model", "used"),
+    [("tiny", "0.002 (the default for tiny)"), ("small", "0.001 (the default for small)")],
+)
+def test_a_refusal_says_the_default_learning_rate_the_run_used(
+    model: str, used: str, tmp_path: Path
+) -> None:
+    ckpt = _checkpoint(tmp_path, {"model": model, "seq_len": "64"}, 9)
+    with pytest.raises(ValueError) as info:
+        _resume({"resume_from_checkpoint": str(ckpt), "lr": "1e-4"})
+    assert f"the run used --learning-rate {used}, this command gives 0.0001" in str(info.value)
+    assert "not set" not in str(info.value)
 
 
 def test_memory_and_speed_options_are_applied_and_said(tmp_path: Path) -> None:

@@ -10,6 +10,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from tiledmlp.extras import install_command
+
 __all__ = ["LABELS", "plot_records"]
 
 LABELS = {
@@ -24,8 +26,8 @@ def _tokens(n: int) -> str:
     return f"{n // 1024}K" if n >= 1024 and n % 1024 == 0 else str(n)
 
 
-# The `bench` extra, from a checkout of tiledmlp (as the package is installed).
-INSTALL_HINT = "pip install -c constraints.txt -e '.[bench]' (or pip install matplotlib)"
+# The `bench` extra, in the form that works from the current folder (tiledmlp/extras.py).
+INSTALL_HINT = f"{install_command('bench')} (or pip install matplotlib)"
 
 
 def matplotlib_available() -> bool:

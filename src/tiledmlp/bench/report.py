@@ -1,11 +1,11 @@
 """Markdown tables from benchmark records: the table of the tiled-MLP pull requests, one row per
 sequence length.
 
-Columns: Seq Length | Regular (ms) | Tiled (ms) | Speed (+%) | Regular (MB) | Tiled (MB) |
-Memory (-%), then, when present, DeepSpeed's TiledMLP (ms, MB) and the FLOP ratio of each tiled
-variant. "Regular" is the untiled MLP, "Tiled" is tiledmlp. Speed (+%) is the tiled time
-against regular in words ("25.0% slower", "3.0% faster"), Memory (-%) the tiled peak against
-regular ("75.0% less", "2.0% more"). MB are 2**20 bytes.
+Columns: Seq Length | Regular (ms) | Tiled (ms) | Time, tiled vs regular | Regular (MB) |
+Tiled (MB) | Memory, tiled vs regular, then, when present, DeepSpeed's TiledMLP (ms, MB) and the
+FLOP ratio of each tiled variant. "Regular" is the untiled MLP, "Tiled" is tiledmlp. The time
+column gives the tiled time against regular in words ("25.0% slower", "3.0% faster"), the memory
+column the tiled peak against regular ("75.0% less", "2.0% more"). MB are 2**20 bytes.
 
 Invariant: every number in the table is read from the records; ratios are against the untiled
 variant of the same sequence length.
@@ -22,10 +22,10 @@ CONTRACT_COLUMNS = (
     "Seq Length",
     "Regular (ms)",
     "Tiled (ms)",
-    "Speed (+%)",
+    "Time, tiled vs regular",
     "Regular (MB)",
     "Tiled (MB)",
-    "Memory (-%)",
+    "Memory, tiled vs regular",
 )
 
 

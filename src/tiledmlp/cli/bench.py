@@ -14,6 +14,7 @@ from typing import Any
 
 from tiledmlp.cli.common import DTYPE_CHOICES, UsageError, dtype_name, positive_int, seq_lens, tiles
 from tiledmlp.cli.output import show
+from tiledmlp.extras import install_command
 from tiledmlp.ops.tiling.values import check_int
 
 __all__ = ["add_parser", "run"]
@@ -143,6 +144,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = _config(args)
     use_ds, use_liger, ds_ok = _engines(args, cfg.device)
     plot = _note_left_out(args, ds_ok)
+    _note_replaced(args.out)
     records = _sweep(args, cfg, use_ds, use_liger)
     table, written = _write_report(args, cfg, records, plot)
     show(table, end="")
@@ -187,8 +189,8 @@ def _engines(args: argparse.Namespace, device: Any) -> tuple[bool, bool, bool]:
     use_ds = args.deepspeed == "on" or (args.deepspeed == "auto" and ds_ok)
     if args.deepspeed == "on" and not ds_ok:
         raise UsageError(
-            "--deepspeed on, but deepspeed is not importable; install it with pip install -c "
-            "constraints.txt -e '.[deepspeed]' (DS_BUILD_OPS=0 to skip compiling its ops)"
+            "--deepspeed on, but deepspeed is not importable; install it with "
+            f"{install_command('deepspeed')} (DS_BUILD_OPS=0 to skip compiling its ops)"
         )
     liger_ok = args.liger != "off" and device.type != "cpu" and liger_available()
     use_liger = args.liger == "on" or (args.liger == "auto" and liger_ok)
@@ -212,17 +214,29 @@ def _note_left_out(args: argparse.Namespace, ds_ok: bool) -> bool:
         *(["the plot (matplotlib is not installed)"] if not args.no_plot and not plot else []),
     ]  # fmt: skip
     if left_out:
-        extras = ",".join(
+        extras = [
             e for e, part in (("deepspeed", "DeepSpeed"), ("bench", "plot"))
             if any(part in x for x in left_out)
-        )  # fmt: skip
+        ]  # fmt: skip
         print(
-            f"tiledmlp bench: note: leaving out {' and '.join(left_out)}; pip install -c "
-            f"constraints.txt -e '.[{extras}]' adds {'them' if len(left_out) > 1 else 'it'}",
+            f"tiledmlp bench: note: leaving out {' and '.join(left_out)}; "
+            f"{install_command(*extras)} adds {'them' if len(left_out) > 1 else 'it'}",
             file=sys.stderr,
             flush=True,
         )
     return plot
+
+
+def _note_replaced(out: Path) -> None:
+    """Says, before the sweep, that an earlier run's results in `out` are about to be replaced."""
+    earlier = [n for n in ("bench.jsonl", "bench.md", "bench.png") if (out / n).is_file()]
+    if earlier:
+        print(
+            f"tiledmlp bench: note: replacing the earlier results in {out}/ ({', '.join(earlier)});"
+            " --out DIR writes elsewhere",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def _sweep(args: argparse.Namespace, cfg: Any, use_ds: bool, use_liger: bool) -> list[dict]:
@@ -281,8 +295,8 @@ def _write_report(
     (args.out / "bench.md").write_text(
         f"{title}, torch {torch.__version__}"
         f"{', each measurement in a fresh process' if cfg.isolate else ''}\n\n{table}\n"
-        "Speed (+%): the tiled time against regular (slower or faster). Memory (-%): the tiled "
-        "peak against regular (less or more). MB = 2**20 bytes, tensor-level peak.\n"
+        "Time, tiled vs regular: the tiled time against regular (slower or faster). Memory, "
+        "tiled vs regular: the tiled peak against regular (less or more). MB = 2**20 bytes, tensor-level peak.\n"
     )
     written = [args.out / "bench.jsonl", args.out / "bench.md"]
     if args.memory_snapshot is not None:

@@ -46,7 +46,10 @@ def run(args: argparse.Namespace) -> int:
         f"python {platform.python_version()} ({platform.platform()})",
         f"torch {torch.__version__}",
     ]
-    for pkg in ("transformers", "accelerate", "peft", "deepspeed"):
+    for pkg in (
+        "transformers", "accelerate", "peft", "trl", "datasets", "deepspeed", "triton",
+        "matplotlib",
+    ):  # fmt: skip
         try:
             lines.append(f"{pkg} {md.version(pkg)}")
         except md.PackageNotFoundError:

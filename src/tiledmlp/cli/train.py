@@ -186,8 +186,8 @@ def _add_output_flags(groups: _Groups) -> None:
     """What the run writes and resumes from."""
     output = groups.output
     output("--output-dir", metavar="DIR", help="save the trained model, its tokenizer, "
-           "summary.json and metrics.jsonl here, a directory that works as --model (default: "
-           "nothing is saved)")  # fmt: skip
+           "summary.json, metrics.jsonl and curve.png (with matplotlib) here, a directory that "
+           "works as --model (default: nothing is saved)")  # fmt: skip
     output("--save-steps", help="save OUTPUT_DIR/checkpoint-N every N steps (default: never)")
     output("--save-total-limit", help="keep at most this many checkpoints (default: all)")
     output("--resume-from-checkpoint", metavar="DIR|latest", help="continue that run from "
@@ -325,12 +325,13 @@ def _print_summary(s: dict[str, Any], argv: list[str]) -> None:
         show(f"nothing to train: already at step {s['global_step']} of {s['max_steps']}")
     data = s.get("data")
     if data is not None:
-        files = data["files"][0] if len(data["files"]) == 1 else f"{len(data['files'])} files"
-        field = f", field {data['field']}" if data["field"] else ""
-        show(
-            f"data: {files} ({data['format']}{field}): {data['documents']:,} documents, "
-            f"{data['tokens']:,} tokens, {data['sequences']:,} sequences"
-        )
+        from tiledmlp.train.summary import data_line
+
+        show(data_line(data, s["max_steps"]))
+    if s.get("curve") is not None:
+        show(f"curve: {s['curve']}")
+    elif s.get("curve_note") is not None:
+        show(s["curve_note"])
     if s["eval_loss"] is not None:
         show(f"eval loss {s['eval_loss']:.4f}")
     if s["interrupted"]:

@@ -20,6 +20,7 @@ on different collectives.
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -29,7 +30,7 @@ from torch import nn
 from tiledmlp.ops.tiling.backend import ParamBackend
 from tiledmlp.patching.engine_registry import register_backend
 
-__all__ = ["Zero3Backend", "backend_for"]
+__all__ = ["Zero3Backend", "backend_for", "quiet_accelerator_guess"]
 
 
 def _is_zero3_param(p: torch.Tensor) -> bool:
@@ -121,6 +122,24 @@ def backend_for(module: nn.Module) -> ParamBackend | None:
     if any(_is_zero3_param(p) for p in module.parameters()):
         return _ZERO3
     return None
+
+
+class _AcceleratorGuess(logging.Filter):
+    """Drops DeepSpeed's import-time warning that it fell back to the CPU accelerator."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Setting accelerator to CPU" not in record.getMessage()
+
+
+def quiet_accelerator_guess() -> None:
+    """For a run that does not use DeepSpeed: drops the warning DeepSpeed logs when something
+    imports it on a machine without a GPU (accelerate's `unwrap_model` does, whenever DeepSpeed
+    is installed), "Setting accelerator to CPU. If you have GPU ...", which is about DeepSpeed's
+    own device choice and says nothing about this run. Its logger ("DeepSpeed",
+    deepspeed/utils/logging.py) keeps its filters when DeepSpeed configures it on import."""
+    logger = logging.getLogger("DeepSpeed")
+    if not any(isinstance(f, _AcceleratorGuess) for f in logger.filters):
+        logger.addFilter(_AcceleratorGuess())
 
 
 register_backend(backend_for)

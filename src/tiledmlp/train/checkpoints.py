@@ -28,6 +28,7 @@ __all__ = [
     "check_checkpoint",
     "damage",
     "incomplete_reason",
+    "newest_checkpoint",
     "publish",
     "resolve_resume",
 ]
@@ -43,6 +44,14 @@ def _checkpoints(folder: Path) -> list[Path]:
         return []
     found = [(int(m.group(1)), p) for p in folder.iterdir() if (m := _CHECKPOINT.match(p.name))]
     return [p for _, p in sorted(found, reverse=True) if p.is_dir()]
+
+
+def newest_checkpoint(folder: Path) -> Path | None:
+    """The newest complete checkpoint-N in `folder`, or None."""
+    for path in _checkpoints(folder):
+        if incomplete_reason(path) is None:
+            return path
+    return None
 
 
 def incomplete_reason(path: Path) -> str | None:

@@ -27,9 +27,10 @@ from typing import Any
 
 import torch
 
+from tiledmlp.extras import install_command
+
 __all__ = [
     "FORMATS",
-    "INSTALL",
     "encoder",
     "Corpus",
     "PackedDataset",
@@ -38,6 +39,7 @@ __all__ = [
     "default_corpus",
     "open_corpus",
     "pack",
+    "plural",
 ]
 
 # suffix -> format name
@@ -58,7 +60,6 @@ _KINDS = (
     ".txt/.md (plain text), .jsonl, .json (an array of records), .csv, .parquet, .arrow, or a "
     "folder written by datasets' save_to_disk"
 )
-INSTALL = "pip install -c constraints.txt -e '.[data]' (the data extra: datasets)"
 CHAT_FIELD = "messages"
 
 Document = str | list[dict[str, Any]]  # a text, or chat turns for the chat template
@@ -74,6 +75,12 @@ class Corpus:
     documents: int = 0
     tokens: int = 0
     sequences: int = 0
+    # the documents there are to read (within --max-data-bytes; None: not counted, a record past
+    # those read could not be read) and whether --max-data-bytes stopped the reading before the end
+    available: int | None = None
+    cut_at_bytes: int | None = None
+    # how many times the run reads each training sequence to fill its steps (1.0: once or less)
+    repeats: float | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -81,8 +88,11 @@ class Corpus:
             "format": self.format,
             "field": self.field,
             "documents": self.documents,
+            "available_documents": self.available,
+            "cut_at_bytes": self.cut_at_bytes,
             "tokens": self.tokens,
             "sequences": self.sequences,
+            "repeats": self.repeats,
         }
 
 
@@ -117,7 +127,7 @@ def check_data(path: Path) -> str:
     if fmt in _NEEDS_DATASETS and importlib.util.find_spec("datasets") is None:
         what = "a save_to_disk folder" if fmt == SAVED else f"{fmt} files"
         raise ValueError(
-            f"--data {path}: reading {what} needs the datasets library: {INSTALL}; plain text "
+            f"--data {path}: reading {what} needs the datasets library: {install_command('data')} (the data extra: datasets); plain text "
             "and .jsonl need nothing more"
         )
     return fmt
@@ -139,6 +149,7 @@ def default_corpus(max_bytes: int) -> tuple[Corpus, Iterator[Document]]:
             yield text
             total += len(text)
             if total >= max_bytes:
+                corpus.cut_at_bytes = max_bytes
                 return
 
     return corpus, texts()
@@ -159,24 +170,27 @@ def open_corpus(
     fmt = check_data(path)
     corpus = Corpus(files=[str(path)], format=fmt, field=None if fmt == "text" else field_name)
     if fmt == "text":
-        return corpus, _limited(_plain_text(path, max_bytes), max_bytes)
+        return corpus, _limited(_plain_text(path, max_bytes), max_bytes, corpus)
     records = _jsonl(path) if fmt == "jsonl" else _with_datasets(path, fmt)
-    return corpus, _limited(_documents(path, records, field_name, corpus), max_bytes)
+    return corpus, _limited(_documents(path, records, field_name, corpus), max_bytes, corpus)
 
 
-def _limited(docs: Iterator[Document], max_bytes: int) -> Iterator[Document]:
+def _limited(docs: Iterator[Document], max_bytes: int, corpus: Corpus) -> Iterator[Document]:
     total = 0
     for doc in docs:
         yield doc
         total += len(doc) if isinstance(doc, str) else sum(len(str(t)) for t in doc)
         if total >= max_bytes:
+            corpus.cut_at_bytes = max_bytes
             return
 
 
 def _plain_text(path: Path, max_bytes: int) -> Iterator[Document]:
     try:
         with path.open(encoding="utf-8") as f:
-            yield f.read(max_bytes)
+            text = f.read(max_bytes)
+            if text.strip():  # an empty file is no document (not one of zero tokens)
+                yield text
     except UnicodeDecodeError as e:
         raise ValueError(
             f"--data: {path} is not UTF-8 text (byte {e.start}: {e.reason}); expected {_KINDS}"
@@ -323,12 +337,30 @@ def pack(
     count = min(len(buf) // seq_len, max_sequences)
     if corpus is not None:
         corpus.documents, corpus.tokens, corpus.sequences = documents, len(buf), count
+        corpus.available = _count_rest(docs, documents)
+    if documents == 0:
+        where = f"--data {corpus.files[0]}" if corpus and len(corpus.files) == 1 else "the corpus"
+        raise ValueError(f"{where} holds no text (0 documents); give a file with text in it")
     if count == 0:
         raise ValueError(
-            f"the corpus has {len(buf)} tokens, fewer than one sequence of --seq-len {seq_len}; "
-            "use a larger corpus or a shorter --seq-len"
+            f"the corpus has {len(buf):,} tokens ({plural(documents, 'document')}), fewer than "
+            f"one sequence of --seq-len {seq_len}; use a larger corpus or a shorter --seq-len"
         )
     return torch.tensor(buf[: count * seq_len], dtype=torch.int64).view(count, seq_len)
+
+
+def _count_rest(docs: Iterator[Document], read: int) -> int | None:
+    """`read` plus the documents left in `docs` (read, not encoded), or None when one of them
+    cannot be read (the run trains on those before it; the total is left unsaid)."""
+    try:
+        return read + sum(1 for _ in docs)
+    except ValueError:
+        return None
+
+
+def plural(n: int, noun: str) -> str:
+    """'1 document', '2 documents', '4,278 tokens'."""
+    return f"{n:,} {noun}{'' if n == 1 else 's'}"
 
 
 class PackedDataset(torch.utils.data.Dataset[dict[str, torch.Tensor]]):

@@ -25,10 +25,19 @@ from typing import Any
 import torch
 
 from tiledmlp.models.presets import PRESETS, build_preset
-from tiledmlp.train.checkpoints import damage
+from tiledmlp.train.checkpoints import damage, newest_checkpoint
 from tiledmlp.train.tokenizer import VOCAB_SIZE, byte_tokenizer
 
-__all__ = ["check_model", "is_hub_id", "load_model", "model_name_error"]
+__all__ = [
+    "check_model",
+    "hub_endpoint",
+    "is_hub_id",
+    "load_model",
+    "model_name_error",
+    "seq_len_note",
+    "trained_seq_len",
+    "unreachable",
+]
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _WEIGHTS = ("*.safetensors", "pytorch_model*.bin")
@@ -87,6 +96,12 @@ def _check_folder(path: Path) -> None:
     if not any(path.iterdir()):
         raise ValueError(f"--model {path}: the folder is empty; {_SAVED}")
     if not (path / "config.json").is_file():
+        newest = newest_checkpoint(path)
+        if newest is not None:
+            raise ValueError(
+                f"--model {path} has no config.json; its newest checkpoint is {newest}: use "
+                f"--model {newest}"
+            )
         raise ValueError(f"--model {path} has no config.json; {_SAVED}")
     weights: set[Path] = {p for pattern in _WEIGHTS for p in path.glob(pattern)}
     for index_name in _INDEXES:
@@ -143,7 +158,78 @@ def _cached_hub_folder(name: str) -> Path | None:
             f"fetch it first with `hf download {name}` on a machine with network access (or "
             "unset HF_HUB_OFFLINE), or give a local model folder"
         )
+    endpoint = hub_endpoint()
+    why = unreachable(endpoint)
+    if why is not None:
+        raise ValueError(
+            f"--model {name}: not in the local Hugging Face cache, and the Hub ({endpoint}) "
+            f"cannot be reached over the network ({why}); connect, or give a local model folder "
+            "(save_pretrained output), or set HF_HUB_OFFLINE=1 to use only the local cache"
+        )
     return None
+
+
+# How long the Hub's connectivity check waits: a reachable Hub answers well within it, and an
+# unreachable one is said in seconds, not after the download's retries.
+PROBE_TIMEOUT_S = 4.0
+
+
+def hub_endpoint() -> str:
+    """The Hub's address: HF_ENDPOINT as set now, else huggingface_hub's."""
+    endpoint = os.environ.get("HF_ENDPOINT")
+    if endpoint:
+        return endpoint.rstrip("/")
+    from huggingface_hub import constants
+
+    return str(constants.ENDPOINT).rstrip("/")
+
+
+def unreachable(url: str, timeout: float = PROBE_TIMEOUT_S) -> str | None:
+    """Why `url` cannot be reached within `timeout` seconds (one HEAD request through the
+    environment's proxies), or None when it answers (any HTTP status)."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, method="HEAD"), timeout=timeout):
+            return None
+    except urllib.error.HTTPError:
+        return None  # it answered
+    except urllib.error.URLError as e:
+        return str(e.reason)
+    except (OSError, ValueError) as e:  # a timeout, a malformed address
+        return _first_line(e)
+
+
+def trained_seq_len(name: str) -> int | None:
+    """The sequence length a model folder was trained at by `tiledmlp train`: its summary.json
+    (an --output-dir) or its run settings (a checkpoint-N); None for anything else."""
+    folder = Path(name)
+    if not folder.is_dir():
+        return None
+    for file, keys in (
+        ("summary.json", ("seq_len",)),
+        ("tiledmlp_run.json", ("options", "seq_len")),
+    ):
+        try:
+            value: Any = json.loads((folder / file).read_text())
+            for key in keys:
+                value = value[key]
+            return int(value)
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return None
+
+
+def seq_len_note(name: str, seq_len: int) -> str | None:
+    """A one-line note when --model was trained at another sequence length than this run's."""
+    before = trained_seq_len(name)
+    if before is None or before == seq_len:
+        return None
+    return (
+        f"--model {name} was trained on {before}-token sequences; this run trains on {seq_len} "
+        f"(--seq-len {before} keeps the length)"
+    )
 
 
 def load_model(

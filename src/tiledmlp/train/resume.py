@@ -173,13 +173,15 @@ def _merged(
         flag = _FLAGS.get(last, f"--{last.replace('_', '-')}")
         if last in _SAFE or (last == "patch" and _same_parallelism(before, after)):
             say(
-                f"{flag} {_shown(after)}: applied on resume (the run had {_shown(before)}); "
+                f"{flag} {_shown(after, last, merged)}: applied on resume (the run had "
+                f"{_shown(before, last, original)}); "
                 "it changes memory and speed, not the losses"
             )
             continue
         raise ValueError(
-            f"--resume-from-checkpoint {checkpoint}: the run used {flag} {_shown(before)}, this "
-            f"command gives {_shown(after)}; a resume continues the same run: drop {flag}, or "
+            f"--resume-from-checkpoint {checkpoint}: the run used {flag} "
+            f"{_shown(before, last, original)}, this command gives {_shown(after, last, merged)}; "
+            "a resume continues the same run: drop {flag}, or "
             f"start a new run from the saved model with --model {checkpoint}"
         )
     return merged, {**recorded, **now}
@@ -210,14 +212,42 @@ def _differences(a: Any, b: Any, prefix: str = "") -> list[tuple[str, Any, Any]]
     return out
 
 
-def _shown(value: Any) -> str:
+# What an option left unset means, where that is not a value of its own (learning_rate: below).
+_UNSET = {
+    "data": "(the Python standard library's source)",
+    "data_field": "(text, else messages)",
+    "output_dir": "(none)",
+}
+
+
+def _shown(value: Any, name: str = "", opts: TrainOptions | None = None) -> str:
+    """An option's value as the refusal or the note says it: an unset option by what it means
+    (the learning rate the run used by default, "(none)", ...), never "not set"."""
+    if value is None and name == "learning_rate" and opts is not None:
+        return f"{_default_learning_rate(opts):g} (the default for {opts.model})"
     if value is None:
-        return "(not set)"
+        return _UNSET.get(name, "(the default)")
     if hasattr(value, "num_tiles") and hasattr(value, "tile_tokens"):  # a TilePolicy
         return str(value.num_tiles if value.num_tiles is not None else value.tile_tokens)
     if isinstance(value, bool):
         return str(value).lower()
     return str(value)
+
+
+def _default_learning_rate(opts: TrainOptions) -> float:
+    """The learning rate a run of `opts` uses when none is given (models/presets.py's rule)."""
+    from tiledmlp.models.presets import PRESETS, default_learning_rate
+
+    if opts.model in PRESETS:
+        hidden = int(PRESETS[opts.model]["hidden_size"])
+    elif opts.model.endswith(".json"):
+        try:
+            hidden = int(json.loads(Path(opts.model).read_text())["hidden_size"])
+        except (OSError, ValueError, KeyError, TypeError):
+            hidden = 256
+    else:
+        hidden = 1  # a saved model fine-tunes at one rate whatever its width
+    return default_learning_rate(opts.model, hidden)
 
 
 def _jsonable(value: Any) -> Any:

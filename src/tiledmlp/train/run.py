@@ -23,11 +23,13 @@ from typing import Any
 
 import torch.distributed as dist
 
+from tiledmlp.integrations.deepspeed import quiet_accelerator_guess
 from tiledmlp.patching import patch_model
 from tiledmlp.patching.offloading import enable_checkpointing
 from tiledmlp.sequence_parallel.collectives import guarded
 from tiledmlp.train.callbacks import InterruptToSave, MetricsFile, Progress, StepLosses, StopAtStep
 from tiledmlp.train.checkpoints import STAGING
+from tiledmlp.train.curve import draw_curve
 from tiledmlp.train.data import (
     Corpus,
     PackedDataset,
@@ -43,7 +45,7 @@ from tiledmlp.train.launch import (
     start_sequence_parallel,
     training_arguments,
 )
-from tiledmlp.train.model_source import check_model, load_model
+from tiledmlp.train.model_source import check_model, load_model, seq_len_note
 from tiledmlp.train.options import TrainOptions
 from tiledmlp.train.resume import given_of, resume, settings_record
 from tiledmlp.train.summary import peak_mib, summary
@@ -91,8 +93,16 @@ def _sequences(
             f"{held_out} evaluation sequences and training; lower --eval-sequences or --seq-len"
         )
     train = seqs[: len(seqs) - held_out]
+    corpus.repeats = max(1.0, needed / len(train))
     evals = seqs[len(seqs) - held_out :] if held_out else None
     return PackedDataset(train), (PackedDataset(evals) if evals is not None else None), corpus
+
+
+def _curve_title(s: Mapping[str, Any]) -> str:
+    return (
+        f"{s['model']}, {s['seq_len']:,} tokens x {s['batch_size']}, {s['dtype']}, "
+        f"{s['lr_scheduler_type']} schedule, step {s['global_step']} of {s['max_steps']}"
+    )
 
 
 def run(opts: TrainOptions, given: Mapping[str, Any] | None = None) -> dict[str, Any]:
@@ -115,6 +125,9 @@ def run(opts: TrainOptions, given: Mapping[str, Any] | None = None) -> dict[str,
     if opts.data is not None:
         check_data(Path(opts.data))
 
+    note = seq_len_note(opts.model, opts.seq_len)
+    if note is not None:
+        _say(note)
     _say(f"loading {opts.model} and packing {opts.seq_len}-token sequences ...")
     # a preset or a config.json is built where the Trainer runs it (DeepSpeed and FSDP place it themselves)
     build_on = launch.device if launch.cuda and launch.engine in ("single", "ddp") else None
@@ -141,6 +154,8 @@ def run(opts: TrainOptions, given: Mapping[str, Any] | None = None) -> dict[str,
         callbacks.append(StopAtStep(plan.stop_at))
     if opts.output_dir is not None:
         callbacks.append(MetricsFile(Path(opts.output_dir) / METRICS_FILE))
+    if launch.engine != "deepspeed":
+        quiet_accelerator_guess()  # the Trainer imports DeepSpeed whenever it is installed
     trainer = make_trainer(opts, model, args, (train_set, eval_set), tokenizer, callbacks)
     trainer.step_losses = losses
     trainer.own_fsdp = launch.own_fsdp
@@ -178,6 +193,9 @@ def run(opts: TrainOptions, given: Mapping[str, Any] | None = None) -> dict[str,
         trainer.save_model(str(opts.output_dir))
     if opts.output_dir is not None and rank == 0:
         Path(opts.output_dir).mkdir(parents=True, exist_ok=True)
+        curve, note = draw_curve(Path(opts.output_dir) / METRICS_FILE, _curve_title(result))
+        result["curve"] = None if curve is None else str(curve)
+        result["curve_note"] = note
         (Path(opts.output_dir) / "summary.json").write_text(json.dumps(result, indent=2) + "\n")
     if dist.is_initialized():
         dist.barrier()

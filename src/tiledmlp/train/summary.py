@@ -16,9 +16,10 @@ from tiledmlp.patching import tile_counts
 from tiledmlp.patching.offloading import offloader_of
 from tiledmlp.process_memory import proc_status_bytes
 from tiledmlp.train.callbacks import StepLosses
+from tiledmlp.train.data import plural
 from tiledmlp.train.options import TrainOptions
 
-__all__ = ["peak_mib", "summary"]
+__all__ = ["data_line", "peak_mib", "summary"]
 
 MiB = 2**20
 
@@ -98,6 +99,8 @@ def summary(
         "cuda_alloc_conf": allocator_setting(),
         "interrupted": facts["interrupted"],
         "checkpoint": None,
+        "curve": None,  # OUTPUT_DIR/curve.png once drawn (train/curve.py)
+        "curve_note": None,  # why no curve was drawn, where one was due
         "output_dir": str(opts.output_dir) if opts.output_dir is not None else None,
     }
 
@@ -106,3 +109,25 @@ def _offloaded_mib(model: Any) -> float | None:
     """MiB of layer inputs moved to the host over the run, or None when offloading is off."""
     offloader = offloader_of(model)
     return None if offloader is None else round(offloader.stats.offloaded_bytes / MiB, 1)
+
+
+def data_line(data: dict[str, Any], max_steps: int) -> str:
+    """What the run read, in one line: "data: notes.jsonl (jsonl, field text): 11 documents of
+    40, 4,278 tokens, 2 sequences, repeated 6 times to fill 12 steps"."""
+    files = data["files"][0] if len(data["files"]) == 1 else f"{len(data['files'])} files"
+    field = f", field {data['field']}" if data["field"] else ""
+    read = plural(data["documents"], "document")
+    available, cut = data.get("available_documents"), data.get("cut_at_bytes")
+    if available is not None and cut is not None:
+        read += f" of the first {available:,} (--max-data-bytes {cut:,})"
+    elif available is not None:
+        read += f" of {available:,}"
+    line = (
+        f"data: {files} ({data['format']}{field}): {read}, {plural(data['tokens'], 'token')}, "
+        f"{plural(data['sequences'], 'sequence')}"
+    )
+    repeats = data.get("repeats")
+    if repeats is not None and repeats > 1:
+        times = f"{repeats:.0f}" if repeats == int(repeats) else f"{repeats:.1f}"
+        line += f", repeated {times} times to fill {plural(max_steps, 'step')}"
+    return line
