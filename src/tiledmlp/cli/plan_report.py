@@ -110,6 +110,7 @@ def _show_model(args: argparse.Namespace, stacks: dict[str, Any]) -> None:
             f"{k} {v / gib:,.2f}" for k, v in entry["breakdown_mib"].items() if v >= 0.005 * gib
         )
         fits = _fits_text(args.memory_gb, entry["max_seq_len"]) if "max_seq_len" in entry else ""
+        fits += kernels_text(entry)
         if entry.get("device_overhead_mib"):
             parts += f"; + device overhead {entry['device_overhead_mib'] / gib:,.2f}"
         if entry.get("reclaimable_mib"):  # the offloader's held blocks while there is room
@@ -123,6 +124,16 @@ def _show_model(args: argparse.Namespace, stacks: dict[str, Any]) -> None:
         )
         if "measured" in entry:
             show(f"  {'':<{width}}  {_measured_text(entry['measured'], args.memory_gb)}")
+
+
+def kernels_text(entry: dict[str, Any]) -> str:
+    """The kernel --attention-kernel auto planned a stack with and each planned kernel's longest
+    sequence, where more than one was planned (cli/plan_kernels.py); else nothing."""
+    by_kernel = entry.get("max_seq_len_by_kernel")
+    if not by_kernel:
+        return ""
+    each = ", ".join(f"{k} {n:,}" for k, n in by_kernel.items())
+    return f" with the {entry['attention_kernel']} attention kernel ({each})"
 
 
 def _fits_text(memory_gb: float, tokens: int) -> str:
