@@ -25,6 +25,7 @@ __all__ = [
     "KERNEL_NAMES",
     "SPEED_ORDER",
     "AttentionShape",
+    "KernelChoice",
     "backward_buffer_bytes",
     "forward_state_bytes",
     "kernel_for",
@@ -91,6 +92,37 @@ class AttentionShape:
     def grouped(self) -> bool:
         """Whether key/value heads are shared by several query heads."""
         return self.kv_heads != self.heads
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    """The attention-kernel option: "auto" (with the bytes one attention backward's buffers may
+    take, or None: no bound, SDPA's own choice) or one of KERNEL_NAMES.
+
+    Attributes:
+        name: "auto" or a kernel name.
+        budget_bytes: auto's bound; None for a named kernel or an unbounded auto.
+    """
+
+    name: str = "auto"
+    budget_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.name != "auto" and self.name not in KERNEL_NAMES:
+            raise ValueError(
+                f"attention_kernel must be auto, auto:<GB> or one of {', '.join(KERNEL_NAMES)}, "
+                f"got {self.name!r}"
+            )
+        if self.budget_bytes is not None and (self.name != "auto" or self.budget_bytes <= 0):
+            raise ValueError(
+                f"attention_kernel: a bound of {self.budget_bytes} bytes needs auto and a "
+                "positive size (auto:<GB>)"
+            )
+
+    def __str__(self) -> str:
+        if self.budget_bytes is None:
+            return self.name
+        return f"auto:{self.budget_bytes / 2**30:g}"
 
 
 def backward_buffer_bytes(kernel: str, shape: AttentionShape) -> int:
