@@ -216,7 +216,9 @@ def kernel_for(
     """
     if choice != "auto":
         if choice not in KERNEL_NAMES:
-            raise ValueError(f"attention kernel must be auto or one of {KERNEL_NAMES}, not {choice!r}")
+            raise ValueError(
+                f"attention kernel must be auto or one of {KERNEL_NAMES}, not {choice!r}"
+            )
         return choice
     if not usable or budget is None:
         return None

@@ -98,7 +98,9 @@ def call_context(
     return sdpa_kernel([_backend(name)])
 
 
-def _wrapped(layer: nn.Module, choice: KernelChoice, heads: tuple[int, int, int]) -> Callable[..., Any]:
+def _wrapped(
+    layer: nn.Module, choice: KernelChoice, heads: tuple[int, int, int]
+) -> Callable[..., Any]:
     forward = layer.forward
 
     def forward_with_kernel(*args: Any, **kwargs: Any) -> Any:
