@@ -33,13 +33,16 @@ def test_math_forced_matches_and_unpatches() -> None:
     model = _model()
     ids = torch.randint(0, 100, (1, 16))
     ref = model(ids).logits
-    tiledmlp.patch_model(model, attention_kernel="math")
+    report = tiledmlp.patch_model(model, attention_kernel="math")
+    assert report.attention_kernel == "math in 2 decoder layer(s)"
+    assert "  attention kernel: math in 2 decoder layer(s)" in str(report).splitlines()
     layer = model.model.layers[0]
     assert "forward" in layer.__dict__
     got = model(ids).logits
     assert (got - ref).abs().max() <= 1e-5
     tiledmlp.unpatch_model(model)
     assert "forward" not in layer.__dict__
+    assert tiledmlp.patching.patch_report(model) is None  # nothing left patched
 
 
 def test_named_kernel_refused_in_one_line_on_the_cpu() -> None:

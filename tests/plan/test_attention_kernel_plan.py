@@ -38,3 +38,36 @@ def test_plan_refuses_a_kernel_the_device_cannot_run(capsys: pytest.CaptureFixtu
         "tiledmlp plan: error: --attention-kernel flash: the flash attention kernel runs on CUDA "
         "GPUs, not on cpu; use auto or another kernel"
     )
+
+
+@pytest.mark.slow
+def test_auto_plans_flash_where_cudnn_fits_a_shorter_sequence() -> None:
+    """8 query heads of 256, each with its own key/value head, on 1.5 GiB: cuDNN's workspace
+    (2 x 256 + 1 float32 values per row and head) ends the search before flash's accumulator
+    (256 + 1) does; with grouped heads (2 key/value heads) flash holds as much as cuDNN and
+    only cuDNN is planned. About 100 s on two CPUs."""
+    import argparse
+
+    from transformers import LlamaConfig
+
+    from tiledmlp.cli.plan_kernels import plan_with_kernels
+    from tiledmlp.plan.model import plan_model
+
+    args = argparse.Namespace(attention_kernel="auto", device="cuda", dtype="bfloat16",
+                              seq_len=4096)  # fmt: skip
+    kwargs = {"seq_len": 4096, "checkpointing": True, "budget_bytes": int(1.5 * 2**30),
+              "stacks": ("tiled_mlp_loss_offload",)}  # fmt: skip
+
+    def planned(kv_heads: int) -> dict[str, object]:
+        config = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                             num_attention_heads=8, num_key_value_heads=kv_heads, head_dim=256,
+                             vocab_size=1000)  # fmt: skip
+        return plan_with_kernels(plan_model, config, args, 2, kwargs)["tiled_mlp_loss_offload"]
+
+    mha = planned(8)
+    by_kernel = mha["max_seq_len_by_kernel"]
+    assert isinstance(by_kernel, dict) and set(by_kernel) == {"cudnn", "flash", "efficient"}
+    assert by_kernel["flash"] > by_kernel["cudnn"]
+    assert mha["attention_kernel"] == "flash" and mha["max_seq_len"] == by_kernel["flash"]
+    gqa = planned(2)
+    assert gqa["attention_kernel"] == "cudnn" and "max_seq_len_by_kernel" not in gqa

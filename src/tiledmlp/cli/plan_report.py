@@ -96,7 +96,7 @@ def _show_model(args: argparse.Namespace, stacks: dict[str, Any]) -> None:
         + (f" split over {args.sequence_parallel_size} GPUs" if per_gpu else "")
         + f"; {_optimizer_text(args)}; {_ENGINE_TEXT[args.engine]}"
         + (" (parameters, gradients and optimizer on the host)" if args.offload_params else "")
-        + f"; checkpointing {checkpointing}; attention by PyTorch's SDPA (cuDNN attention's "
+        + f"; checkpointing {checkpointing}; attention by PyTorch's SDPA ({_kernel_text(args)} "
         "buffers on a GPU; the flash kernel by head groups in tiled_layer); the peak counts "
         "tensors, the device overhead (memory outside the allocator, workspaces, the "
         "attention backward's buffers, the allocator's reserve with expandable segments "
@@ -124,6 +124,14 @@ def _show_model(args: argparse.Namespace, stacks: dict[str, Any]) -> None:
         )
         if "measured" in entry:
             show(f"  {'':<{width}}  {_measured_text(entry['measured'], args.memory_gb)}")
+
+
+def _kernel_text(args: argparse.Namespace) -> str:
+    """Whose attention buffers the plan counts (--attention-kernel)."""
+    kernel = getattr(args, "attention_kernel", "auto")
+    if kernel == "auto":
+        return "cuDNN attention's, or another kernel's where it fits a longer sequence,"
+    return f"the {kernel} attention kernel's"
 
 
 def kernels_text(entry: dict[str, Any]) -> str:

@@ -33,6 +33,8 @@ class PatchReport:
         offloading: with activation_offloading=True, what is offloaded; None when not asked.
         sequence_parallel: with sequence_parallel_size, what the attention now runs as (Ulysses
             over P ranks, wrapping the model's own implementation); None when not asked.
+        attention_kernel: with attention_kernel other than a plain "auto", what each decoder
+            layer's attention call runs; None when not asked.
     """
 
     patched: list[str]
@@ -42,6 +44,7 @@ class PatchReport:
     loss: str | None = None
     offloading: str | None = None
     sequence_parallel: str | None = None
+    attention_kernel: str | None = None
 
     def __str__(self) -> str:
         norms = sum(1 for name in self.patched if self.paths[name] == "generic: norm")
@@ -60,6 +63,8 @@ class PatchReport:
             lines.append(f"  activation offloading: {self.offloading}")
         if self.sequence_parallel is not None:
             lines.append(f"  sequence parallelism: {self.sequence_parallel}")
+        if self.attention_kernel is not None:
+            lines.append(f"  attention kernel: {self.attention_kernel}")
         return "\n".join(lines)
 
 
@@ -74,6 +79,7 @@ class ReportParts:
         loss: the tiled loss's part (PatchReport.loss).
         offloading: activation offloading's part.
         sequence_parallel: sequence parallelism's part.
+        attention_kernel: the attention kernel's part.
     """
 
     paths: dict[str, str] = field(default_factory=dict)
@@ -82,10 +88,11 @@ class ReportParts:
     loss: str | None = None
     offloading: str | None = None
     sequence_parallel: str | None = None
+    attention_kernel: str | None = None
 
     def empty(self) -> bool:
         """Whether no feature reported anything installed."""
-        parts = (self.loss, self.offloading, self.sequence_parallel)
+        parts = (self.loss, self.offloading, self.sequence_parallel, self.attention_kernel)
         return not self.paths and all(part is None for part in parts)
 
     def report(self) -> PatchReport:
@@ -97,4 +104,5 @@ class ReportParts:
             self.loss,
             self.offloading,
             self.sequence_parallel,
+            self.attention_kernel,
         )

@@ -125,7 +125,7 @@ class AttentionKernel(Feature):
     def apply(
         self, model: nn.Module, config: PatchConfig, probed: Any, report: ReportParts
     ) -> None:
-        del probed, report
+        del probed
         model_config = getattr(model, "config", None)
         if model_config is None:
             raise ValueError(
@@ -140,6 +140,7 @@ class AttentionKernel(Feature):
             wrapped = _wrapped(layer, config.attention_kernel, heads)
             layer.__dict__[_KEY] = (config.attention_kernel, before)
             layer.forward = wrapped  # type: ignore[method-assign]
+        self.describe(model, report)
 
     def remove(self, model: nn.Module) -> list[str]:
         restored = []
@@ -156,7 +157,13 @@ class AttentionKernel(Feature):
         return restored
 
     def describe(self, model: nn.Module, report: ReportParts) -> None:
-        del model, report  # the report names tiled modules; the kernel is the option's own
+        choices = {str(layer.__dict__[_KEY][0]) for _, layer in model.named_modules()
+                   if _KEY in layer.__dict__}  # fmt: skip
+        layers = sum(1 for _, layer in model.named_modules() if _KEY in layer.__dict__)
+        if choices:
+            what = " or ".join(sorted(choices))
+            how = "" if what in ("cudnn", "flash", "efficient", "math") else " (per call)"
+            report.attention_kernel = f"{what}{how} in {layers} decoder layer(s)"
 
 
 ATTENTION_KERNEL = AttentionKernel()
