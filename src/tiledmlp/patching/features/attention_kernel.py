@@ -29,6 +29,7 @@ from tiledmlp.config.patch import PatchConfig
 from tiledmlp.ops.attention.buffers import (
     AttentionShape,
     KernelChoice,
+    backward_buffer_bytes,
     kernel_for,
     unusable,
     usable_kernels,
@@ -88,14 +89,21 @@ def call_context(
         why = unusable(choice.name, shape, device, dtype_name)
         if why is not None:
             raise ValueError(f"attention_kernel={choice.name}: {why}; use auto or another kernel")
-    name = kernel_for(
-        choice.name, shape, usable_kernels(shape, device, dtype_name), choice.budget_bytes
-    )
+    usable = usable_kernels(shape, device, dtype_name)
+    name = kernel_for(choice.name, shape, usable, choice.budget_bytes)
     if name is None:
         return contextlib.nullcontext()
     from torch.nn.attention import sdpa_kernel
 
-    return sdpa_kernel([_backend(name)])
+    names = [name]
+    if choice.budget_bytes is not None:
+        # auto: the slower kernels that fit as well, in order, where the chosen one cannot
+        # take this call after all (an explicit mask, say, which flash refuses)
+        at = usable.index(name)
+        names += [
+            k for k in usable[at + 1 :] if backward_buffer_bytes(k, shape) <= choice.budget_bytes
+        ]
+    return sdpa_kernel([_backend(k) for k in names], set_priority=True)
 
 
 def _wrapped(
