@@ -71,3 +71,14 @@ def test_auto_plans_flash_where_cudnn_fits_a_shorter_sequence() -> None:
     assert mha["attention_kernel"] == "flash" and mha["max_seq_len"] == by_kernel["flash"]
     gqa = planned(2)
     assert gqa["attention_kernel"] == "cudnn" and "max_seq_len_by_kernel" not in gqa
+
+
+def test_the_plan_line_names_the_kernel_auto_takes() -> None:
+    from tiledmlp.cli.plan_report import kernels_text
+
+    assert kernels_text({"max_seq_len": 10240, "attention_kernel": "cudnn"}) == ""
+    entry = {"attention_kernel": "flash", "max_seq_len_by_kernel": {"cudnn": 10240, "flash": 12288}}
+    assert kernels_text(entry) == (
+        " with the flash attention kernel (train with --attention-kernel flash; cudnn 10,240, "
+        "flash 12,288)"
+    )

@@ -141,7 +141,9 @@ def kernels_text(entry: dict[str, Any]) -> str:
     if not by_kernel:
         return ""
     each = ", ".join(f"{k} {n:,}" for k, n in by_kernel.items())
-    return f" with the {entry['attention_kernel']} attention kernel ({each})"
+    kernel = entry["attention_kernel"]
+    run = "" if kernel == "cudnn" else f"train with --attention-kernel {kernel}; "
+    return f" with the {kernel} attention kernel ({run}{each})"
 
 
 def _fits_text(memory_gb: float, tokens: int) -> str:
