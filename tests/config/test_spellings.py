@@ -61,6 +61,11 @@ CASES: list[tuple[dict[str, Any], list[dict[str, Any]]]] = [
     ({"generic": True, "hidden_size": 64}, [{"generic": "true", "hidden_size": "64"}]),
     ({"kernels": False}, [{"kernels": "false"}]),
     (
+        {"attention_kernel": "flash"},
+        [{"attention_kernel": "FLASH"}, {"attention_kernel": " flash"}],
+    ),
+    ({"attention_kernel": "auto:2"}, [{"attention_kernel": "auto:2GB"}]),
+    (
         {"tiled_mlp": False, "tiled_loss": True},
         [{"use_tiled_mlp": False, "tiled_loss": True}, {"tiled_mlp": "no", "tiled_loss": True}],
     ),

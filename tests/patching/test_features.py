@@ -104,6 +104,7 @@ def test_the_feature_list_covers_every_switch_once() -> None:
         "tiled_loss",
         "activation_offloading",
         "sequence_parallel",
+        "attention_kernel",
     }
     assert set(names) == switches
     # the switches are PatchConfig's (sequence_parallel: its property over size and group)

@@ -14,6 +14,8 @@ from typing import Any
 
 from tiledmlp.cli.common import DTYPE_CHOICES, UsageError, dtype_name, positive_int, tiles
 from tiledmlp.cli.output import show
+from tiledmlp.cli.plan_kernels import add_flag as add_attention_kernel_flag
+from tiledmlp.cli.plan_kernels import plan_with_kernels
 from tiledmlp.cli.plan_report import show_text
 from tiledmlp.ops.tiling.values import check_positive_number
 
@@ -175,6 +177,7 @@ def _add_whole_step_flags(whole: Any) -> None:
         "reserve beyond the tensors depends on it (default: true)",
     )
 
+    add_attention_kernel_flag(whole)
     whole.add_argument(
         "--measure",
         action="store_true",
@@ -372,8 +375,7 @@ def _plan_model(args: argparse.Namespace, config: Any, dtype: Any) -> dict[str, 
     from tiledmlp.plan.model import plan_model
 
     known_peaks: dict[str, dict[int, int]] = {}
-    stacks = plan_model(
-        config,
+    kwargs = dict(
         seq_len=args.seq_len,
         dtype=dtype,
         checkpointing=args.gradient_checkpointing,
@@ -389,6 +391,8 @@ def _plan_model(args: argparse.Namespace, config: Any, dtype: Any) -> dict[str, 
         processes=None,  # the stacks in parallel, one process per CPU (plan/forked.py)
         **({} if args.stacks is None else {"stacks": args.stacks}),
     )
+    # the attention kernel's buffers: --attention-kernel (cli/plan_kernels.py)
+    stacks = plan_with_kernels(plan_model, config, args, dtype.itemsize, kwargs)
     if args.measure:
         from tiledmlp.cli.plan_measure import measure_stacks
 

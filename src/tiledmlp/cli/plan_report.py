@@ -96,7 +96,7 @@ def _show_model(args: argparse.Namespace, stacks: dict[str, Any]) -> None:
         + (f" split over {args.sequence_parallel_size} GPUs" if per_gpu else "")
         + f"; {_optimizer_text(args)}; {_ENGINE_TEXT[args.engine]}"
         + (" (parameters, gradients and optimizer on the host)" if args.offload_params else "")
-        + f"; checkpointing {checkpointing}; attention by PyTorch's SDPA (cuDNN attention's "
+        + f"; checkpointing {checkpointing}; attention by PyTorch's SDPA ({_kernel_text(args)} "
         "buffers on a GPU; the flash kernel by head groups in tiled_layer); the peak counts "
         "tensors, the device overhead (memory outside the allocator, workspaces, the "
         "attention backward's buffers, the allocator's reserve with expandable segments "
@@ -110,6 +110,7 @@ def _show_model(args: argparse.Namespace, stacks: dict[str, Any]) -> None:
             f"{k} {v / gib:,.2f}" for k, v in entry["breakdown_mib"].items() if v >= 0.005 * gib
         )
         fits = _fits_text(args.memory_gb, entry["max_seq_len"]) if "max_seq_len" in entry else ""
+        fits += kernels_text(entry)
         if entry.get("device_overhead_mib"):
             parts += f"; + device overhead {entry['device_overhead_mib'] / gib:,.2f}"
         if entry.get("reclaimable_mib"):  # the offloader's held blocks while there is room
@@ -123,6 +124,26 @@ def _show_model(args: argparse.Namespace, stacks: dict[str, Any]) -> None:
         )
         if "measured" in entry:
             show(f"  {'':<{width}}  {_measured_text(entry['measured'], args.memory_gb)}")
+
+
+def _kernel_text(args: argparse.Namespace) -> str:
+    """Whose attention buffers the plan counts (--attention-kernel)."""
+    kernel = getattr(args, "attention_kernel", "auto")
+    if kernel == "auto":
+        return "cuDNN attention's, or another kernel's where it fits a longer sequence,"
+    return f"the {kernel} attention kernel's"
+
+
+def kernels_text(entry: dict[str, Any]) -> str:
+    """The kernel --attention-kernel auto planned a stack with and each planned kernel's longest
+    sequence, where more than one was planned (cli/plan_kernels.py); else nothing."""
+    by_kernel = entry.get("max_seq_len_by_kernel")
+    if not by_kernel:
+        return ""
+    each = ", ".join(f"{k} {n:,}" for k, n in by_kernel.items())
+    kernel = entry["attention_kernel"]
+    run = "" if kernel == "cudnn" else f"train with --attention-kernel {kernel}; "
+    return f" with the {kernel} attention kernel ({run}{each})"
 
 
 def _fits_text(memory_gb: float, tokens: int) -> str:

@@ -22,6 +22,7 @@ from typing import Any
 from tiledmlp.config.schema import Key, option, option_of
 from tiledmlp.config.tiled import TiledMLPConfig
 from tiledmlp.config.values import (
+    parse_attention_kernel,
     parse_bool,
     parse_budget_gb,
     parse_int,
@@ -31,6 +32,7 @@ from tiledmlp.config.values import (
     parse_tile_tokens,
     parse_tiled_mlp,
 )
+from tiledmlp.ops.attention.buffers import KernelChoice
 from tiledmlp.ops.tiling.policy import TilePolicy
 from tiledmlp.ops.tiling.values import check_int
 
@@ -161,6 +163,18 @@ class PatchConfig:
         default=None,
         help="a process group of P ranks to use instead of consecutive ones (Python only)",
     )
+    attention_kernel: KernelChoice = option(  # noqa: RUF009 (option() returns a dataclasses.field)
+        same_losses=True,
+        default_factory=KernelChoice,
+        help="the attention kernel of every decoder layer's call: auto (SDPA's own choice; "
+        "auto:<GB>: the fastest whose backward buffers fit GB GiB) or cudnn, flash, efficient, "
+        "math",
+        keys=(Key("attention_kernel", parse_attention_kernel, metavar="KERNEL", kind="str",
+                  help="the attention kernel: auto, auto:<GB> (the fastest kernel whose "
+                  "backward buffers fit GB GiB, per layer call), cudnn, flash, efficient or "
+                  "math (default: auto)"),),
+        group="long context",
+    )  # fmt: skip
     kernels: bool = option(
         same_losses=True,
         default=True,
@@ -182,6 +196,12 @@ class PatchConfig:
             raise ValueError(
                 f"the loss's tile policy must be a number of tiles, tokens per tile or 'auto', "
                 f"got {self.loss_tiles}"
+            )
+        if not isinstance(self.attention_kernel, KernelChoice):
+            raise TypeError(
+                f"PatchConfig.attention_kernel must be a KernelChoice, got "
+                f"{self.attention_kernel!r}; pass attention_kernel='auto', 'flash', ... to "
+                "patch_model"
             )
         for f in fields(self):
             if f.type == "bool" and not isinstance(getattr(self, f.name), bool):
@@ -243,6 +263,8 @@ class PatchConfig:
             if "tiles" in values:
                 raise ValueError("give tiles or num_tiles / tile_tokens, not both")
             values["tiles"] = TilePolicy.of(pair.get("num_tiles", "auto"), pair.get("tile_tokens"))
+        if "attention_kernel" in values:
+            values["attention_kernel"] = parse_attention_kernel(values["attention_kernel"])
         if "loss_num_tiles" in values:
             if "loss_tiles" in values:
                 raise ValueError("give loss_tiles or loss_num_tiles, not both")

@@ -37,7 +37,7 @@ class Key:
             not listed in --help).
         metavar: the value's placeholder in --help; "" for a flag (true or false).
         kind: the value's Python type as a plugin's schema declares it ("bool", "int",
-            "float | str", "int | str", "bool | str").
+            "float | str", "int | str", "bool | str", "str").
         sets: False for a key that is checked but sets nothing (axolotl's
             `tiled_mlp_use_original_mlp: true`).
         keyword: True for a key that patch_model takes as a keyword argument in place of

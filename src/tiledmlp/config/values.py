@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from tiledmlp.ops.attention.buffers import KernelChoice
 from tiledmlp.ops.tiling.policy import TilePolicy
 from tiledmlp.ops.tiling.values import check_int, positive_number
 
@@ -142,3 +143,24 @@ def parse_dtype(value: Any, name: str = "dtype") -> str:
     if spelled not in DTYPES:
         raise ValueError(f"{name} must be one of {', '.join(DTYPES)}, got {value!r}")
     return DTYPES[spelled]
+
+
+def parse_attention_kernel(value: Any, name: str = "attention_kernel") -> KernelChoice:
+    """The attention kernel: a KernelChoice, "auto", "auto:<GB>" (auto with the memory one
+    attention backward's buffers may take), "cudnn", "flash", "efficient", "math", in any case,
+    or None ("auto")."""
+    if value is None or isinstance(value, KernelChoice):
+        return value or KernelChoice()
+    text = str(value).strip().lower()
+    try:
+        if text.startswith("auto:"):
+            gb = positive_number(float(text.removeprefix("auto:").strip().removesuffix("gb")))
+            if gb is None:
+                raise ValueError("the size must be a positive number of GiB")
+            return KernelChoice("auto", int(gb * 2**30))
+        return KernelChoice(text)
+    except ValueError as e:
+        raise ValueError(
+            f"{name} must be auto, auto:<GB> or one of cudnn, flash, efficient, math, got "
+            f"{value!r}" + ("" if "attention_kernel" in str(e) else f" ({e})")
+        ) from None

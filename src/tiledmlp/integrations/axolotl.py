@@ -59,6 +59,7 @@ _KINDS: dict[str, Any] = {
     "float | str": float | str | None,
     "int | str": int | str | None,
     "bool | str": bool | str | None,
+    "str": str | None,
 }
 
 

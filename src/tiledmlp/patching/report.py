@@ -35,6 +35,8 @@ class PatchReport:
         offloading: with activation_offloading=True, what is offloaded; None when not asked.
         sequence_parallel: with sequence_parallel_size, what the attention now runs as (Ulysses
             over P ranks, wrapping the model's own implementation); None when not asked.
+        attention_kernel: with attention_kernel other than a plain "auto", what each decoder
+            layer's attention call runs; None when not asked.
     """
 
     patched: list[str]
@@ -44,6 +46,7 @@ class PatchReport:
     loss: str | None = None
     offloading: str | None = None
     sequence_parallel: str | None = None
+    attention_kernel: str | None = None
 
     def __str__(self) -> str:
         norms = sum(1 for name in self.patched if self.paths[name] == "generic: norm")
@@ -62,6 +65,8 @@ class PatchReport:
             lines.append(f"  activation offloading: {self.offloading}")
         if self.sequence_parallel is not None:
             lines.append(f"  sequence parallelism: {self.sequence_parallel}")
+        if self.attention_kernel is not None:
+            lines.append(f"  attention kernel: {self.attention_kernel}")
         return "\n".join(lines)
 
 
@@ -76,6 +81,7 @@ class ReportParts:
         loss: the tiled loss's part (PatchReport.loss).
         offloading: activation offloading's part.
         sequence_parallel: sequence parallelism's part.
+        attention_kernel: the attention kernel's part.
     """
 
     paths: dict[str, str] = field(default_factory=dict)
@@ -84,10 +90,11 @@ class ReportParts:
     loss: str | None = None
     offloading: str | None = None
     sequence_parallel: str | None = None
+    attention_kernel: str | None = None
 
     def empty(self) -> bool:
         """Whether no feature reported anything installed."""
-        parts = (self.loss, self.offloading, self.sequence_parallel)
+        parts = (self.loss, self.offloading, self.sequence_parallel, self.attention_kernel)
         return not self.paths and all(part is None for part in parts)
 
     def report(self) -> PatchReport:
@@ -99,4 +106,5 @@ class ReportParts:
             self.loss,
             self.offloading,
             self.sequence_parallel,
+            self.attention_kernel,
         )

@@ -40,7 +40,9 @@ and dv. The buffers exist while the call runs: the simulation
 own query (one head group's, or under sequence parallelism the whole sequence with heads / P),
 beside its outputs, so the allocator replays them in order and the term is what they add to the
 step's tensor peak at their moment: nothing where the step peaks elsewhere (the loss, an MLP's
-recompute), a whole call's buffers where it peaks inside an attention backward.
+recompute), a whole call's buffers where it peaks inside an attention backward. Another
+kernel (the attention-kernel option) gets its own buffers instead (AttentionBuffers.kernel;
+ops/attention/buffers.py, Note [Kernel buffers]).
 
 Note [Allocator reserve]: PyTorch's caching allocator keeps the segments it obtained from the
 driver. Without expandable segments, a freed block can serve only requests no larger than
@@ -83,6 +85,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from tiledmlp.ops.attention.buffers import AttentionShape, backward_buffer_bytes
 from tiledmlp.ops.attention.heads import attention_buffer_bytes
 
 __all__ = [
@@ -111,7 +114,14 @@ def attention_call_bytes(batch: int, heads: int, kv_heads: int, tokens: int, hea
 class AttentionBuffers:
     """The attention backward's own buffers on a GPU, per call (plan/phase_tracker.py's
     KernelBuffers): every fused attention backward op the simulation dispatches (on fake
-    tensors the CPU's kernel stands for the device's: the same shapes) gets cuDNN's."""
+    tensors the CPU's kernel stands for the device's: the same shapes) gets `kernel`'s
+    (ops/attention/buffers.py, Note [Kernel buffers]; cuDNN's: SDPA's choice on Hopper).
+
+    Attributes:
+        kernel: "cudnn", "flash", "efficient" or "math".
+    """
+
+    kernel: str = "cudnn"
 
     def names(self, func: Any) -> bool:
         name = str(getattr(func, "_name", func))
@@ -121,7 +131,10 @@ class AttentionBuffers:
         # (grad_out, query, key, value, out, ...) for every fused kernel, q, k and v each
         # (batch, heads, tokens, head_dim)
         (batch, heads, tokens, head_dim), kv_heads = args[1].shape, args[2].shape[1]
-        return attention_call_bytes(batch, heads, kv_heads, tokens, head_dim)
+        if self.kernel == "cudnn":
+            return attention_call_bytes(batch, heads, kv_heads, tokens, head_dim)
+        shape = AttentionShape(batch, heads, kv_heads, tokens, head_dim, args[1].element_size())
+        return backward_buffer_bytes(self.kernel, shape)
 
 
 @dataclass(frozen=True)
@@ -165,9 +178,10 @@ class DeviceOverhead:
         }
 
 
-def device_overhead(device_type: str) -> DeviceOverhead:
+def device_overhead(device_type: str, attention_kernel: str = "cudnn") -> DeviceOverhead:
     """The overhead of a training process on `device_type`: "cuda" (any accelerator is
-    planned as a CUDA GPU) or "cpu" (all zero). The allocator's reserve and the attention
+    planned as a CUDA GPU, its attention backward's buffers `attention_kernel`'s) or "cpu"
+    (all zero). The allocator's reserve and the attention
     buffers' share are the step's own (StepEstimate.reserve, .attention), simulated under the
     allocator setting and on the device type the step is planned for (estimate_step)."""
     if device_type == "cpu":
@@ -175,6 +189,6 @@ def device_overhead(device_type: str) -> DeviceOverhead:
                               buffers=None)  # fmt: skip
     return DeviceOverhead(
         fixed={"outside_allocator": _OUTSIDE_ALLOCATOR, "cublas_workspace": _CUBLAS},
-        buffers=AttentionBuffers(),
+        buffers=AttentionBuffers(attention_kernel),
         replayed=True,
     )

@@ -45,6 +45,7 @@ def estimate_step(
     sequence_parallel_size: int = 1,
     expandable_segments: bool = True,
     full_card: bool = False,
+    attention_kernel: str = "cudnn",
 ) -> StepEstimate:
     """Peak device memory of one training step of `stack` on one GPU (see the module docstring).
 
@@ -66,6 +67,8 @@ def estimate_step(
     carries (plan/caching_allocator.py). `full_card=True`: only what a card with no room left
     holds is replayed (`full_card_reserve`, as without it; nothing `reclaimable`): what a search
     for the longest sequence needs, at one replay of the allocator instead of two.
+    `attention_kernel`: the kernel whose backward buffers a GPU's attention calls get
+    ("cudnn", SDPA's choice on Hopper; ops/attention/buffers.py).
 
     Raises:
         ValueError: an unknown stack, optimizer or engine, or options the engine cannot
@@ -94,6 +97,7 @@ def estimate_step(
         cut_tiles=True,
         expandable_segments=expandable_segments,
         full_card=full_card,
+        attention_kernel=attention_kernel,
     )
     depth = int(config.get_text_config().num_hidden_layers)
     if whole and not exact:

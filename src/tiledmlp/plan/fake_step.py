@@ -88,6 +88,7 @@ def simulate(
     deeper_too: bool = False,
     build_from: int = 0,
     full_card: bool = False,
+    attention_kernel: str = "cudnn",
 ) -> Any:
     """One step of the model cut to `layers` decoder layers, on fake tensors; the tile policy
     resolves as on `device_type`. `sharded`: the parameters are not counted (and their
@@ -100,12 +101,14 @@ def simulate(
     simulated. `build_from` (between 4 and `layers`): simulate that many layers and build the
     step of `layers` from its record (deeper.py), or simulate it where the record does not
     show it. `full_card`: only the reserve of a card with no room left (the held blocks taken
-    back: caching_allocator.py, HOLD) is replayed; the Segments then have nothing reclaimable."""
+    back: caching_allocator.py, HOLD) is replayed; the Segments then have nothing reclaimable.
+    `attention_kernel`: the kernel whose backward buffers a GPU's attention calls get
+    (plan/device_overhead.py, Note [Attention backward buffers])."""
     options: dict[str, Any] = {
         "seq_len": seq_len, "stack": stack, "dtype": dtype, "checkpointing": checkpointing,
         "optimizer": optimizer, "num_tiles": num_tiles, "device_type": device_type,
         "sharded": sharded, "sequence_parallel_size": sequence_parallel_size,
-        "cut_tiles": cut_tiles,
+        "cut_tiles": cut_tiles, "attention_kernel": attention_kernel,
     }  # fmt: skip
     finish = functools.partial(
         _finish, checkpointing=checkpointing, cut_tiles=cut_tiles, expandable=expandable_segments,
@@ -189,6 +192,7 @@ def _run(
     sharded: bool,
     sequence_parallel_size: int,
     cut_tiles: bool,
+    attention_kernel: str = "cudnn",
 ) -> tuple[StepRecord, _Held]:
     """The step run on fake tensors (simulate): its record and what existed before it."""
     with fake_mode(), assume_device(device_type):
@@ -200,7 +204,7 @@ def _run(
         # on a GPU, the attention backward's own buffers at their calls (device_overhead.py)
         tracker = PhaseTracker(
             [*model.parameters(), *model.buffers(), *step.states, ids],
-            device_overhead(device_type).buffers,
+            device_overhead(device_type, attention_kernel).buffers,
         )
         offloader = offloader_of(model)
         if offloader is not None and device_type != "cpu":

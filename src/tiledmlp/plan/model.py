@@ -117,6 +117,7 @@ def plan_model(
     expandable_segments: bool = True,
     known_peaks: dict[str, dict[int, int]] | None = None,
     processes: int | None = 1,
+    attention_kernel: str = "cudnn",
 ) -> dict[str, Any]:
     """Every stack's peak MiB and breakdown at `seq_len`; with a budget, each stack's longest
     sequence that fits ("max_seq_len", a multiple of `granularity`). The tile policy resolves
@@ -130,7 +131,9 @@ def plan_model(
     `known_peaks`, when given, receives each stack's tensor-level estimates by length, for a
     later search with the same options (plan/search.py). `processes`: how many processes the
     stacks are planned in (plan/forked.py: forked, one stack each at a time; the answer is the
-    same); None: one per available CPU where that is safe.
+    same); None: one per available CPU where that is safe. `attention_kernel`: the kernel
+    whose backward buffers a GPU's attention calls get ("cudnn", SDPA's choice on Hopper;
+    ops/attention/buffers.py; the CLI's "auto" plans each kernel: cli/plan_kernels.py).
 
     "peak_mib" is tensor-level; "device_overhead_mib" is what the process holds on the device
     beside the tensors (plan/device_overhead.py, per term in "device_overhead_breakdown_mib";
@@ -168,6 +171,7 @@ def plan_model(
         # layers then); on the CPU there is no reserve, and the peaks follow the line exactly
         "whole": device_type != "cpu" and not (optimizer == "adamw" and engine == "ddp"),
         "expandable_segments": expandable_segments,
+        "attention_kernel": attention_kernel,
     }
     jobs = [
         (config, stack, i, len(stacks), seq_len, p, budget_bytes, granularity, options,
@@ -219,7 +223,7 @@ def _plan_stack(
     known = {} if known is None else known
     local = seq_len // p
     per_token = _all_to_all_bytes_per_token(config, p, options["dtype"])
-    overhead = device_overhead(options["device_type"])
+    overhead = device_overhead(options["device_type"], options["attention_kernel"])
     est = estimate_step(config, seq_len=local, stack=stack, **options)
     known[local] = est.peak  # the search starts here: not simulated twice
     # what does not grow with the sequence: the search's first line runs from it to this step

@@ -68,6 +68,7 @@ def check_launch(opts: TrainOptions) -> Launch:
             "--dtype float16 trains with loss scaling on a CUDA GPU; on the CPU use --dtype bf16 "
             "or fp32"
         )
+    _check_attention_kernel(opts, cuda)
     own_fsdp = engine == "fsdp2" and not cuda
     if own_fsdp and opts.fsdp_config is not None:
         raise ValueError(
@@ -86,6 +87,24 @@ def check_launch(opts: TrainOptions) -> Launch:
         torch.cuda.set_device(launch.device)
         torch.cuda.reset_peak_memory_stats(launch.device)
     return launch
+
+
+def _check_attention_kernel(opts: TrainOptions, cuda: bool) -> None:
+    """A named attention kernel this machine or dtype cannot run, refused before any work (the
+    head size is checked at the first call: ops/attention/buffers.py, unusable)."""
+    name = opts.patch.attention_kernel.name if opts.patch is not None else "auto"
+    if name in ("auto", "math"):
+        return
+    if not cuda:
+        raise ValueError(
+            f"--attention-kernel {name}: the {name} attention kernel runs on CUDA GPUs, and this "
+            "machine has none; use auto or math"
+        )
+    if name != "efficient" and opts.dtype == "float32":
+        raise ValueError(
+            f"--attention-kernel {name}: the {name} attention kernel takes bfloat16 or float16, "
+            "not float32; add --dtype bf16, or use auto, efficient or math"
+        )
 
 
 def start_sequence_parallel(opts: TrainOptions, launch: Launch) -> int:

@@ -4,6 +4,7 @@
     tiled_mlp.py               the MLPs through tiled_mlp (found by structure, probed)
     tiled_norms.py             the norms over the hidden size through the generic path
     tiled_layers.py            the token-wise rest of each decoder layer
+    attention_kernel.py        each decoder layer's attention kernel (around its forward)
     tiled_loss.py              the training loss through tiled_cross_entropy
     sequence_parallel.py       Ulysses attention over P ranks
 
@@ -13,10 +14,12 @@ unpatch_model removes them in the reverse order, patch_report asks each to descr
 
 Invariant: the order is the one the root's forward hooks need: offloading's pre-hook before
 the per-step token agreement (installed with the first tiled module), sequence parallelism's
-checks installed last (they put themselves before every other pre-hook).
+checks installed last (they put themselves before every other pre-hook); the attention kernel
+after the tiled layers, around the forward they install.
 """
 
 from tiledmlp.patching.features.activation_offloading import ACTIVATION_OFFLOADING
+from tiledmlp.patching.features.attention_kernel import ATTENTION_KERNEL
 from tiledmlp.patching.features.base import Feature, Found
 from tiledmlp.patching.features.sequence_parallel import SEQUENCE_PARALLEL
 from tiledmlp.patching.features.tiled_layers import TILED_LAYERS
@@ -31,6 +34,7 @@ FEATURES: tuple[Feature, ...] = (
     TILED_MLP,
     TILED_NORMS,
     TILED_LAYERS,
+    ATTENTION_KERNEL,
     TILED_LOSS,
     SEQUENCE_PARALLEL,
 )

@@ -1,0 +1,101 @@
+"""`tiledmlp plan --attention-kernel`: the attention kernel the whole step is planned with.
+
+A named kernel ("cudnn", "flash", "efficient", "math") plans every stack with that kernel's
+attention buffers (ops/attention/buffers.py), refused in one line where the planned device or
+dtype cannot run it. "auto" (the default) plans with what a run's "auto" would choose: cuDNN,
+SDPA's choice on Hopper and the fastest, unless another kernel lets a stack fit a longer
+sequence within --memory-gb. A kernel whose backward buffers at cuDNN's longest sequence are
+not smaller than cuDNN's cannot fit a longer one, so only kernels with smaller buffers there are
+planned (a search each); each stack then carries the kernel auto takes ("attention_kernel") and
+each planned kernel's longest sequence ("max_seq_len_by_kernel").
+
+Invariant: without --memory-gb, or where no kernel has smaller buffers than cuDNN's, "auto"
+plans exactly what planning with cuDNN plans.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from typing import Any
+
+from tiledmlp.cli.common import UsageError
+from tiledmlp.ops.attention.buffers import (
+    KERNEL_NAMES,
+    AttentionShape,
+    backward_buffer_bytes,
+    unusable,
+    usable_kernels,
+)
+
+__all__ = ["add_flag", "plan_with_kernels"]
+
+_GRANULE = 2 * 2**20  # smaller by less than one large-pool block: no longer sequence fits
+
+
+def add_flag(group: Any) -> None:
+    """Adds --attention-kernel to `tiledmlp plan`'s whole-step flags."""
+    group.add_argument(
+        "--attention-kernel",
+        choices=("auto", *KERNEL_NAMES),
+        default="auto",
+        help="the attention kernel whose buffers the step is planned with: auto (cuDNN, "
+        "SDPA's choice on Hopper, unless another kernel fits a longer sequence within "
+        "--memory-gb), or one kernel (default: auto)",
+    )
+
+
+def _shape(config: Any, tokens: int, itemsize: int) -> AttentionShape:
+    text = config.get_text_config()
+    heads = int(text.num_attention_heads)
+    kv = int(getattr(text, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // heads)
+    return AttentionShape(1, heads, kv, tokens, head_dim, itemsize)
+
+
+def plan_with_kernels(
+    plan: Callable[..., dict[str, Any]],
+    config: Any,
+    args: argparse.Namespace,
+    itemsize: int,
+    kwargs: dict[str, Any],
+) -> dict[str, Any]:
+    """plan_model's answer (`plan(config, **kwargs)`) under --attention-kernel (module
+    docstring).
+
+    Raises:
+        UsageError: a named kernel the planned device or dtype cannot run.
+    """
+    choice = getattr(args, "attention_kernel", "auto")
+    device, dtype = args.device, args.dtype
+    if choice != "auto":
+        why = unusable(choice, _shape(config, args.seq_len, itemsize), device, dtype)
+        if why is not None:
+            raise UsageError(f"--attention-kernel {choice}: {why}; use auto or another kernel")
+        return plan(config, attention_kernel=choice, **kwargs)
+    stacks = plan(config, attention_kernel="cudnn", **kwargs)
+    if kwargs.get("budget_bytes") is None or device != "cuda":
+        return stacks
+    p = kwargs.get("sequence_parallel_size", 1)
+    for name, entry in stacks.items():
+        longest = entry.get("max_seq_len")
+        if not longest:
+            continue
+        shape = _shape(config, longest, itemsize)  # the whole sequence: buffers scale with T x H
+        cudnn = backward_buffer_bytes("cudnn", shape)
+        smaller = [
+            k
+            for k in usable_kernels(shape, device, dtype)
+            if k != "cudnn" and backward_buffer_bytes(k, shape) < cudnn - _GRANULE * p
+        ]
+        by_kernel = {"cudnn": longest}
+        best, best_entry = "cudnn", entry
+        for kernel in smaller:
+            other = plan(config, attention_kernel=kernel, **{**kwargs, "stacks": (name,)})[name]
+            by_kernel[kernel] = other.get("max_seq_len", 0)
+            if by_kernel[kernel] > by_kernel[best]:
+                best, best_entry = kernel, other
+        stacks[name] = {**best_entry, "attention_kernel": best}
+        if len(by_kernel) > 1:
+            stacks[name]["max_seq_len_by_kernel"] = by_kernel
+    return stacks

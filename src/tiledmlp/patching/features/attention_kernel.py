@@ -1,0 +1,177 @@
+"""The attention-kernel feature (attention_kernel= other than a plain "auto"): every decoder
+layer's call runs its attention under `torch.nn.attention.sdpa_kernel` with the kernel the
+option chooses for that call (ops/attention/buffers.py: kernel_for), so the model's own SDPA
+attention (transformers' attention interface) and the attention core by heads of tiled decoder
+layers (whose kernel selection follows SDPA's enabled backends) both run it.
+
+The choice is made per call from the layer's input (batch, tokens), the model's heads and head
+size and the dtype the attention runs in: a named kernel is forced (refused in one line where
+the device or dtype cannot run it); "auto:<GB>" keeps SDPA's own choice where its backward
+buffers fit, else takes the fastest kernel whose buffers do. A checkpointed layer's recompute
+calls the same forward with the same input, so it runs the same kernel (the saved tensors
+match). Under Ulysses sequence parallelism a call holds P x the tokens and heads / P: the
+buffers, proportional to tokens x heads, are the same.
+
+Invariant: the layers' outputs are those of SDPA's attention (kernels differ only in summation
+order); remove() restores each layer's forward exactly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from tiledmlp.config.patch import PatchConfig
+from tiledmlp.ops.attention.buffers import (
+    AttentionShape,
+    KernelChoice,
+    backward_buffer_bytes,
+    kernel_for,
+    unusable,
+    usable_kernels,
+)
+from tiledmlp.patching.features.base import Feature
+from tiledmlp.patching.layers import decoder_layers
+from tiledmlp.patching.report import ReportParts
+
+__all__ = ["ATTENTION_KERNEL", "AttentionKernel", "call_context"]
+
+_KEY = "_tiledmlp_attention_kernel"  # instance attribute: (the choice, the forward replaced)
+_MISSING = object()
+
+
+def _backend(name: str) -> Any:
+    from torch.nn.attention import SDPBackend
+
+    return {
+        "cudnn": SDPBackend.CUDNN_ATTENTION,
+        "flash": SDPBackend.FLASH_ATTENTION,
+        "efficient": SDPBackend.EFFICIENT_ATTENTION,
+        "math": SDPBackend.MATH,
+    }[name]
+
+
+def _heads(config: Any) -> tuple[int, int, int]:
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = int(text.num_attention_heads)
+    kv = int(getattr(text, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // heads)
+    return heads, kv, head_dim
+
+
+def call_context(
+    choice: KernelChoice, heads: tuple[int, int, int], hidden: torch.Tensor
+) -> contextlib.AbstractContextManager[Any]:
+    """The context one decoder layer's call runs in: sdpa_kernel(the chosen kernel), or nothing
+    where SDPA keeps its own choice.
+
+    Args:
+        choice: the option.
+        heads: (query heads, key/value heads, head size) of the model.
+        hidden: the layer's input (batch, tokens, hidden).
+
+    Raises:
+        ValueError: a named kernel the device or dtype cannot run (one line).
+    """
+    device = hidden.device.type
+    dtype = hidden.dtype
+    if torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+    shape = AttentionShape(
+        hidden.shape[0], heads[0], heads[1], hidden.shape[1], heads[2], dtype.itemsize
+    )
+    dtype_name = str(dtype).removeprefix("torch.")
+    if choice.name != "auto":
+        why = unusable(choice.name, shape, device, dtype_name)
+        if why is not None:
+            raise ValueError(f"attention_kernel={choice.name}: {why}; use auto or another kernel")
+    usable = usable_kernels(shape, device, dtype_name)
+    name = kernel_for(choice.name, shape, usable, choice.budget_bytes)
+    if name is None:
+        return contextlib.nullcontext()
+    from torch.nn.attention import sdpa_kernel
+
+    names = [name]
+    if choice.budget_bytes is not None:
+        # auto: the slower kernels that fit as well, in order, where the chosen one cannot
+        # take this call after all (an explicit mask, say, which flash refuses)
+        at = usable.index(name)
+        names += [
+            k for k in usable[at + 1 :] if backward_buffer_bytes(k, shape) <= choice.budget_bytes
+        ]
+    return sdpa_kernel([_backend(k) for k in names], set_priority=True)
+
+
+def _wrapped(
+    layer: nn.Module, choice: KernelChoice, heads: tuple[int, int, int]
+) -> Callable[..., Any]:
+    forward = layer.forward
+
+    def forward_with_kernel(*args: Any, **kwargs: Any) -> Any:
+        hidden = args[0] if args else kwargs.get("hidden_states")
+        if not isinstance(hidden, torch.Tensor) or hidden.dim() != 3:
+            return forward(*args, **kwargs)
+        with call_context(choice, heads, hidden):
+            return forward(*args, **kwargs)
+
+    return forward_with_kernel
+
+
+class AttentionKernel(Feature):
+    """The attention-kernel feature (module docstring)."""
+
+    name = "attention_kernel"
+
+    def wanted(self, config: PatchConfig) -> bool:
+        choice = config.attention_kernel
+        return not (choice.name == "auto" and choice.budget_bytes is None)
+
+    def apply(
+        self, model: nn.Module, config: PatchConfig, probed: Any, report: ReportParts
+    ) -> None:
+        del probed
+        model_config = getattr(model, "config", None)
+        if model_config is None:
+            raise ValueError(
+                "attention_kernel: the model has no config to read its heads from (a "
+                "transformers model is expected)"
+            )
+        heads = _heads(model_config)
+        for _, layer in decoder_layers(model):
+            if _KEY in layer.__dict__:
+                continue
+            before = layer.__dict__.get("forward", _MISSING)
+            wrapped = _wrapped(layer, config.attention_kernel, heads)
+            layer.__dict__[_KEY] = (config.attention_kernel, before)
+            layer.forward = wrapped  # type: ignore[method-assign]
+        self.describe(model, report)
+
+    def remove(self, model: nn.Module) -> list[str]:
+        restored = []
+        for name, layer in model.named_modules():
+            entry = layer.__dict__.pop(_KEY, None)
+            if entry is None:
+                continue
+            before = entry[1]
+            if before is _MISSING:
+                del layer.__dict__["forward"]
+            else:
+                layer.forward = before  # type: ignore[method-assign]
+            restored.append(name)
+        return restored
+
+    def describe(self, model: nn.Module, report: ReportParts) -> None:
+        choices = {str(layer.__dict__[_KEY][0]) for _, layer in model.named_modules()
+                   if _KEY in layer.__dict__}  # fmt: skip
+        layers = sum(1 for _, layer in model.named_modules() if _KEY in layer.__dict__)
+        if choices:
+            what = " or ".join(sorted(choices))
+            how = "" if what in ("cudnn", "flash", "efficient", "math") else " (per call)"
+            report.attention_kernel = f"{what}{how} in {layers} decoder layer(s)"
+
+
+ATTENTION_KERNEL = AttentionKernel()

@@ -1,0 +1,84 @@
+"""The planner's attention buffers per kernel (plan/device_overhead.py) and `tiledmlp plan
+--attention-kernel`'s refusal of a kernel the planned device cannot run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tiledmlp.cli import main
+from tiledmlp.ops.attention.buffers import AttentionShape, backward_buffer_bytes
+from tiledmlp.plan.device_overhead import device_overhead
+
+
+@pytest.mark.parametrize("kernel", ["cudnn", "flash", "efficient", "math"])
+def test_each_kernels_buffers_at_the_simulated_call(kernel: str) -> None:
+    buffers = device_overhead("cuda", kernel).buffers
+    assert buffers is not None and buffers.kernel == kernel
+    q = torch.empty(1, 32, 1000, 128, dtype=torch.bfloat16, device="meta")
+    k = torch.empty(1, 8, 1000, 128, dtype=torch.bfloat16, device="meta")
+    got = buffers.nbytes(None, (q, q, k, k))
+    assert got == backward_buffer_bytes(kernel, AttentionShape(1, 32, 8, 1000, 128, 2))
+    # by hand: cuDNN 1000 x 32 x 257 x 4 + 256; flash softmax_d + dq_accum (1,024 rows) and
+    # dk, dv expanded to 32 heads
+    hand = {"cudnn": 1000 * 32 * 257 * 4 + 256,
+            "flash": 32 * 1024 * 4 + 1024 * 32 * 128 * 4 + 2 * 1000 * 32 * 128 * 2,
+            "efficient": 32 * 1000 * 4 + 1000 * 32 * 128 * 4,
+            "math": 2 * 32 * 1000 * 1000 * 4}  # fmt: skip
+    assert got == hand[kernel]
+    assert device_overhead("cpu", kernel).buffers is None
+
+
+def test_plan_refuses_a_kernel_the_device_cannot_run(capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["plan", "--model", "tiny", "--device", "cpu", "--seq-len", "256",
+                 "--attention-kernel", "flash"])  # fmt: skip
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code != 0
+    assert err[-1] == (
+        "tiledmlp plan: error: --attention-kernel flash: the flash attention kernel runs on CUDA "
+        "GPUs, not on cpu; use auto or another kernel"
+    )
+
+
+@pytest.mark.slow
+def test_auto_plans_flash_where_cudnn_fits_a_shorter_sequence() -> None:
+    """8 query heads of 256, each with its own key/value head, on 1.5 GiB: cuDNN's workspace
+    (2 x 256 + 1 float32 values per row and head) ends the search before flash's accumulator
+    (256 + 1) does; with grouped heads (2 key/value heads) flash holds as much as cuDNN and
+    only cuDNN is planned. About 100 s on two CPUs."""
+    import argparse
+
+    from transformers import LlamaConfig
+
+    from tiledmlp.cli.plan_kernels import plan_with_kernels
+    from tiledmlp.plan.model import plan_model
+
+    args = argparse.Namespace(attention_kernel="auto", device="cuda", dtype="bfloat16",
+                              seq_len=4096)  # fmt: skip
+    kwargs = {"seq_len": 4096, "checkpointing": True, "budget_bytes": int(1.5 * 2**30),
+              "stacks": ("tiled_mlp_loss_offload",)}  # fmt: skip
+
+    def planned(kv_heads: int) -> dict[str, object]:
+        config = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                             num_attention_heads=8, num_key_value_heads=kv_heads, head_dim=256,
+                             vocab_size=1000)  # fmt: skip
+        return plan_with_kernels(plan_model, config, args, 2, kwargs)["tiled_mlp_loss_offload"]
+
+    mha = planned(8)
+    by_kernel = mha["max_seq_len_by_kernel"]
+    assert isinstance(by_kernel, dict) and set(by_kernel) == {"cudnn", "flash", "efficient"}
+    assert by_kernel["flash"] > by_kernel["cudnn"]
+    assert mha["attention_kernel"] == "flash" and mha["max_seq_len"] == by_kernel["flash"]
+    gqa = planned(2)
+    assert gqa["attention_kernel"] == "cudnn" and "max_seq_len_by_kernel" not in gqa
+
+
+def test_the_plan_line_names_the_kernel_auto_takes() -> None:
+    from tiledmlp.cli.plan_report import kernels_text
+
+    assert kernels_text({"max_seq_len": 10240, "attention_kernel": "cudnn"}) == ""
+    entry = {"attention_kernel": "flash", "max_seq_len_by_kernel": {"cudnn": 10240, "flash": 12288}}
+    assert kernels_text(entry) == (
+        " with the flash attention kernel (train with --attention-kernel flash; cudnn 10,240, "
+        "flash 12,288)"
+    )
