@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["FINE_TUNE_LR", "PRESETS", "build_preset", "default_learning_rate"]
+__all__ = ["FINE_TUNE_LR", "PRESETS", "build_preset", "closest_preset", "default_learning_rate"]
 
 # name -> LlamaConfig fields. "tiny" trains in a couple of minutes on a 2-core CPU with an MLP
 # large enough (intermediate 4 x hidden) that its intermediates dominate activation memory.
@@ -36,6 +36,16 @@ PRESETS: dict[str, dict[str, Any]] = {
         "vocab_size": 128256,
     },
 }
+
+
+def closest_preset(name: str) -> str | None:
+    """The preset a mistyped name most likely means ('tinny' -> 'tiny', 'llama3-8B' ->
+    'llama3-8b'), or None when none is close (the commands' "did you mean")."""
+    import difflib
+
+    lower = {p.lower(): p for p in PRESETS}
+    close = difflib.get_close_matches(name.lower(), sorted(lower), n=1, cutoff=0.6)
+    return lower[close[0]] if close else None
 
 
 # Default learning rates. A preset is a random-init model trained from scratch: 2e-3 at hidden
