@@ -56,7 +56,9 @@ def bottom_line(args: argparse.Namespace, stacks: dict[str, Any]) -> dict[str, A
         return line
     need = {s: e["per_gpu_mib"] / _GIB for s, e in stacks.items()}
     host_short = {
-        s for s, gib in line["host_gib"].items() if memory.here and ram is not None and gib * 2**30 > ram
+        s
+        for s, gib in line["host_gib"].items()
+        if memory.here and ram is not None and gib * 2**30 > ram
     }
     fits = [s for s in stacks if need[s] <= memory.gib and s not in host_short]
     line["fits"] = {s: round(need[s], 2) for s in fits}

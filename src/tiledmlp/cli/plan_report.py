@@ -109,17 +109,6 @@ def _show_model(args: argparse.Namespace, stacks: dict[str, Any]) -> None:
     show(head + "; assumes:")
     for part in _assumptions(assumed):  # one per line, wrapped
         show(textwrap.fill(part, width=100, initial_indent="  - ", subsequent_indent="    "))
-
-
-def _assumptions(text: str) -> list[str]:
-    """The assumptions of `text`, split at the semicolons outside parentheses."""
-    parts, depth, start = [], 0, 0
-    for i, ch in enumerate(text):
-        depth += {"(": 1, ")": -1}.get(ch, 0)
-        if ch == ";" and depth == 0:
-            parts.append(text[start:i].strip())
-            start = i + 1
-    return [p for p in [*parts, text[start:].strip()] if p]
     width = max(len(stack) for stack in stacks)
     for stack, entry in stacks.items():
         parts = ", ".join(
@@ -139,6 +128,17 @@ def _assumptions(text: str) -> list[str]:
         )
         if "measured" in entry:
             show(f"  {'':<{width}}  {_measured_text(entry['measured'], args.memory_gb)}")
+
+
+def _assumptions(text: str) -> list[str]:
+    """The assumptions of `text`, split at the semicolons outside parentheses."""
+    parts, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        depth += {"(": 1, ")": -1}.get(ch, 0)
+        if ch == ";" and depth == 0:
+            parts.append(text[start:i].strip())
+            start = i + 1
+    return [p for p in [*parts, text[start:].strip()] if p]
 
 
 def _fits_text(memory_gb: float, tokens: int) -> str:

@@ -56,7 +56,9 @@ def axolotl_keys(stack: str) -> list[str]:
     options = STACK_OPTIONS[stack]
     if options is None:
         return []
-    lines = ["plugins: [tiledmlp.integrations.axolotl.TiledMLPPlugin]", "tiledmlp: true"] + [f"tiledmlp_{k}: {str(v).lower()}" for k, v in options.items()]
+    lines = ["plugins: [tiledmlp.integrations.axolotl.TiledMLPPlugin]", "tiledmlp: true"] + [
+        f"tiledmlp_{k}: {str(v).lower()}" for k, v in options.items()
+    ]
     if stack_option(stack, "activation_offloading"):
         lines.append("gradient_checkpointing: true")
     return lines

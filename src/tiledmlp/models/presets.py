@@ -8,7 +8,14 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["FINE_TUNE_LR", "PRESETS", "build_preset", "closest_preset", "default_learning_rate"]
+__all__ = [
+    "FINE_TUNE_LR",
+    "PRESETS",
+    "build_preset",
+    "closest_preset",
+    "default_learning_rate",
+    "preset_fields",
+]
 
 # name -> LlamaConfig fields. "tiny" trains in a couple of minutes on a 2-core CPU with an MLP
 # large enough (intermediate 4 x hidden) that its intermediates dominate activation memory.
@@ -74,7 +81,14 @@ def build_preset(
         raise ValueError(
             f"unknown preset {name!r}; expected one of {sorted(PRESETS)} or a model directory"
         )
-    fields = {
+    return build_causal_lm(
+        llama_config(**preset_fields(name, vocab_size, seq_len)), device=device, seed=seed
+    )
+
+
+def preset_fields(name: str, vocab_size: int, seq_len: int) -> dict[str, Any]:
+    """The LlamaConfig fields of the model build_preset builds (what the planner plans)."""
+    return {
         "vocab_size": vocab_size,
         "max_position_embeddings": max(seq_len, 2048),
         "bos_token_id": 256,
@@ -82,4 +96,3 @@ def build_preset(
         "pad_token_id": 257,
         **{k: v for k, v in PRESETS[name].items() if k != "vocab_size"},
     }
-    return build_causal_lm(llama_config(**fields), device=device, seed=seed)

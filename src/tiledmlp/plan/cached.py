@@ -24,7 +24,8 @@ def plan_stacks(
     """{stack: plan_model's entry} for `stacks`, each from the cache where it holds one.
 
     Args:
-        config: the model's transformers config (planned from where the cache misses).
+        config: the model's transformers config, or a function of no arguments that builds
+            it (called only where the cache misses: a hit imports no transformers).
         fields: what identifies the configuration (cache.config_fields); None: nothing is read
             from or written to the cache.
         stacks: the stacks to plan.
@@ -38,7 +39,8 @@ def plan_stacks(
     found = {} if fields is None else {s: cache.load(k) for s, k in keys.items()}
     missing = tuple(s for s in stacks if found.get(s) is None)
     if missing:
-        planned = plan_model(config, stacks=missing, **options)
+        built = config() if callable(config) else config
+        planned = plan_model(built, stacks=missing, **options)
         for stack, entry in planned.items():
             found[stack] = entry
             if fields is not None:
