@@ -35,14 +35,16 @@ def plan_stacks(
     from tiledmlp.plan.model import plan_model
 
     keyed = {k: v for k, v in options.items() if k != "processes"}
-    keys = {s: cache.cache_key("stack", fields, {**keyed, "stack": s}) for s in stacks}
-    found = {} if fields is None else {s: cache.load(k) for s, k in keys.items()}
+    keys = {}
+    if fields is not None:
+        keys = {s: cache.cache_key("stack", fields, {**keyed, "stack": s}) for s in stacks}
+    found = {s: cache.load(k) for s, k in keys.items()}
     missing = tuple(s for s in stacks if found.get(s) is None)
     if missing:
         built = config() if callable(config) else config
         planned = plan_model(built, stacks=missing, **options)
         for stack, entry in planned.items():
             found[stack] = entry
-            if fields is not None:
+            if stack in keys:
                 cache.store(keys[stack], entry)
     return {s: found[s] for s in stacks}
