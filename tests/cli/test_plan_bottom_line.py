@@ -69,10 +69,14 @@ def test_the_bottom_line_names_what_fits_a_card_and_the_command_that_runs_it(
     assert "tiledmlp_tiled_loss: true" in line["axolotl"]
     assert main(args) == 0  # the text, from the cache
     out = capsys.readouterr().out
+    bottom = out[out.index("bottom line") :].splitlines()
+    commands = ("  run it:", "  or in Python:", "  or axolotl:")  # whole, to copy
+    assert all(len(text) <= 100 for text in bottom if not text.startswith(commands)), bottom
+    out = " ".join(out.split())  # the wrapped lines as one text
     assert "bottom line for NVIDIA GeForce RTX 4090" in out
     assert "fits: tiled_mlp_loss" in out and "does not fit: untiled" in out
     assert "fastest that fits: tiled_mlp_loss" in out and stack_speed.SOURCE in out
-    assert f"run it:  {line['train_command']}" in out
+    assert f"run it: {line['train_command']}" in out
 
 
 def test_plan_refuses_a_card_and_a_memory_together_and_names_a_mistyped_preset(capsys) -> None:

@@ -28,12 +28,20 @@ class Card:
 
 # --gpu NAME -> the card
 GPUS: dict[str, Card] = {
-    "h100-80gb": Card("NVIDIA H100 80GB HBM3", 81079.0 / _MIB, "measured (records)"),
-    "h200": Card("NVIDIA H200", 143155.9 / _MIB, "measured (records)"),
-    "a100-80gb": Card("NVIDIA A100 80GB", 81920 * _H100_SHARE / _MIB, "specified"),
-    "a100-40gb": Card("NVIDIA A100 40GB", 40960 * _H100_SHARE / _MIB, "specified"),
-    "l40s": Card("NVIDIA L40S", 46068 * _H100_SHARE / _MIB, "specified"),
-    "4090": Card("NVIDIA GeForce RTX 4090", 24564 * _H100_SHARE / _MIB, "specified"),
+    "h100-80gb": Card(
+        "NVIDIA H100 80GB HBM3", 81079.0 / _MIB, "as CUDA reported it in the records"
+    ),
+    "h200": Card("NVIDIA H200", 143155.9 / _MIB, "as CUDA reported it in the records"),
+    "a100-80gb": Card(
+        "NVIDIA A100 80GB", 81920 * _H100_SHARE / _MIB, "specified, less the driver's share"
+    ),
+    "a100-40gb": Card(
+        "NVIDIA A100 40GB", 40960 * _H100_SHARE / _MIB, "specified, less the driver's share"
+    ),
+    "l40s": Card("NVIDIA L40S", 46068 * _H100_SHARE / _MIB, "specified, less the driver's share"),
+    "4090": Card(
+        "NVIDIA GeForce RTX 4090", 24564 * _H100_SHARE / _MIB, "specified, less the driver's share"
+    ),
 }
 
 

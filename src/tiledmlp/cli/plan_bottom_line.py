@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import shlex
+import textwrap
 from typing import Any
 
 from tiledmlp.cli.device_memory import Memory, gpu_memory, here
@@ -107,30 +108,32 @@ def _train_command(args: argparse.Namespace, stack: str) -> str:
 def show_bottom_line(args: argparse.Namespace, line: dict[str, Any]) -> None:
     """The bottom line's text, after the report."""
     if line["memory_gib"] is None:
-        show(
+        _wrapped(
             "bottom line: no GPU here to judge the stacks by; name the card with --gpu "
-            "h100-80gb (h200, a100-80gb, a100-40gb, l40s, 4090) or give --memory-gb GiB"
+            "h100-80gb (h200, a100-80gb, a100-40gb, l40s, 4090) or give --memory-gb GiB",
+            first="",
         )
         _show_host(line, None)
         return
     fits = ", ".join(f"{s} {g:,.1f}" for s, g in line["fits"].items()) or "none"
     short = ", ".join(f"{s} {g:,.1f}" for s, g in line["does_not_fit"].items()) or "none"
-    show(
+    _wrapped(
         f"bottom line for {line['memory']}, {args.seq_len:,} tokens (GiB per GPU, with the "
-        f"device overhead): fits: {fits}; does not fit: {short}"
+        f"device overhead): fits: {fits}; does not fit: {short}",
+        first="",
     )
     best = line["fastest"]
     if best is None:
         least = min(line["does_not_fit"].items(), key=lambda kv: kv[1])
-        show(
-            f"  no stack fits: the least is {least[0]}, {least[1] - line['memory_gib']:,.1f} GiB "
+        _wrapped(
+            f"no stack fits: the least is {least[0]}, {least[1] - line['memory_gib']:,.1f} GiB "
             "over; shorten --seq-len, or split the sequence over GPUs (--sequence-parallel-size)"
             + ("" if args.memory_gb is not None else "; --memory-gb GiB finds each stack's longest")
         )
     else:
         ratio = stack_speed.time_ratio(best)
-        show(
-            f"  fastest that fits: {best} (its step {ratio:.2f}x the untiled step's time as "
+        _wrapped(
+            f"fastest that fits: {best} (its step {ratio:.2f}x the untiled step's time as "
             f"measured on {stack_speed.SOURCE_TEXT}; {stack_speed.SOURCE})"
         )
         show(f"  run it:  {line['train_command']}")
@@ -143,14 +146,19 @@ def _show_host(line: dict[str, Any], best: str | None) -> None:
     """The host memory a stack keeps, against this machine's available RAM."""
     ram = line["ram_gib"]
     for stack in line.get("host_short", []):
-        show(
-            f"  {stack} keeps {line['host_gib'][stack]:,.1f} GiB on the host per node, more than "
+        _wrapped(
+            f"{stack} keeps {line['host_gib'][stack]:,.1f} GiB on the host per node, more than "
             f"this machine's {ram:,.1f} GiB of available RAM: counted as not fitting"
         )
     if best is not None and best in line["host_gib"]:
         gib = line["host_gib"][best]
         over = ram is not None and gib > ram
-        show(
-            f"  host memory: {best} keeps {gib:,.1f} GiB on the host per node"
+        _wrapped(
+            f"host memory: {best} keeps {gib:,.1f} GiB on the host per node"
             + (f", more than this machine's {ram:,.1f} GiB available" if over else "")
         )
+
+
+def _wrapped(text: str, first: str = "  ") -> None:
+    """`text` wrapped at 100 columns, its first line indented by `first`, the rest by four."""
+    show(textwrap.fill(text, width=100, initial_indent=first, subsequent_indent="    "))
