@@ -38,7 +38,8 @@ def bottom_line(args: argparse.Namespace, stacks: dict[str, Any]) -> dict[str, A
     """The bottom line as a dict (the JSON's "bottom_line"): memory_gib and what it is, fits
     and does_not_fit (stack -> GiB per GPU), host_gib of each stack that keeps host memory,
     ram_gib (this machine's available RAM), fastest, its train command, patch_model call and
-    axolotl keys; "memory_gib" None when no memory is known (no GPU here, no --gpu)."""
+    axolotl keys; "memory_gib" None when no memory is known (no GPU here, no --gpu). With
+    --device cpu a stack's figure is its device and host memory together (one RAM)."""
     from tiledmlp.process_memory import available_ram_bytes
 
     memory = _memory(args)
@@ -56,6 +57,8 @@ def bottom_line(args: argparse.Namespace, stacks: dict[str, Any]) -> dict[str, A
     if memory is None:
         return line
     need = {s: e["per_gpu_mib"] / _GIB for s, e in stacks.items()}
+    if args.device == "cpu":  # the host memory a stack keeps is the same RAM
+        need = {s: gib + stacks[s].get("host_per_node_mib", 0.0) / _GIB for s, gib in need.items()}
     host_short = {
         s
         for s, gib in line["host_gib"].items()

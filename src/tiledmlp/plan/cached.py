@@ -32,8 +32,6 @@ def plan_stacks(
         options: plan_model's keyword options (seq_len, dtype, ...); `processes` does not
             change the answer and is not part of the key.
     """
-    from tiledmlp.plan.model import plan_model
-
     keyed = {k: v for k, v in options.items() if k != "processes"}
     keys = {}
     if fields is not None:
@@ -41,6 +39,8 @@ def plan_stacks(
     found = {s: cache.load(k) for s, k in keys.items()}
     missing = tuple(s for s in stacks if found.get(s) is None)
     if missing:
+        from tiledmlp.plan.model import plan_model  # the simulation: only where it is needed
+
         built = config() if callable(config) else config
         planned = plan_model(built, stacks=missing, **options)
         for stack, entry in planned.items():
