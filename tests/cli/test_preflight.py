@@ -143,3 +143,12 @@ def test_a_run_the_planner_cannot_describe_is_not_judged(capsys) -> None:
     odd = options_from({"model": "tiny", "seq_len": 512, "memory_gb": 0.001, "tiled_norms": True})
     preflight(odd, CPU)
     assert "are not one of them" in capsys.readouterr().err
+
+
+def test_a_model_the_planner_cannot_build_is_noted_and_not_judged(tmp_path: Path, capsys) -> None:
+    config = tmp_path / "config.json"  # a model_type transformers does not know
+    config.write_text(json.dumps({"model_type": "no-such-model", "max_position_embeddings": 64}))
+    preflight(options_from({"model": str(config), "seq_len": 128, "memory_gb": 0.001}), CPU)
+    err = capsys.readouterr().err
+    assert "pre-flight skipped:" in err and "no-such-model" in err, err
+    assert "past the model's max_position_embeddings (64)" in err

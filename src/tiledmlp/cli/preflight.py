@@ -71,10 +71,10 @@ def preflight(opts: TrainOptions, launch: Launch) -> None:
             raise _Skip(f"no configuration of --model {opts.model} to plan from")
         request = _Request(fields, load, _stack(opts), _options(opts, launch))
         memory, what = _memory(opts, launch)
+        entry = _plan(request, (request.stack,))[request.stack]
     except _Skip as e:
         _say(f"pre-flight skipped: {e}")
         return
-    entry = _plan(request, (request.stack,))[request.stack]
     free_read = launch.cuda and opts.memory_gb is None
     need, host = _needs(entry, launch, free_read)
     ram = _ram()
