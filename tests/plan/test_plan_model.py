@@ -259,7 +259,8 @@ def test_cli_text_states_its_assumptions_in_aligned_gib_rows_with_progress(tmp_p
     assert any(a.startswith("  - checkpointing off, except") for a in assumed), assumed
     assert all(len(line) <= 100 for line in lines[start : start + 1 + len(assumed)])
     assert "none optimizer" not in res.stdout
-    rows = [line for line in lines if line.startswith("  ") and line.split()[0] in STACKS]
+    table = lines[: next(i for i, line in enumerate(lines) if line.startswith("bottom line"))]
+    rows = [line for line in table if line.startswith("  ") and line.split()[0] in STACKS]
     assert [r.split()[0] for r in rows] == list(STACKS)
     assert len({r.index(" GiB") for r in rows}) == 1, rows  # one column for every stack
     # each row gives the card's longest sequence, or says that no length fits it
