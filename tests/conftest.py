@@ -18,6 +18,23 @@ from torch import nn
 from tiledmlp.models.mlps import FusedGatedMLP, GatedMLP, PlainMLP
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _plan_cache(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The planner's answers (plan/cache.py) kept in a folder of this session, not the user's
+    cache: a test plans what it asks for, whatever an earlier session kept. Hugging Face's own
+    cache stays where it was (it too would follow XDG_CACHE_HOME)."""
+    saved = {k: os.environ.get(k) for k in ("XDG_CACHE_HOME", "HF_HOME")}
+    base = saved["XDG_CACHE_HOME"] or str(Path.home() / ".cache")
+    os.environ["HF_HOME"] = saved["HF_HOME"] or str(Path(base) / "huggingface")
+    os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("xdg-cache"))
+    yield
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """The one place the `gpu` marker meets its skip: without a CUDA device every gpu-marked
     test is skipped, with the reason."""

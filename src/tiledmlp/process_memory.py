@@ -1,5 +1,6 @@
-"""Process-level memory of this process on Linux: /proc/self/status fields and the high-water
-mark of one step (VmHWM, reset through /proc/self/clear_refs).
+"""Process-level memory of this process on Linux: /proc/self/status fields, the high-water
+mark of one step (VmHWM, reset through /proc/self/clear_refs), and the memory the machine can
+still give it (/proc/meminfo's MemAvailable within the cgroup's limit).
 
 Invariant: every reading is in bytes, or None where /proc is not available (never a guess).
 """
@@ -8,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-__all__ = ["proc_status_bytes", "process_peak_bytes"]
+__all__ = ["available_ram_bytes", "proc_status_bytes", "process_peak_bytes"]
 
 
 def proc_status_bytes(field: str) -> int | None:
@@ -37,3 +38,36 @@ def process_peak_bytes(step: Callable[[], object], alive_before: int) -> int | N
     if before is None or hwm is None:
         return None
     return hwm - before + alive_before
+
+
+# the cgroup's limit and usage: v2 (unified), then v1
+_CGROUP_FILES = (
+    ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+    ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"),
+)
+
+
+def available_ram_bytes() -> int | None:
+    """The RAM this process can still take: MemAvailable of /proc/meminfo, or less where a
+    cgroup limits the memory (its limit less its usage); None off Linux."""
+    available = None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    available = int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    for limit_file, usage_file in _CGROUP_FILES:
+        try:
+            with open(limit_file) as f:
+                limit_text = f.read().strip()
+            with open(usage_file) as f:
+                usage = int(f.read().strip())
+        except (OSError, ValueError):
+            continue
+        if limit_text.isdigit() and int(limit_text) < 1 << 60:  # "max" or v1's huge: none
+            left = max(0, int(limit_text) - usage)
+            available = left if available is None else min(available, left)
+        break
+    return available

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 from typing import Any
@@ -240,20 +241,26 @@ def test_cli_json_has_every_stack_and_max_seq_len(tmp_path) -> None:
 def test_cli_text_states_its_assumptions_in_aligned_gib_rows_with_progress(tmp_path) -> None:
     config = tmp_path / "config.json"
     config.write_text(json.dumps({"model_type": "llama", **SMALL, "num_hidden_layers": 2}))
+    fresh = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}  # planned, not read back
     res = subprocess.run(
         [sys.executable, "-m", "tiledmlp", "plan", "--model", str(config), "--seq-len", "2048",
          "--memory-gb", "0.05", "--num-tiles", "2"],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True, text=True, timeout=300, env=fresh,
     )  # fmt: skip
     assert res.returncode == 0, res.stderr
     # progress on stderr while it works: each stack, then the sequence-length search
     assert f"tiledmlp plan: untiled (1 of {len(STACKS)}): one step at 2,048 tokens" in res.stderr
     assert "tiledmlp plan: tiled_mlp_loss_offload_norms: searching the longest" in res.stderr
     lines = res.stdout.splitlines()
-    head = next(line for line in lines if line.startswith("one training step"))
-    assert "no optimizer state" in head and "checkpointing off, except" in head
+    start = next(i for i, line in enumerate(lines) if line.startswith("one training step"))
+    assert lines[start].endswith("; assumes:")
+    assumed = [line for line in lines[start + 1 :] if line.startswith("  - ")]
+    assert any(a.startswith("  - no optimizer state") for a in assumed), assumed
+    assert any(a.startswith("  - checkpointing off, except") for a in assumed), assumed
+    assert all(len(line) <= 100 for line in lines[start : start + 1 + len(assumed)])
     assert "none optimizer" not in res.stdout
-    rows = [line for line in lines if line.startswith("  ")]
+    table = lines[: next(i for i, line in enumerate(lines) if line.startswith("bottom line"))]
+    rows = [line for line in table if line.startswith("  ") and line.split()[0] in STACKS]
     assert [r.split()[0] for r in rows] == list(STACKS)
     assert len({r.index(" GiB") for r in rows}) == 1, rows  # one column for every stack
     # each row gives the card's longest sequence, or says that no length fits it

@@ -13,6 +13,7 @@ import sys
 from typing import Any
 
 from tiledmlp.cli.common import DTYPE_CHOICES, UsageError, dtype_name, positive_int, tiles
+from tiledmlp.cli.device_memory import GPUS
 from tiledmlp.cli.output import show
 from tiledmlp.cli.plan_kernels import add_flag as add_attention_kernel_flag
 from tiledmlp.cli.plan_kernels import plan_with_kernels
@@ -136,6 +137,16 @@ def _add_whole_step_flags(whole: Any) -> None:
         "cpu), fits (max_seq_len, a multiple of 1024)",
     )
     whole.add_argument(
+        "--gpu",
+        choices=tuple(GPUS),
+        default=None,
+        metavar="CARD",
+        help="judge the bottom line by this card's memory: "
+        + ", ".join(GPUS)
+        + " (default: the GPU here, or this machine's RAM with --device cpu); unlike "
+        "--memory-gb it runs no search",
+    )
+    whole.add_argument(
         "--sequence-parallel-size",
         type=positive_int,
         default=1,
@@ -246,14 +257,69 @@ def _progress_on_stderr() -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Runs `tiledmlp plan`."""
+    """Runs `tiledmlp plan`: from the cache when the same question was answered before
+    (plan/cache.py: no model is built, transformers is not imported), else planned and kept."""
     _progress_on_stderr()
+    _check_flags(args)
+    args.dtype = dtype_name(args.dtype)
+    key = None if args.measure else _cache_key(args)  # a measurement is never reused
+    from tiledmlp.plan import cache
+
+    found = None if key is None else cache.load(key)
+    if found is None:
+        found = _plan(args)
+        if key is not None:
+            cache.store(key, found)
+    result, hidden, intermediate = found["result"], found["hidden"], found["intermediate"]
+    if "model_name" in result:  # the same configuration may be reached by another name
+        result["model_name"] = args.model
+    line = None
+    if args.model is not None:
+        from tiledmlp.cli.plan_bottom_line import bottom_line
+
+        line = bottom_line(args, result["model"])
+    if args.json:
+        show(json.dumps(result if line is None else {**result, "bottom_line": line}))
+        return 0
+    show_text(args, result, hidden, intermediate, whole_model=config_given(args))
+    if line is not None:
+        from tiledmlp.cli.plan_bottom_line import show_bottom_line
+
+        show_bottom_line(args, line)
+    return 0
+
+
+def config_given(args: argparse.Namespace) -> bool:
+    """Whether the whole model is planned (--model)."""
+    return args.model is not None
+
+
+_NOT_ASKED = ("json", "verbose", "command", "argv", "gpu")  # flags that do not change the plan
+
+
+def _cache_key(args: argparse.Namespace) -> str | None:
+    """The plan's cache key: the model's configuration as written and every flag that changes
+    the answer; None when the model's configuration cannot be read (load_config says why)."""
+    from tiledmlp.models.presets import PRESETS
+    from tiledmlp.plan.cache import cache_key, config_fields
+
+    if args.model is None:
+        fields: dict[str, Any] | None = {"mlp": True}
+    else:
+        fields = config_fields(args.model, PRESETS)
+    if fields is None:
+        return None
+    options = {k: v for k, v in sorted(vars(args).items()) if k not in _NOT_ASKED}
+    options.pop("model", None)  # the configuration, not the name, decides the answer
+    return cache_key("plan", fields, options)
+
+
+def _plan(args: argparse.Namespace) -> dict[str, Any]:
+    """The plan's result (the JSON's keys) with the MLP's shape, planned."""
     import torch
 
     from tiledmlp.plan.mlp import plan_mlp
 
-    _check_flags(args)
-    args.dtype = dtype_name(args.dtype)
     dtype = getattr(torch, args.dtype)
     config, hidden, intermediate = _shape(args)
     result = plan_mlp(
@@ -267,11 +333,7 @@ def run(args: argparse.Namespace) -> int:
     )
     if config is not None:
         result.update(_plan_model(args, config, dtype))
-    if args.json:
-        show(json.dumps(result))
-        return 0
-    show_text(args, result, hidden, intermediate, whole_model=config is not None)
-    return 0
+    return {"result": result, "hidden": hidden, "intermediate": intermediate}
 
 
 def _check_flags(args: argparse.Namespace) -> None:
@@ -301,6 +363,7 @@ def _check_flags(args: argparse.Namespace) -> None:
         ("--sequence-parallel-size", args.sequence_parallel_size != 1),
         ("--engine", args.engine != "ddp"),
         ("--stacks", args.stacks is not None),
+        ("--gpu", args.gpu is not None),
         ("--offload-params", args.offload_params),
         ("--expandable-segments", args.expandable_segments is not True),
         ("--measure", args.measure),
@@ -308,6 +371,11 @@ def _check_flags(args: argparse.Namespace) -> None:
     if args.model is None and any(on for _, on in whole):
         names = " and ".join(n for n, on in whole if on)
         raise UsageError(f"{names} plan a whole model: add --model NAME_OR_PATH")
+    if args.gpu is not None and args.memory_gb is not None:
+        raise UsageError(
+            f"give --gpu or --memory-gb, not both: --gpu {args.gpu} is a card of "
+            f"{GPUS[args.gpu].gib:.1f} GiB"
+        )
     if args.measure and not args.gradient_checkpointing:
         raise UsageError(
             "--measure runs the model's checkpointed step: add --gradient-checkpointing"
@@ -372,10 +440,10 @@ def _plan_model(args: argparse.Namespace, config: Any, dtype: Any) -> dict[str, 
         num_tiles=args.num_tiles,
         device_type=args.device,
     )
-    from tiledmlp.plan.model import plan_model
+    from tiledmlp.plan.model import STACKS, plan_model
 
     known_peaks: dict[str, dict[int, int]] = {}
-    kwargs = dict(
+    options = dict(
         seq_len=args.seq_len,
         dtype=dtype,
         checkpointing=args.gradient_checkpointing,
@@ -387,12 +455,26 @@ def _plan_model(args: argparse.Namespace, config: Any, dtype: Any) -> dict[str, 
         engine=args.engine,
         offload_params=args.offload_params,
         expandable_segments=args.expandable_segments,
-        known_peaks=known_peaks,
         processes=None,  # the stacks in parallel, one process per CPU (plan/forked.py)
-        **({} if args.stacks is None else {"stacks": args.stacks}),
+        stacks=STACKS if args.stacks is None else args.stacks,
     )
+    if args.measure:  # the estimates by length go on to the measurement's fit
+
+        def planner(cfg: Any, **kw: Any) -> dict[str, Any]:
+            return plan_model(cfg, known_peaks=known_peaks, **kw)
+
+    else:  # each stack from the cache where an earlier plan of this model made it
+        from tiledmlp.models.presets import PRESETS
+        from tiledmlp.plan.cache import config_fields
+        from tiledmlp.plan.cached import plan_stacks
+
+        fields = config_fields(args.model, PRESETS)
+
+        def planner(cfg: Any, **kw: Any) -> dict[str, Any]:
+            return plan_stacks(cfg, fields, **kw)
+
     # the attention kernel's buffers: --attention-kernel (cli/plan_kernels.py)
-    stacks = plan_with_kernels(plan_model, config, args, dtype.itemsize, kwargs)
+    stacks = plan_with_kernels(planner, config, args, dtype.itemsize, options)
     if args.measure:
         from tiledmlp.cli.plan_measure import measure_stacks
 

@@ -7,6 +7,7 @@ Invariant: it reads the result and the flags only; nothing here estimates.
 from __future__ import annotations
 
 import argparse
+import textwrap
 from typing import Any
 
 from tiledmlp.cli.output import show
@@ -90,7 +91,7 @@ def _show_model(args: argparse.Namespace, stacks: dict[str, Any]) -> None:
         else "off, except for the offloading stacks, which need it (--gradient-checkpointing "
         "turns it on for all)"
     )
-    show(
+    text = (
         f"one training step of the whole model, peak device memory in GiB"
         f"{' per GPU' if per_gpu else ''}; assumes: batch 1 of {args.seq_len:,} tokens"
         + (f" split over {args.sequence_parallel_size} GPUs" if per_gpu else "")
@@ -104,6 +105,10 @@ def _show_model(args: argparse.Namespace, stacks: dict[str, Any]) -> None:
         "and the host memory a stack keeps (offloaded layer inputs, host optimizer states) "
         "after it"
     )
+    head, _, assumed = text.partition("; assumes: ")
+    show(head + "; assumes:")
+    for part in _assumptions(assumed):  # one per line, wrapped
+        show(textwrap.fill(part, width=100, initial_indent="  - ", subsequent_indent="    "))
     width = max(len(stack) for stack in stacks)
     for stack, entry in stacks.items():
         parts = ", ".join(
@@ -144,6 +149,17 @@ def kernels_text(entry: dict[str, Any]) -> str:
     kernel = entry["attention_kernel"]
     run = "" if kernel == "cudnn" else f"train with --attention-kernel {kernel}; "
     return f" with the {kernel} attention kernel ({run}{each})"
+
+
+def _assumptions(text: str) -> list[str]:
+    """The assumptions of `text`, split at the semicolons outside parentheses."""
+    parts, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        depth += {"(": 1, ")": -1}.get(ch, 0)
+        if ch == ";" and depth == 0:
+            parts.append(text[start:i].strip())
+            start = i + 1
+    return [p for p in [*parts, text[start:].strip()] if p]
 
 
 def _fits_text(memory_gb: float, tokens: int) -> str:

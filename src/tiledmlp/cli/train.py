@@ -63,6 +63,7 @@ def add_parser(sub: Any) -> None:
         dist=_Adder(t.add_argument_group("distributed (under torchrun)")),
         training=_Adder(t.add_argument_group("training")),
         output=_Adder(t.add_argument_group("output")),
+        preflight=_Adder(t.add_argument_group("pre-flight (memory)")),
         hidden=_Adder(t),  # other spellings: accepted, listed in the epilog, not in the help
     )
     _add_model_and_data_flags(groups)
@@ -202,6 +203,18 @@ def _add_output_flags(groups: _Groups) -> None:
         help="none, tensorboard, wandb, ... comma-separated; each needs its package (pip "
         "install tensorboard) (default: none)",
     )
+    preflight = groups.preflight
+    _Switch(preflight.group)("--preflight", help="before loading anything, plan the run's "
+        "memory and refuse, in one line naming what fits, a run that cannot fit; a note when "
+        "it is within 10%% of the memory, and when --seq-len passes the model's "
+        "max_position_embeddings (a note, not a refusal: extending a model's context is a "
+        "recipe of its own; set rope_scaling in its config.json to extend it by RoPE "
+        "scaling) (default: true)")  # fmt: skip
+    preflight.group.add_argument("--no-preflight", dest="preflight", action="store_const",
+                                 const=False, help="skip the pre-flight (= --preflight false)")  # fmt: skip
+    preflight("--memory-gb", metavar="GB", help="the memory the pre-flight checks the run "
+              "against, in GiB (default: the GPU's free memory, or on the CPU the available "
+              "RAM within the cgroup's limit)")  # fmt: skip
     output.group.add_argument("--json", action="store_true", default=False,
                               help="print the summary as one JSON object on stdout")  # fmt: skip
 
@@ -217,6 +230,7 @@ class _Groups:
     dist: _Adder
     training: _Adder
     output: _Adder
+    preflight: _Adder
     hidden: _Adder
 
 
@@ -249,9 +263,10 @@ def run(args: argparse.Namespace) -> int:
     opts = options_from(values)
     # Imported after the options are checked: a bad option is reported before the Trainer's
     # imports (transformers, accelerate) take seconds.
+    from tiledmlp.cli.preflight import preflight
     from tiledmlp.train.run import run as train
 
-    summary = train(opts, given=values)
+    summary = train(opts, given=values, before_load=preflight)
     if int(os.environ.get("RANK", "0")) != 0:
         return 0
     if args.json:

@@ -8,7 +8,14 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["FINE_TUNE_LR", "PRESETS", "build_preset", "default_learning_rate"]
+__all__ = [
+    "FINE_TUNE_LR",
+    "PRESETS",
+    "build_preset",
+    "closest_preset",
+    "default_learning_rate",
+    "preset_fields",
+]
 
 # name -> LlamaConfig fields. "tiny" trains in a couple of minutes on a 2-core CPU with an MLP
 # large enough (intermediate 4 x hidden) that its intermediates dominate activation memory.
@@ -38,6 +45,16 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
+def closest_preset(name: str) -> str | None:
+    """The preset a mistyped name most likely means ('tinny' -> 'tiny', 'llama3-8B' ->
+    'llama3-8b'), or None when none is close (the commands' "did you mean")."""
+    import difflib
+
+    lower = {p.lower(): p for p in PRESETS}
+    close = difflib.get_close_matches(name.lower(), sorted(lower), n=1, cutoff=0.6)
+    return lower[close[0]] if close else None
+
+
 # Default learning rates. A preset is a random-init model trained from scratch: 2e-3 at hidden
 # 256, scaled by 256 / hidden_size (wider models take smaller steps; tiny 2e-3, small 1e-3,
 # llama3-8b 1.25e-4, where 2e-3 diverged). A model directory is taken to be pretrained and
@@ -64,7 +81,14 @@ def build_preset(
         raise ValueError(
             f"unknown preset {name!r}; expected one of {sorted(PRESETS)} or a model directory"
         )
-    fields = {
+    return build_causal_lm(
+        llama_config(**preset_fields(name, vocab_size, seq_len)), device=device, seed=seed
+    )
+
+
+def preset_fields(name: str, vocab_size: int, seq_len: int) -> dict[str, Any]:
+    """The LlamaConfig fields of the model build_preset builds (what the planner plans)."""
+    return {
         "vocab_size": vocab_size,
         "max_position_embeddings": max(seq_len, 2048),
         "bos_token_id": 256,
@@ -72,4 +96,3 @@ def build_preset(
         "pad_token_id": 257,
         **{k: v for k, v in PRESETS[name].items() if k != "vocab_size"},
     }
-    return build_causal_lm(llama_config(**fields), device=device, seed=seed)

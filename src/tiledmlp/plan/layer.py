@@ -62,16 +62,18 @@ def load_config(name_or_path: str) -> Any:
     """
     import transformers
 
-    from tiledmlp.models.presets import PRESETS
+    from tiledmlp.models.presets import PRESETS, closest_preset
 
     if name_or_path in PRESETS:
         return transformers.LlamaConfig(**PRESETS[name_or_path])
     path = Path(name_or_path)
     file = path / "config.json" if path.is_dir() else path
     if not file.is_file():
+        close = closest_preset(name_or_path)
+        hint = f"; did you mean {close!r}?" if close else ""
         raise ValueError(
             f"--model {name_or_path!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor an "
-            f"existing config.json file or directory containing one"
+            f"existing config.json file or directory containing one{hint}"
         )
     try:
         fields = json.loads(file.read_text())

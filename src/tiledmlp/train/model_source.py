@@ -15,7 +15,6 @@ Invariant: `check_model` reads only file headers and the Hub cache's index, neve
 
 from __future__ import annotations
 
-import difflib
 import json
 import os
 import re
@@ -24,7 +23,7 @@ from typing import Any
 
 import torch
 
-from tiledmlp.models.presets import PRESETS, build_preset
+from tiledmlp.models.presets import PRESETS, build_preset, closest_preset
 from tiledmlp.train.checkpoints import damage, newest_checkpoint
 from tiledmlp.train.tokenizer import VOCAB_SIZE, byte_tokenizer
 
@@ -64,9 +63,8 @@ def model_name_error(name: str) -> str | None:
             f"--model {name} is a file; expected a preset, a model folder, a Hub id (org/name) "
             "or a model's config.json"
         )
-    lower = {p.lower(): p for p in PRESETS}
-    close = difflib.get_close_matches(name.lower(), sorted(lower), n=1, cutoff=0.6)
-    hint = f"did you mean {lower[close[0]]!r}? " if close else ""
+    close = closest_preset(name)
+    hint = f"did you mean {close!r}? " if close else ""
     return (
         f"--model {name!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor a model folder "
         f"nor a Hub id (org/name); {hint}a folder is save_pretrained output, e.g. a previous "

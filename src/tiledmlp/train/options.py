@@ -77,6 +77,9 @@ class TrainOptions:
     output_dir).
     patch: what patch_model applies to the model (None: nothing), parsed once from the
     feature keys (options_from); default: the tiled MLPs and the tiled loss.
+    preflight: plan the run's memory before loading anything and refuse one that cannot fit
+    (cli/preflight.py); memory_gb: the memory it is checked against, in GiB (None: the GPU's
+    free memory, or the available RAM on the CPU).
     """
 
     model: str = "tiny"
@@ -109,6 +112,8 @@ class TrainOptions:
     seed: int = 0
     max_data_bytes: int = 4_000_000
     ddp_timeout: int = 1800
+    preflight: bool = True
+    memory_gb: float | None = None
 
     def __post_init__(self) -> None:
         self._check_numbers()
@@ -132,6 +137,8 @@ class TrainOptions:
         )
         for name in ("seq_len", "per_device_train_batch_size", "max_steps", "logging_steps"):
             _check_positive(name, getattr(self, name))
+        if self.memory_gb is not None:
+            check_positive_number("--memory-gb", self.memory_gb)
         for name in (
             "gradient_accumulation_steps",
             "eval_sequences",

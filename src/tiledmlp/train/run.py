@@ -17,7 +17,7 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +40,7 @@ from tiledmlp.train.data import (
     pack,
 )
 from tiledmlp.train.launch import (
+    Launch,
     check_launch,
     shard_fsdp2,
     start_sequence_parallel,
@@ -105,7 +106,11 @@ def _curve_title(s: Mapping[str, Any]) -> str:
     )
 
 
-def run(opts: TrainOptions, given: Mapping[str, Any] | None = None) -> dict[str, Any]:
+def run(
+    opts: TrainOptions,
+    given: Mapping[str, Any] | None = None,
+    before_load: Callable[[TrainOptions, Launch], None] | None = None,
+) -> dict[str, Any]:
     """Trains and returns the summary (also written to OUTPUT_DIR/summary.json).
 
     Args:
@@ -113,6 +118,9 @@ def run(opts: TrainOptions, given: Mapping[str, Any] | None = None) -> dict[str,
         given: the options the user gave (key -> value as given), recorded in each checkpoint
             and compared with a resumed checkpoint's; None: those of `opts` that differ from
             the defaults.
+        before_load: called with the run's options (a resumed run's own) and its launch once
+            every input is checked, before the model or the data is loaded (the command's
+            memory pre-flight); it refuses the run by raising ValueError.
     """
     check_launch(opts)  # this command's engine and device, before a checkpoint is read
     plan, settings = resume(opts, given_of(opts) if given is None else given, _say)
@@ -124,6 +132,8 @@ def run(opts: TrainOptions, given: Mapping[str, Any] | None = None) -> dict[str,
     check_output_dir(opts)
     if opts.data is not None:
         check_data(Path(opts.data))
+    if before_load is not None:
+        before_load(opts, launch)
 
     note = seq_len_note(opts.model, opts.seq_len)
     if note is not None:

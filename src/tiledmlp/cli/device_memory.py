@@ -1,0 +1,80 @@
+"""The memory a plan is judged against: a named card's, the GPU here, or this machine's RAM.
+
+Cards by name (`--gpu`): the memory CUDA reports for them (torch's total_memory), from the
+committed records where tiledmlp was measured on that card (benchmarks/results/gpu/), else the
+card's specified memory less the same share the measured H100 loses to the driver.
+
+Invariant: every figure is in GiB and says where it comes from; nothing here estimates.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["GPUS", "Memory", "gpu_memory", "here"]
+
+_MIB = 1024.0
+_H100_SHARE = 81079.0 / 81559.0  # what CUDA reports of the H100's 81,559 MiB (its records)
+
+
+@dataclass(frozen=True)
+class Card:
+    """A card's name as CUDA spells it, its memory in GiB as CUDA reports it, and the source."""
+
+    name: str
+    gib: float
+    source: str
+
+
+# --gpu NAME -> the card
+GPUS: dict[str, Card] = {
+    "h100-80gb": Card(
+        "NVIDIA H100 80GB HBM3", 81079.0 / _MIB, "as CUDA reported it in the records"
+    ),
+    "h200": Card("NVIDIA H200", 143155.9 / _MIB, "as CUDA reported it in the records"),
+    "a100-80gb": Card(
+        "NVIDIA A100 80GB", 81920 * _H100_SHARE / _MIB, "specified, less the driver's share"
+    ),
+    "a100-40gb": Card(
+        "NVIDIA A100 40GB", 40960 * _H100_SHARE / _MIB, "specified, less the driver's share"
+    ),
+    "l40s": Card("NVIDIA L40S", 46068 * _H100_SHARE / _MIB, "specified, less the driver's share"),
+    "4090": Card(
+        "NVIDIA GeForce RTX 4090", 24564 * _H100_SHARE / _MIB, "specified, less the driver's share"
+    ),
+}
+
+
+@dataclass(frozen=True)
+class Memory:
+    """What a plan is judged against: `gib` of memory, described by `what`; `here`: the memory
+    of the machine the command runs on (its host RAM is then the one that counts too)."""
+
+    gib: float
+    what: str
+    here: bool
+
+
+def gpu_memory(name: str) -> Memory:
+    """A named card's memory (GPUS)."""
+    card = GPUS[name]
+    return Memory(card.gib, f"{card.name}, {card.gib:,.1f} GiB ({card.source})", here=False)
+
+
+def here(device: str) -> Memory | None:
+    """The memory of this machine's device of `device`'s type: the first GPU's total, or the
+    RAM still available (cgroup limit respected) for "cpu"; None when there is no such GPU."""
+    if device == "cpu":
+        from tiledmlp.process_memory import available_ram_bytes
+
+        ram = available_ram_bytes()
+        if ram is None:
+            return None
+        return Memory(ram / 2**30, f"this machine's available RAM, {ram / 2**30:,.1f} GiB", True)
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    props = torch.cuda.get_device_properties(0)
+    gib = props.total_memory / 2**30
+    return Memory(gib, f"{props.name}, {gib:,.1f} GiB (the GPU here)", here=True)
