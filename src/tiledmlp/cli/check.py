@@ -58,6 +58,7 @@ def add_parser(sub: Any) -> None:
         dist=_Adder(c.add_argument_group("distributed (under torchrun)")),
         training=_Adder(c),
         output=_Adder(c),
+        preflight=_Adder(c),  # check plans nothing: no pre-flight flags
         hidden=_Adder(c),
     )
     add_model_flags(groups.model)
