@@ -7,6 +7,7 @@ Invariant: the estimate depends only on shapes, dtypes and flags, never on this 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import sys
@@ -459,20 +460,13 @@ def _plan_model(args: argparse.Namespace, config: Any, dtype: Any) -> dict[str, 
         stacks=STACKS if args.stacks is None else args.stacks,
     )
     if args.measure:  # the estimates by length go on to the measurement's fit
-
-        def planner(cfg: Any, **kw: Any) -> dict[str, Any]:
-            return plan_model(cfg, known_peaks=known_peaks, **kw)
-
+        planner: Any = functools.partial(plan_model, known_peaks=known_peaks)
     else:  # each stack from the cache where an earlier plan of this model made it
         from tiledmlp.models.presets import PRESETS
         from tiledmlp.plan.cache import config_fields
         from tiledmlp.plan.cached import plan_stacks
 
-        fields = config_fields(args.model, PRESETS)
-
-        def planner(cfg: Any, **kw: Any) -> dict[str, Any]:
-            return plan_stacks(cfg, fields, **kw)
-
+        planner = functools.partial(plan_stacks, fields=config_fields(args.model, PRESETS))
     # the attention kernel's buffers: --attention-kernel (cli/plan_kernels.py)
     stacks = plan_with_kernels(planner, config, args, dtype.itemsize, options)
     if args.measure:
