@@ -293,7 +293,7 @@ def install(trainer: Any, config: PatchConfig | None = None, **patch_kwargs: Any
     _refuse_untested()
     ready()
     report = patch_model(trainer.model, policy)
-    if report.loss != "tiled":
+    if not (report.loss or "").startswith("tiled"):
         logger.warning("tiled loss not installed on the trainer's model: %s", report.loss)
     ref = getattr(trainer, "ref_model", None)
     if isinstance(ref, nn.Module) and ref is not trainer.model and not loss_patched(ref):

@@ -2,28 +2,32 @@
 
 The model's own forward stays in charge when no labels are given. With labels, the base model
 runs as usual and the loss is computed from its last hidden states by tiled_cross_entropy with
-the LM head's weight (and bias), the model's final-logit soft-capping, causal shifting (or the
-caller's shift_labels) and num_items_in_batch handled like Hugging Face's loss; the logits are
+the LM head's weight (and bias), the model's logit scale and final-logit soft-capping, causal
+shifting (or the caller's shift_labels), the positions `logits_to_keep` keeps and
+num_items_in_batch handled like Hugging Face's loss (patching/loss_head.py); the logits are
 never materialised (the output's `logits` is None).
 
 A call with `fused_lm_head=True` (the slot through which TRL's trainers ask a model for
 per-token log-probabilities instead of logits) is served by the fused-head server an integration
 registered (tiledmlp.integrations.trl); `fused_lm_head` never reaches the decoder.
 
-Invariant: a model is only patched after a probe shows that, on random ids, the patched loss
-equals the model's own loss; a model whose forward adds anything else to the loss (an MoE
-auxiliary loss, logit scaling) fails the probe and is left alone, with the reason reported.
-Unpatching restores the forward this patch replaced; when another forward was installed over it
-since, that one is kept and ours stays below it as a pure pass-through.
+Invariant: a model is only patched after a probe (patching/loss_probe.py) shows that, on random
+ids, the patched loss equals the model's own loss; a model whose forward adds anything else to
+the loss (an MoE auxiliary loss) fails the probe and is left alone, with the reason reported. A
+logits_to_keep form the probe could not match runs the model's own loss, logged once and named
+in the report. Unpatching restores the forward this patch replaced; when another forward was
+installed over it since, that one is kept and ours stays below it as a pure pass-through.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import logging
+import weakref
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -31,15 +35,24 @@ from torch import nn
 
 from tiledmlp.ops.loss.cross_entropy import tiled_cross_entropy
 from tiledmlp.ops.tiling.policy import TilePolicy
-from tiledmlp.ops.tiling.probe import stand_ins
 from tiledmlp.patching.bound import BoundForward, bind
-from tiledmlp.patching.detect import probing, text_config
+from tiledmlp.patching.loss_head import (
+    ALL,
+    HeadTransform,
+    keep_form,
+    kept_rows,
+    scale_candidates,
+    softcap_of,
+    targets_of,
+)
+from tiledmlp.patching.loss_probe import probe
 
 __all__ = [
     "decoder_of",
     "install_loss",
     "lifted",
     "loss_refusal",
+    "loss_description",
     "loss_patched",
     "patch_loss",
     "register_fused_head",
@@ -54,6 +67,9 @@ logger = logging.getLogger(__name__)
 
 _STATE = "_tiledmlp_loss_patch"
 _TOLD: list[bool] = []  # the evaluation note is logged once per process
+#: what loss_refusal found for a model, until install_loss takes it
+_FOUND: weakref.WeakKeyDictionary[nn.Module, HeadTransform] = weakref.WeakKeyDictionary()
+_TOLD_OWN: set[tuple[str, str]] = set()  # (model class, logits_to_keep form) told to run its own
 
 #: serves model(..., fused_lm_head=True): server(model, args, kwargs, num_tiles) -> output
 _FUSED_SERVER: list[Callable[..., Any]] = []
@@ -77,6 +93,7 @@ def register_on_loss_patch(hook: Callable[[nn.Module], None]) -> None:
 class _LossState:
     saved: Any  # replaced instance-level forward, or None
     num_tiles: TilePolicy
+    head: HeadTransform = field(default_factory=HeadTransform)
     # False once unpatched while another forward sat over ours: ours stays in that forward's
     # chain as a pure pass-through to `saved`
     active: bool = True
@@ -115,13 +132,18 @@ def _loss_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     if params is None:
         return orig(*args, **kwargs)
     labels = params.pop("labels", None)
-    if labels is None or params.get("logits_to_keep") not in (None, 0):
-        # No loss to tile, or a loss over the last logits_to_keep positions only (the model's
-        # own forward scores just those): the model's own forward.
+    if labels is None:
+        return orig(*args, **kwargs)  # no loss to tile
+    # logits_to_keep is the model's to read only where its forward names it; else it stays in
+    # the keyword arguments that reach the decoder, as in the model's own forward
+    keep = params.pop("logits_to_keep", None) if _names(orig, "logits_to_keep") else None
+    form = keep_form(keep)
+    why = "not one of transformers' forms" if form is None else state.head.unserved.get(form)
+    if why is not None:
+        _tell_own_loss(self, form or _described(keep), why)
         return orig(*args, **kwargs)
     shifted = params.pop("shift_labels", None)
     num_items = params.pop("num_items_in_batch", None)
-    params.pop("logits_to_keep", None)
     return_dict = params.pop("return_dict", None)
     outputs = decoder_of(self)(**params)
     hidden = outputs[0]
@@ -129,15 +151,29 @@ def _loss_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     config = getattr(self, "config", None)
     # Evaluation (eval mode, no gradient): the argmax of every position's logits comes out of
     # the same tiles, as `predictions` (what compute_metrics gets instead of logits).
-    evaluating = not self.training and not torch.is_grad_enabled()
+    evaluating = not self.training and not torch.is_grad_enabled() and form == ALL
+    if form == ALL:
+        targets, shift = (labels, True) if shifted is None else (shifted, False)
+    else:
+        # the kept positions' rows, scored against the labels shifted and flattened as the
+        # model's loss does (patching/loss_head.py)
+        hidden = kept_rows(hidden, keep)
+        targets, shift = targets_of(labels, shifted), False
+        if targets.numel() != hidden.shape[0]:
+            raise ValueError(
+                f"{type(self).__name__}(labels=..., logits_to_keep=...): logits_to_keep keeps "
+                f"{hidden.shape[0]} position(s) but the labels hold {targets.numel()}; expected "
+                "labels with one entry per kept position (as the model's own loss does)"
+            )
     loss = tiled_cross_entropy(
         hidden,
         head.weight,
-        shifted if shifted is not None else labels,
+        targets,
         bias=getattr(head, "bias", None),
         num_tiles=state.num_tiles,
-        shift=shifted is None,
+        shift=shift,
         softcap=softcap_of(config),
+        logit_scale=state.head.scale,
         reduction="mean" if num_items is None else "sum",
         return_aux=evaluating,
     )
@@ -147,6 +183,31 @@ def _loss_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     if num_items is not None:
         loss = loss / num_items
     return _output(outputs, loss, predictions, _wants_dict(config, return_dict))
+
+
+def _names(fn: Any, name: str) -> bool:
+    return name in inspect.signature(fn).parameters
+
+
+def _described(keep: Any) -> str:
+    if isinstance(keep, torch.Tensor):
+        return f"a {keep.dim()}-D {keep.dtype} tensor"
+    return f"{type(keep).__name__} {keep!r}"
+
+
+def _tell_own_loss(model: nn.Module, form: str, why: str) -> None:
+    """Logs once per model class and form that a call runs the model's own loss, and why."""
+    key = (type(model).__name__, form)
+    if key in _TOLD_OWN:
+        return
+    _TOLD_OWN.add(key)
+    logger.warning(
+        "tiled loss: %s(labels=..., logits_to_keep=%s) runs the model's own loss (its logits "
+        "formed whole): %s",
+        key[0],
+        form,
+        why,
+    )
 
 
 def _by_name(orig: Any, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any] | None:
@@ -198,16 +259,6 @@ def _output(outputs: Any, loss: torch.Tensor, predictions: Any, as_dict: bool) -
     return result
 
 
-def softcap_of(config: Any) -> float | None:
-    """The final-logit soft-capping the model applies: its config's, else its text config's
-    (multimodal models such as PaliGemma with a Gemma 2 decoder, or Gemma3n, read it there)."""
-    for cfg in (config, text_config(config) if config is not None else None):
-        value = getattr(cfg, "final_logit_softcapping", None) if cfg is not None else None
-        if value:
-            return float(value)
-    return None
-
-
 def _wants_dict(config: Any, return_dict: bool | None) -> bool:
     """Whether the model would return a ModelOutput: return_dict if given, else its config's."""
     if return_dict is not None:
@@ -229,103 +280,11 @@ def decoder_of(model: nn.Module) -> Any:
     return base
 
 
-def _probe(model: nn.Module) -> str | None:
-    """None when the patched loss equals the model's own loss on every probe input, else why
-    not.
-
-    The probe inputs exercise what a model's loss may read beyond the LM head's cross-entropy:
-    ignored labels (-100), an attention mask with zeros (some models drop masked positions from
-    their loss), num_items_in_batch (when the forward takes it), and logits large enough that
-    final-logit soft-capping matters (the LM head's weight scaled up for the probe: at random
-    init the logits are too small for a cap to show).
-    """
-    lm: Any = model  # a Hugging Face PreTrainedModel, duck-typed
-    head = lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else None
-    if head is None or getattr(head, "weight", None) is None:
-        return "no LM head (get_output_embeddings): not a causal LM"
-    if head.weight.device.type == "meta":
-        return "weights on the meta device"
-    device = head.weight.device
-    vocab = head.weight.shape[0]
-    gen = torch.Generator(device=device).manual_seed(0)
-    ids = torch.randint(0, vocab, (2, 7), generator=gen, device=device)
-    labels = ids.clone()
-    labels[0, :2] = -100
-    mask = torch.ones_like(ids)
-    mask[1, 4:] = 0
-    cases: list[tuple[str, dict[str, Any]]] = [
-        ("labels with ignored positions", {"input_ids": ids, "labels": labels}),
-        (
-            "an attention mask with zeros",
-            {"input_ids": ids, "labels": labels, "attention_mask": mask},
-        ),
-    ]
-    if _accepts(_original(model), "num_items_in_batch"):
-        cases.append(
-            ("num_items_in_batch", {"input_ids": ids, "labels": labels, "num_items_in_batch": 7})
-        )
-    # The patched loss runs the same GEMMs on the same rows; low precision leaves room for a
-    # different kernel choice, far below what a dropped position or a missing cap changes.
-    rtol = 1e-4 if head.weight.dtype in (torch.float32, torch.float64) else 1e-2
-    try:
-        # In training mode, as the tiled loss is used (an MoE auxiliary loss shows; layers with
-        # an inference-only path, such as bitsandbytes' 4-bit layers on the CPU, which repack
-        # their weights in place, stay on their training path), each forward from the same
-        # random state so that dropout draws the same masks; buffers are clones, so a
-        # training-mode forward that updates them changes nothing.
-        with probing(model, training=True), stand_ins(model, random_params=False):
-            for large in (False, True):
-                with _large_logits(model, head, ids) if large else contextlib.nullcontext():
-                    for what, inputs in cases:
-                        torch.manual_seed(0)
-                        own = _original(model)(**inputs).loss
-                        torch.manual_seed(0)
-                        ours = _loss_forward(model, **inputs).loss
-                        if own is None or not torch.allclose(
-                            ours.float(), own.float(), rtol=rtol, atol=rtol * 0.1
-                        ):
-                            where = what + (" and large logits" if large else "")
-                            return (
-                                f"with {where} the model's own loss "
-                                f"({float(own) if own is not None else None}) differs from the "
-                                f"LM-head cross-entropy ({float(ours)}): its loss reads or "
-                                "adds something the tiled loss does not reproduce (e.g. an MoE "
-                                "auxiliary loss, logit scaling, positions dropped by the "
-                                "attention mask, a soft-cap it reads elsewhere)"
-                            )
-    except Exception as e:  # a forward that the generic reimplementation cannot drive
-        return f"the probe failed ({type(e).__name__}: {e})"
-    return None
-
-
-def _accepts(fn: Any, name: str) -> bool:
-    params = inspect.signature(fn).parameters
-    return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-
-
-@contextlib.contextmanager
-def _large_logits(model: nn.Module, head: nn.Module, ids: torch.Tensor) -> Iterator[None]:
-    """The LM head's weight scaled (for the block only, the head alone: a tied embedding keeps
-    its own) so that the model's largest probe logit is about 100."""
-    weight = head._parameters.get("weight")
-    if weight is None:  # not a registered parameter (parametrized, quantised): probe as is
-        yield
-        return
-    torch.manual_seed(0)
-    logits = _original(model)(input_ids=ids).logits
-    peak = float(logits.float().abs().max()) if logits is not None else 0.0
-    scale = 100.0 / peak if peak > 0 else 1.0
-    head._parameters["weight"] = nn.Parameter(weight.detach() * scale, weight.requires_grad)
-    try:
-        yield
-    finally:
-        head._parameters["weight"] = weight
-
-
 def loss_refusal(model: nn.Module, num_tiles: TilePolicy) -> str | None:
     """The probe of the tiled loss: None when the loss of `model` can be routed through
     tiled_cross_entropy (or already is), else why not. Runs the model on random ids at a
-    scaled LM head (see _probe); changes nothing.
+    scaled LM head (patching/loss_probe.py); changes nothing but remembering, for
+    install_loss, the logit scale it found and the logits_to_keep forms it serves.
 
     A PEFT model (PeftModel and kin, which call their base model's forward with the labels) is
     probed through the causal LM it wraps.
@@ -333,12 +292,21 @@ def loss_refusal(model: nn.Module, num_tiles: TilePolicy) -> str | None:
     model = _causal_lm(model)
     if _STATE in model.__dict__:
         return None
-    # _probe calls the patched forward directly: it reads the state, present for the probe only
-    model.__dict__[_STATE] = _LossState(model.__dict__.get("forward"), num_tiles)
+    # the probe calls the patched forward directly: it reads the state, present for the probe
+    # only; the HeadTransform it finds is kept for install_loss
+    state = _LossState(model.__dict__.get("forward"), num_tiles)
+    model.__dict__[_STATE] = state
+
+    def use(head: HeadTransform) -> None:
+        state.head = head
+
     try:
-        return _probe(model)
+        why = probe(model, _original(model), functools.partial(_loss_forward, model), use)
     finally:
         del model.__dict__[_STATE]
+    if why is None:
+        _FOUND[model] = state.head
+    return why
 
 
 def install_loss(model: nn.Module, num_tiles: TilePolicy) -> None:
@@ -353,7 +321,10 @@ def install_loss(model: nn.Module, num_tiles: TilePolicy) -> None:
         state.num_tiles = num_tiles
         state.active = True
         return
-    model.__dict__[_STATE] = _LossState(model.__dict__.get("forward"), num_tiles)
+    head = _FOUND.pop(model, None)
+    if head is None:  # not probed (the planner's fake model): the likeliest scale
+        head = HeadTransform(scale_candidates(getattr(model, "config", None))[0])
+    model.__dict__[_STATE] = _LossState(model.__dict__.get("forward"), num_tiles, head)
     # Bound with its module (picklable, deep-copied with it), advertising the model's own
     # forward signature: the Hugging Face Trainer inspects it to decide which inputs to pass.
     model.forward = bind(_loss_forward, model, _original)  # type: ignore[method-assign]
@@ -390,6 +361,19 @@ def loss_patched(model: nn.Module) -> bool:
     """Whether `model` (or the causal LM a PEFT wrapper holds) has its loss patched."""
     state = _causal_lm(model).__dict__.get(_STATE)
     return state is not None and state.active
+
+
+def loss_description(model: nn.Module) -> str | None:
+    """The report's text for a loss-patched model: "tiled", with the logits_to_keep forms whose
+    calls run the model's own loss and why; None when not loss-patched."""
+    state = _causal_lm(model).__dict__.get(_STATE)
+    if state is None or not state.active:
+        return None
+    own = state.head.unserved
+    if not own:
+        return "tiled"
+    whys = "; ".join(f"{form}: {why}" for form, why in own.items())
+    return f"tiled, except calls with logits_to_keep as {whys} (these run the model's own loss)"
 
 
 def _ours_on_top(model: nn.Module) -> bool:

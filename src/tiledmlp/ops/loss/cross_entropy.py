@@ -73,6 +73,7 @@ def tiled_cross_entropy(
     reduction: str = "mean",
     shift: bool = False,
     softcap: float | None = None,
+    logit_scale: float = 1.0,
     label_smoothing: float = 0.0,
     weight: torch.Tensor | None = None,
     z_loss: float = 0.0,
@@ -85,7 +86,9 @@ def tiled_cross_entropy(
     weight=weight, ignore_index=ignore_index, reduction=reduction,
     label_smoothing=label_smoothing) (soft-capping applied to the logits first), plus
     z_loss * logsumexp(logits)**2 per counted token (reduced the same way; "mean" over counted
-    tokens), with exact gradients for hidden_states, lm_head_weight and bias.
+    tokens), with exact gradients for hidden_states, lm_head_weight and bias. The logits are
+    logit_scale * (hidden_states @ lm_head_weight.T + bias), soft-capped after the scale (the
+    order of Cohere's and Granite's scaled heads).
 
     Args:
         hidden_states: (batch, seq, hidden) or (tokens, hidden), floating point.
@@ -106,6 +109,8 @@ def tiled_cross_entropy(
             shifted with the labels.
         softcap: final-logit soft-capping, logits = tanh(logits / softcap) * softcap (Gemma 2);
             None or 0 for none.
+        logit_scale: multiplies the logits before soft-capping, in the compute dtype (Cohere's
+            logit_scale; 1 / logits_scaling for Granite and MiniCPM3); 1.0 for none.
         label_smoothing: in [0, 1], as in F.cross_entropy.
         weight: (vocab,) class weights, as in F.cross_entropy.
         z_loss: coefficient of the z-loss (PaLM: 1e-4), >= 0.
@@ -119,13 +124,16 @@ def tiled_cross_entropy(
         TypeError / ValueError: wrong dtypes, shapes, reduction, option values or tile policy.
     """
     scoring = _Scoring(reduction, label_smoothing, z_loss, return_aux)
+    _check_logit_scale(logit_scale, "tiled_cross_entropy")
     check_inputs(hidden_states, lm_head_weight, labels, bias, softcap, mask, "labels")
     vocab = lm_head_weight.shape[0]
     _check_class_weight(weight, vocab)
     targets, counted = targets_of(labels, mask, shift, ignore_index, vocab, "tiled_cross_entropy")
     head = HeadInput.of(hidden_states, lm_head_weight, num_tiles, tile_tokens)
     math_ = _cross_entropy_math(scoring, head, targets, counted, weight, vocab)
-    run = HeadRun(head.plan, targets, counted, softcap or None, 1.0, head.autocast, math_)
+    run = HeadRun(
+        head.plan, targets, counted, softcap or None, 1.0, head.autocast, math_, float(logit_scale)
+    )
     loss = run_head(head.hidden, run, lm_head_weight, bias)
     if reduction == "none":
         loss = loss.view(labels.shape)
@@ -151,6 +159,13 @@ class _Scoring:
         z = self.z_loss
         if not (isinstance(z, int | float) and math.isfinite(z) and z >= 0):
             raise ValueError(f"z_loss must be a coefficient >= 0, got {z!r}")
+
+
+def _check_logit_scale(logit_scale: Any, op: str) -> None:
+    if isinstance(logit_scale, bool) or not (
+        isinstance(logit_scale, int | float) and math.isfinite(logit_scale)
+    ):
+        raise ValueError(f"{op}: logit_scale must be a finite number, got {logit_scale!r}")
 
 
 def _check_class_weight(weight: torch.Tensor | None, vocab: int) -> None:
@@ -324,10 +339,7 @@ def tiled_token_stats(
     Returns:
         A TokenStats.
     """
-    if not (isinstance(logit_scale, int | float) and math.isfinite(logit_scale)):
-        raise ValueError(
-            f"tiled_token_stats: logit_scale must be a finite number, got {logit_scale!r}"
-        )
+    _check_logit_scale(logit_scale, "tiled_token_stats")
     return _token_head(
         hidden_states, lm_head_weight, tokens, bias, temperature, softcap, float(logit_scale),
         entropy, tuple(stats), shift, mask, ignore_index, num_tiles, tile_tokens,

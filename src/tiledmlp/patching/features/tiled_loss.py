@@ -16,7 +16,7 @@ from torch import nn
 
 from tiledmlp.config.patch import PatchConfig
 from tiledmlp.patching.features.base import Feature, Found
-from tiledmlp.patching.loss import install_loss, loss_patched, loss_refusal, unpatch_loss
+from tiledmlp.patching.loss import install_loss, loss_description, loss_refusal, unpatch_loss
 from tiledmlp.patching.report import ReportParts
 from tiledmlp.sequence_parallel.install import install as install_sp
 from tiledmlp.sequence_parallel.install import installed_groups as sp_installed
@@ -51,14 +51,15 @@ class TiledLoss(Feature):
     ) -> None:
         if probed is None:
             install_loss(model, config.loss_policy)
-        report.loss = probed or "tiled"
+        report.loss = probed or loss_description(model) or "tiled"
 
     def remove(self, model: nn.Module) -> list[str]:
         return ["<loss>"] if unpatch_loss(model) else []
 
     def describe(self, model: nn.Module, report: ReportParts) -> None:
-        if loss_patched(model):
-            report.loss = "tiled"
+        described = loss_description(model)
+        if described is not None:
+            report.loss = described
 
 
 TILED_LOSS = TiledLoss()
