@@ -11,7 +11,7 @@ sizes 1 and 2, once without tiledmlp and once with its MLPs and loss tiled, and 
   - what tiledmlp reported (its report's `loss: tiled`).
 The probe (probe/sitecustomize.py) records those facts inside the framework's own process.
 
-It writes one JSON record (default docs/frameworks.json): the date, the machine, and per
+It writes one JSON record (default benchmarks/results/frameworks.json): the date, the machine, and per
 framework its versions, the install line, the checks and their result. docs/guides/
 integrations.md's compatibility table is generated from that record
 (`python scripts/frameworks/table.py`), and tests/package/test_framework_table.py checks
@@ -91,17 +91,36 @@ def make_venv(name: str, venvs: Path, fresh: bool, install: bool = True) -> dict
             raise SystemExit(f"{name}: installing {spec} failed; see {log}")
     before = _freeze(venv)
     if not install:
-        return {"install_s": None, "moved": None, "versions": before}
+        return {"install_s": None, "moved": None, "trl_extra_moves": None, "versions": before}
     line = f"pip install -c constraints.txt {ROOT}[{extra}]"
     if _sh([*pip, f"{ROOT}[{extra}]", "-c", str(CONSTRAINTS)], log):
         raise SystemExit(f"{name}: `{line}` failed; see {log}")
     after = _freeze(venv)
+    # and the trl extra: what it would install beside the framework (pip's dry run)
+    dry = subprocess.run(
+        [*pip[:-1], "--dry-run", f"{ROOT}[trl]", "-c", str(CONSTRAINTS)],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    would = [w for line in dry.stdout.splitlines() if line.startswith("Would install")
+             for w in line.split()[2:]]  # fmt: skip
+    trl_extra = {
+        w.rsplit("-", 1)[0].lower(): w.rsplit("-", 1)[1]
+        for w in would
+        if w.rsplit("-", 1)[0].lower() in PINNED
+    }
+    if dry.returncode:
+        trl_extra = {"pip": f"failed: {dry.stderr.strip().splitlines()[-1:]}"}
     moved = {
         pkg: [before.get(pkg), after.get(pkg)]
         for pkg in PINNED
         if before.get(pkg) != after.get(pkg) and before.get(pkg) is not None
     }
-    return {"install_s": round(time.time() - started, 1), "moved": moved, "versions": after}
+    return {
+        "install_s": round(time.time() - started, 1),
+        "moved": moved,
+        "trl_extra_moves": trl_extra,
+        "versions": after,
+    }
 
 
 def make_assets(venv: Path, work: Path) -> None:
@@ -129,7 +148,7 @@ with open({str(work / "text.jsonl")!r}, "w") as f, open({str(work / "chat.jsonl"
     subprocess.run([str(venv / "bin" / "python"), "-c", script], check=True, env=env)
 
 
-def _swift(venv: Path, work: Path, out: Path, batch: int, tiled: bool) -> list[str]:
+def _swift(venv: Path, work: Path, out: Path, batch: int, tiled: bool, env: dict) -> list[str]:
     cmd = [
         str(venv / "bin" / "swift"), "sft", "--model", str(work / "model"),
         "--model_type", "llama", "--template", "default", "--dataset", str(work / "chat.jsonl"),
@@ -142,11 +161,14 @@ def _swift(venv: Path, work: Path, out: Path, batch: int, tiled: bool) -> list[s
         "--output_dir", str(out), "--report_to", "none",
     ]  # fmt: skip
     if tiled:
-        plugin = subprocess.run(
-            [str(venv / "bin" / "tiledmlp"), "swift-plugin", "--tiled-loss", "--num-tiles", "2",
-             "--out", str(out / "plugin" / "tiledmlp_swift_plugin.py")],
-            capture_output=True, text=True, check=True,
-        ).stdout.strip()  # fmt: skip
+        written = subprocess.run(
+            [str(venv / "bin" / "python"), "-m", "tiledmlp", "swift-plugin", "--tiled-loss",
+             "--num-tiles", "2", "--out", str(out / "plugin" / "tiledmlp_swift_plugin.py")],
+            capture_output=True, text=True, env=env,
+        )  # fmt: skip
+        plugin = written.stdout.strip()
+        if written.returncode or not plugin.endswith(".py"):
+            raise SystemExit(f"tiledmlp swift-plugin failed: {written.stderr.strip()}")
         cmd += ["--external_plugins", plugin]
     return cmd
 
@@ -182,7 +204,7 @@ tiledmlp_num_tiles: 2
 """
 
 
-def _axolotl(venv: Path, work: Path, out: Path, batch: int, tiled: bool) -> list[str]:
+def _axolotl(venv: Path, work: Path, out: Path, batch: int, tiled: bool, env: dict) -> list[str]:
     text = _AXOLOTL.format(
         model=work / "model", data=work / "text.jsonl", out=out, batch=batch, steps=STEPS
     )
@@ -208,7 +230,7 @@ SFTTrainer(model={model!r}, args=args, train_dataset=data).train()
 """
 
 
-def _trl(venv: Path, work: Path, out: Path, batch: int, tiled: bool) -> list[str]:
+def _trl(venv: Path, work: Path, out: Path, batch: int, tiled: bool, env: dict) -> list[str]:
     code = _TRL.format(
         tiled=tiled, out=str(out), steps=STEPS, batch=batch,
         data=str(work / "text.jsonl"), model=str(work / "model"),
@@ -243,7 +265,7 @@ def run_one(name: str, venv: Path, work: Path, batch: int, tiled: bool, src: boo
         "TOKENIZERS_PARALLELISM": "false",
         "OMP_NUM_THREADS": "1",
     }
-    cmd = COMMANDS[name](venv, work, out, batch, tiled)
+    cmd = COMMANDS[name](venv, work, out, batch, tiled, env)
     started = time.time()
     rc = _sh(cmd, out / "log.txt", env=env, cwd=out, timeout=1800)
     record = json.loads(probe.read_text()) if probe.exists() else {}
@@ -292,7 +314,7 @@ def main() -> int:
     parser.add_argument("--from-source", action="store_true",
                         help="while developing: run tiledmlp from src/ instead of installing "
                         "it again (the record then says nothing about the pins)")  # fmt: skip
-    parser.add_argument("--record", default=str(ROOT / "docs" / "frameworks.json"))
+    parser.add_argument("--record", default=str(ROOT / "benchmarks" / "results" / "frameworks.json"))
     parser.add_argument("--work", default=None, help="scratch folder (default: a temporary one)")
     args = parser.parse_args()
     venvs = Path(args.venvs)
@@ -323,10 +345,13 @@ def main() -> int:
             if name != "trl" else "pip install -c constraints.txt tiledmlp[trl]",
             "tested": TESTED[name],
             "pins_moved": venv_info["moved"],
+            "trl_extra_moves": venv_info["trl_extra_moves"],
             "batches": {},
         }  # fmt: skip
         problems_all = [f"installing tiledmlp moved {p}: {v[0]} -> {v[1]}"
                         for p, v in (venv_info["moved"] or {}).items()]  # fmt: skip
+        problems_all += [f"the trl extra would install {p} {v}"
+                         for p, v in (venv_info["trl_extra_moves"] or {}).items()]  # fmt: skip
         if venv_info["moved"] is None:
             problems_all.append("tiledmlp ran from src/ (--from-source): the pins were not checked")
         for batch in BATCHES:

@@ -26,8 +26,10 @@ What the plugin says goes through axolotl's own logger (`axolotl.integrations.ti
 shown at axolotl's default level, on the main process only): the patch report once the model is
 loaded, and after the first optimizer step the tile counts each patched module ran with (what
 `auto` chose for the batch's length). A refusal found in the config as written (`register`,
-before axolotl's schema runs) ends the run with one line naming the key and what to change;
-the schema's validator repeats the checks for configs that reach it another way.
+before axolotl's schema runs) ends the training process with one line naming the key and what
+to change (under `axolotl train`'s default launcher, accelerate then adds a traceback of its own
+saying that the process it launched failed); the schema's validator repeats the checks for
+configs that reach it another way.
 
 axolotl discovers plugins by the dotted names under `plugins:` only (its one entry-point group,
 `axolotl.cli_commands`, adds CLI commands), so that name is the way in.
@@ -239,10 +241,9 @@ class TiledMLPPlugin(BasePlugin):  # type: ignore[misc]
         written in the config is refused by the validator)."""
         why = refusal(cfg)
         if why is not None:
-            # one line and out: raised from here, axolotl would show it inside a pydantic
-            # ValidationError and the launcher's traceback
-            _say().error(why)
-            raise SystemExit(f"{why}")
+            # one line on stderr and exit status 1: left to the schema's validator, it would
+            # come inside a pydantic ValidationError and axolotl's traceback
+            raise SystemExit(why)
         if cfg.get("tiledmlp") and cfg.get("lora_mlp_kernel") is None:
             cfg["lora_mlp_kernel"] = False
             _say().info("tiledmlp: lora_mlp_kernel set to false (it replaces the tiled MLP)")

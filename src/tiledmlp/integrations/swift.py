@@ -2,8 +2,9 @@
 
 ms-swift has no slot for another library's options: its argument parser refuses unknown flags,
 and a YAML config is turned into the same flags. What it does offer is `--external_plugins
-FILE...`: each file is imported (by its base name, its folder put first on sys.path) while the
-arguments are built, before the model is loaded. So the route is
+FILE...`: each file is imported (its folder put first on sys.path; ms-swift 4.6 names the module
+after a hash of the path, earlier releases after the file's base name) while the arguments are
+built, before the model is loaded, and again in each dataloader worker. So the route is
 
     swift sft ... --external_plugins "$(tiledmlp swift-plugin --tiled-loss)"
 
@@ -17,8 +18,9 @@ then take the generic path). tiledmlp's log lines (the patch report, refusals) g
 own log handlers, on the ranks where ms-swift shows its own.
 
 The file lives alone in a folder of its own (ms-swift puts that folder first on sys.path, so a
-neighbour named like a package, e.g. `trl.py`, would shadow it); its base name never collides
-with ms-swift's `swift` package.
+neighbour named like a package, e.g. `trl.py`, would shadow that package); its base name never
+collides with a package (where the base name is the module's name, `swift.py` would be
+ms-swift itself).
 
 Refused when written, each with a one-line reason: an unknown or bad key, and tiledmlp's
 `sequence_parallel_size` (ms-swift splits the attention itself: its `--sequence_parallel_size`).
@@ -43,7 +45,7 @@ __all__ = ["PLUGIN_NAME", "activate", "plugin_config", "write_plugin"]
 
 logger = logging.getLogger(__name__)
 
-#: the plugin file's base name (ms-swift imports it as a top-level module of this name)
+#: the plugin file's base name (ms-swift before 4.6 imports it as a top-level module of this name)
 PLUGIN_NAME = "tiledmlp_swift_plugin.py"
 
 _TEMPLATE = '''\
@@ -141,4 +143,9 @@ def activate(options: dict[str, Any]) -> PatchConfig:
     _route_logs()
     enable(config)
     logger.info("tiledmlp: ms-swift plugin active: %s", config)
+    if config.tiled_loss:
+        logger.info(
+            "tiledmlp: ms-swift's token_acc is computed from the logits, which the tiled loss "
+            "never forms: it is not logged"
+        )
     return config
