@@ -314,7 +314,9 @@ def main() -> int:
     parser.add_argument("--from-source", action="store_true",
                         help="while developing: run tiledmlp from src/ instead of installing "
                         "it again (the record then says nothing about the pins)")  # fmt: skip
-    parser.add_argument("--record", default=str(ROOT / "benchmarks" / "results" / "frameworks.json"))
+    parser.add_argument(
+        "--record", default=str(ROOT / "benchmarks" / "results" / "frameworks.json")
+    )
     parser.add_argument("--work", default=None, help="scratch folder (default: a temporary one)")
     args = parser.parse_args()
     venvs = Path(args.venvs)
@@ -334,15 +336,14 @@ def main() -> int:
     for name in args.only or list(FRAMEWORKS):
         venv_info = make_venv(name, venvs, args.fresh, install=not args.from_source)
         versions = venv_info["versions"]
-        spec, dist, extra = FRAMEWORKS[name]
+        _, dist, extra = FRAMEWORKS[name]
         fw_work = work / name
         fw_work.mkdir(parents=True, exist_ok=True)
         make_assets(venvs / name, fw_work)
         entry = {
             "version": versions.get(dist),
             "versions": {p: versions.get(p) for p in ("torch", *PINNED)},
-            "install": f"pip install -c constraints.txt {spec.split()[0]} tiledmlp[{extra}]"
-            if name != "trl" else "pip install -c constraints.txt tiledmlp[trl]",
+            "install": f'pip install -c constraints.txt -e ".[{extra}]"',
             "tested": TESTED[name],
             "pins_moved": venv_info["moved"],
             "trl_extra_moves": venv_info["trl_extra_moves"],

@@ -10,6 +10,7 @@ tests/package/test_framework_table.py runs the check.
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -24,7 +25,7 @@ NAMES = {"swift": "ms-swift", "axolotl": "axolotl", "trl": "TRL"}
 def render(record: dict) -> str:
     """The table's Markdown (header, one row per framework, the run's line)."""
     rows = [
-        "| framework | version | beside it | install line | tested | batch sizes | result |",
+        "| framework | version | beside it | tiledmlp installed with | tested | batch sizes | result |",
         "|---|---|---|---|---|---|---|",
     ]
     for name, entry in record["frameworks"].items():
@@ -33,11 +34,15 @@ def render(record: dict) -> str:
             f"{pkg} {v[pkg]}" for pkg in ("transformers", "trl", "peft") if v.get(pkg)
         )
         batches = ", ".join(sorted(entry["batches"]))
-        result = entry["result"] if entry["result"] == "pass" else "fail: " + "; ".join(
-            entry["problems"]
+        result = (
+            entry["result"]
+            if entry["result"] == "pass"
+            else "fail: " + "; ".join(entry["problems"])
         )
+        extra = re.search(r"\[(\w+)\]", entry["install"])
+        line = f'pip install -e ".[{extra.group(1)}]"' if extra else entry["install"]
         rows.append(
-            f"| {NAMES.get(name, name)} | {entry['version']} | {beside} | `{entry['install']}` "
+            f"| {NAMES.get(name, name)} | {entry['version']} | {beside} | `{line}` "
             f"| {entry['tested']} | {batches} | {result} |"
         )
     rows.append("")

@@ -102,4 +102,6 @@ def test_a_file_named_otherwise_is_refused(tmp_path: Path) -> None:
 def test_default_options_are_tiledmlps_defaults() -> None:
     config = plugin_config({})
     assert config.tiled_mlp and not config.tiled_loss and config.tiles.num_tiles == "auto"
-    assert plugin_config({"use_tiled_mlp": "true", "tiled_mlp_num_shards": "4"}).tiles.num_tiles == 4
+    assert (
+        plugin_config({"use_tiled_mlp": "true", "tiled_mlp_num_shards": "4"}).tiles.num_tiles == 4
+    )

@@ -16,7 +16,9 @@ import torch
 pytestmark = pytest.mark.gpu
 
 
-def _step(model: torch.nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def _step(
+    model: torch.nn.Module, ids: torch.Tensor
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     model.zero_grad(set_to_none=True)
     out = model(input_ids=ids, labels=ids)
     out.loss.backward()

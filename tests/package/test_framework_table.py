@@ -13,7 +13,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _table() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("framework_table", ROOT / "scripts/frameworks/table.py")
+    spec = importlib.util.spec_from_file_location(
+        "framework_table", ROOT / "scripts/frameworks/table.py"
+    )
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -35,6 +37,7 @@ def test_the_record_covers_each_framework_and_batch_size() -> None:
     for name, entry in record["frameworks"].items():
         assert entry["version"] and entry["versions"]["torch"], name
         assert set(entry["batches"]) == {"1", "2"}, name
+        assert entry["result"] == "pass", (name, entry["problems"])
         assert entry["pins_moved"] == {} and entry["trl_extra_moves"] == {}, name
         for batch, run in entry["batches"].items():
             assert len(run["losses_plain"]) == record["steps"], (name, batch)

@@ -12,6 +12,7 @@ and writes them as one JSON object. It changes no computation.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -97,10 +98,8 @@ def _finish(trainer) -> None:
     _RECORD["report"] = report
     versions = {}
     for pkg in ("torch", "transformers", "trl", "peft", "accelerate", "ms-swift", "axolotl"):
-        try:
+        with contextlib.suppress(md.PackageNotFoundError):
             versions[pkg] = md.version(pkg)
-        except md.PackageNotFoundError:
-            pass
     _RECORD["versions"] = versions
     _RECORD["torch_threads"] = torch.get_num_threads()
     with open(_OUT, "w") as f:

@@ -246,7 +246,8 @@ class TiledMLPPlugin(BasePlugin):  # type: ignore[misc]
             raise SystemExit(why)
         if cfg.get("tiledmlp") and cfg.get("lora_mlp_kernel") is None:
             cfg["lora_mlp_kernel"] = False
-            _say().info("tiledmlp: lora_mlp_kernel set to false (it replaces the tiled MLP)")
+            if cfg.get("adapter"):  # where axolotl would have turned them on
+                _say().info("tiledmlp: lora_mlp_kernel set to false (it replaces the tiled MLP)")
 
     def get_input_args(self) -> str:
         return "tiledmlp.integrations.axolotl.TiledMLPArgs"
