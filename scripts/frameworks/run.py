@@ -70,7 +70,8 @@ def _freeze(venv: Path) -> dict[str, str]:
         [str(venv / "bin" / "python"), "-m", "pip", "list", "--format=json"],
         capture_output=True, text=True, check=True,
     )  # fmt: skip
-    return {p["name"].lower(): p["version"] for p in json.loads(out.stdout)}
+    # names as pip normalises them (ms_swift and ms-swift are one package)
+    return {p["name"].lower().replace("_", "-"): p["version"] for p in json.loads(out.stdout)}
 
 
 def make_venv(name: str, venvs: Path, fresh: bool, install: bool = True) -> dict:
