@@ -48,7 +48,8 @@ def add_parser(sub: Any) -> None:
                 continue
             seen.add(key.name)
             flag = "--" + key.name.replace("_", "-")
-            shown = key.ours and bool(key.help)
+            # sequence parallelism is ms-swift's own: accepted only to be refused with the reason
+            shown = key.ours and bool(key.help) and field.name != "sequence_parallel_size"
             text = key.help if shown else argparse.SUPPRESS
             if key.kind == "bool":  # alone: true; the value is parsed by the key's parser
                 p.add_argument(flag, nargs="?", const="true", metavar="true|false", help=text)
