@@ -180,7 +180,7 @@ def test_every_flag_of_every_subcommand_has_help() -> None:
 
     parser = _build_parser()
     subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    assert set(subparsers.choices) == {"train", "check", "bench", "plan", "env"}
+    assert set(subparsers.choices) == {"train", "check", "bench", "plan", "env", "swift-plugin"}
     for name, sub in subparsers.choices.items():
         assert sub.description, name
         for action in sub._actions:

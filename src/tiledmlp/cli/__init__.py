@@ -1,4 +1,5 @@
-"""Command-line interface: `tiledmlp train`, `check`, `bench`, `plan` and `env`, one module each.
+"""Command-line interface: `tiledmlp train`, `check`, `bench`, `plan`, `env` and
+`swift-plugin`, one module each.
 
 Sits on top of everything; nothing imports it. Conventions: flags take dashes or underscores
 (`--max-steps` = `--max_steps`); `-v` works before or after the subcommand; `--version`.
@@ -21,7 +22,7 @@ from collections.abc import Sequence
 from typing import Any, NoReturn
 
 from tiledmlp.allocator import prefer_expandable_segments
-from tiledmlp.cli import bench, check, env, plan, train
+from tiledmlp.cli import bench, check, env, plan, swift_plugin, train
 from tiledmlp.cli.common import UsageError
 from tiledmlp.cli.output import results_only
 from tiledmlp.sequence_parallel.collectives import CollectiveError
@@ -29,7 +30,14 @@ from tiledmlp.sequence_parallel.collectives import CollectiveError
 __all__ = ["main"]
 
 logger = logging.getLogger("tiledmlp")
-_COMMANDS = {"bench": bench, "train": train, "check": check, "plan": plan, "env": env}
+_COMMANDS = {
+    "bench": bench,
+    "train": train,
+    "check": check,
+    "plan": plan,
+    "env": env,
+    "swift-plugin": swift_plugin,
+}
 
 
 class _ParseError(SystemExit):

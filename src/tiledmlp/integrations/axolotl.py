@@ -25,6 +25,15 @@ itself for LoRA: the plugin turns them off instead, with a note), `tiledmlp_*` k
 `tiledmlp: true`, unknown `tiledmlp*` keys (the closest valid key named), and
 `tiledmlp_sequence_parallel_size` together with axolotl's context parallelism.
 
+What the plugin says goes through axolotl's own logger (`axolotl.integrations.tiledmlp`,
+shown at axolotl's default level, on the main process only): the patch report once the model is
+loaded, and after the first optimizer step the tile counts each patched module ran with (what
+`auto` chose for the batch's length). A refusal found in the config as written (`register`,
+before axolotl's schema runs) ends the training process with one line naming the key and what
+to change (under `axolotl train`'s default launcher, accelerate then adds a traceback of its own
+saying that the process it launched failed); the schema's validator repeats the checks for
+configs that reach it another way.
+
 axolotl discovers plugins by the dotted names under `plugins:` only (its one entry-point group,
 `axolotl.cli_commands`, adds CLI commands), so that name is the way in.
 
@@ -48,9 +57,30 @@ from tiledmlp.config.keys import read_keys
 from tiledmlp.config.patch import PatchConfig
 from tiledmlp.config.schema import option_of
 
-__all__ = ["TiledMLPArgs", "TiledMLPPlugin", "patch_config", "patch_options"]
+__all__ = [
+    "TiledMLPArgs",
+    "TiledMLPPlugin",
+    "patch_config",
+    "patch_options",
+    "refusal",
+    "tiles_summary",
+]
 
 logger = logging.getLogger(__name__)
+#: the name under axolotl's own logger: shown at its default level (INFO), unlike a library's
+_SHOWN_AS = "axolotl.integrations.tiledmlp"
+
+
+def _say() -> Any:
+    """axolotl's main-process logger for the plugin's lines (a plain logger where axolotl has
+    no such helper)."""
+    try:
+        from axolotl.utils.logging import get_logger
+    except ImportError:  # an axolotl without its helper: a plain logger under its name
+        return logging.getLogger(_SHOWN_AS)
+    return get_logger(_SHOWN_AS)
+
+
 _CHECK = "tiledmlp_check"  # the plugin's own key: run tiledmlp.check before patching
 
 _KINDS: dict[str, Any] = {
@@ -101,6 +131,39 @@ class _Checks(BaseModel):
         if why is not None:
             raise ValueError(f"tiledmlp: {why}")
         return data
+
+
+def refusal(cfg: Any) -> str | None:
+    """The one-line reason a config (as written, a dict or DictDefault) is refused, or None:
+    the checks of the schema's validator, before axolotl runs its schema."""
+    data = dict(cfg.items()) if hasattr(cfg, "items") else dict(vars(cfg))
+    try:
+        TiledMLPArgs.model_validate({k: v for k, v in data.items() if _ours_or_read(k)})
+    except ValueError as e:  # pydantic's ValidationError is a ValueError
+        errors = getattr(e, "errors", None)
+        if callable(errors):
+            return "; ".join(
+                str(err.get("msg", "")).removeprefix("Value error, ") for err in errors()
+            )
+        return str(e)
+    return None
+
+
+def _ours_or_read(key: Any) -> bool:
+    """Keys the validator reads: ours and the axolotl keys _contradiction looks at."""
+    return str(key).startswith("tiledmlp") or str(key) in _READ
+
+
+_READ = (
+    "tiled_mlp",
+    "liger_glu_activation",
+    "liger_swiglu",
+    "lora_mlp_kernel",
+    "liger_fused_linear_cross_entropy",
+    "cut_cross_entropy",
+    "context_parallel_size",
+    "sequence_parallel_degree",
+)
 
 
 TiledMLPArgs: type[BaseModel] = create_model(  # type: ignore[call-overload]
@@ -183,9 +246,15 @@ class TiledMLPPlugin(BasePlugin):  # type: ignore[misc]
         LoRA MLP kernels on by itself for LoRA adapters, and they replace the MLP forward
         that tiledmlp tiles, so an unset `lora_mlp_kernel` becomes false here (a `true`
         written in the config is refused by the validator)."""
+        why = refusal(cfg)
+        if why is not None:
+            # one line on stderr and exit status 1: left to the schema's validator, it would
+            # come inside a pydantic ValidationError and axolotl's traceback
+            raise SystemExit(why)
         if cfg.get("tiledmlp") and cfg.get("lora_mlp_kernel") is None:
             cfg["lora_mlp_kernel"] = False
-            logger.info("tiledmlp: lora_mlp_kernel set to false (it replaces the tiled MLP)")
+            if cfg.get("adapter"):  # where axolotl would have turned them on
+                _say().info("tiledmlp: lora_mlp_kernel set to false (it replaces the tiled MLP)")
 
     def get_input_args(self) -> str:
         return "tiledmlp.integrations.axolotl.TiledMLPArgs"
@@ -198,7 +267,14 @@ class TiledMLPPlugin(BasePlugin):  # type: ignore[misc]
         if cfg.get(_CHECK):
             run_check(model, patch_config(cfg))
         self.report = patch_model(model, patch_config(cfg))
-        logger.info("tiledmlp: %s", self.report)
+        _say().info("tiledmlp: %s", self.report)
+
+    def add_callbacks_post_trainer(self, cfg: Any, trainer: Any) -> list[Any]:
+        """A callback that says, after the first optimizer step, how many tiles each patched
+        module ran with (what `auto` chose)."""
+        if not cfg.get("tiledmlp"):
+            return []
+        return [_tile_count_callback()]
 
     def post_trainer_create(self, cfg: Any, trainer: Any) -> None:
         if not (cfg.get("tiledmlp") and cfg.get("tiledmlp_tiled_loss")):
@@ -235,4 +311,46 @@ def run_check(model: Any, config: PatchConfig) -> None:
     )
     if not result.passed:
         raise ValueError(f"tiledmlp_check failed; training not started:\n{result.text()}")
-    logger.info("tiledmlp: %s", result.text())
+    _say().info("tiledmlp: %s", result.text())
+
+
+def tiles_summary(model: Any) -> str | None:
+    """'2 MLP(s) in 4 tiles' for each count the patched modules of `model` last ran with, or
+    None before any ran."""
+    from tiledmlp.patching import patch_report, tile_counts
+    from tiledmlp.patching.layers import LAYER_KIND
+
+    report = patch_report(model)
+    paths = report.paths if report is not None else {}
+    kinds = {"generic: norm": "norm(s)", f"generic: {LAYER_KIND}": "decoder layer(s)"}
+    groups: dict[tuple[str, int], int] = {}
+    for name, count in tile_counts(model).items():
+        if count.last:
+            kind = kinds.get(paths.get(name, ""), "MLP(s)")
+            groups[(kind, count.last)] = groups.get((kind, count.last), 0) + 1
+    if not groups:
+        return None
+    return ", ".join(
+        f"{n} {kind} in {tiles} tile{'s' if tiles > 1 else ''}"
+        for (kind, tiles), n in sorted(groups.items())
+    )
+
+
+def _tile_count_callback() -> Any:
+    from transformers import TrainerCallback
+
+    class TileCounts(TrainerCallback):  # type: ignore[misc]
+        """Logs the tile counts once, after the first optimizer step."""
+
+        told = False
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            model = kwargs.get("model")
+            if self.told or model is None:
+                return
+            summary = tiles_summary(model)
+            if summary is not None:
+                self.told = True
+                _say().info("tiledmlp: step %d ran %s", state.global_step, summary)
+
+    return TileCounts()
