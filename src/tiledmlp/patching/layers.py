@@ -31,7 +31,13 @@ from tiledmlp.ops.tiling.probe import absent, stand_ins
 from tiledmlp.patching.agreement import StepTokens
 from tiledmlp.patching.bound import bind
 from tiledmlp.patching.detect import is_projection, probing
-from tiledmlp.patching.layer_blocks import LayerParts, PostAttention, PreAttention, layer_math
+from tiledmlp.patching.layer_blocks import (
+    LayerParts,
+    Norms,
+    PostAttention,
+    PreAttention,
+    layer_math,
+)
 from tiledmlp.patching.layer_forward import LAYER, tiled_layer_forward, unchecked_forward
 from tiledmlp.patching.state import STATE, PatchState, original_forward
 from tiledmlp.sequence_parallel.install import set_implementation
@@ -73,17 +79,59 @@ def _family_function(module: nn.Module, name: str) -> Callable[..., Any] | None:
     return fn if callable(fn) else None
 
 
+def _norms(layer: nn.Module) -> Norms | str:
+    """Where the layer's norms sit, by their names (the probe checks the guess)."""
+
+    def get(name: str) -> nn.Module | None:
+        m = getattr(layer, name, None)
+        return m if isinstance(m, nn.Module) else None
+
+    attn_in, post_attn = get("input_layernorm"), get("post_attention_layernorm")
+    pre_ff, post_ff = get("pre_feedforward_layernorm"), get("post_feedforward_layernorm")
+    if pre_ff is not None:  # Gemma 2/3: a norm before and after the attention and the MLP
+        return Norms(attn_in, post_attn, pre_ff, post_ff)
+    if post_ff is not None:  # OLMo 2/3: norms on the outputs only
+        return Norms(attn_in, post_attn, None, post_ff)
+    if post_attn is not None:  # Llama: a norm before the attention and before the MLP
+        return Norms(attn_in, None, post_attn, None)
+    if attn_in is not None:  # Cohere: one norm, attention and MLP side by side
+        return Norms(attn_in, parallel=True)
+    return "no input_layernorm or post_attention_layernorm"
+
+
+def _projections(attn: Any) -> tuple[nn.Module, ...] | str:
+    """(q_proj, k_proj, v_proj), or (qkv_proj,) for one fused projection."""
+    names = ("q_proj", "k_proj", "v_proj")
+    if all(is_projection(getattr(attn, n, nn.Identity())) for n in names):
+        return tuple(getattr(attn, n) for n in names)
+    if is_projection(getattr(attn, "qkv_proj", nn.Identity())):
+        return (attn.qkv_proj,)
+    missing = [n for n in names if not is_projection(getattr(attn, n, nn.Identity()))]
+    return f"its attention has no projection {', '.join(missing)} (renamed q/k/v)"
+
+
+def _dropout(layer: nn.Module) -> str | None:
+    """Why the layer cannot be tiled exactly for dropout in it (outside its MLP), or None."""
+    for name, m in layer.named_children():
+        if isinstance(m, nn.Dropout) and m.p > 0:
+            return f"its {name} drops out with p={m.p} (set it to 0 to tile the layer)"
+    return None
+
+
 def _structure(layer: nn.Module) -> LayerParts | str:
     """The layer's parts by attribute, or why it is not a recognised decoder layer."""
-    need = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
-    missing = [n for n in need if not isinstance(getattr(layer, n, None), nn.Module)]
+    missing = [n for n in ("self_attn", "mlp") if not isinstance(getattr(layer, n, None), nn.Module)]
     if missing:
         return f"no {', '.join(missing)}"
+    norms = _norms(layer)
+    if isinstance(norms, str):
+        return norms
     attn: Any = layer.self_attn  # the family's attention module, read by attribute
-    projections = ("q_proj", "k_proj", "v_proj", "o_proj")
-    bad = [n for n in projections if not is_projection(getattr(attn, n, nn.Identity()))]
-    if bad:
-        return f"its attention has no projection {', '.join(bad)} (fused or renamed q/k/v)"
+    projections = _projections(attn)
+    if isinstance(projections, str):
+        return projections
+    if not is_projection(getattr(attn, "o_proj", nn.Identity())):
+        return "its attention has no projection o_proj"
     head_dim = getattr(attn, "head_dim", None)
     if not isinstance(head_dim, int) or not isinstance(getattr(attn, "scaling", None), float):
         return "its attention has no head_dim / scaling attributes"
@@ -91,10 +139,14 @@ def _structure(layer: nn.Module) -> LayerParts | str:
     if not isinstance(getattr(config, "_attn_implementation", None), str):
         return "its attention has no config naming the attention implementation"
     mlp: nn.Module = layer.mlp  # type: ignore[assignment]
-    if any(p.dim() > 2 for p in mlp.parameters()) or any(
+    moe = any(p.dim() > 2 for p in mlp.parameters()) or any(
         isinstance(m, nn.ModuleList) for m in mlp.modules()
-    ):
-        return "its MLP routes tokens to experts (mixture of experts)"
+    )
+    if moe and norms.parallel:
+        return "its MLP routes tokens to experts beside the attention (parallel block)"
+    why = _dropout(layer)
+    if why is not None:
+        return why
     rotary = _family_function(attn, "apply_rotary_pos_emb")
     if rotary is None:
         return "its attention's module has no apply_rotary_pos_emb (no rotary embedding)"
@@ -102,19 +154,20 @@ def _structure(layer: nn.Module) -> LayerParts | str:
     if "position_embeddings" not in params:
         return "its forward takes no position_embeddings"
     q_norm = getattr(attn, "q_norm", None)
+    q_norm = q_norm if isinstance(q_norm, nn.Module) else None
     k_norm = getattr(attn, "k_norm", None)
+    k_norm = k_norm if isinstance(k_norm, nn.Module) else None
+    q_size = int(config.num_attention_heads) * head_dim
+    # A q norm whose weight spans every head is over the whole projection (OLMo 2/3).
+    weight = getattr(q_norm, "weight", None)
+    whole = isinstance(weight, torch.Tensor) and weight.dim() == 1 and len(weight) == q_size != head_dim
     pre = PreAttention(
-        layer.input_layernorm,  # type: ignore[arg-type]
-        attn.q_proj,
-        attn.k_proj,
-        attn.v_proj,
-        q_norm if isinstance(q_norm, nn.Module) else None,
-        k_norm if isinstance(k_norm, nn.Module) else None,
-        rotary,
-        head_dim,
-    )
-    post = PostAttention(attn.o_proj, layer.post_attention_layernorm, mlp)  # type: ignore[arg-type]
+        norms.attn_in, projections, q_norm, k_norm, rotary, head_dim,
+        q_size=q_size, whole_qk_norm=whole,
+    )  # fmt: skip
+    post = PostAttention(attn.o_proj, norms, None if moe else mlp)
     parts = LayerParts(pre, post, attn, head_dim, _family_function(attn, "eager_attention_forward"))
+    parts.moe = mlp if moe else None
     parts.cache_keyword = "cache" if "cache" in params else "past_key_values"
     return parts
 
@@ -197,20 +250,29 @@ def _probe(layer: nn.Module, parts: LayerParts) -> str | None:
     with probing(layer, training=True), _probe_implementation(parts.attn.config), weights:
         gen = torch.Generator(device=device).manual_seed(0) if compare else None
         x = torch.randn(2, _PROBE_TOKENS, hidden, generator=gen, device=device).to(dtype)
-        theta = torch.rand(1, _PROBE_TOKENS, parts.head_dim, generator=gen, device=device)
-        cos, sin = (theta * 6.0).cos().to(dtype), (theta * 6.0).sin().to(dtype)
         positions = torch.arange(_PROBE_TOKENS, device=device)[None]
-        try:
-            ref = unchecked_forward(layer)(
-                x,
-                attention_mask=None,
-                position_ids=positions,
-                use_cache=False,
-                position_embeddings=(cos, sin),
-                **{parts.cache_keyword: None},
-            )
-        except Exception as e:  # any failure means the layer is not called like Llama's
-            return f"its forward cannot be called like a Llama decoder layer's ({_line(e)})"
+        failed: Exception | None = None
+        # The rotary angles span the head (Llama) or half of it (a rotary that splits the
+        # head in halves and gives each the same angle, e.g. GPT-OSS): the first that runs.
+        for width in (parts.head_dim, parts.head_dim // 2):
+            theta = torch.rand(1, _PROBE_TOKENS, width, generator=gen, device=device)
+            cos, sin = (theta * 6.0).cos().to(dtype), (theta * 6.0).sin().to(dtype)
+            _RECORDED.calls.clear()
+            try:
+                ref = unchecked_forward(layer)(
+                    x,
+                    attention_mask=None,
+                    position_ids=positions,
+                    use_cache=False,
+                    position_embeddings=(cos, sin),
+                    **{parts.cache_keyword: None},
+                )
+                break
+            except Exception as e:  # any failure means the layer is not called like Llama's
+                failed = failed or e
+        else:
+            assert failed is not None
+            return f"its forward cannot be called like a Llama decoder layer's ({_line(failed)})"
         if len(_RECORDED.calls) != 1:
             return "its forward does not call the attention function exactly once"
         q_ref, k_ref, v_ref, recorded = _RECORDED.calls.pop()
@@ -218,7 +280,16 @@ def _probe(layer: nn.Module, parts: LayerParts) -> str | None:
             return "its attention passes a scaling other than its `scaling` attribute"
         if recorded.get("dropout") != getattr(parts.attn, "attention_dropout", None):
             return "its attention passes a dropout other than its `attention_dropout`"
-        parts.extra_kwargs = {k: v for k, v in recorded.items() if k not in _OWN_KWARGS}
+        extra = {k: v for k, v in recorded.items() if k not in _OWN_KWARGS}
+        own = {id(t): n for n, t in vars(parts.attn)["_parameters"].items() if t is not None}
+        own.update((id(t), n) for n, t in vars(parts.attn)["_buffers"].items() if t is not None)
+        for k, v in list(extra.items()):
+            if isinstance(v, torch.Tensor):
+                if id(v) not in own:
+                    return f"its attention passes a tensor {k} that is not one of its own"
+                parts.tensor_kwargs[k] = own[id(v)]
+                del extra[k]
+        parts.extra_kwargs = extra
         parts.returns_tuple = isinstance(ref, tuple)
         if parts.returns_tuple and len(ref) != 1:
             return f"its forward returns {len(ref)} values"

