@@ -64,6 +64,7 @@ class PreAttention(nn.Module):
         *,
         q_size: int = 0,
         whole_qk_norm: bool = False,
+        gated: bool = False,
     ) -> None:
         super().__init__()
         self.norm = norm
@@ -74,10 +75,9 @@ class PreAttention(nn.Module):
         self.head_dim = head_dim
         self.q_size = q_size  # a fused projection's query width
         self.whole_qk_norm = whole_qk_norm
+        self.gated = gated  # q_proj gives each head's query and an output gate (Qwen3-Next)
 
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[Any, ...]:
         lead = x.shape[:-1]
         normed = x if self.norm is None else _call_untiled(self.norm, x)
         if len(self.projections) == 1:
@@ -86,6 +86,10 @@ class PreAttention(nn.Module):
             q, k, v = qkv.split([self.q_size, kv, kv], dim=-1)
         else:
             q, k, v = (p(normed) for p in self.projections)
+        gate = None
+        if self.gated:  # per head: the query, then the gate
+            q, gate = q.view(*lead, -1, 2 * self.head_dim).chunk(2, dim=-1)
+            gate = gate.reshape(*lead, -1)
         if self.whole_qk_norm:  # norms over the whole projection, before the split into heads
             q = q if self.q_norm is None else _call_untiled(self.q_norm, q)
             k = k if self.k_norm is None else _call_untiled(self.k_norm, k)
@@ -98,7 +102,8 @@ class PreAttention(nn.Module):
         sin = sin.reshape(*lead, sin.shape[-1])
         # The model's own rotary function, in its layout: (batch, heads, seq, head_dim).
         q, k = self.rotary(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
-        return q.transpose(1, 2).reshape(*lead, -1), k.transpose(1, 2).reshape(*lead, -1), v
+        qkv = (q.transpose(1, 2).reshape(*lead, -1), k.transpose(1, 2).reshape(*lead, -1), v)
+        return qkv if gate is None else (*qkv, gate)
 
 
 @dataclass(frozen=True)
@@ -147,10 +152,12 @@ class PostAttention(nn.Module):
         )
 
     def forward(
-        self, attn: torch.Tensor, residual: torch.Tensor
+        self, attn: torch.Tensor, residual: torch.Tensor, gate: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         norms = self.norms
         residual = residual.reshape(*attn.shape[:-1], residual.shape[-1])
+        if gate is not None:  # a gated attention's output gate (PreAttention.gated)
+            attn = attn * torch.sigmoid(gate.reshape(attn.shape))
         out = _norm(norms.attn_out, self.o_proj(attn))
         if norms.parallel:
             assert self.mlp is not None  # recognition pairs a parallel block with a dense MLP
@@ -232,7 +239,7 @@ def layer_math(
     cos, sin = position_embeddings
     cos = cos.expand(batch, seq, cos.shape[-1])
     sin = sin.expand(batch, seq, sin.shape[-1])
-    q, k, v = run(parts.pre, hidden_states, cos, sin)
+    q, k, v, *gate = run(parts.pre, hidden_states, cos, sin)
     shape = (batch, seq, -1, parts.head_dim)
     q, k, v = (t.view(shape).transpose(1, 2) for t in (q, k, v))
     attn = parts.attn
@@ -259,7 +266,7 @@ def layer_math(
             **kwargs,
         )
     out = out.reshape(batch, seq, -1).contiguous()
-    y = run(parts.post, out, hidden_states)
+    y = run(parts.post, out, hidden_states, *gate)
     if parts.moe is not None:  # (h, mlp_in(h)) -> h + mlp_out(experts(mlp_in(h)))
         h, normed = y
         mixed = parts.moe(normed)

@@ -48,6 +48,7 @@ __all__ = [
     "decoder_layers",
     "install_layer",
     "layer_parts",
+    "own_mixer",
     "tiled_layer_forward",
 ]
 
@@ -71,6 +72,19 @@ def decoder_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
         if has_attn and has_mlp:
             found.append((name, m))
     return found
+
+
+def own_mixer(layer: nn.Module) -> str | None:
+    """Why a decoder layer keeps its own token mixer (a hybrid stack's linear-attention layer,
+    e.g. Qwen3-Next's gated delta net: its state runs along the sequence, so it is not split
+    into tiles; its MLP and norms are tiled by their own patches), or None."""
+    mixer = getattr(layer, "linear_attn", None)
+    if isinstance(mixer, nn.Module) and not isinstance(getattr(layer, "self_attn", None), nn.Module):
+        return (
+            f"linear-attention layer ({type(mixer).__name__}): keeps its own attention; "
+            "its MLP and norms are tiled by the MLP and norm patches"
+        )
+    return None
 
 
 def _family_function(module: nn.Module, name: str) -> Callable[..., Any] | None:
@@ -161,9 +175,11 @@ def _structure(layer: nn.Module) -> LayerParts | str:
     # A q norm whose weight spans every head is over the whole projection (OLMo 2/3).
     weight = getattr(q_norm, "weight", None)
     whole = isinstance(weight, torch.Tensor) and weight.dim() == 1 and len(weight) == q_size != head_dim
+    # A q projection twice the query's width gives each head's query and output gate.
+    gated = len(projections) == 3 and getattr(projections[0], "out_features", 0) == 2 * q_size
     pre = PreAttention(
         norms.attn_in, projections, q_norm, k_norm, rotary, head_dim,
-        q_size=q_size, whole_qk_norm=whole,
+        q_size=q_size, whole_qk_norm=whole, gated=gated,
     )  # fmt: skip
     post = PostAttention(attn.o_proj, norms, None if moe else mlp)
     parts = LayerParts(pre, post, attn, head_dim, _family_function(attn, "eager_attention_forward"))
