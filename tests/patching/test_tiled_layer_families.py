@@ -17,6 +17,7 @@ from torch import nn
 
 from hf_models import VOCAB
 from tiledmlp import patch_model
+from tiledmlp.patching.patch import tile_counts
 
 from conftest import assert_close_rel
 
@@ -76,9 +77,7 @@ def _build(family: str) -> nn.Module:
         )
         if family == "qwen3_5":
             return tr.Qwen3_5ForCausalLM(tr.Qwen3_5TextConfig(**hybrid))
-        moe = dict(
-            MOE, num_experts=4, moe_intermediate_size=16, shared_expert_intermediate_size=16
-        )
+        moe = dict(MOE, num_experts=4, moe_intermediate_size=16, shared_expert_intermediate_size=16)
         if family == "qwen3_5_moe":
             return tr.Qwen3_5MoeForCausalLM(tr.Qwen3_5MoeTextConfig(**hybrid, **moe))
         return tr.Qwen3NextForCausalLM(tr.Qwen3NextConfig(**hybrid, **moe))
@@ -139,6 +138,11 @@ def test_family_layers_are_tiled_exactly(family: str, checkpointing: bool) -> No
     assert kept == [f"model.layers.{i}" for i in all_layers if i not in layers]
     ids = torch.randint(3, VOCAB, (2, 11), generator=torch.Generator().manual_seed(1))
     loss, routed = _run(model, ids)
+    experts = {n: c for n, c in tile_counts(model).items() if n.endswith("mlp.experts")}
+    moe = family in ("qwen3_moe", "mixtral", "gpt_oss", "qwen3_next", "qwen3_5_moe")
+    if moe:  # the experts' block runs inside the tiled layer with its experts tiled
+        assert sorted(experts) == [f"model.layers.{i}.mlp.experts" for i in all_layers]
+        assert all(c.calls >= 1 and c.tiles == 3 * c.calls for c in experts.values()), experts
     ref_loss, ref_routed = _run(ref, ids)
     assert_close_rel(loss, ref_loss, "loss")
     if ref_routed is not None:  # the auxiliary loss reads these: the model's own, once per layer
@@ -154,4 +158,19 @@ def test_family_layers_are_tiled_exactly(family: str, checkpointing: bool) -> No
             scale = max(q.grad.abs().max().item(), floor)
             diff = (p.grad - q.grad).abs()
             ok = torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-5 * scale)
-            assert ok, f"{name}.grad: max diff {diff.max():.3e}, mean {diff.mean():.3e}, scale {scale:.3e}"
+            assert ok, (
+                f"{name}.grad: max diff {diff.max():.3e}, mean {diff.mean():.3e}, scale {scale:.3e}"
+            )
+
+
+def test_a_layer_computing_something_else_is_refused() -> None:
+    # A real OLMo 2 layer given a norm its forward never uses, under the name of Gemma's norm
+    # before the MLP: the names promise it, the probe sees the layer without it and refuses
+    # (recognition never trusts names alone).
+    model = _model("olmo2", "sdpa")
+    layer: Any = model.model.layers[1]
+    layer.pre_feedforward_layernorm = copy.deepcopy(layer.post_feedforward_layernorm)
+    with pytest.raises(ValueError, match=r"layers\.1 .*computes something other") as err:
+        patch_model(model, tiled_layers=True)
+    assert "\n" not in str(err.value) and "drop tiled_layers" in str(err.value)
+    assert not any("forward" in m.__dict__ for m in model.modules())

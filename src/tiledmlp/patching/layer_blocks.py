@@ -32,7 +32,14 @@ from tiledmlp.patching.attention_core import by_heads
 from tiledmlp.patching.hf_attention import HF_ATTENTION
 from tiledmlp.patching.state import STATE, original_forward
 
-__all__ = ["LayerParts", "Norms", "PostAttention", "PreAttention", "attention_function", "layer_math"]
+__all__ = [
+    "LayerParts",
+    "Norms",
+    "PostAttention",
+    "PreAttention",
+    "attention_function",
+    "layer_math",
+]
 
 
 def _call_untiled(module: nn.Module, *args: torch.Tensor) -> Any:

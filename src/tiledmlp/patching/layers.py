@@ -79,7 +79,9 @@ def own_mixer(layer: nn.Module) -> str | None:
     e.g. Qwen3-Next's gated delta net: its state runs along the sequence, so it is not split
     into tiles; its MLP and norms are tiled by their own patches), or None."""
     mixer = getattr(layer, "linear_attn", None)
-    if isinstance(mixer, nn.Module) and not isinstance(getattr(layer, "self_attn", None), nn.Module):
+    if isinstance(mixer, nn.Module) and not isinstance(
+        getattr(layer, "self_attn", None), nn.Module
+    ):
         return (
             f"linear-attention layer ({type(mixer).__name__}): keeps its own attention; "
             "its MLP and norms are tiled by the MLP and norm patches"
@@ -113,14 +115,24 @@ def _norms(layer: nn.Module) -> Norms | str:
     return "no input_layernorm or post_attention_layernorm"
 
 
+def _projection(attn: Any, name: str) -> nn.Module | None:
+    """The attention's projection of that name (None where absent, None or not a matrix)."""
+    m = getattr(attn, name, None)
+    return m if isinstance(m, nn.Module) and is_projection(m) else None
+
+
 def _projections(attn: Any) -> tuple[nn.Module, ...] | str:
     """(q_proj, k_proj, v_proj), or (qkv_proj,) for one fused projection."""
     names = ("q_proj", "k_proj", "v_proj")
-    if all(is_projection(getattr(attn, n, nn.Identity())) for n in names):
-        return tuple(getattr(attn, n) for n in names)
-    if is_projection(getattr(attn, "qkv_proj", nn.Identity())):
-        return (attn.qkv_proj,)
-    missing = [n for n in names if not is_projection(getattr(attn, n, nn.Identity()))]
+    found = [_projection(attn, n) for n in names]
+    if all(p is not None for p in found):
+        return tuple(p for p in found if p is not None)
+    fused = _projection(attn, "qkv_proj")
+    if fused is not None:
+        return (fused,)
+    if _projection(attn, "kv_a_proj_with_mqa") is not None:
+        return "its attention is multi-head latent attention (compressed q/k/v), not tiled"
+    missing = [n for n, p in zip(names, found) if p is None]
     return f"its attention has no projection {', '.join(missing)} (renamed q/k/v)"
 
 
@@ -134,7 +146,9 @@ def _dropout(layer: nn.Module) -> str | None:
 
 def _structure(layer: nn.Module) -> LayerParts | str:
     """The layer's parts by attribute, or why it is not a recognised decoder layer."""
-    missing = [n for n in ("self_attn", "mlp") if not isinstance(getattr(layer, n, None), nn.Module)]
+    missing = [
+        n for n in ("self_attn", "mlp") if not isinstance(getattr(layer, n, None), nn.Module)
+    ]
     if missing:
         return f"no {', '.join(missing)}"
     norms = _norms(layer)
@@ -144,12 +158,12 @@ def _structure(layer: nn.Module) -> LayerParts | str:
     projections = _projections(attn)
     if isinstance(projections, str):
         return projections
-    if not is_projection(getattr(attn, "o_proj", nn.Identity())):
+    if _projection(attn, "o_proj") is None:
         return "its attention has no projection o_proj"
     head_dim = getattr(attn, "head_dim", None)
     if not isinstance(head_dim, int) or not isinstance(getattr(attn, "scaling", None), float):
         return "its attention has no head_dim / scaling attributes"
-    config = getattr(attn, "config", None)
+    config: Any = getattr(attn, "config", None)
     if not isinstance(getattr(config, "_attn_implementation", None), str):
         return "its attention has no config naming the attention implementation"
     mlp: nn.Module = layer.mlp  # type: ignore[assignment]
@@ -174,7 +188,9 @@ def _structure(layer: nn.Module) -> LayerParts | str:
     q_size = int(config.num_attention_heads) * head_dim
     # A q norm whose weight spans every head is over the whole projection (OLMo 2/3).
     weight = getattr(q_norm, "weight", None)
-    whole = isinstance(weight, torch.Tensor) and weight.dim() == 1 and len(weight) == q_size != head_dim
+    whole = (
+        isinstance(weight, torch.Tensor) and weight.dim() == 1 and len(weight) == q_size != head_dim
+    )
     # A q projection twice the query's width gives each head's query and output gate.
     gated = len(projections) == 3 and getattr(projections[0], "out_features", 0) == 2 * q_size
     pre = PreAttention(
@@ -299,12 +315,12 @@ def _probe(layer: nn.Module, parts: LayerParts) -> str | None:
         extra = {k: v for k, v in recorded.items() if k not in _OWN_KWARGS}
         own = {id(t): n for n, t in vars(parts.attn)["_parameters"].items() if t is not None}
         own.update((id(t), n) for n, t in vars(parts.attn)["_buffers"].items() if t is not None)
-        for k, v in list(extra.items()):
-            if isinstance(v, torch.Tensor):
-                if id(v) not in own:
-                    return f"its attention passes a tensor {k} that is not one of its own"
-                parts.tensor_kwargs[k] = own[id(v)]
-                del extra[k]
+        for key, value in list(extra.items()):
+            if isinstance(value, torch.Tensor):
+                if id(value) not in own:
+                    return f"its attention passes a tensor {key} that is not one of its own"
+                parts.tensor_kwargs[key] = own[id(value)]
+                del extra[key]
         parts.extra_kwargs = extra
         parts.returns_tuple = isinstance(ref, tuple)
         if parts.returns_tuple and len(ref) != 1:
@@ -324,7 +340,8 @@ def _probe(layer: nn.Module, parts: LayerParts) -> str | None:
         if not all(_close(a, b) for a, b in ((q, q_ref), (k, k_ref), (v, v_ref), (y, y_ref))):
             return (
                 "its forward computes something other than norm -> q/k/v (-> q/k norms) -> "
-                "rotary -> attention -> o_proj + residual -> norm -> MLP + residual"
+                "rotary -> attention -> o_proj (-> norm) + residual -> norm -> MLP (-> norm) "
+                "+ residual, with the norms where their names say"
             )
     return None
 

@@ -81,7 +81,9 @@ class TiledLayers(ModuleTiling):
     def apply(
         self, model: nn.Module, config: PatchConfig, probed: FoundLayers, report: ReportParts
     ) -> None:
-        tiled = [(name, layer, parts) for name, layer, parts in probed if not isinstance(parts, str)]
+        tiled = [
+            (name, layer, parts) for name, layer, parts in probed if not isinstance(parts, str)
+        ]
         if tiled:
             step = step_tokens(model)
             for _, layer, parts in tiled:
