@@ -64,6 +64,24 @@ def _build(family: str) -> nn.Module:
         return tr.Phi3ForCausalLM(tr.Phi3Config(**BASE))
     if family == "cohere":
         return tr.CohereForCausalLM(tr.CohereConfig(**BASE, use_qk_norm=True))
+    if family == "deepseek_v3":
+        # Multi-head latent attention (compressed q and kv, interleaved rotary, values of
+        # their own head size); layer 0 dense, layer 1 routed experts beside shared ones.
+        cfg = tr.DeepseekV3Config(
+            **dict(BASE, num_key_value_heads=2, head_dim=None),
+            **MOE,
+            moe_intermediate_size=16,
+            first_k_dense_replace=1,
+            n_routed_experts=4,
+            n_group=1,
+            topk_group=1,
+            kv_lora_rank=16,
+            q_lora_rank=16,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=8,
+            v_head_dim=12,
+        )
+        return tr.DeepseekV3ForCausalLM(cfg)
     if family in ("qwen3_next", "qwen3_5", "qwen3_5_moe"):
         # Linear-attention layers 0 and 2, gated full-attention layers 1 and 3.
         hybrid = dict(BASE, num_hidden_layers=4)
@@ -95,6 +113,7 @@ TILED: dict[str, tuple[list[int], str]] = {
     "olmo3": ([0, 1], "sdpa"),
     "phi3": ([0, 1], "sdpa"),
     "cohere": ([0, 1], "sdpa"),
+    "deepseek_v3": ([0, 1], "sdpa"),
     "qwen3_next": ([1, 3], "sdpa"),  # gated attention, MoE with a shared expert
     "qwen3_5": ([1, 3], "sdpa"),
     "qwen3_5_moe": ([1, 3], "sdpa"),
@@ -139,9 +158,10 @@ def test_family_layers_are_tiled_exactly(family: str, checkpointing: bool) -> No
     ids = torch.randint(3, VOCAB, (2, 11), generator=torch.Generator().manual_seed(1))
     loss, routed = _run(model, ids)
     experts = {n: c for n, c in tile_counts(model).items() if n.endswith("mlp.experts")}
-    moe = family in ("qwen3_moe", "mixtral", "gpt_oss", "qwen3_next", "qwen3_5_moe")
+    moe = family in ("qwen3_moe", "mixtral", "gpt_oss", "qwen3_next", "qwen3_5_moe", "deepseek_v3")
     if moe:  # the experts' block runs inside the tiled layer with its experts tiled
-        assert sorted(experts) == [f"model.layers.{i}.mlp.experts" for i in all_layers]
+        dense = 1 if family == "deepseek_v3" else 0  # its first layers' MLPs are dense
+        assert sorted(experts) == [f"model.layers.{i}.mlp.experts" for i in all_layers[dense:]]
         assert all(c.calls >= 1 and c.tiles == 3 * c.calls for c in experts.values()), experts
     ref_loss, ref_routed = _run(ref, ids)
     assert_close_rel(loss, ref_loss, "loss")

@@ -42,7 +42,7 @@ __all__ = [
 ]
 
 
-def _call_untiled(module: nn.Module, *args: torch.Tensor) -> Any:
+def call_untiled(module: nn.Module, *args: torch.Tensor) -> Any:
     """Calls `module` as the layer would, but never tiled again: a module patched by
     patch_model (a tiled MLP or norm) runs its original forward inside the block's tile."""
     if STATE in module.__dict__:
@@ -86,7 +86,7 @@ class PreAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[Any, ...]:
         lead = x.shape[:-1]
-        normed = x if self.norm is None else _call_untiled(self.norm, x)
+        normed = x if self.norm is None else call_untiled(self.norm, x)
         if len(self.projections) == 1:
             qkv = self.projections[0](normed)
             kv = (qkv.shape[-1] - self.q_size) // 2
@@ -98,13 +98,13 @@ class PreAttention(nn.Module):
             q, gate = q.view(*lead, -1, 2 * self.head_dim).chunk(2, dim=-1)
             gate = gate.reshape(*lead, -1)
         if self.whole_qk_norm:  # norms over the whole projection, before the split into heads
-            q = q if self.q_norm is None else _call_untiled(self.q_norm, q)
-            k = k if self.k_norm is None else _call_untiled(self.k_norm, k)
+            q = q if self.q_norm is None else call_untiled(self.q_norm, q)
+            k = k if self.k_norm is None else call_untiled(self.k_norm, k)
         q = q.reshape(*lead, -1, self.head_dim)
         k = k.reshape(*lead, -1, self.head_dim)
         if not self.whole_qk_norm:
-            q = q if self.q_norm is None else _call_untiled(self.q_norm, q)
-            k = k if self.k_norm is None else _call_untiled(self.k_norm, k)
+            q = q if self.q_norm is None else call_untiled(self.q_norm, q)
+            k = k if self.k_norm is None else call_untiled(self.k_norm, k)
         cos = cos.reshape(*lead, cos.shape[-1])
         sin = sin.reshape(*lead, sin.shape[-1])
         # The model's own rotary function, in its layout: (batch, heads, seq, head_dim).
@@ -135,7 +135,7 @@ class Norms:
 
 
 def _norm(norm: nn.Module | None, x: torch.Tensor) -> torch.Tensor:
-    return x if norm is None else _call_untiled(norm, x)  # type: ignore[no-any-return]
+    return x if norm is None else call_untiled(norm, x)  # type: ignore[no-any-return]
 
 
 class PostAttention(nn.Module):
@@ -168,11 +168,11 @@ class PostAttention(nn.Module):
         out = _norm(norms.attn_out, self.o_proj(attn))
         if norms.parallel:
             assert self.mlp is not None  # recognition pairs a parallel block with a dense MLP
-            return residual + out + _call_untiled(self.mlp, _norm(norms.attn_in, residual))  # type: ignore[no-any-return]
+            return residual + out + call_untiled(self.mlp, _norm(norms.attn_in, residual))  # type: ignore[no-any-return]
         h = residual + out
         if self.mlp is None:
             return h, _norm(norms.mlp_in, h)
-        return h + _norm(norms.mlp_out, _call_untiled(self.mlp, _norm(norms.mlp_in, h)))
+        return h + _norm(norms.mlp_out, call_untiled(self.mlp, _norm(norms.mlp_in, h)))
 
 
 @dataclass
@@ -180,7 +180,8 @@ class LayerParts:
     """A recognised decoder layer: its two tiled blocks and how its attention is called.
 
     Attributes:
-        pre: the pre-attention block.
+        pre: the pre-attention block (PreAttention, or LatentPreAttention of
+            patching/latent_attention.py).
         post: the post-attention block.
         attn: the attention module (handed to the attention function, as its own forward does).
         head_dim: per-head size.
@@ -199,9 +200,14 @@ class LayerParts:
             by the MLP patch); None for a dense MLP, which runs inside the post block.
         tensor_kwargs: keyword arguments of the attention call that are tensors of the
             attention module (e.g. attention sinks), by attribute name, read at each call.
+        v_head_dim: per-head size of the values (0: head_dim).
+        rotary_width: the rotary angles' width (0: head_dim; multi-head latent attention:
+            its rotary part).
+        latent: multi-head latent attention (patching/latent_attention.py), whose KV cache
+            holds the latents: a call with a cache runs the layer's own forward.
     """
 
-    pre: PreAttention
+    pre: nn.Module
     post: PostAttention
     attn: Any
     head_dim: int
@@ -211,6 +217,9 @@ class LayerParts:
     cache_keyword: str = "past_key_values"
     moe: nn.Module | None = None
     tensor_kwargs: dict[str, str] = field(default_factory=dict)
+    v_head_dim: int = 0
+    rotary_width: int = 0
+    latent: bool = False
 
 
 def attention_function(parts: LayerParts) -> Callable[..., Any]:
@@ -247,8 +256,8 @@ def layer_math(
     cos = cos.expand(batch, seq, cos.shape[-1])
     sin = sin.expand(batch, seq, sin.shape[-1])
     q, k, v, *gate = run(parts.pre, hidden_states, cos, sin)
-    shape = (batch, seq, -1, parts.head_dim)
-    q, k, v = (t.view(shape).transpose(1, 2) for t in (q, k, v))
+    q, k = (t.view(batch, seq, -1, parts.head_dim).transpose(1, 2) for t in (q, k))
+    v = v.view(batch, seq, -1, parts.v_head_dim or parts.head_dim).transpose(1, 2)
     attn = parts.attn
     if past_key_values is not None:  # what the attention module does with a cache
         if parts.cache_keyword == "cache":

@@ -31,6 +31,7 @@ from tiledmlp.ops.tiling.probe import absent, stand_ins
 from tiledmlp.patching.agreement import StepTokens
 from tiledmlp.patching.bound import bind
 from tiledmlp.patching.detect import is_projection, probing
+from tiledmlp.patching.latent_attention import LatentPreAttention, is_latent
 from tiledmlp.patching.layer_blocks import (
     LayerParts,
     Norms,
@@ -130,8 +131,6 @@ def _projections(attn: Any) -> tuple[nn.Module, ...] | str:
     fused = _projection(attn, "qkv_proj")
     if fused is not None:
         return (fused,)
-    if _projection(attn, "kv_a_proj_with_mqa") is not None:
-        return "its attention is multi-head latent attention (compressed q/k/v), not tiled"
     missing = [n for n, p in zip(names, found) if p is None]
     return f"its attention has no projection {', '.join(missing)} (renamed q/k/v)"
 
@@ -155,6 +154,11 @@ def _structure(layer: nn.Module) -> LayerParts | str:
     if isinstance(norms, str):
         return norms
     attn: Any = layer.self_attn  # the family's attention module, read by attribute
+    config: Any = getattr(attn, "config", None)
+    if not isinstance(getattr(config, "_attn_implementation", None), str):
+        return "its attention has no config naming the attention implementation"
+    if is_latent(attn):
+        return _latent_structure(layer, norms)
     projections = _projections(attn)
     if isinstance(projections, str):
         return projections
@@ -163,24 +167,14 @@ def _structure(layer: nn.Module) -> LayerParts | str:
     head_dim = getattr(attn, "head_dim", None)
     if not isinstance(head_dim, int) or not isinstance(getattr(attn, "scaling", None), float):
         return "its attention has no head_dim / scaling attributes"
-    config: Any = getattr(attn, "config", None)
-    if not isinstance(getattr(config, "_attn_implementation", None), str):
-        return "its attention has no config naming the attention implementation"
+    common = _common(layer, norms)
+    if isinstance(common, str):
+        return common
+    moe, cache_keyword = common
     mlp: nn.Module = layer.mlp  # type: ignore[assignment]
-    moe = any(p.dim() > 2 for p in mlp.parameters()) or any(
-        isinstance(m, nn.ModuleList) for m in mlp.modules()
-    )
-    if moe and norms.parallel:
-        return "its MLP routes tokens to experts beside the attention (parallel block)"
-    why = _dropout(layer)
-    if why is not None:
-        return why
     rotary = _family_function(attn, "apply_rotary_pos_emb")
     if rotary is None:
         return "its attention's module has no apply_rotary_pos_emb (no rotary embedding)"
-    params = inspect.signature(original_forward(layer)).parameters
-    if "position_embeddings" not in params:
-        return "its forward takes no position_embeddings"
     q_norm = getattr(attn, "q_norm", None)
     q_norm = q_norm if isinstance(q_norm, nn.Module) else None
     k_norm = getattr(attn, "k_norm", None)
@@ -200,7 +194,50 @@ def _structure(layer: nn.Module) -> LayerParts | str:
     post = PostAttention(attn.o_proj, norms, None if moe else mlp)
     parts = LayerParts(pre, post, attn, head_dim, _family_function(attn, "eager_attention_forward"))
     parts.moe = mlp if moe else None
-    parts.cache_keyword = "cache" if "cache" in params else "past_key_values"
+    parts.cache_keyword = cache_keyword
+    return parts
+
+
+def _common(layer: nn.Module, norms: Norms) -> tuple[bool, str] | str:
+    """(whether the MLP is a mixture of experts, the cache keyword), or why the layer is
+    refused, for what every recognised layer shares."""
+    mlp: nn.Module = layer.mlp  # type: ignore[assignment]
+    moe = any(p.dim() > 2 for p in mlp.parameters()) or any(
+        isinstance(m, nn.ModuleList) for m in mlp.modules()
+    )
+    if moe and norms.parallel:
+        return "its MLP routes tokens to experts beside the attention (parallel block)"
+    why = _dropout(layer)
+    if why is not None:
+        return why
+    params = inspect.signature(original_forward(layer)).parameters
+    if "position_embeddings" not in params:
+        return "its forward takes no position_embeddings"
+    return moe, "cache" if "cache" in params else "past_key_values"
+
+
+def _latent_structure(layer: nn.Module, norms: Norms) -> LayerParts | str:
+    """The parts of a multi-head-latent-attention layer (patching/latent_attention.py)."""
+    attn: Any = layer.self_attn
+    if not isinstance(getattr(attn, "scaling", None), float):
+        return "its latent attention has no scaling attribute"
+    common = _common(layer, norms)
+    if isinstance(common, str):
+        return common
+    moe, cache_keyword = common
+    interleaved = bool(getattr(attn.config, "rope_interleave", False))
+    name = "apply_rotary_pos_emb_interleave" if interleaved else "apply_rotary_pos_emb"
+    rotary = _family_function(attn, name)
+    if rotary is None:
+        return f"its latent attention's module has no {name}"
+    mlp: nn.Module = layer.mlp  # type: ignore[assignment]
+    pre = LatentPreAttention(norms.attn_in, attn, rotary)
+    post = PostAttention(attn.o_proj, norms, None if moe else mlp)
+    head_dim = pre.nope + pre.rope
+    eager = _family_function(attn, "eager_attention_forward")
+    parts = LayerParts(pre, post, attn, head_dim, eager, moe=mlp if moe else None)
+    parts.cache_keyword = cache_keyword
+    parts.v_head_dim, parts.rotary_width, parts.latent = pre.v_dim, pre.rope, True
     return parts
 
 
@@ -286,7 +323,8 @@ def _probe(layer: nn.Module, parts: LayerParts) -> str | None:
         failed: Exception | None = None
         # The rotary angles span the head (Llama) or half of it (a rotary that splits the
         # head in halves and gives each the same angle, e.g. GPT-OSS): the first that runs.
-        for width in (parts.head_dim, parts.head_dim // 2):
+        rotary = parts.rotary_width or parts.head_dim
+        for width in (rotary, rotary // 2):
             theta = torch.rand(1, _PROBE_TOKENS, width, generator=gen, device=device)
             cos, sin = (theta * 6.0).cos().to(dtype), (theta * 6.0).sin().to(dtype)
             _RECORDED.calls.clear()
