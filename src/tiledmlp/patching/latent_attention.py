@@ -41,7 +41,8 @@ def is_latent(attn: Any) -> bool:
 class LatentPreAttention(nn.Module):
     """x, cos, sin -> q, k, v of a multi-head-latent-attention layer (module docstring).
 
-    Inputs x (1 or batch, n, hidden), cos and sin (x's leading dims, rope_dim); outputs q and k
+    Inputs x (1 or batch, n, hidden), cos and sin (n, rope_dim) or x's leading dims plus
+    rope_dim; outputs q and k
     (..., heads * (nope + rope)), v (..., heads * v_head_dim).
     """
 
@@ -83,6 +84,8 @@ class LatentPreAttention(nn.Module):
         kv_nope, k_rot = self.kv_a_proj_with_mqa(normed).split([self.rank, self.rope], dim=-1)
         kv_nope = call_untiled(self.kv_a_layernorm, kv_nope)
         k_rot = k_rot.view(batch, 1, seq, self.rope)  # one rotary key for every head
+        cos = cos.reshape(batch, seq, cos.shape[-1])  # a tile may hand them over flattened
+        sin = sin.reshape(batch, seq, sin.shape[-1])
         # The model's own rotary function, in its layout: (batch, heads, seq, rope_dim).
         q_rot, k_rot = self.rotary(q_rot, k_rot, cos, sin)
         q = torch.cat((q_pass, q_rot), dim=-1)
