@@ -6,6 +6,11 @@ A Llama-family decoder layer computes
     a = attention(q, k, v)                                   (the attention core: mixes tokens)
     h = x + o_proj(a);   y = h + mlp(norm2(h))
 
+Other families move the norms (`Norms`: after the attention and the MLP too, Gemma 2/3; on the
+outputs only, OLMo 2/3; one norm for attention and MLP side by side, Cohere), fuse q/k/v
+(Phi-3), gate the attention's output (Qwen3-Next), compress q/k/v (multi-head latent attention:
+patching/latent_attention.py), or route tokens to experts (the MoE block then runs whole between
+the post-attention block and the last residual, so its router sees every token at once).
 Everything but the attention core is token-wise (rotary given each token's cos/sin), so the
 layer is `PreAttention` (x, cos, sin -> q, k, v), the attention function, and `PostAttention`
 (a, x -> y). `layer_math` is that computation with a caller-chosen way of running each block

@@ -1,13 +1,16 @@
-"""Tiled decoder layers: recognising a Llama-family layer and installing the tiled forward.
+"""Tiled decoder layers: recognising a decoder layer and installing the tiled forward.
 
-A layer is recognised by structure and by a probe: it must hold input_layernorm, self_attn
-(q_proj, k_proj, v_proj, o_proj, optional q_norm / k_norm, head_dim, scaling), a dense
-post_attention_layernorm and mlp (no experts), and its own forward must give, at independent
-random weights (ops/tiling/probe.py), in training mode, with random rotary angles, exactly what the two
+A layer is recognised by structure and by a probe: it must hold self_attn (q_proj, k_proj,
+v_proj or a fused qkv_proj, o_proj, optional q_norm / k_norm per head or over the whole
+projection, head_dim, scaling; or multi-head latent attention, patching/latent_attention.py),
+an mlp (dense, or a mixture of experts run whole) and norms whose names say where they sit
+(`_norms`: Llama, Gemma 2/3, OLMo 2/3, Cohere); its own forward must give, at independent random
+weights (ops/tiling/probe.py), in training mode, with random rotary angles, exactly what the two
 blocks (patching/layer_blocks.py) give around the same attention call (the probe records the
-keyword arguments the attention module passes, e.g. a sliding window, and passes the same ones).
-Anything else is refused with one line, never approximated. `install_layer` puts the tiled
-forward (patching/layer_forward.py) on a recognised layer.
+keyword arguments the attention module passes, e.g. a sliding window, soft-capping or attention
+sinks, and passes the same ones). Anything else is refused with one line, never approximated;
+a hybrid stack's linear-attention layer keeps its own attention (`own_mixer`). `install_layer`
+puts the tiled forward (patching/layer_forward.py) on a recognised layer.
 
 Invariant: recognition changes nothing on the layer (the probe restores its weights, mode and
 attention implementation); installing is reversible (the original forward is kept in the layer's
