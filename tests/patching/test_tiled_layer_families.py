@@ -201,3 +201,15 @@ def test_a_layer_computing_something_else_is_refused() -> None:
         patch_model(model, tiled_layers=True)
     assert "\n" not in str(err.value) and "drop tiled_layers" in str(err.value)
     assert not any("forward" in m.__dict__ for m in model.modules())
+
+
+@pytest.mark.parametrize("family", ["gemma3", "deepseek_v3", "qwen3_5"])
+def test_generation_with_a_cache_gives_the_same_tokens(family: str) -> None:
+    # Sliding-window caches (Gemma 3: more tokens than its window), latent caches
+    # (the layer's own forward), a hybrid's linear-attention state beside tiled layers.
+    model = _model(family, "sdpa").eval()
+    ref = copy.deepcopy(model)
+    patch_model(model, num_tiles=2, tiled_layers=True)
+    prompt = torch.randint(3, VOCAB, (1, 6), generator=torch.Generator().manual_seed(4))
+    kwargs = {"max_new_tokens": 5, "do_sample": False, "pad_token_id": 0}
+    assert torch.equal(model.generate(prompt, **kwargs), ref.generate(prompt, **kwargs))
