@@ -158,10 +158,11 @@ class PostAttention(nn.Module):
         self.o_proj = o_proj
         self.norms = norms
         self.mlp = mlp
-        # Registered here so the generic path sees their parameters as the block's.
-        self.norm_modules = nn.ModuleList(
-            n for n in (norms.attn_in, norms.attn_out, norms.mlp_in, norms.mlp_out) if n is not None
-        )
+        # The norms this block calls, registered so the generic path sees their parameters as
+        # the block's (and no others: the first norm belongs to PreAttention unless parallel).
+        used: tuple[nn.Module | None, ...] = (norms.attn_out, norms.mlp_in, norms.mlp_out)
+        used += (norms.attn_in,) if norms.parallel else ()
+        self.norm_modules = nn.ModuleList(n for n in used if n is not None)
 
     def forward(
         self, attn: torch.Tensor, residual: torch.Tensor, gate: torch.Tensor | None = None
