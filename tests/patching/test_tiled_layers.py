@@ -28,14 +28,22 @@ from conftest import (
 
 # Families whose decoder layer is norm -> attention -> residual -> norm -> MLP -> residual
 # (Qwen3 with per-head q/k norms; Mistral and Qwen2 pass a sliding window to the attention).
-RECOGNISED = ["llama", "qwen3", "mistral", "qwen2", "gemma"]
+# Beyond it (tests/patching/test_tiled_layer_families.py has more): Gemma 2/3 with norms after
+# the attention and the MLP, Phi-3's fused q/k/v, Qwen3-MoE's experts.
+RECOGNISED = [
+    "llama",
+    "qwen3",
+    "mistral",
+    "qwen2",
+    "gemma",
+    "gemma2",
+    "gemma3",
+    "phi3",
+    "qwen3_moe",
+]
 REFUSED = {
-    "gemma2": "computes something other",  # norms after attention and MLP
-    "gemma3": "computes something other",
-    "phi3": "no projection q_proj",  # fused qkv_proj
-    "qwen3_moe": "mixture of experts",
     "gpt_neox": "no self_attn",
-    "gpt2": "no input_layernorm",
+    "gpt2": "no self_attn",
 }
 
 
@@ -193,7 +201,8 @@ def test_the_probe_leaves_weights_modes_and_rng_alone() -> None:
         assert torch.equal(p, before[n]), n
 
 
-@pytest.mark.parametrize("family", RECOGNISED)
+# Qwen3-MoE's experts (grouped matmuls) do not run in float64 on CPU: no float64 reference.
+@pytest.mark.parametrize("family", [f for f in RECOGNISED if f != "qwen3_moe"])
 def test_bf16_error_at_most_twice_the_untiled_error(family: str) -> None:
     assert_tiled_layers_bf16_within_twice_untiled(tiny_causal_lm(family), _ids())
 

@@ -129,7 +129,7 @@ class PatchConfig:
         "norms and MLP around the attention core)",
         keys=(Key("tiled_layers", parse_bool, help="also tile the rest of each decoder layer "
                   "that is token-wise: projections, residuals, norms and MLP around the "
-                  "attention core (Llama-family layers)"),),
+                  "attention core (dense and MoE layers; hybrids: the full-attention layers)"),),
         group="long context",
         feature=True,
     )  # fmt: skip

@@ -110,7 +110,7 @@ def _tiled_layer_call(
     if (
         (
             past_key_values is not None
-            and not isinstance(getattr(parts.attn, "layer_idx", None), int)
+            and (parts.latent or not isinstance(getattr(parts.attn, "layer_idx", None), int))
         )
         or not isinstance(position_embeddings, (tuple, list))
         or not isinstance(hidden_states, torch.Tensor)

@@ -1,13 +1,16 @@
-"""Tiled decoder layers: recognising a Llama-family layer and installing the tiled forward.
+"""Tiled decoder layers: recognising a decoder layer and installing the tiled forward.
 
-A layer is recognised by structure and by a probe: it must hold input_layernorm, self_attn
-(q_proj, k_proj, v_proj, o_proj, optional q_norm / k_norm, head_dim, scaling), a dense
-post_attention_layernorm and mlp (no experts), and its own forward must give, at independent
-random weights (ops/tiling/probe.py), in training mode, with random rotary angles, exactly what the two
+A layer is recognised by structure and by a probe: it must hold self_attn (q_proj, k_proj,
+v_proj or a fused qkv_proj, o_proj, optional q_norm / k_norm per head or over the whole
+projection, head_dim, scaling; or multi-head latent attention, patching/latent_attention.py),
+an mlp (dense, or a mixture of experts run whole) and norms whose names say where they sit
+(`_norms`: Llama, Gemma 2/3, OLMo 2/3, Cohere); its own forward must give, at independent random
+weights (ops/tiling/probe.py), in training mode, with random rotary angles, exactly what the two
 blocks (patching/layer_blocks.py) give around the same attention call (the probe records the
-keyword arguments the attention module passes, e.g. a sliding window, and passes the same ones).
-Anything else is refused with one line, never approximated. `install_layer` puts the tiled
-forward (patching/layer_forward.py) on a recognised layer.
+keyword arguments the attention module passes, e.g. a sliding window, soft-capping or attention
+sinks, and passes the same ones). Anything else is refused with one line, never approximated;
+a hybrid stack's linear-attention layer keeps its own attention (`own_mixer`). `install_layer`
+puts the tiled forward (patching/layer_forward.py) on a recognised layer.
 
 Invariant: recognition changes nothing on the layer (the probe restores its weights, mode and
 attention implementation); installing is reversible (the original forward is kept in the layer's
@@ -31,7 +34,14 @@ from tiledmlp.ops.tiling.probe import absent, stand_ins
 from tiledmlp.patching.agreement import StepTokens
 from tiledmlp.patching.bound import bind
 from tiledmlp.patching.detect import is_projection, probing
-from tiledmlp.patching.layer_blocks import LayerParts, PostAttention, PreAttention, layer_math
+from tiledmlp.patching.latent_attention import LatentPreAttention, is_latent
+from tiledmlp.patching.layer_blocks import (
+    LayerParts,
+    Norms,
+    PostAttention,
+    PreAttention,
+    layer_math,
+)
 from tiledmlp.patching.layer_forward import LAYER, tiled_layer_forward, unchecked_forward
 from tiledmlp.patching.state import STATE, PatchState, original_forward
 from tiledmlp.sequence_parallel.install import set_implementation
@@ -42,6 +52,7 @@ __all__ = [
     "decoder_layers",
     "install_layer",
     "layer_parts",
+    "own_mixer",
     "tiled_layer_forward",
 ]
 
@@ -67,55 +78,169 @@ def decoder_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return found
 
 
+def own_mixer(layer: nn.Module) -> str | None:
+    """Why a decoder layer keeps its own token mixer (a hybrid stack's linear-attention layer,
+    e.g. Qwen3-Next's gated delta net: its state runs along the sequence, so it is not split
+    into tiles; its MLP and norms are tiled by their own patches), or None."""
+    mixer = getattr(layer, "linear_attn", None)
+    if isinstance(mixer, nn.Module) and not isinstance(
+        getattr(layer, "self_attn", None), nn.Module
+    ):
+        return (
+            f"linear-attention layer ({type(mixer).__name__}): keeps its own attention; "
+            "its MLP and norms are tiled by the MLP and norm patches"
+        )
+    return None
+
+
 def _family_function(module: nn.Module, name: str) -> Callable[..., Any] | None:
     """A function of the module's modeling file (the one its forward calls by that name)."""
     fn = getattr(sys.modules.get(type(module).__module__), name, None)
     return fn if callable(fn) else None
 
 
+def _norms(layer: nn.Module) -> Norms | str:
+    """Where the layer's norms sit, by their names (the probe checks the guess)."""
+
+    def get(name: str) -> nn.Module | None:
+        m = getattr(layer, name, None)
+        return m if isinstance(m, nn.Module) else None
+
+    attn_in, post_attn = get("input_layernorm"), get("post_attention_layernorm")
+    pre_ff, post_ff = get("pre_feedforward_layernorm"), get("post_feedforward_layernorm")
+    if pre_ff is not None:  # Gemma 2/3: a norm before and after the attention and the MLP
+        return Norms(attn_in, post_attn, pre_ff, post_ff)
+    if post_ff is not None:  # OLMo 2/3: norms on the outputs only
+        return Norms(attn_in, post_attn, None, post_ff)
+    if post_attn is not None:  # Llama: a norm before the attention and before the MLP
+        return Norms(attn_in, None, post_attn, None)
+    if attn_in is not None:  # Cohere: one norm, attention and MLP side by side
+        return Norms(attn_in, parallel=True)
+    return "no input_layernorm or post_attention_layernorm"
+
+
+def _projection(attn: Any, name: str) -> nn.Module | None:
+    """The attention's projection of that name (None where absent, None or not a matrix)."""
+    m = getattr(attn, name, None)
+    return m if isinstance(m, nn.Module) and is_projection(m) else None
+
+
+def _projections(attn: Any) -> tuple[nn.Module, ...] | str:
+    """(q_proj, k_proj, v_proj), or (qkv_proj,) for one fused projection."""
+    names = ("q_proj", "k_proj", "v_proj")
+    found = [_projection(attn, n) for n in names]
+    if all(p is not None for p in found):
+        return tuple(p for p in found if p is not None)
+    fused = _projection(attn, "qkv_proj")
+    if fused is not None:
+        return (fused,)
+    missing = [n for n, p in zip(names, found) if p is None]
+    return f"its attention has no projection {', '.join(missing)} (renamed q/k/v)"
+
+
+def _dropout(layer: nn.Module) -> str | None:
+    """Why the layer cannot be tiled exactly for dropout in it (outside its MLP), or None."""
+    for name, m in layer.named_children():
+        if isinstance(m, nn.Dropout) and m.p > 0:
+            return f"its {name} drops out with p={m.p} (set it to 0 to tile the layer)"
+    return None
+
+
 def _structure(layer: nn.Module) -> LayerParts | str:
     """The layer's parts by attribute, or why it is not a recognised decoder layer."""
-    need = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
-    missing = [n for n in need if not isinstance(getattr(layer, n, None), nn.Module)]
+    missing = [
+        n for n in ("self_attn", "mlp") if not isinstance(getattr(layer, n, None), nn.Module)
+    ]
     if missing:
         return f"no {', '.join(missing)}"
+    norms = _norms(layer)
+    if isinstance(norms, str):
+        return norms
     attn: Any = layer.self_attn  # the family's attention module, read by attribute
-    projections = ("q_proj", "k_proj", "v_proj", "o_proj")
-    bad = [n for n in projections if not is_projection(getattr(attn, n, nn.Identity()))]
-    if bad:
-        return f"its attention has no projection {', '.join(bad)} (fused or renamed q/k/v)"
+    config: Any = getattr(attn, "config", None)
+    if not isinstance(getattr(config, "_attn_implementation", None), str):
+        return "its attention has no config naming the attention implementation"
+    if is_latent(attn):
+        return _latent_structure(layer, norms)
+    projections = _projections(attn)
+    if isinstance(projections, str):
+        return projections
+    if _projection(attn, "o_proj") is None:
+        return "its attention has no projection o_proj"
     head_dim = getattr(attn, "head_dim", None)
     if not isinstance(head_dim, int) or not isinstance(getattr(attn, "scaling", None), float):
         return "its attention has no head_dim / scaling attributes"
-    config = getattr(attn, "config", None)
-    if not isinstance(getattr(config, "_attn_implementation", None), str):
-        return "its attention has no config naming the attention implementation"
+    common = _common(layer, norms)
+    if isinstance(common, str):
+        return common
+    moe, cache_keyword = common
     mlp: nn.Module = layer.mlp  # type: ignore[assignment]
-    if any(p.dim() > 2 for p in mlp.parameters()) or any(
-        isinstance(m, nn.ModuleList) for m in mlp.modules()
-    ):
-        return "its MLP routes tokens to experts (mixture of experts)"
     rotary = _family_function(attn, "apply_rotary_pos_emb")
     if rotary is None:
         return "its attention's module has no apply_rotary_pos_emb (no rotary embedding)"
+    q_norm = getattr(attn, "q_norm", None)
+    q_norm = q_norm if isinstance(q_norm, nn.Module) else None
+    k_norm = getattr(attn, "k_norm", None)
+    k_norm = k_norm if isinstance(k_norm, nn.Module) else None
+    q_size = int(config.num_attention_heads) * head_dim
+    # A q norm whose weight spans every head is over the whole projection (OLMo 2/3).
+    weight = getattr(q_norm, "weight", None)
+    whole = (
+        isinstance(weight, torch.Tensor) and weight.dim() == 1 and len(weight) == q_size != head_dim
+    )
+    # A q projection twice the query's width gives each head's query and output gate.
+    gated = len(projections) == 3 and getattr(projections[0], "out_features", 0) == 2 * q_size
+    pre = PreAttention(
+        norms.attn_in, projections, q_norm, k_norm, rotary, head_dim,
+        q_size=q_size, whole_qk_norm=whole, gated=gated,
+    )  # fmt: skip
+    post = PostAttention(attn.o_proj, norms, None if moe else mlp)
+    parts = LayerParts(pre, post, attn, head_dim, _family_function(attn, "eager_attention_forward"))
+    parts.moe = mlp if moe else None
+    parts.cache_keyword = cache_keyword
+    return parts
+
+
+def _common(layer: nn.Module, norms: Norms) -> tuple[bool, str] | str:
+    """(whether the MLP is a mixture of experts, the cache keyword), or why the layer is
+    refused, for what every recognised layer shares."""
+    mlp: nn.Module = layer.mlp  # type: ignore[assignment]
+    moe = any(p.dim() > 2 for p in mlp.parameters()) or any(
+        isinstance(m, nn.ModuleList) for m in mlp.modules()
+    )
+    if moe and norms.parallel:
+        return "its MLP routes tokens to experts beside the attention (parallel block)"
+    why = _dropout(layer)
+    if why is not None:
+        return why
     params = inspect.signature(original_forward(layer)).parameters
     if "position_embeddings" not in params:
         return "its forward takes no position_embeddings"
-    q_norm = getattr(attn, "q_norm", None)
-    k_norm = getattr(attn, "k_norm", None)
-    pre = PreAttention(
-        layer.input_layernorm,  # type: ignore[arg-type]
-        attn.q_proj,
-        attn.k_proj,
-        attn.v_proj,
-        q_norm if isinstance(q_norm, nn.Module) else None,
-        k_norm if isinstance(k_norm, nn.Module) else None,
-        rotary,
-        head_dim,
-    )
-    post = PostAttention(attn.o_proj, layer.post_attention_layernorm, mlp)  # type: ignore[arg-type]
-    parts = LayerParts(pre, post, attn, head_dim, _family_function(attn, "eager_attention_forward"))
-    parts.cache_keyword = "cache" if "cache" in params else "past_key_values"
+    return moe, "cache" if "cache" in params else "past_key_values"
+
+
+def _latent_structure(layer: nn.Module, norms: Norms) -> LayerParts | str:
+    """The parts of a multi-head-latent-attention layer (patching/latent_attention.py)."""
+    attn: Any = layer.self_attn
+    if not isinstance(getattr(attn, "scaling", None), float):
+        return "its latent attention has no scaling attribute"
+    common = _common(layer, norms)
+    if isinstance(common, str):
+        return common
+    moe, cache_keyword = common
+    interleaved = bool(getattr(attn.config, "rope_interleave", False))
+    name = "apply_rotary_pos_emb_interleave" if interleaved else "apply_rotary_pos_emb"
+    rotary = _family_function(attn, name)
+    if rotary is None:
+        return f"its latent attention's module has no {name}"
+    mlp: nn.Module = layer.mlp  # type: ignore[assignment]
+    pre = LatentPreAttention(norms.attn_in, attn, rotary)
+    post = PostAttention(attn.o_proj, norms, None if moe else mlp)
+    head_dim = pre.nope + pre.rope
+    eager = _family_function(attn, "eager_attention_forward")
+    parts = LayerParts(pre, post, attn, head_dim, eager, moe=mlp if moe else None)
+    parts.cache_keyword = cache_keyword
+    parts.v_head_dim, parts.rotary_width, parts.latent = pre.v_dim, pre.rope, True
     return parts
 
 
@@ -197,20 +322,30 @@ def _probe(layer: nn.Module, parts: LayerParts) -> str | None:
     with probing(layer, training=True), _probe_implementation(parts.attn.config), weights:
         gen = torch.Generator(device=device).manual_seed(0) if compare else None
         x = torch.randn(2, _PROBE_TOKENS, hidden, generator=gen, device=device).to(dtype)
-        theta = torch.rand(1, _PROBE_TOKENS, parts.head_dim, generator=gen, device=device)
-        cos, sin = (theta * 6.0).cos().to(dtype), (theta * 6.0).sin().to(dtype)
         positions = torch.arange(_PROBE_TOKENS, device=device)[None]
-        try:
-            ref = unchecked_forward(layer)(
-                x,
-                attention_mask=None,
-                position_ids=positions,
-                use_cache=False,
-                position_embeddings=(cos, sin),
-                **{parts.cache_keyword: None},
-            )
-        except Exception as e:  # any failure means the layer is not called like Llama's
-            return f"its forward cannot be called like a Llama decoder layer's ({_line(e)})"
+        failed: Exception | None = None
+        # The rotary angles span the head (Llama) or half of it (a rotary that splits the
+        # head in halves and gives each the same angle, e.g. GPT-OSS): the first that runs.
+        rotary = parts.rotary_width or parts.head_dim
+        for width in (rotary, rotary // 2):
+            theta = torch.rand(1, _PROBE_TOKENS, width, generator=gen, device=device)
+            cos, sin = (theta * 6.0).cos().to(dtype), (theta * 6.0).sin().to(dtype)
+            _RECORDED.calls.clear()
+            try:
+                ref = unchecked_forward(layer)(
+                    x,
+                    attention_mask=None,
+                    position_ids=positions,
+                    use_cache=False,
+                    position_embeddings=(cos, sin),
+                    **{parts.cache_keyword: None},
+                )
+                break
+            except Exception as e:  # any failure means the layer is not called like Llama's
+                failed = failed or e
+        else:
+            assert failed is not None
+            return f"its forward cannot be called like a Llama decoder layer's ({_line(failed)})"
         if len(_RECORDED.calls) != 1:
             return "its forward does not call the attention function exactly once"
         q_ref, k_ref, v_ref, recorded = _RECORDED.calls.pop()
@@ -218,7 +353,16 @@ def _probe(layer: nn.Module, parts: LayerParts) -> str | None:
             return "its attention passes a scaling other than its `scaling` attribute"
         if recorded.get("dropout") != getattr(parts.attn, "attention_dropout", None):
             return "its attention passes a dropout other than its `attention_dropout`"
-        parts.extra_kwargs = {k: v for k, v in recorded.items() if k not in _OWN_KWARGS}
+        extra = {k: v for k, v in recorded.items() if k not in _OWN_KWARGS}
+        own = {id(t): n for n, t in vars(parts.attn)["_parameters"].items() if t is not None}
+        own.update((id(t), n) for n, t in vars(parts.attn)["_buffers"].items() if t is not None)
+        for key, value in list(extra.items()):
+            if isinstance(value, torch.Tensor):
+                if id(value) not in own:
+                    return f"its attention passes a tensor {key} that is not one of its own"
+                parts.tensor_kwargs[key] = own[id(value)]
+                del extra[key]
+        parts.extra_kwargs = extra
         parts.returns_tuple = isinstance(ref, tuple)
         if parts.returns_tuple and len(ref) != 1:
             return f"its forward returns {len(ref)} values"
@@ -237,7 +381,8 @@ def _probe(layer: nn.Module, parts: LayerParts) -> str | None:
         if not all(_close(a, b) for a, b in ((q, q_ref), (k, k_ref), (v, v_ref), (y, y_ref))):
             return (
                 "its forward computes something other than norm -> q/k/v (-> q/k norms) -> "
-                "rotary -> attention -> o_proj + residual -> norm -> MLP + residual"
+                "rotary -> attention -> o_proj (-> norm) + residual -> norm -> MLP (-> norm) "
+                "+ residual, with the norms where their names say"
             )
     return None
 

@@ -7,8 +7,9 @@ real values it compares the layer's forward with the tiled blocks; on fake or me
 only records how the layer calls its attention, so the planner probes this feature too). Apply:
 the tiled layer forward on each, from the recognised parts.
 
-Invariant: either every decoder layer is tiled or patch_model refuses (one line naming the
-first layer that is not recognised).
+Invariant: either every decoder layer is tiled, or kept whole for its own token mixer (a hybrid
+stack's linear-attention layers, reported as skipped, with at least one layer tiled), or
+patch_model refuses (one line naming the first layer that is not recognised).
 """
 
 from __future__ import annotations
@@ -21,7 +22,14 @@ from tiledmlp.config.patch import PatchConfig
 from tiledmlp.patching.agreement import step_tokens
 from tiledmlp.patching.features.base import Found
 from tiledmlp.patching.features.tiled_modules import ModuleTiling
-from tiledmlp.patching.layers import LAYER, LAYER_KIND, decoder_layers, install_layer, layer_parts
+from tiledmlp.patching.layers import (
+    LAYER,
+    LAYER_KIND,
+    decoder_layers,
+    install_layer,
+    layer_parts,
+    own_mixer,
+)
 from tiledmlp.patching.report import ReportParts
 from tiledmlp.patching.state import PatchState
 
@@ -48,26 +56,40 @@ class TiledLayers(ModuleTiling):
                 f"patch_model: tiled_layers=True but {type(model).__name__} has no decoder "
                 "layers (modules with an attention and an MLP child); drop tiled_layers"
             )
-        out = []
+        out: FoundLayers = []
+        kept: FoundLayers = []
         for name, layer in layers:
+            own = None if LAYER in layer.__dict__ else own_mixer(layer)
+            if own is not None:
+                kept.append((name, layer, own))
+                continue
             parts = layer.__dict__.get(LAYER) or layer_parts(layer)
             if isinstance(parts, str):
                 raise ValueError(
                     f"patch_model: tiled_layers cannot tile {name} ({type(layer).__name__}): "
-                    f"{parts}; only Llama-family decoder layers are tiled, drop tiled_layers "
-                    "(the MLPs, norms and loss can still be tiled)"
+                    f"{parts}; drop tiled_layers (the MLPs, norms and loss can still be tiled)"
                 )
             out.append((name, layer, parts))
-        return out
+        if kept and not out:
+            name, layer, why = kept[0]
+            raise ValueError(
+                f"patch_model: tiled_layers cannot tile any decoder layer of "
+                f"{type(model).__name__} ({name}: {why}); drop tiled_layers"
+            )
+        return out + kept
 
     def apply(
         self, model: nn.Module, config: PatchConfig, probed: FoundLayers, report: ReportParts
     ) -> None:
-        if probed:
+        tiled = [
+            (name, layer, parts) for name, layer, parts in probed if not isinstance(parts, str)
+        ]
+        if tiled:
             step = step_tokens(model)
-            for _, layer, parts in probed:
+            for _, layer, parts in tiled:
                 install_layer(layer, parts, config.mlp_config, step)
-        report.paths.update({name: f"generic: {LAYER_KIND}" for name, _, _ in probed})
+        report.paths.update({name: f"generic: {LAYER_KIND}" for name, _, _ in tiled})
+        report.skipped += [(name, why) for name, _, why in probed if isinstance(why, str)]
 
 
 TILED_LAYERS = TiledLayers()
