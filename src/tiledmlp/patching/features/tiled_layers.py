@@ -50,7 +50,7 @@ class TiledLayers(ModuleTiling):
             )
         out = []
         for name, layer in layers:
-            parts = layer.__dict__.get(LAYER) or layer_parts(layer)
+            parts = layer.__dict__.get(LAYER) or _recognised(layer)
             if isinstance(parts, str):
                 raise ValueError(
                     f"patch_model: tiled_layers cannot tile {name} ({type(layer).__name__}): "
@@ -68,6 +68,16 @@ class TiledLayers(ModuleTiling):
             for _, layer, parts in probed:
                 install_layer(layer, parts, config.mlp_config, step)
         report.paths.update({name: f"generic: {LAYER_KIND}" for name, _, _ in probed})
+
+
+def _recognised(layer: nn.Module) -> Any:
+    """layer_parts(layer), or why recognising the layer failed: an exception nobody foresaw in
+    a family's layer becomes a one-line refusal naming it, never a traceback of patch_model."""
+    try:
+        return layer_parts(layer)
+    except Exception as e:  # any family's layer may hold something unforeseen
+        first = (str(e).strip().splitlines() or [""])[0][:160]
+        return f"recognising it failed ({type(e).__name__}: {first})"
 
 
 TILED_LAYERS = TiledLayers()
