@@ -129,3 +129,17 @@ def test_tiled_norms_and_layers_outputs_may_be_modified_in_place(
     assert set(got[1]) == set(ref[1])
     for name, r in ref[1].items():
         assert_close_rel(got[1][name], r, name)
+
+
+@pytest.mark.parametrize(
+    "model_type",
+    [pytest.param("llama4_text", marks=pytest.mark.slow), "xlm"],  # llama4: ~10 s of CPU time
+)
+def test_models_that_change_tiled_outputs_in_place_train_exactly(model_type: str) -> None:
+    """Llama 4 adds its routed experts into the shared expert's output in place; XLM changes
+    its norms' outputs in place: loss and every gradient equal the unpatched model's."""
+    from tiledmlp.bench.coverage import run_architecture
+
+    records = run_architecture(model_type, ["mlp", "mlp+loss+norms"])
+    assert [(r["status"], r["detail"]) for r in records] == [("exact", "")] * 2
+    assert records[0]["tiled"]["mlp"] >= 2 and records[1]["tiled"]["norm"] >= 2

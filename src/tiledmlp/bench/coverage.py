@@ -195,7 +195,11 @@ def run_architecture(
         if model_type not in classes:
             raise NotBuildable("not a causal LM of the installed transformers")
         tiny = build_tiny(model_type)
-        vocab = int(tiny.model.get_output_embeddings().weight.shape[0])
+        head = tiny.model.get_output_embeddings()  # type: ignore[operator]
+        weight = getattr(head, "weight", None)
+        if not isinstance(weight, torch.Tensor):
+            raise NotBuildable("the model has no LM head weight")
+        vocab = int(weight.shape[0])
         ids = torch.randint(0, vocab, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
         try:
             ref = _step(clone(tiny), ids)

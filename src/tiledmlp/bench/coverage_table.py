@@ -64,9 +64,9 @@ def table(records: list[dict[str, Any]]) -> str:
         lines.append(f"| `{model_type}` | {first.get('class', '')} | " + " | ".join(cells) + " |")
         reasons: list[str] = []
         for s in COLUMNS:
-            r = row.get(s)
-            if r is None:
+            if s not in row:
                 continue
+            r = row[s]
             said = [r["detail"]] if r.get("detail") else []
             said += r.get("untiled", [])
             for why in said:
