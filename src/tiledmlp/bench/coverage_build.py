@@ -191,7 +191,7 @@ def build_tiny(model_type: str, seed: int = 0) -> TinyModel:
         raise NotBuildable(f"the model cannot be built from its config ({_one_line(e)})") from None
     params = sum(p.numel() for p in meta.parameters())
     if params > MAX_PARAMS:
-        raise NotBuildable(f"{params / 1e6:.0f}M parameters at tiny sizes ({_largest(meta)})")
+        raise NotBuildable(f"{_millions(params)} parameters at tiny sizes ({_largest(meta)})")
     torch.manual_seed(seed)
     try:
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -216,7 +216,11 @@ def _largest(model: nn.Module) -> str:
         if name and name.count(".") <= 1
     }
     name = max(sizes, key=lambda k: sizes[k])
-    return f"{name} holds {sizes[name] / 1e6:.0f}M"
+    return f"{name} holds {_millions(sizes[name])}"
+
+
+def _millions(n: int) -> str:
+    return f"{n / 1e6:.1f}M"
 
 
 def _one_line(e: BaseException) -> str:
