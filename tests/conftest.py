@@ -35,6 +35,15 @@ def _plan_cache(tmp_path_factory: pytest.TempPathFactory) -> Any:
             os.environ[key] = value
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--all-architectures",
+        action="store_true",
+        help="also run the support matrix over every causal LM of the installed transformers "
+        "(tests/bench/test_coverage.py; tens of minutes)",
+    )
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """The one place the `gpu` marker meets its skip: without a CUDA device every gpu-marked
     test is skipped, with the reason."""

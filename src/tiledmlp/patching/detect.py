@@ -107,9 +107,13 @@ def hidden_size_of(model: nn.Module) -> int | None:
     return None
 
 
-def is_projection(m: nn.Module) -> bool:
+def is_projection(m: object) -> bool:
     """A layer applying one matrix: nn.Linear and look-alikes (a 2-D weight, no children, e.g.
-    GPT-2's Conv1D), or an adapter wrapper around one (PEFT's base_layer convention)."""
+    GPT-2's Conv1D), or an adapter wrapper around one (PEFT's base_layer convention). Anything
+    that is not a module (an attribute set to None where a family leaves a projection out, as
+    multi-head latent attention's q_proj beside q_a_proj) is not."""
+    if not isinstance(m, nn.Module):
+        return False
     base = getattr(m, "base_layer", None)
     if isinstance(base, nn.Module) and base is not m:
         return is_projection(base)
@@ -299,6 +303,49 @@ def _has_mlp_inside(m: nn.Module) -> bool:
     )
 
 
+def _examine(name: str, m: nn.Module, hidden: int) -> tuple[str, Any] | None:
+    """detect_mlps's verdict on one module: None (not an MLP or an MoE block: look inside),
+    ("candidate", Candidate), ("skipped" or "not understood", reason) or ("skipped, look
+    inside", reason); every verdict but None and "skipped, look inside" stops the walk below
+    the module."""
+    if is_projection(m) or (_matrices_touching(m, hidden) < 2 and _experts_count(m) is None):
+        return None
+    experts = _experts_count(m)
+    if experts is not None:
+        if _probe_experts(m, hidden, experts):
+            return "candidate", Candidate(name, m, "generic", "moe-experts", per_token_args=2)
+        return "skipped", (
+            f"{type(m).__name__}: stacked experts not callable as "
+            "experts(hidden_states, top_k_index, top_k_weights); left untiled"
+        )
+    if _on_meta(m):  # no values to probe
+        if _mlp_shaped(m):
+            return "skipped", "weights on the meta device: materialise them first"
+        return None
+    if not _probe_dense(m, hidden):
+        if _mlp_shaped(m):
+            # not chosen: the walk goes on below it (a candidate inside is still found)
+            return "skipped, look inside", (
+                f"{type(m).__name__}: shaped like an MLP but not token-wise on random "
+                "hidden states (or needs more arguments); left untiled"
+            )
+        return None
+    structure = recognise(m, UntiledCall(m, original_forward(m)))
+    if structure is not None:
+        return "candidate", Candidate(name, m, "fast", structure.kind.value)
+    kind = _classify_dense(m)
+    if kind is not None:
+        return "candidate", Candidate(name, m, "generic", kind)
+    if _has_mlp_inside(m):
+        # An MoE block (stacked experts, or a list of expert MLPs): the experts are tiled
+        # below and the router stays untiled, so router logits keep their gradients.
+        return None
+    return (
+        "not understood",
+        f"{type(m).__name__}: token-wise and MLP-sized, structure not recognised",
+    )
+
+
 def detect_mlps(model: nn.Module, hidden: int) -> Detection:
     """Walks `model` top-down and classifies its MLPs.
 
@@ -313,55 +360,26 @@ def detect_mlps(model: nn.Module, hidden: int) -> Detection:
     for name, m in model.named_modules():
         if any(c == "" or name == c or name.startswith(c + ".") for c in chosen):
             continue  # never descend into a chosen module
-        if is_projection(m) or (_matrices_touching(m, hidden) < 2 and _experts_count(m) is None):
-            continue
-        experts = _experts_count(m)
-        if experts is not None:
-            if _probe_experts(m, hidden, experts):
-                candidates.append(Candidate(name, m, "generic", "moe-experts", per_token_args=2))
-                chosen.append(name)
-            else:
-                skipped.append(
-                    (
-                        name,
-                        f"{type(m).__name__}: stacked experts not callable as "
-                        "experts(hidden_states, top_k_index, top_k_weights); left untiled",
-                    )
-                )
-                chosen.append(name)
-            continue
-        if _on_meta(m):  # no values to probe
-            if _mlp_shaped(m):
-                skipped.append((name, "weights on the meta device: materialise them first"))
-                chosen.append(name)
-            continue
-        if not _probe_dense(m, hidden):
-            if _mlp_shaped(m):
-                skipped.append(
-                    (
-                        name,
-                        f"{type(m).__name__}: shaped like an MLP but not token-wise on random "
-                        "hidden states (or needs more arguments); left untiled",
-                    )
-                )
-            continue
-        structure = recognise(m, UntiledCall(m, original_forward(m)))
-        if structure is not None:
-            candidates.append(Candidate(name, m, "fast", structure.kind.value))
-            chosen.append(name)
-            continue
-        kind = _classify_dense(m)
-        if kind is not None:
-            candidates.append(Candidate(name, m, "generic", kind))
-        elif _has_mlp_inside(m):
-            # An MoE block (stacked experts, or a list of expert MLPs): the experts are tiled
-            # below and the router stays untiled, so router logits keep their gradients.
-            continue
-        else:
-            not_understood.append(
-                (name, f"{type(m).__name__}: token-wise and MLP-sized, structure not recognised")
+        try:
+            verdict = _examine(name, m, hidden)
+        except Exception as e:  # a module nobody foresaw is left untiled, saying why
+            first = (str(e).strip().splitlines() or [""])[0][:160]
+            why = f"{type(e).__name__}: {first}" if first else type(e).__name__
+            verdict = (
+                "skipped",
+                f"{type(m).__name__}: recognising it failed ({why}); left untiled",
             )
-        chosen.append(name)
+        if verdict is None:
+            continue
+        what, found = verdict
+        if what == "candidate":
+            candidates.append(found)
+        elif what == "not understood":
+            not_understood.append((name, found))
+        else:
+            skipped.append((name, found))
+        if what != "skipped, look inside":
+            chosen.append(name)
     return Detection(candidates, not_understood, skipped)
 
 

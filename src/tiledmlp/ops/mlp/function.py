@@ -88,13 +88,18 @@ class TiledRun:
         return [e.detach().reshape(-1, *e.shape[n:]) for e in extras]
 
     def run_forward(self, x: torch.Tensor) -> list[torch.Tensor | None]:
-        """Tiled forward on x of shape (..., hidden); outputs in their final shapes."""
+        """Tiled forward on x of shape (..., hidden); outputs flattened over tokens (tokens, ...)
+        where they have x's leading dims (see Note [Flat outputs])."""
         # Detached before tiling: slices of a requires-grad tensor taken under no_grad look like
         # graph members without a grad_fn, which breaks module hooks (FlopCounterMode's).
         flat = x.detach().reshape(-1, x.shape[-1])
         given = [e for e in self.extras if e is not None]  # all given before release_anchored
         outs = self.engine.forward(flat, self.plan, self.flat_extras(given))
         self.slots = self.engine.output_slots()
+        return outs
+
+    def shaped(self, outs: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
+        """The outputs of run_forward (None re-inserted) in their final shapes: views, no copy."""
         return [
             None if o is None else (o.view(*self.lead_shape, *o.shape[1:]) if keep else o)
             for o, keep in zip(outs, self.keeps_lead())
@@ -116,7 +121,15 @@ class TiledMLPFunction(torch.autograd.Function):
 
     Inputs: x (the anchored input, (..., hidden)), a TiledRun, the per-token extra inputs
     (anchored when they require grad), then the engine's parameters.
-    Outputs: the module's output tensor(s) (None outputs are dropped and re-inserted outside).
+    Outputs: the module's output tensor(s), flattened over tokens (None outputs are dropped;
+    both are undone outside, see Note [Flat outputs]).
+
+    Note [Flat outputs]: the engines allocate each output afresh, so the Function returns
+    tensors that own their storage; the view to x's leading dims is taken outside the Function
+    (TiledRun.shaped). A view made inside a custom Function may not be modified in place
+    (autograd cannot rebase the Function's backward onto it), while the model around a module
+    may modify its output in place (Llama 4's MoE adds the routed experts' output into the
+    shared expert's with `add_`); a view taken outside costs no copy and allows it.
     """
 
     @staticmethod
@@ -175,10 +188,7 @@ def _saved(ctx: Any, run: TiledRun, grads: tuple[torch.Tensor | None, ...]) -> _
         node.saved_tensors[0] if node is not None else _given(e)
         for node, e in zip(run.extra_nodes, run.extras)
     )
-    flat_grads = [
-        g.reshape(flat.shape[0], *g.shape[len(run.lead_shape) :]) if g is not None and keep else g
-        for g, keep in zip(run.with_none_slots(grads), run.keeps_lead())
-    ]
+    flat_grads = list(run.with_none_slots(grads))  # the outputs were flat: so are their grads
     return _Saved(
         x=x,
         flat=flat,

@@ -155,10 +155,10 @@ def _run(
         + [(f"extra input {i}", a, None) for i, (a, node) in enumerate(anchored) if node is None]
     )
     if not needs_grad:
-        outs = run.run_forward(x)
+        outs = run.shaped(run.run_forward(x))
     else:
         res = TiledMLPFunction.apply(x_in, run, *(a for a, _ in anchored), *engine.params)
-        outs = run.with_none_slots(res if isinstance(res, tuple) else (res,))
+        outs = run.shaped(run.with_none_slots(res if isinstance(res, tuple) else (res,)))
     if engine.returns_tuple:
         return tuple(outs), plan
     return outs[0], plan

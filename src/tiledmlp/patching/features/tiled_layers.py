@@ -63,7 +63,7 @@ class TiledLayers(ModuleTiling):
             if own is not None:
                 kept.append((name, layer, own))
                 continue
-            parts = layer.__dict__.get(LAYER) or layer_parts(layer)
+            parts = layer.__dict__.get(LAYER) or _recognised(layer)
             if isinstance(parts, str):
                 raise ValueError(
                     f"patch_model: tiled_layers cannot tile {name} ({type(layer).__name__}): "
@@ -90,6 +90,16 @@ class TiledLayers(ModuleTiling):
                 install_layer(layer, parts, config.mlp_config, step)
         report.paths.update({name: f"generic: {LAYER_KIND}" for name, _, _ in tiled})
         report.skipped += [(name, why) for name, _, why in probed if isinstance(why, str)]
+
+
+def _recognised(layer: nn.Module) -> Any:
+    """layer_parts(layer), or why recognising the layer failed: an exception nobody foresaw in
+    a family's layer becomes a one-line refusal naming it, never a traceback of patch_model."""
+    try:
+        return layer_parts(layer)
+    except Exception as e:  # any family's layer may hold something unforeseen
+        first = (str(e).strip().splitlines() or [""])[0][:160]
+        return f"recognising it failed ({type(e).__name__}: {first})"
 
 
 TILED_LAYERS = TiledLayers()
