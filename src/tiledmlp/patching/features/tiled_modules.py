@@ -67,7 +67,12 @@ def tiled_forward(self: nn.Module, x: Any, *args: Any, **kwargs: Any) -> Any:
     weights)."""
     state: PatchState = self.__dict__[STATE]
     orig = original_forward(self)
-    if kwargs or len(args) != state.per_token_args or not isinstance(x, torch.Tensor):
+    if (
+        kwargs
+        or len(args) != state.per_token_args
+        or not isinstance(x, torch.Tensor)
+        or x.dim() not in (2, 3)  # e.g. a norm over (batch, seq, heads, head_dim) (xLSTM)
+    ):
         return orig(x, *args, **kwargs)  # an unexpected call shape: leave it untiled
     run_checks(self)
     return tiled_mlp(
