@@ -22,13 +22,15 @@ from tiledmlp.patching.check_result import CheckResult
 __version__ = "0.1.0"
 
 
-def enable(config: PatchConfig | None = None, **patch_kwargs: object) -> None:
+def enable(
+    config: PatchConfig | None = None, *, check: bool = False, **patch_kwargs: object
+) -> None:
     """Patches every causal LM transformers builds from now on with `config` or patch_model's
-    keyword options, parsed once into a PatchConfig (see tiledmlp.integrations.hf.enable);
-    `disable()` undoes it."""
+    keyword options, parsed once into a PatchConfig, after tiledmlp.check passes on it where
+    `check` is set (see tiledmlp.integrations.hf.enable); `disable()` undoes it."""
     from tiledmlp.integrations.hf import enable as _enable
 
-    _enable(config, **patch_kwargs)
+    _enable(config, check=check, **patch_kwargs)
 
 
 def disable() -> None:

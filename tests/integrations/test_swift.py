@@ -70,8 +70,46 @@ def test_the_command_prints_the_path_alone(tmp_path: Path, capsys: pytest.Captur
     assert main(["swift-plugin", "--tiled-loss", "--num-tiles", "auto", "--out", str(out)]) == 0
     assert capsys.readouterr().out == f"{out.resolve()}\n"
     text = out.read_text()
-    assert 'activate({"num_tiles": "auto", "tiled_loss": "true"})' in text
+    assert 'activate({"num_tiles": "auto", "tiled_loss": "true"}, check=False)' in text
     compile(text, str(out), "exec")
+
+
+def test_with_check_the_plugin_checks_the_loaded_model_before_patching_it(
+    imported: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(**_CFG)).save_pretrained(tmp_path / "m")
+    out = tmp_path / "plugin" / PLUGIN_NAME
+    assert (
+        main(["swift-plugin", "--tiled-loss", "--num-tiles", "2", "--check", "--out", str(out)])
+        == 0
+    )
+    assert "check=True" in out.read_text()
+    imported(out)
+    logging.getLogger("tiledmlp").propagate = True  # the plugin routes it to ms-swift's handlers
+    with caplog.at_level(logging.INFO, logger="tiledmlp"):
+        model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "m")
+    assert "PASS" in caplog.text  # the verdict, before the patch
+    report = tiledmlp.patching.patch_report(model)
+    assert report is not None and report.loss == "tiled"
+
+
+def test_with_check_a_wrong_tiling_stops_the_load(
+    imported: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tiledmlp.ops.mlp import function
+
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(**_CFG)).save_pretrained(tmp_path / "m")
+    imported(write_plugin({"num_tiles": 2}, tmp_path / PLUGIN_NAME, check=True))
+    backward = function.TiledMLPFunction.backward
+
+    def doubled(ctx: Any, *grads: Any) -> Any:  # a wrong backward: every weight's grad twice
+        return tuple(None if g is None else 2 * g for g in backward(ctx, *grads))
+
+    monkeypatch.setattr(function.TiledMLPFunction, "backward", staticmethod(doubled))
+    with pytest.raises(ValueError, match="training not started"):
+        transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "m")
 
 
 @pytest.mark.parametrize(

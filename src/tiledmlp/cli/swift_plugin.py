@@ -17,7 +17,7 @@ from typing import Any
 
 __all__ = ["add_parser", "run"]
 
-_NOT_OPTIONS = ("out", "verbose", "command", "argv")
+_NOT_OPTIONS = ("out", "check", "verbose", "command", "argv")
 
 
 def add_parser(sub: Any) -> None:
@@ -39,6 +39,12 @@ def add_parser(sub: Any) -> None:
         default=None,
         help=f"where to write it (a path ending in /{PLUGIN_NAME}, alone in its folder); "
         "default: under ~/.cache/tiledmlp/swift/, one folder per set of options",
+    )
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="run tiledmlp check on the loaded model before patching it (one step unpatched "
+        "and patched, every gradient compared); a failing check stops swift sft",
     )
     seen: set[str] = set()
     for field in dataclasses.fields(PatchConfig):
@@ -67,5 +73,5 @@ def run(args: argparse.Namespace) -> int:
         for name, value in vars(args).items()
         if name not in _NOT_OPTIONS and value is not None
     }
-    show(str(write_plugin(options, args.out)))
+    show(str(write_plugin(options, args.out, check=args.check)))
     return 0

@@ -286,31 +286,11 @@ class TiledMLPPlugin(BasePlugin):  # type: ignore[misc]
 
 
 def run_check(model: Any, config: PatchConfig) -> None:
-    """tiledmlp.check on the loaded model before it is patched (CHECK_SEQ_LEN random token ids,
-    two micro-batches, a float32 reference for narrower weights: a float64 copy of a large model
-    may not fit); raises ValueError with the verdict when it fails."""
-    import torch
+    """tiledmlp.check on the loaded model before it is patched (integrations/check_loaded.py);
+    raises ValueError with the verdict when it fails."""
+    from tiledmlp.integrations.check_loaded import check_loaded
 
-    from tiledmlp.patching.check import CHECK_SEQ_LEN, check
-
-    param = next(model.parameters())
-    if any(hasattr(p, "ds_id") for p in model.parameters()):
-        raise ValueError(
-            "tiledmlp_check: the model's parameters are partitioned by DeepSpeed ZeRO-3 at load, "
-            "so no whole copy can run; remove tiledmlp_check, or check without ZeRO-3"
-        )
-    vocab = int(model.config.vocab_size)
-    ids = torch.randint(0, vocab, (2, CHECK_SEQ_LEN), generator=torch.Generator().manual_seed(0))
-    ids = ids.to(param.device)
-    wide = param.dtype in (torch.float32, torch.float64)
-    result = check(
-        model,
-        {"input_ids": ids, "labels": ids},
-        config,
-        reference_dtype=torch.float64 if wide else torch.float32,
-    )
-    if not result.passed:
-        raise ValueError(f"tiledmlp_check failed; training not started:\n{result.text()}")
+    result = check_loaded(model, config, _CHECK)
     _say().info("tiledmlp: %s", result.text())
 
 

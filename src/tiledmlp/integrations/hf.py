@@ -41,7 +41,8 @@ __all__ = ["TiledMLPCallback", "disable", "enable", "enabled", "is_patched"]
 
 logger = logging.getLogger(__name__)
 
-_ENABLED: dict[str, Any] = {}  # "config": the PatchConfig; "saved": the replaced constructors
+_ENABLED: dict[str, Any] = {}  # "config": the PatchConfig; "check": check before patching;
+# "saved": the replaced constructors
 _DEPTH = threading.local()
 
 
@@ -63,6 +64,11 @@ def _patch_loaded(model: Any) -> None:
     config = _ENABLED.get("config")
     if config is None or not _causal_lm(model) or is_patched(model):
         return
+    if _ENABLED.get("check"):  # a failing check stops the load: training never starts
+        from tiledmlp.integrations.check_loaded import check_loaded
+
+        verdict = check_loaded(model, config, "tiledmlp.enable(check=True)")
+        logger.info("tiledmlp.enable: %s", verdict.text())
     try:
         report = patch_model(model, config)
     except ValueError as e:  # a model the switch does not understand still loads
@@ -90,7 +96,7 @@ def _wrap(original: Any) -> Any:
     return classmethod(construct)
 
 
-def enable(config: PatchConfig | None = None, **patch_kwargs: Any) -> None:
+def enable(config: PatchConfig | None = None, *, check: bool = False, **patch_kwargs: Any) -> None:
     """Patches every causal LM transformers builds from now on.
 
     Call it once, before the model is loaded (by you, a Trainer, TRL, axolotl...):
@@ -103,6 +109,9 @@ def enable(config: PatchConfig | None = None, **patch_kwargs: Any) -> None:
 
     Args:
         config: a PatchConfig, instead of the keyword options.
+        check: run tiledmlp.check on each model before patching it (one step unpatched and
+            patched, every gradient compared; integrations/check_loaded.py); a failing check
+            raises ValueError from the load, so training never starts.
         patch_kwargs: patch_model's options (num_tiles, tile_tokens, tiled_loss, ...); parsed
             now into one PatchConfig, so a typo fails here and not at load.
 
@@ -114,6 +123,7 @@ def enable(config: PatchConfig | None = None, **patch_kwargs: Any) -> None:
 
     checked = PatchConfig.given(config, patch_kwargs, "tiledmlp.enable")
     _ENABLED["config"] = checked
+    _ENABLED["check"] = check
     if "saved" not in _ENABLED:
         saved = {
             name: PreTrainedModel.__dict__[name] for name in ("from_pretrained", "_from_config")

@@ -54,7 +54,7 @@ back patched by tiledmlp with these options (use: swift sft ... --external_plugi
 
 from tiledmlp.integrations.swift import activate
 
-activate({options})
+activate({options}, check={check})
 '''
 
 
@@ -77,7 +77,9 @@ def plugin_config(options: dict[str, Any]) -> PatchConfig:
     return PatchConfig(**{field: kv.value for field, kv in found.items()})
 
 
-def write_plugin(options: dict[str, Any], path: str | os.PathLike[str] | None = None) -> Path:
+def write_plugin(
+    options: dict[str, Any], path: str | os.PathLike[str] | None = None, *, check: bool = False
+) -> Path:
     """Checks `options` (plugin_config) and writes the plugin file that applies them.
 
     Args:
@@ -85,6 +87,8 @@ def write_plugin(options: dict[str, Any], path: str | os.PathLike[str] | None = 
             `num_tiles: "auto"`, ms-swift's `tiled_mlp_num_shards: 4`, ...).
         path: the file to write; its base name must be PLUGIN_NAME, in a folder that holds
             nothing else importable. Default: under the user's cache, one folder per option set.
+        check: the plugin runs tiledmlp.check on the loaded model before patching it (a
+            failing check stops ms-swift before training).
 
     Returns:
         The file's absolute path (what `--external_plugins` takes).
@@ -93,7 +97,7 @@ def write_plugin(options: dict[str, Any], path: str | os.PathLike[str] | None = 
         ValueError: see plugin_config; a `path` with another base name.
     """
     plugin_config(options)  # refuses here, before ms-swift starts
-    text = _TEMPLATE.format(options=json.dumps(options, sort_keys=True))
+    text = _TEMPLATE.format(options=json.dumps(options, sort_keys=True), check=check)
     if path is None:
         cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
         digest = hashlib.sha256(text.encode()).hexdigest()[:12]
@@ -127,9 +131,10 @@ def _route_logs() -> None:
     ours.propagate = False
 
 
-def activate(options: dict[str, Any]) -> PatchConfig:
+def activate(options: dict[str, Any], check: bool = False) -> PatchConfig:
     """Called by the plugin file: every causal LM transformers builds from now on (the one
-    ms-swift loads) is patched with the PatchConfig of `options` (tiledmlp.enable).
+    ms-swift loads) is patched with the PatchConfig of `options` (tiledmlp.enable), after
+    tiledmlp.check passes on it where `check` is set.
 
     Returns:
         The PatchConfig enabled.
@@ -141,8 +146,8 @@ def activate(options: dict[str, Any]) -> PatchConfig:
 
     config = plugin_config(options)
     _route_logs()
-    enable(config)
-    logger.info("tiledmlp: ms-swift plugin active: %s", config)
+    enable(config, check=check)
+    logger.info("tiledmlp: ms-swift plugin active%s: %s", " (check first)" if check else "", config)
     if config.tiled_loss:
         logger.info(
             "tiledmlp: ms-swift's token_acc is computed from the logits, which the tiled loss "
