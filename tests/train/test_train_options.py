@@ -180,3 +180,12 @@ def test_fsdp2_on_a_cpu_only_machine_refuses_what_it_cannot_do(
         run(options_from(extra))  # refused before any process group or model exists
     with pytest.raises(ValueError, match="add --fsdp full_shard"):
         options_from({"fsdp_config": __file__})
+
+
+def test_the_feature_summary_is_json_with_the_attention_kernel_as_spelled() -> None:
+    import json
+
+    from tiledmlp.train.options import options_from
+
+    summary = options_from({"model": "tiny", "attention_kernel": "auto:2"}).feature_summary()
+    assert json.loads(json.dumps(summary))["attention_kernel"] == "auto:2"

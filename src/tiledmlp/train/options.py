@@ -255,6 +255,8 @@ class TrainOptions:
                 value = False if f.name in FEATURES else f.default
             if f.name == "sequence_parallel_size":
                 value = value or 1
+            if not isinstance(value, bool | int | float | str | None):
+                value = str(value)  # a typed value (the attention kernel) as it is spelled
             summary[spec.keys[0].name] = value
         return summary
 
