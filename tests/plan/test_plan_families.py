@@ -1,0 +1,91 @@
+"""The whole-model planner on the decoder families beyond Llama's shape (Gemma 3's four norms
+and sliding-window layers, Qwen3.5's hybrid of linear- and full-attention layers): its
+fake-tensor estimate of one training step against the tensor-level peak of the same step on
+real tensors, for every stack, with the tolerance the Llama comparison uses."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from tiledmlp import patch_model
+from tiledmlp.bench.memory import peak_bytes, tensor_bytes
+from tiledmlp.config.stacks import STACK_OPTIONS
+from tiledmlp.patching.offloading import enable_checkpointing
+from tiledmlp.plan.model import STACKS, estimate_step
+
+pytest.importorskip("transformers")
+
+MiB = 2**20
+SMALL = {
+    "vocab_size": 512,
+    "hidden_size": 128,
+    "intermediate_size": 512,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "use_cache": False,
+}
+FAMILIES: dict[str, dict[str, Any]] = {
+    # one sliding-window layer and one global layer, the window shorter than the sequence
+    "gemma3_text": {"sliding_window": 256, "layer_types": ["sliding_attention", "full_attention"]},
+}
+SEQ = 1024
+TOLERANCE = 0.01  # as the Llama comparison's (tests/plan/test_plan_model.py)
+TILES = 4
+
+
+def _config(model_type: str) -> Any:
+    import transformers as tr
+
+    return tr.AutoConfig.for_model(model_type, **SMALL, **FAMILIES[model_type])
+
+
+def _real_peak(model_type: str, stack: str) -> int:
+    """The tensor-level peak of one step (checkpointing on, AdamW) on real tensors."""
+    import transformers as tr
+
+    torch.manual_seed(0)
+    model = tr.AutoModelForCausalLM.from_config(
+        _config(model_type), attn_implementation="sdpa", dtype=torch.float32
+    ).train()
+    options = STACK_OPTIONS[stack]
+    enable_checkpointing(model)
+    if options is not None:
+        patch_model(model, num_tiles=TILES, **options)
+    ids = torch.randint(3, SMALL["vocab_size"], (1, SEQ))
+    params = list(model.parameters())
+    opt = torch.optim.AdamW(params, lr=1e-5, foreach=True)
+
+    def step() -> None:
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+
+    step()  # warm-up: the optimizer's states, the offloader's host buffers
+    for p in params:
+        p.grad = None
+    states = [t for s in opt.state.values() for t in s.values()]
+    alive = tensor_bytes(*params, *model.buffers(), *states, ids)
+    return peak_bytes(step, alive, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("stack", STACKS)
+@pytest.mark.parametrize("model_type", sorted(FAMILIES))
+def test_estimate_matches_the_real_tensor_level_peak(model_type: str, stack: str) -> None:
+    est = estimate_step(
+        _config(model_type),
+        seq_len=SEQ,
+        stack=stack,
+        dtype=torch.float32,
+        checkpointing=True,
+        optimizer="adamw",
+        num_tiles=TILES,
+        device_type="cpu",
+    )
+    real = _real_peak(model_type, stack)
+    error = abs(est.peak - real) / real
+    assert error <= TOLERANCE, (model_type, stack, est.peak / MiB, real / MiB, f"{error:.2%}")
+    assert sum(est.breakdown.values()) == est.peak
