@@ -1,5 +1,6 @@
 """The whole-model planner on the decoder families beyond Llama's shape (Gemma 3's four norms
-and sliding-window layers, Qwen3.5's hybrid of linear- and full-attention layers): its
+and sliding-window layers, Qwen3.5's hybrid of linear- and full-attention layers, Qwen3-MoE's
+routed experts): its
 fake-tensor estimate of one training step against the tensor-level peak of the same step on
 real tensors, for every stack, with the tolerance the Llama comparison uses."""
 
@@ -35,13 +36,18 @@ FAMILIES: dict[str, dict[str, Any]] = {
     # a linear-attention layer (gated delta rule, transformers' PyTorch reference) and a
     # full-attention one
     "qwen3_5_text": {"layer_types": ["linear_attention", "full_attention"]},
+    # 4 experts of which each token takes 2 (the routing does not change the step's memory:
+    # transformers' experts run every token's top-k pairs in one grouped matmul)
+    "qwen3_moe": {"moe_intermediate_size": 64, "num_experts": 4, "num_experts_per_tok": 2},
 }
-SEQ = {"gemma3_text": 1024, "qwen3_5_text": 512}
+SEQ = {"gemma3_text": 1024, "qwen3_5_text": 512, "qwen3_moe": 1024}
 # As the Llama comparison's (tests/plan/test_plan_model.py): measured here -0.02% to -0.75%.
 # The linear-attention layer's estimate runs high, growing with the length (+0.7% at 256
 # tokens, +1.0% at 512, +1.3% at 1024, untiled): the same operators and sizes on fake and
 # real tensors, the cause not yet found; its bound says how far it may drift.
-TOLERANCE = {"gemma3_text": 0.01, "qwen3_5_text": 0.015}
+# Qwen3-MoE's estimate runs low by 0.14 MiB with tiled norms and layers (-0.9%, -1.1% at 1024
+# tokens; -1.3%, -1.5% at 512): a fixed amount, not yet traced.
+TOLERANCE = {"gemma3_text": 0.01, "qwen3_5_text": 0.015, "qwen3_moe": 0.015}
 TILES = 4
 
 
@@ -83,7 +89,7 @@ def _real_peak(model_type: str, stack: str) -> int:
 @pytest.mark.parametrize(
     "model_type",
     # the reference gated delta rule's real step takes ~5-10 s on the CPU
-    ["gemma3_text", pytest.param("qwen3_5_text", marks=pytest.mark.slow)],
+    ["gemma3_text", "qwen3_moe", pytest.param("qwen3_5_text", marks=pytest.mark.slow)],
 )
 def test_estimate_matches_the_real_tensor_level_peak(model_type: str, stack: str) -> None:
     est = estimate_step(
