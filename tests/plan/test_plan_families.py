@@ -6,6 +6,10 @@ real tensors, for every stack, with the tolerance the Llama comparison uses."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -112,3 +116,20 @@ def test_estimate_matches_the_real_tensor_level_peak(model_type: str, stack: str
         f"{error:.2%}",
     )
     assert sum(est.breakdown.values()) == est.peak
+
+
+@pytest.mark.slow  # the CLI in a fresh process, every stack planned
+@pytest.mark.parametrize("model_type", ["gemma3_text", "qwen3_moe", "qwen3_5_text"])
+def test_cli_plans_every_stack_of_a_saved_config(model_type: str, tmp_path: Path) -> None:
+    _config(model_type).save_pretrained(tmp_path)
+    res = subprocess.run(
+        [sys.executable, "-m", "tiledmlp", "plan", "--model", str(tmp_path), "--seq-len", "512",
+         "--json"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    assert list(out["model"]) == list(STACKS)
+    assert all(entry["peak_mib"] > 0 for entry in out["model"].values())
+    # one layer's figures are planned for dense MLPs; the experts' layer has none
+    assert (out["layer_regular_mib"] is None) == (model_type == "qwen3_moe")
