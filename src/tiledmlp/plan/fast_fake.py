@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-import importlib.util
+import sys
 from typing import Any
 
 import torch
@@ -119,7 +119,7 @@ def _experts_on_fake_tensors() -> None:
     does; but torch's fake kernel of grouped_mm takes bfloat16 only, where the CPU kernel also
     takes float32. On fake tensors transformers' own fallback (a custom op with a fake kernel,
     the same shapes in and out) stands in; real tensors are left to transformers' choice."""
-    if importlib.util.find_spec("transformers") is None:
+    if "transformers" not in sys.modules:  # no model of transformers' to plan
         return
     try:
         moe = importlib.import_module("transformers.integrations.moe")
