@@ -432,15 +432,20 @@ def _shape(args: argparse.Namespace) -> tuple[Any, int, int]:
 
 def _plan_model(args: argparse.Namespace, config: Any, dtype: Any) -> dict[str, Any]:
     """The decoder layer's and the whole model's figures (the keys --model adds to the JSON)."""
-    from tiledmlp.plan.layer import plan_layer
+    from tiledmlp.plan.layer import RoutedExperts, plan_layer
 
-    layer = plan_layer(
-        config,
-        seq_len=args.seq_len,
-        dtype=dtype,
-        num_tiles=args.num_tiles,
-        device_type=args.device,
-    )
+    try:
+        layer = plan_layer(
+            config,
+            seq_len=args.seq_len,
+            dtype=dtype,
+            num_tiles=args.num_tiles,
+            device_type=args.device,
+        )
+    except RoutedExperts:  # one layer's figures are for dense MLPs; the step plans the experts
+        model_type = getattr(config.get_text_config(), "model_type", "")
+        layer = {"model_type": model_type, "tiles": None, "regular_mib": None,
+                 "tiled_mib": None, "saving": None}  # fmt: skip
     from tiledmlp.plan.model import STACKS, plan_model
 
     known_peaks: dict[str, dict[int, int]] = {}

@@ -29,7 +29,14 @@ def show_text(
         f"({_tiles(args.num_tiles, result['tiles'])}) {result['tiled_mib']:,.1f} MiB "
         f"({100 * result['saving']:.1f}% less)"
     )
-    if whole_model:
+    if whole_model and result["layer_regular_mib"] is None:
+        show(
+            f"one decoder layer of {args.model} ({result['model_type']}): its MLP routes tokens "
+            "to experts; the one-layer figures are for dense MLPs, the whole step below plans "
+            "the experts"
+        )
+        _show_model(args, result["model"])
+    elif whole_model:
         show(
             f"one decoder layer of {args.model} ({result['model_type']}, SDPA attention): "
             f"untiled {result['layer_regular_mib']:,.1f} MiB, MLP tiled "

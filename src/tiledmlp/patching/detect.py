@@ -36,7 +36,7 @@ from tiledmlp.ops.mlp.untiled import UntiledCall
 from tiledmlp.ops.tiling.probe import stand_ins
 from tiledmlp.patching.state import original_forward
 
-__all__ = ["Candidate", "Detection", "detect_mlps", "hidden_size_of", "norms_of"]
+__all__ = ["Candidate", "Detection", "detect_mlps", "experts_count", "hidden_size_of", "norms_of"]
 
 logger = logging.getLogger(__name__)
 
@@ -249,7 +249,7 @@ def _recorded(t: torch.Tensor) -> torch.Tensor:
     return t.detach().requires_grad_(t.is_floating_point())
 
 
-def _experts_count(m: nn.Module) -> int | None:
+def experts_count(m: nn.Module) -> int | None:
     """E when the module holds experts as >= 2 stacked 3-D parameters with leading dim E."""
     stacked = [p for p in m.parameters(recurse=False) if p.dim() == 3]
     if len(stacked) >= 2 and len({p.shape[0] for p in stacked}) == 1:
@@ -298,7 +298,7 @@ def _mlp_shaped(m: nn.Module) -> bool:
 
 def _has_mlp_inside(m: nn.Module) -> bool:
     return any(
-        sub is not m and (_experts_count(sub) is not None or recognise(sub) is not None)
+        sub is not m and (experts_count(sub) is not None or recognise(sub) is not None)
         for sub in m.modules()
     )
 
@@ -308,9 +308,9 @@ def _examine(name: str, m: nn.Module, hidden: int) -> tuple[str, Any] | None:
     ("candidate", Candidate), ("skipped" or "not understood", reason) or ("skipped, look
     inside", reason); every verdict but None and "skipped, look inside" stops the walk below
     the module."""
-    if is_projection(m) or (_matrices_touching(m, hidden) < 2 and _experts_count(m) is None):
+    if is_projection(m) or (_matrices_touching(m, hidden) < 2 and experts_count(m) is None):
         return None
-    experts = _experts_count(m)
+    experts = experts_count(m)
     if experts is not None:
         if _probe_experts(m, hidden, experts):
             return "candidate", Candidate(name, m, "generic", "moe-experts", per_token_args=2)

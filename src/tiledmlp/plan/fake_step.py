@@ -355,14 +355,18 @@ def _step(
     # it cannot prove unnecessary on fake tensors; the layers then get none (_without_mask).
     causal = torch.ones((), dtype=torch.bool).expand(1, 1, seq_len, seq_len)
     # what is created once the decoder has returned its last hidden states is the loss's
-    hook = decoder.register_forward_hook(lambda *_: setattr(tracker, "phase", "loss"))
+    window: dict[str, torch.Tensor] = {}
+    hooks = _window_masks(model, seq_len, window)
+    hooks.append(decoder.register_forward_hook(lambda *_: setattr(tracker, "phase", "loss")))
     try:
         loss = model(input_ids=ids, attention_mask=causal, labels=ids).loss
     finally:
-        hook.remove()
+        for h in hooks:
+            h.remove()
     tracker.phase = "backward"
     loss.backward()
     del loss
+    window.clear()
     if opt is not None:
         tracker.phase = "optimizer"
         opt.step()
@@ -399,6 +403,35 @@ def _categorise(
     return StepEstimate(
         sum(fixed.values()) + peak, breakdown, checkpointing, reserve[0], attention, reserve[1]
     )
+
+
+def _window_masks(model: Any, seq_len: int, window: dict[str, torch.Tensor]) -> list[Any]:
+    """Hooks giving the sliding-window layers the mask a real step gives them. The model builds
+    one (1, 1, seq, seq) boolean mask for its sliding-window layers where the sequence is not
+    shorter than the window (transformers' masking utilities: causal attention alone cannot
+    express it), after the embeddings and before the first layer; the layers' checkpoints or
+    saved tensors keep it through the backward, the recomputed layers get it again."""
+    cfg = model.config.get_text_config()
+    types, size = getattr(cfg, "layer_types", None), getattr(cfg, "sliding_window", None)
+    if not isinstance(types, list) or not isinstance(size, int) or seq_len < size:
+        return []
+    layers = decoder_layers_of(model)
+
+    def build(_m: nn.Module, _args: tuple[Any, ...]) -> None:
+        window["mask"] = torch.empty((1, 1, seq_len, seq_len), dtype=torch.bool)
+
+    def give(
+        _m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        return args, {**kwargs, "attention_mask": window["mask"]}
+
+    hooks = [layers[0].register_forward_pre_hook(build, prepend=True)]
+    hooks += [
+        layer.register_forward_pre_hook(give, with_kwargs=True)
+        for layer, kind in zip(layers, types)
+        if kind == "sliding_attention"
+    ]
+    return hooks
 
 
 def _without_mask(

