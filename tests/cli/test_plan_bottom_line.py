@@ -86,3 +86,18 @@ def test_plan_refuses_a_card_and_a_memory_together_and_names_a_mistyped_preset(c
     assert "did you mean 'llama3-8b'?" in capsys.readouterr().err
     assert main(["plan", "--gpu", "h100-80gb"]) == 2
     assert "add --model" in capsys.readouterr().err
+
+
+def test_without_a_gpu_here_the_bottom_line_is_an_h100s_and_says_so(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: the bottom line is judged against it")
+    config = _config(tmp_path)
+    args = ["plan", "--model", str(config), "--seq-len", "1024", "--stacks", "tiled_mlp_loss"]
+    assert main(args) == 0
+    out = " ".join(capsys.readouterr().out.split())  # the bottom line is wrapped
+    assert "bottom line for NVIDIA H100 80GB" in out and "as no GPU is here" in out, out
+    assert "fastest that fits: tiled_mlp_loss" in out and "run it: tiledmlp train" in out

@@ -24,6 +24,7 @@ from tiledmlp.plan import stack_speed
 __all__ = ["bottom_line", "show_bottom_line"]
 
 _GIB = 1024.0  # MiB per GiB
+_DEFAULT_GPU = "h100-80gb"  # judged against where no GPU is here and none is named
 
 
 def _memory(args: argparse.Namespace) -> Memory | None:
@@ -31,14 +32,23 @@ def _memory(args: argparse.Namespace) -> Memory | None:
         return gpu_memory(args.gpu)
     if args.memory_gb is not None:
         return Memory(args.memory_gb, f"{args.memory_gb:g} GiB (--memory-gb)", here=False)
-    return here(args.device)
+    found = here(args.device)
+    if found is None:  # planning for a GPU from a machine without one: the usual card
+        card = gpu_memory(_DEFAULT_GPU)
+        return Memory(
+            card.gib,
+            f"{card.what}, as no GPU is here (--gpu CARD or --memory-gb GiB for another)",
+            here=False,
+        )
+    return found
 
 
 def bottom_line(args: argparse.Namespace, stacks: dict[str, Any]) -> dict[str, Any]:
     """The bottom line as a dict (the JSON's "bottom_line"): memory_gib and what it is, fits
     and does_not_fit (stack -> GiB per GPU), host_gib of each stack that keeps host memory,
     ram_gib (this machine's available RAM), fastest, its train command, patch_model call and
-    axolotl keys; "memory_gib" None when no memory is known (no GPU here, no --gpu). With
+    axolotl keys; without a GPU here, --gpu or --memory-gb, an H100 80GB is what it is judged
+    against (and says so); "memory_gib" None only where no memory is known. With
     --device cpu a stack's figure is its device and host memory together (one RAM)."""
     from tiledmlp.process_memory import available_ram_bytes
 
