@@ -144,8 +144,8 @@ def _add_whole_step_flags(whole: Any) -> None:
         metavar="CARD",
         help="judge the bottom line by this card's memory: "
         + ", ".join(GPUS)
-        + " (default: the GPU here, or this machine's RAM with --device cpu); unlike "
-        "--memory-gb it runs no search",
+        + " (default: the GPU here, an H100 80GB where none is, or this machine's RAM with "
+        "--device cpu); unlike --memory-gb it runs no search",
     )
     whole.add_argument(
         "--sequence-parallel-size",
