@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from tiledmlp.bench.gpu_records import RECORDS, ROOT
+from tiledmlp.config.stacks import STACKS
 
 __all__ = ["FIGURES", "SIDECAR", "check", "figure_data", "write"]
 
@@ -36,14 +37,7 @@ MLP_RUN = "2026-11-26T0339-h200"
 FIGURES = {"gpu-memory-8b": "memory", "gpu-mlp-op": "mlp"}
 
 # the stacks from least to most tiled, as the legend lists them
-_STACKS = (
-    "untiled",
-    "tiled_mlp",
-    "tiled_mlp_loss",
-    "tiled_mlp_loss_offload",
-    "tiled_mlp_loss_offload_norms",
-    "tiled_layer",
-)
+_STACKS = STACKS
 _MLP_VARIANTS = {"untiled": "untiled", "tiled": "ours", "deepspeed": "DeepSpeed", "liger": "Liger"}
 
 

@@ -12,7 +12,6 @@ Invariant: stdout is the file's path alone (one line), so the command nests in `
 from __future__ import annotations
 
 import argparse
-import dataclasses
 from typing import Any
 
 __all__ = ["add_parser", "run"]
@@ -23,7 +22,7 @@ _NOT_OPTIONS = ("out", "check", "verbose", "command", "argv")
 def add_parser(sub: Any) -> None:
     """Adds `swift-plugin` to the subcommands."""
     from tiledmlp.config.patch import PatchConfig
-    from tiledmlp.config.schema import option_of
+    from tiledmlp.config.schema import keys_of
     from tiledmlp.integrations.swift import PLUGIN_NAME
 
     p = sub.add_parser(
@@ -46,21 +45,15 @@ def add_parser(sub: Any) -> None:
         help="run tiledmlp check on the loaded model before patching it (one step unpatched "
         "and patched, every gradient compared); a failing check stops swift sft",
     )
-    seen: set[str] = set()
-    for field in dataclasses.fields(PatchConfig):
-        spec = option_of(field)
-        for key in spec.keys if spec is not None else ():
-            if key.name in seen:
-                continue
-            seen.add(key.name)
-            flag = "--" + key.name.replace("_", "-")
-            # sequence parallelism is ms-swift's own: accepted only to be refused with the reason
-            shown = key.ours and bool(key.help) and field.name != "sequence_parallel_size"
-            text = key.help if shown else argparse.SUPPRESS
-            if key.kind == "bool":  # alone: true; the value is parsed by the key's parser
-                p.add_argument(flag, nargs="?", const="true", metavar="true|false", help=text)
-            else:
-                p.add_argument(flag, metavar=key.metavar or "N", help=text)
+    for field, _, key in keys_of(PatchConfig):
+        flag = "--" + key.name.replace("_", "-")
+        # sequence parallelism is ms-swift's own: accepted only to be refused with the reason
+        shown = key.ours and bool(key.help) and field.name != "sequence_parallel_size"
+        text = key.help if shown else argparse.SUPPRESS
+        if key.kind == "bool":  # alone: true; the value is parsed by the key's parser
+            p.add_argument(flag, nargs="?", const="true", metavar="true|false", help=text)
+        else:
+            p.add_argument(flag, metavar=key.metavar or "N", help=text)
 
 
 def run(args: argparse.Namespace) -> int:

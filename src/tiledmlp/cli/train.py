@@ -105,33 +105,26 @@ def _add_tiling_flags(groups: _Groups) -> None:
     """The feature options, one flag per key of the schema (PatchConfig's fields): ours listed
     in their group with their help, other frameworks' accepted and hidden; and the model's own
     checkpointing."""
-    import dataclasses
 
     from tiledmlp.config.patch import PatchConfig
-    from tiledmlp.config.schema import option_of
+    from tiledmlp.config.schema import keys_of
     from tiledmlp.train.options import DEFAULT_PATCH
 
     switch = _Switch(groups.long.group)
     switch("--gradient-checkpointing", help="the model's own (non-reentrant) checkpointing")
     where = {"tiling": groups.tiling, "long context": groups.long, "distributed": groups.dist}
-    seen: set[str] = set()
-    for field in dataclasses.fields(PatchConfig):
-        spec = option_of(field)
-        for key in spec.keys if spec is not None else ():
-            if key.name in seen:
-                continue
-            seen.add(key.name)
-            flag = "--" + key.name.replace("_", "-")
-            shown = key.ours and bool(key.help)
-            adder = where[spec.group] if shown else groups.hidden  # type: ignore[union-attr]
-            text = key.help if shown else argparse.SUPPRESS
-            if shown and key.kind == "bool" and "(default" not in text:
-                text += f" (default: {str(getattr(DEFAULT_PATCH, field.name)).lower()})"
-            if key.kind == "bool":  # alone: true; the value is parsed by the key's parser
-                adder.group.add_argument(flag, nargs="?", const="true", metavar="true|false",
-                                         help=text)  # fmt: skip
-            else:
-                adder(flag, metavar=key.metavar or "N", help=text)
+    for field, spec, key in keys_of(PatchConfig):
+        flag = "--" + key.name.replace("_", "-")
+        shown = key.ours and bool(key.help)
+        adder = where[spec.group] if shown else groups.hidden  # type: ignore[index]
+        text = key.help if shown else argparse.SUPPRESS
+        if shown and key.kind == "bool" and "(default" not in text:
+            text += f" (default: {str(getattr(DEFAULT_PATCH, field.name)).lower()})"
+        if key.kind == "bool":  # alone: true; the value is parsed by the key's parser
+            adder.group.add_argument(flag, nargs="?", const="true", metavar="true|false",
+                                     help=text)  # fmt: skip
+        else:
+            adder(flag, metavar=key.metavar or "N", help=text)
 
 
 def _add_distributed_flags(groups: _Groups) -> None:

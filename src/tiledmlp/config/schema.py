@@ -14,11 +14,11 @@ no other table lists options.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["OURS", "Key", "Option", "option", "option_of"]
+__all__ = ["OURS", "Key", "Option", "keys_of", "option", "option_of"]
 
 OURS = "tiledmlp"
 
@@ -105,3 +105,17 @@ def option_of(field: dataclasses.Field[Any]) -> Option | None:
     """The Option of a dataclass field, or None when the field has none."""
     found = field.metadata.get("option")
     return found if isinstance(found, Option) else None
+
+
+def keys_of(config_type: type) -> Iterator[tuple[dataclasses.Field[Any], Option, Key]]:
+    """(field, its Option, one of its keys) for every key of a config dataclass's options,
+    each key name once, in field order: what the CLI's flags and plugins' keys are made from."""
+    seen: set[str] = set()
+    for field in dataclasses.fields(config_type):
+        spec = option_of(field)
+        if spec is None:
+            continue
+        for key in spec.keys:
+            if key.name not in seen:
+                seen.add(key.name)
+                yield field, spec, key
