@@ -182,7 +182,7 @@ def _merged(
         raise ValueError(
             f"--resume-from-checkpoint {checkpoint}: the run used {flag} "
             f"{_shown(before, last, original)}, this command gives {_shown(after, last, merged)}; "
-            "a resume continues the same run: drop {flag}, or "
+            f"a resume continues the same run: drop {flag}, or "
             f"start a new run from the saved model with --model {checkpoint}"
         )
     return merged, {**recorded, **now}
