@@ -17,7 +17,7 @@ import sys
 from collections.abc import Iterator
 from typing import TextIO
 
-__all__ = ["results_only", "show"]
+__all__ = ["StderrHandler", "results_only", "show"]
 
 _RESULT_STREAMS: list[TextIO] = []
 
@@ -27,6 +27,20 @@ def show(text: str = "", end: str = "\n") -> None:
     out = _RESULT_STREAMS[-1] if _RESULT_STREAMS else sys.stdout
     out.write(text + end)
     out.flush()
+
+
+class StderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """A logging handler that writes to whatever sys.stderr is when a record is emitted (not
+    the stream of when it was made, which a caller, e.g. a test capturing stderr, may have
+    closed since)."""
+
+    @property  # type: ignore[override]
+    def stream(self) -> TextIO:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: TextIO) -> None:  # StreamHandler.__init__ and setStream set it
+        pass
 
 
 def _handlers_on(stream: TextIO) -> list[logging.StreamHandler]:

@@ -10,12 +10,11 @@ import argparse
 import functools
 import json
 import logging
-import sys
 from typing import Any
 
 from tiledmlp.cli.common import DTYPE_CHOICES, UsageError, dtype_name, positive_int, tiles
 from tiledmlp.cli.device_memory import GPUS
-from tiledmlp.cli.output import show
+from tiledmlp.cli.output import StderrHandler, show
 from tiledmlp.cli.plan_kernels import add_flag as add_attention_kernel_flag
 from tiledmlp.cli.plan_kernels import plan_with_kernels
 from tiledmlp.cli.plan_report import show_text
@@ -249,7 +248,7 @@ def _progress_on_stderr() -> None:
     stderr, with or without -v: a whole-model plan with --memory-gb takes minutes."""
     log = logging.getLogger("tiledmlp.plan")
     if not any(getattr(h, "_tiledmlp_plan", False) for h in log.handlers):
-        handler = logging.StreamHandler(sys.stderr)
+        handler = StderrHandler()
         handler.setFormatter(logging.Formatter("tiledmlp plan: %(message)s"))
         handler._tiledmlp_plan = True  # type: ignore[attr-defined]
         log.addHandler(handler)
