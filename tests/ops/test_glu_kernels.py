@@ -494,7 +494,7 @@ def test_a_planned_gpu_step_takes_the_kernels_memory() -> None:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from tiledmlp.ops.tiling.assumed import assume_device
-    from tiledmlp.plan.fake_memory import fake_peak_bytes
+    from tiledmlp.plan.sim.fake_memory import fake_peak_bytes
 
     def peak(device_type: str) -> int:
         with FakeTensorMode(), assume_device(device_type):

@@ -32,7 +32,7 @@ from tiledmlp.models.mlps import GatedMLP
 from tiledmlp.ops.mlp.fast import FastEngine
 from tiledmlp.ops.tiling import grads
 from tiledmlp.ops.tiling.assumed import assume_device
-from tiledmlp.plan.fake_memory import fake_peak_bytes
+from tiledmlp.plan.sim.fake_memory import fake_peak_bytes
 
 H, M = 512, 1536  # the benchmark's 4096 / 12288, divided by 8
 BF16 = torch.bfloat16

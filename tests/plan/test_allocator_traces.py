@@ -1,4 +1,4 @@
-"""plan/caching_allocator.py against the card: the CUDA caching allocator's own traces of whole
+"""plan/sim/caching_allocator.py against the card: the CUDA caching allocator's own traces of whole
 steps on an H100 (benchmarks/results/gpu/*/trace/*.json.gz, bench/allocator_trace.py),
 replayed request by request, take exactly the segments the card took, after the build, the
 warm-up step and the step, with and without expandable segments."""
@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from tiledmlp.plan.caching_allocator import CachingAllocator, round_size
+from tiledmlp.plan.sim.caching_allocator import CachingAllocator, round_size
 
 RECORDS = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "gpu"
 TRACES = sorted(RECORDS.glob("*/trace/*.json.gz"))

@@ -1,4 +1,4 @@
-"""plan/caching_allocator.py: the CUDA caching allocator's rules, with and without expandable
+"""plan/sim/caching_allocator.py: the CUDA caching allocator's rules, with and without expandable
 segments, on hand-built traces, each reserved size worked out by hand from the rules in the
 module docstring; and the planner's step trace replayed through it."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tiledmlp.plan.caching_allocator import FREE, CachingAllocator, reserve_beyond_peak
+from tiledmlp.plan.sim.caching_allocator import FREE, CachingAllocator, reserve_beyond_peak
 
 KiB, MiB = 2**10, 2**20
 
@@ -144,10 +144,10 @@ def test_the_planner_replays_its_step_trace() -> None:
     import torch
 
     from tiledmlp.plan.layer import load_config
-    from tiledmlp.plan.segments import larger
+    from tiledmlp.plan.sim.segments import larger
 
     pytest.importorskip("transformers")
-    from tiledmlp.plan import fake_step
+    from tiledmlp.plan.sim import fake_step
 
     cfg = load_config("llama3-8b")
     cfg.num_hidden_layers, cfg.vocab_size = 2, 1024

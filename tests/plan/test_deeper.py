@@ -1,4 +1,4 @@
-"""plan/deeper.py: the record of one or more decoder layers more, built from a simulated step's
+"""plan/sim/deeper.py: the record of one or more decoder layers more, built from a simulated step's
 record, gives what simulating that step gives (peaks, breakdowns, allocator reserve), stack by
 stack, and so does a whole depth built from 5 layers;
 step_record.segment_peaks reads a tracker's own segments back; deeper refuses records it cannot
@@ -13,10 +13,10 @@ import torch
 
 from test_periodic_tiles import SMALL as TINY
 from tiledmlp.config.stacks import STACKS, stack_option
-from tiledmlp.plan import fake_step
-from tiledmlp.plan.deeper import deeper
 from tiledmlp.plan.estimate import estimate_step
-from tiledmlp.plan.step_record import segment_peaks
+from tiledmlp.plan.sim import fake_step
+from tiledmlp.plan.sim.deeper import deeper
+from tiledmlp.plan.sim.step_record import segment_peaks
 
 pytest.importorskip("transformers")
 
@@ -94,7 +94,7 @@ def test_full_card_estimate_is_the_estimate_without_what_a_card_takes_back() -> 
 @pytest.mark.parametrize("options", [{}, {"optimizer": "adamw"}, SHARDED_CPU])
 def test_held_of_built_once_is_the_models_at_every_length(options: dict[str, Any]) -> None:
     from tiledmlp.ops.tiling.policy import assume_device
-    from tiledmlp.plan.fast_fake import fake_mode
+    from tiledmlp.plan.sim.fast_fake import fake_mode
 
     kw = {k: v for k, v in _options("untiled", **options).items() if k != "seq_len"}
     for seq_len in (1024, 3072, 1024):  # the second and third from the model built once

@@ -9,10 +9,10 @@ import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from tiledmlp.plan.caching_allocator import FREE
 from tiledmlp.plan.device_overhead import AttentionBuffers, attention_call_bytes, device_overhead
 from tiledmlp.plan.layer import load_config
-from tiledmlp.plan.phase_tracker import PhaseTracker
+from tiledmlp.plan.sim.caching_allocator import FREE
+from tiledmlp.plan.sim.phase_tracker import PhaseTracker
 
 MiB = 2**20
 M = 1 << 20
@@ -121,7 +121,7 @@ def test_a_planned_step_counts_the_buffers_at_their_moment() -> None:
 
 def test_the_allocator_term_is_the_replayed_reserve_in_both_settings() -> None:
     """The term is the step's own trace replayed through the caching allocator
-    (plan/caching_allocator.py) under the step's setting; none on the CPU."""
+    (plan/sim/caching_allocator.py) under the step's setting; none on the CPU."""
     from tiledmlp.plan.estimate import estimate_step
     from tiledmlp.plan.model import plan_model
 
@@ -145,7 +145,7 @@ def test_the_allocator_term_is_the_replayed_reserve_in_both_settings() -> None:
 def test_blocks_held_for_the_side_stream_come_back_on_a_full_card() -> None:
     """A block freed while another stream uses it stays taken on a card with room (HOLD), and
     returns at once where the allocator must synchronize to serve a request (holds=False)."""
-    from tiledmlp.plan.caching_allocator import HOLD, reserve_beyond_peak
+    from tiledmlp.plan.sim.caching_allocator import HOLD, reserve_beyond_peak
 
     big = 64 * MiB
     trace = [(0, big), (0, HOLD), (1, big), (0, FREE), (1, FREE)]

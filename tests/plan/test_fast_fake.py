@@ -1,4 +1,4 @@
-"""The planner's fake mode (plan/fast_fake.py) keys FakeTensorMode's dispatch cache exactly as
+"""The planner's fake mode (plan/sim/fast_fake.py) keys FakeTensorMode's dispatch cache exactly as
 FakeTensorMode does, and a planned step is the same under either."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ import torch
 from torch._subclasses._fake_tensor_utils import _CacheKeyState
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from tiledmlp.plan import fake_step
 from tiledmlp.plan.estimate import estimate_step
-from tiledmlp.plan.fast_fake import PlannerFakeMode, fake_mode
 from tiledmlp.plan.layer import load_config
+from tiledmlp.plan.sim import fake_step
+from tiledmlp.plan.sim.fast_fake import PlannerFakeMode, fake_mode
 
 
 def _args(mode: FakeTensorMode) -> list[Any]:

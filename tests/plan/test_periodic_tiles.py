@@ -1,4 +1,4 @@
-"""Tile loops cut short on fake tensors (plan/periodic_tiles.py): the cut simulation gives the
+"""Tile loops cut short on fake tensors (plan/sim/periodic_tiles.py): the cut simulation gives the
 same peaks, breakdowns and allocator reserves as the whole one for every stack, the rebuilt trace
 is the whole one's event for event, and a tile is skipped only after a steady tile of its size
 (its releases all of the tiles just before it, of its size, not the loop's first)."""
@@ -14,16 +14,16 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from hf_models import BASE
 from tiledmlp.config.stacks import STACKS, stack_option
 from tiledmlp.ops.tiling.tiles import TilePlan, split_even
-from tiledmlp.plan import fake_step
-from tiledmlp.plan.caching_allocator import FREE, HOLD, reserve_beyond_peak
-from tiledmlp.plan.fake_memory import fake_peak_bytes
-from tiledmlp.plan.periodic_tiles import (
+from tiledmlp.plan.sim import fake_step
+from tiledmlp.plan.sim.caching_allocator import FREE, HOLD, reserve_beyond_peak
+from tiledmlp.plan.sim.fake_memory import fake_peak_bytes
+from tiledmlp.plan.sim.periodic_tiles import (
     PeriodicTiles,
     cut_peak_bytes,
     replayed_reserve,
     whole_trace,
 )
-from tiledmlp.plan.phase_tracker import PhaseTracker
+from tiledmlp.plan.sim.phase_tracker import PhaseTracker
 
 pytest.importorskip("transformers")
 

@@ -1,4 +1,4 @@
-"""plan/exchange.py: under sequence parallelism the planner's attention sees one GPU's whole-
+"""plan/sim/exchange.py: under sequence parallelism the planner's attention sees one GPU's whole-
 sequence shapes as views of its own storage (no copy), in both layouts transformers passes, and
 gives back (batch, tokens, heads, head_dim)."""
 
@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from tiledmlp.plan.exchange import exchanged_attention
+from tiledmlp.plan.sim.exchange import exchanged_attention
 
 
 def _recording() -> tuple[list[tuple[torch.Tensor, ...]], Any]:

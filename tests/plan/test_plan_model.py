@@ -324,7 +324,7 @@ def test_device_overhead_terms_and_max_seq_len_on_a_card() -> None:
         "cublas_workspace": int(40.125 * MiB),
         # what the attention backward's buffers add at their calls (StepEstimate.attention)
         "attention_backward": 7 * MiB,
-        "allocator": 300 * MiB,  # the step's replayed reserve (plan/caching_allocator.py)
+        "allocator": 300 * MiB,  # the step's replayed reserve (plan/sim/caching_allocator.py)
     }
     assert device_overhead("cpu").total(300 * MiB, 7 * MiB) == 0
 

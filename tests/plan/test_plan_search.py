@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from tiledmlp.plan import search
-from tiledmlp.plan.segments import StepEstimate
+from tiledmlp.plan.sim.segments import StepEstimate
 
 GiB = 2**30
 G = 1024  # granularity

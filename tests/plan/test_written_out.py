@@ -1,4 +1,4 @@
-"""GEMMs into an `out=` buffer answered without dispatch (plan/written_out.py): the same tensor
+"""GEMMs into an `out=` buffer answered without dispatch (plan/sim/written_out.py): the same tensor
 the op returns, only where the op writes into it as it is; a planned step is the same with or
 without the shortcut."""
 
@@ -10,10 +10,10 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from tiledmlp.plan import fake_memory
 from tiledmlp.plan.estimate import estimate_step
 from tiledmlp.plan.layer import load_config
-from tiledmlp.plan.written_out import written_out
+from tiledmlp.plan.sim import fake_memory
+from tiledmlp.plan.sim.written_out import written_out
 
 aten = torch.ops.aten
 BF16, F32 = torch.bfloat16, torch.float32

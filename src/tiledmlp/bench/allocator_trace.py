@@ -16,7 +16,7 @@ step and one more; the allocator's history is recorded from before the build
 - "segments": the segments held at the end, [address, total bytes, allocated bytes, pool];
 - the job, the allocator setting, max_memory_allocated and max_memory_reserved.
 
-The trace is what a replay of the allocator's rules (the planner's plan/caching_allocator.py) is
+The trace is what a replay of the allocator's rules (the planner's plan/sim/caching_allocator.py) is
 checked against: the same requests in the same order must take the same segments.
 
 Invariant: nothing but the job runs in the process; the history is on before CUDA's first

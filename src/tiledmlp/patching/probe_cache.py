@@ -7,7 +7,7 @@ and the first training step draws from that fragmented pool. On an H100 (Llama-3
 layers, the tiled loss, 131,072 tokens, without expandable segments) the step then reserved
 1,340 MiB more than it does from the model's own segments: the caching allocator's trace of
 that step, replayed with and without the probes' segments (benchmarks/results/gpu/
-2026-11-26T0933-h100/trace/; plan/caching_allocator.py reproduces the card's 36,024 MiB from
+2026-11-26T0933-h100/trace/; plan/sim/caching_allocator.py reproduces the card's 36,024 MiB from
 it). Where the probes made a device's reservation grow, that device's unused cached segments
 are released once they are done (`torch.cuda.empty_cache`), so training starts from the
 model's segments: the state the planner plans from.

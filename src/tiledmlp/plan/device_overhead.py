@@ -36,7 +36,7 @@ h100/attention_by_heads.jsonl, "sdpa": 53,504 bytes per token for 32 query and 8
 heads of 128, bf16) is exactly the row statistics, dq, the second buffer, dk, dv and the
 workspace; with key/value repeated to 32 heads ("sdpa_repeat", 65,792) exactly the larger dk
 and dv. The buffers exist while the call runs: the simulation
-(plan/phase_tracker.py) adds them to the trace at each attention backward call, for the call's
+(plan/sim/phase_tracker.py) adds them to the trace at each attention backward call, for the call's
 own query (one head group's, or under sequence parallelism the whole sequence with heads / P),
 beside its outputs, so the allocator replays them in order and the term is what they add to the
 step's tensor peak at their moment: nothing where the step peaks elsewhere (the loss, an MLP's
@@ -49,27 +49,27 @@ driver. Without expandable segments, a freed block can serve only requests no la
 itself, and a segment is cut into blocks by the requests it served first, so a step whose
 tensors change size from phase to phase holds segments it cannot reuse. The term is the
 allocator's own rules (c10/cuda/CUDACachingAllocator.cpp: 512-byte rounding, the 2 MiB small
-and 20 MiB large segments, best fit, splitting, merging; plan/caching_allocator.py) replayed
+and 20 MiB large segments, best fit, splitting, merging; plan/sim/caching_allocator.py) replayed
 on the step's allocation trace, every storage's creation and release in order, which the
-simulation records (plan/phase_tracker.py): the segments' total minus the step's tensor peak,
+simulation records (plan/sim/phase_tracker.py): the segments' total minus the step's tensor peak,
 over every layer of the model (the first five simulated, the rest built from their record,
-plan/deeper.py; with AdamW stepping on the device, whose requests are not per layer, the
+plan/sim/deeper.py; with AdamW stepping on the device, whose requests are not per layer, the
 larger of the 5- and 6-layer steps', plan/estimate.py). With `expandable_segments:True` (the
 same file, Note [Expandable Segments]) each pool has one segment that grows by mapping pages
 (20 MiB for the large pool) at its end when no free block is large enough; a freed block
 still serves only requests no larger than itself, so the mapped range fragments as well: a
 step whose loss frees 16 GiB of logits and then asks for other sizes maps new pages beyond
 them. The term is the same trace
-replayed through those rules (plan/caching_allocator.py): on the H200 records of 2026-11-26
+replayed through those rules (plan/sim/caching_allocator.py): on the H200 records of 2026-11-26
 (benchmarks/results/gpu/2026-11-26-h200/suite/records.jsonl) the replay maps 62,682 MiB for the
 4-layer untiled step at 32K tokens where the card reserved 62,684. The replay of a trace whose
-repeated tiles ran once (plan/periodic_tiles.py) maps the same pages, so it needs no exact
+repeated tiles ran once (plan/sim/periodic_tiles.py) maps the same pages, so it needs no exact
 simulation; the reserve follows no line in the depth (which blocks a later request finds free
 depends on every size before it), so it too is the whole depth's trace replayed, as above. In
 both modes the attention backward's buffers are in
 the trace at their calls; the cuBLAS workspaces are allocated before the step's first request.
 Blocks the offloader's side-stream copies still use when their tensors die stay taken until the
-phase ends (plan/phase_tracker.py); a full card takes them back before an allocation fails, so
+phase ends (plan/sim/phase_tracker.py); a full card takes them back before an allocation fails, so
 the plan's figure leaves them out and names them (StepEstimate.reclaimable).
 
 On the CPU none of these terms exists (no context or workspaces are reserved from a device, the
@@ -112,7 +112,7 @@ def attention_call_bytes(batch: int, heads: int, kv_heads: int, tokens: int, hea
 
 @dataclass(frozen=True)
 class AttentionBuffers:
-    """The attention backward's own buffers on a GPU, per call (plan/phase_tracker.py's
+    """The attention backward's own buffers on a GPU, per call (plan/sim/phase_tracker.py's
     KernelBuffers): every fused attention backward op the simulation dispatches (on fake
     tensors the CPU's kernel stands for the device's: the same shapes) gets `kernel`'s
     (ops/attention/buffers.py, Note [Kernel buffers]; cuDNN's: SDPA's choice on Hopper).

@@ -19,8 +19,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from tiledmlp.config.stacks import STACKS, stack_option
 from tiledmlp.plan.apply_stack import build_model, decoder_layers_of
 from tiledmlp.plan.engines import ParamCounts, check_engine, engine_memory
-from tiledmlp.plan.fake_step import simulate
-from tiledmlp.plan.segments import SHORT, Segments, StepEstimate, extrapolate, larger
+from tiledmlp.plan.sim.fake_step import simulate
+from tiledmlp.plan.sim.segments import SHORT, Segments, StepEstimate, extrapolate, larger
 
 __all__ = ["OPTIMIZERS", "estimate_step", "param_counts"]
 
@@ -54,7 +54,7 @@ def estimate_step(
     middle layer to the next: the peak is the larger of the peak up to the end of the
     second-to-last layer's backward and the peak from the start of the second layer's backward
     on (the middle layers lie on a line between the two). Both are measured with 5 layers
-    (simulated) and 6 (built from the 5 layers' record where it shows them, plan/deeper.py;
+    (simulated) and 6 (built from the 5 layers' record where it shows them, plan/sim/deeper.py;
     else simulated) and extrapolated to the model's depth; `exact=True` runs every layer
     instead (what the tests compare the extrapolation with); `whole=True` counts every layer
     too, the layers beyond 5 built from the 5 layers' record where it shows them (deeper.py:
@@ -62,9 +62,9 @@ def estimate_step(
     `engine` ("zero3", "fsdp2") over `world` GPUs, the parameters, gradients and optimizer
     states are the engine's (plan/engines.py) instead of whole ones. With
     `sequence_parallel_size` P > 1, `seq_len` is one GPU's share and its attention runs on the
-    whole sequence's shapes (plan/exchange.py).
+    whole sequence's shapes (plan/sim/exchange.py).
     `expandable_segments`: the CUDA caching allocator's setting whose reserve the estimate
-    carries (plan/caching_allocator.py). `full_card=True`: only what a card with no room left
+    carries (plan/sim/caching_allocator.py). `full_card=True`: only what a card with no room left
     holds is replayed (`full_card_reserve`, as without it; nothing `reclaimable`): what a search
     for the longest sequence needs, at one replay of the allocator instead of two.
     `attention_kernel`: the kernel whose backward buffers a GPU's attention calls get

@@ -39,9 +39,9 @@ from tiledmlp.ops.tiling.policy import TilePolicy, assume_device
 from tiledmlp.patching.detect import Candidate, experts_count
 from tiledmlp.patching.features.tiled_mlp import FoundModules
 from tiledmlp.patching.patch import apply_features
-from tiledmlp.plan.fast_fake import fake_mode
 from tiledmlp.plan.mlp import estimate_fields
-from tiledmlp.plan.periodic_tiles import cut_peak_bytes
+from tiledmlp.plan.sim.fast_fake import fake_mode
+from tiledmlp.plan.sim.periodic_tiles import cut_peak_bytes
 
 __all__ = [
     "RoutedExperts",

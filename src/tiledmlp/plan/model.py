@@ -31,7 +31,7 @@ inputs). Attention runs through SDPA as in layer.py (flash-like O(seq) memory).
 Sequence parallelism (Ulysses, P ranks): each GPU holds seq_len / P tokens of every tensor
 outside attention; inside, whole sequences with heads / P, i.e. the same number of elements as
 the local tokens with all heads. So a GPU's step is simulated at seq_len / P tokens, its
-attention on the whole sequence's shapes (plan/exchange.py: views, so that the attention core's
+attention on the whole sequence's shapes (plan/sim/exchange.py: views, so that the attention core's
 per-call temporaries are those of the GPU), plus the
 all-to-all's transient buffers (a send copy and the received tensor of the largest of query, key
 and value, key/value heads repeated up to P when there are fewer): "all_to_all" in the
@@ -77,7 +77,7 @@ from tiledmlp.plan.engines import ENGINES, GPUS_PER_NODE, check_engine, engine_m
 from tiledmlp.plan.estimate import OPTIMIZERS, estimate_step, param_counts
 from tiledmlp.plan.forked import default_processes, run_jobs
 from tiledmlp.plan.search import max_seq_len
-from tiledmlp.plan.segments import CATEGORIES, GROWING, StepEstimate
+from tiledmlp.plan.sim.segments import CATEGORIES, GROWING, StepEstimate
 from tiledmlp.sequence_parallel.attention import kv_repeat
 from tiledmlp.sequence_parallel.sizes import check_sequence_divisible
 
@@ -166,7 +166,7 @@ def plan_model(
         "sequence_parallel_size": p,
         # on a GPU the allocator's reserve is the whole depth's trace replayed (it follows no
         # line in the depth: plan/device_overhead.py, Note [Allocator reserve]): every layer
-        # counted, those beyond the first five built from their record (plan/deeper.py), unless
+        # counted, those beyond the first five built from their record (plan/sim/deeper.py), unless
         # AdamW steps on the device (its requests are not per layer: the line through 5 and 6
         # layers then); on the CPU there is no reserve, and the peaks follow the line exactly
         "whole": device_type != "cpu" and not (optimizer == "adamw" and engine == "ddp"),

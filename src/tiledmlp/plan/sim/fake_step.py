@@ -21,16 +21,16 @@ from torch import nn
 from tiledmlp.ops.tiling.policy import assume_device
 from tiledmlp.patching.offloading import enable_checkpointing, offloader_of
 from tiledmlp.plan.apply_stack import apply_stack, build_model, decoder_layers_of
-from tiledmlp.plan.caching_allocator import HOLD, reserve_beyond_peak
-from tiledmlp.plan.deeper import deeper
 from tiledmlp.plan.device_overhead import CUBLAS_WORKSPACES, device_overhead
-from tiledmlp.plan.exchange import register_exchanged
-from tiledmlp.plan.fast_fake import fake_mode
 from tiledmlp.plan.forked import beside
-from tiledmlp.plan.periodic_tiles import PeriodicTiles, replayed_reserve
-from tiledmlp.plan.phase_tracker import PhaseTracker
-from tiledmlp.plan.segments import CATEGORIES, Segments, StepEstimate
-from tiledmlp.plan.step_record import StepRecord, segment_peaks
+from tiledmlp.plan.sim.caching_allocator import HOLD, reserve_beyond_peak
+from tiledmlp.plan.sim.deeper import deeper
+from tiledmlp.plan.sim.exchange import register_exchanged
+from tiledmlp.plan.sim.fast_fake import fake_mode
+from tiledmlp.plan.sim.periodic_tiles import PeriodicTiles, replayed_reserve
+from tiledmlp.plan.sim.phase_tracker import PhaseTracker
+from tiledmlp.plan.sim.segments import CATEGORIES, Segments, StepEstimate
+from tiledmlp.plan.sim.step_record import StepRecord, segment_peaks
 
 __all__ = ["FakeStep", "prepare", "simulate"]
 

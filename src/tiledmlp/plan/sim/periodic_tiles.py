@@ -45,8 +45,8 @@ from typing import Any
 import torch
 
 from tiledmlp.ops.tiling.tiles import TilePlan
-from tiledmlp.plan.caching_allocator import FREE, HOLD, CachingAllocator
-from tiledmlp.plan.phase_tracker import PhaseTracker
+from tiledmlp.plan.sim.caching_allocator import FREE, HOLD, CachingAllocator
+from tiledmlp.plan.sim.phase_tracker import PhaseTracker
 
 __all__ = ["PeriodicTiles", "Repeat", "cut_peak_bytes", "replayed_reserve", "whole_trace"]
 

@@ -3,7 +3,7 @@
 A StepEstimate is a peak with what was alive at it by category (CATEGORIES). A simulated step
 of L layers is cut in three segments (Segments); the peaks of the head and tail segments grow
 affinely with the number of layers, so two short steps (SHORT and SHORT + 1 layers: the first
-simulated, the second built from its record where it shows it, plan/deeper.py) give any
+simulated, the second built from its record where it shows it, plan/sim/deeper.py) give any
 depth's (extrapolate).
 """
 
@@ -27,7 +27,7 @@ GROWING = ("checkpoints", "activations", "loss", "recompute", "all_to_all")
 class StepEstimate:
     """One stack's peak device bytes (tensors) and what was alive at the peak, by category;
     `reserve`: what PyTorch's CUDA caching allocator holds beyond the step's allocated peak
-    (tensors and kernel buffers) over the whole step (plan/caching_allocator.py);
+    (tensors and kernel buffers) over the whole step (plan/sim/caching_allocator.py);
     `attention`: what the attention backward's own buffers add to the tensors' peak at their
     moment (plan/device_overhead.py, Note [Attention backward buffers]); `reclaimable`: the part
     of `reserve` that blocks other streams still use hold on a card with room, which the

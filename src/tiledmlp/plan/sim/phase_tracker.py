@@ -26,8 +26,8 @@ from typing import Any, Protocol
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
-from tiledmlp.plan.caching_allocator import FREE, HOLD
-from tiledmlp.plan.fake_memory import StorageTracker
+from tiledmlp.plan.sim.caching_allocator import FREE, HOLD
+from tiledmlp.plan.sim.fake_memory import StorageTracker
 
 __all__ = ["KernelBuffers", "PhaseTracker"]
 
@@ -66,7 +66,7 @@ class PhaseTracker(StorageTracker):
         self._peak = 0
         self._at_peak: dict[int, int] = {}
         # (serial, bytes) on creation, (serial, FREE) on release, in order: the step's
-        # allocation trace (plan/caching_allocator.py replays it)
+        # allocation trace (plan/sim/caching_allocator.py replays it)
         self.trace: list[tuple[int, int]] = []
         self.buffers: set[int] = set()  # serials of the kernels' buffers
         self.marks: list[int] = []  # where each segment was closed, in the trace

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tiledmlp.plan.caching_allocator import FREE, HOLD
-from tiledmlp.plan.periodic_tiles import Repeat
+from tiledmlp.plan.sim.caching_allocator import FREE, HOLD
+from tiledmlp.plan.sim.periodic_tiles import Repeat
 
 __all__ = ["StepRecord", "segment_peaks"]
 

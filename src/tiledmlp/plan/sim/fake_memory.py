@@ -21,7 +21,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from tiledmlp.plan.written_out import written_out
+from tiledmlp.plan.sim.written_out import written_out
 
 __all__ = ["StorageTracker", "fake_peak_bytes"]
 

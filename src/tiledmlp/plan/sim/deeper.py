@@ -27,9 +27,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from tiledmlp.plan.caching_allocator import FREE, HOLD
-from tiledmlp.plan.periodic_tiles import Repeat
-from tiledmlp.plan.step_record import StepRecord
+from tiledmlp.plan.sim.caching_allocator import FREE, HOLD
+from tiledmlp.plan.sim.periodic_tiles import Repeat
+from tiledmlp.plan.sim.step_record import StepRecord
 
 __all__ = ["deeper"]
 
