@@ -16,10 +16,12 @@ from typing import Any
 import pytest
 import torch
 
-from tiledmlp.bench import budget, suite, suite_steps
-from tiledmlp.bench.suite import PARTS
-from tiledmlp.bench.suite_parts import ROOT, Context, Task
-from tiledmlp.bench.suite_sizes import full_sizes, smoke_sizes
+from tiledmlp.bench import budget
+from tiledmlp.bench.suite import run as suite
+from tiledmlp.bench.suite import steps as suite_steps
+from tiledmlp.bench.suite.parts import ROOT, Context, Task
+from tiledmlp.bench.suite.run import PARTS
+from tiledmlp.bench.suite.sizes import full_sizes, smoke_sizes
 
 # Fields each part's records must carry (beyond part, status and the environment).
 _KEYS = {

@@ -1,4 +1,4 @@
-"""The sizes of the measurement suite's parts (bench/suite.py): the GPU-scale suite, a 4-layer
+"""The sizes of the measurement suite's parts (bench/suite/run.py): the GPU-scale suite, a 4-layer
 Llama-3-8B shape from 32K to 256K tokens for one H100, and toy sizes for `--smoke` that run every
 part's code path in a few minutes on a 2-core CPU.
 

@@ -3,7 +3,7 @@
 
 Parts, in order of value: whole steps of a Llama-shaped model per length and stack, each
 record with the bytes alive at its peak by category and the planner's prediction beside them
-("model_steps", bench/suite_steps.py); the attention core by groups of heads against SDPA
+("model_steps", bench/suite/steps.py); the attention core by groups of heads against SDPA
 ("attention"); one long stack with and without expandable segments ("allocator"); the MLP table
 against DeepSpeed and Liger ("mlp_table"); the weight-gradient error of bf16 against float32
 ("grad_error"); the fused kernels against their references ("kernels"); activation
@@ -44,11 +44,13 @@ from typing import Any
 import torch
 
 from tiledmlp.allocator import allocator_setting, prefer_expandable_segments
-from tiledmlp.bench import budget, suite_parts, suite_steps
+from tiledmlp.bench import budget
 from tiledmlp.bench.device import device_name, resolve_device
 from tiledmlp.bench.harness import git_sha, package_versions
-from tiledmlp.bench.suite_parts import ROOT, Context, Task
-from tiledmlp.bench.suite_sizes import full_sizes, smoke_sizes
+from tiledmlp.bench.suite import parts as suite_parts
+from tiledmlp.bench.suite import steps as suite_steps
+from tiledmlp.bench.suite.parts import ROOT, Context, Task
+from tiledmlp.bench.suite.sizes import full_sizes, smoke_sizes
 
 __all__ = [
     "DEFAULT_BUDGET_S",
@@ -401,7 +403,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     print(f"wrote {out / 'records.jsonl'} ({len(records)} records) and {out / 'summary.md'}")
     return 0 if all(r["status"] != "error" for r in records) else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,7 +1,7 @@
-"""The parts of the measurement suite (bench/suite.py), in order of value: each part gives the
+"""The parts of the measurement suite (bench/suite/run.py), in order of value: each part gives the
 suite its pieces of work (`Task`: one length, one variant set, or the whole part), each with an
 estimate of its seconds from the sizes (bench/budget.py), so that the suite can skip what would
-pass its deadline. Sizes come from a `Sizes` object (bench/suite_sizes.py): the GPU-scale
+pass its deadline. Sizes come from a `Sizes` object (bench/suite/sizes.py): the GPU-scale
 figures, or toy ones for `--smoke`.
 
 Isolation: whole steps run in a fresh process per length, every stack of that length in a row
@@ -32,7 +32,7 @@ import torch
 
 from tiledmlp.bench import budget
 from tiledmlp.bench.harness import BenchConfig, run_sweep
-from tiledmlp.bench.suite_sizes import Sizes
+from tiledmlp.bench.suite.sizes import Sizes
 from tiledmlp.bench.variants import Variant, deepspeed_available, liger_available, make_variant
 from tiledmlp.models.mlps import GatedMLP
 from tiledmlp.ops.mlp.glu import kernels as glu_kernels
@@ -42,7 +42,7 @@ __all__ = ["Context", "Task"]
 
 MiB = 2**20
 Record = dict[str, Any]
-ROOT = Path(__file__).resolve().parents[3]  # the source checkout (tests, benchmarks/)
+ROOT = Path(__file__).resolve().parents[4]  # the source checkout (tests, benchmarks/)
 
 
 @dataclass(frozen=True)
