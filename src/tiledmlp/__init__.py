@@ -2,24 +2,71 @@
 
 The MLP of a decoder layer runs over the tokens in tiles, keeps none of its big intermediates,
 and recomputes only what it must, tile by tile, in the backward.
+
+Invariant: importing the package imports nothing else (no torch: `tiledmlp plan` answers a
+question asked before without it); the first public name read from it (`tiledmlp.patch_model`,
+`from tiledmlp import patch_model`) imports the integrations, which register the engines' checks
+with the patching layer, and then the module that defines the name (PEP 562).
 """
 
-from tiledmlp import integrations  # noqa: F401  (registers the engines' checks)
-from tiledmlp.config import PatchConfig, TiledMLPConfig, TilePolicy
-from tiledmlp.module import TiledMLP
-from tiledmlp.ops import TiledMLPFunction, TilePlan, tiled_mlp
-from tiledmlp.ops.loss.cross_entropy import (
-    CrossEntropyOutput,
-    TokenStats,
-    tiled_cross_entropy,
-    tiled_token_logprobs,
-    tiled_token_stats,
-)
-from tiledmlp.patching import PatchReport, patch_from_args, patch_model, unpatch_model
-from tiledmlp.patching.check import check
-from tiledmlp.patching.check_result import CheckResult
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the names below, for type checkers and editors
+    from tiledmlp.config import PatchConfig, TiledMLPConfig, TilePolicy
+    from tiledmlp.module import TiledMLP
+    from tiledmlp.ops import TiledMLPFunction, TilePlan, tiled_mlp
+    from tiledmlp.ops.loss.cross_entropy import (
+        CrossEntropyOutput,
+        TokenStats,
+        tiled_cross_entropy,
+        tiled_token_logprobs,
+        tiled_token_stats,
+    )
+    from tiledmlp.patching import PatchReport, patch_from_args, patch_model, unpatch_model
+    from tiledmlp.patching.check import check
+    from tiledmlp.patching.check_result import CheckResult
 
 __version__ = "0.1.0"
+
+# public name -> the module that defines it
+_HOMES = {
+    "PatchConfig": "tiledmlp.config",
+    "TiledMLPConfig": "tiledmlp.config",
+    "TilePolicy": "tiledmlp.config",
+    "TiledMLP": "tiledmlp.module",
+    "TiledMLPFunction": "tiledmlp.ops",
+    "TilePlan": "tiledmlp.ops",
+    "tiled_mlp": "tiledmlp.ops",
+    "CrossEntropyOutput": "tiledmlp.ops.loss.cross_entropy",
+    "TokenStats": "tiledmlp.ops.loss.cross_entropy",
+    "tiled_cross_entropy": "tiledmlp.ops.loss.cross_entropy",
+    "tiled_token_logprobs": "tiledmlp.ops.loss.cross_entropy",
+    "tiled_token_stats": "tiledmlp.ops.loss.cross_entropy",
+    "PatchReport": "tiledmlp.patching",
+    "patch_from_args": "tiledmlp.patching",
+    "patch_model": "tiledmlp.patching",
+    "unpatch_model": "tiledmlp.patching",
+    "check": "tiledmlp.patching.check",
+    "CheckResult": "tiledmlp.patching.check_result",
+}
+
+
+def __getattr__(name: str) -> Any:
+    """A public name, imported on first use (module docstring); then kept in the module."""
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module 'tiledmlp' has no attribute {name!r}")
+    importlib.import_module("tiledmlp.integrations")  # registers the engines' checks
+    value = getattr(importlib.import_module(home), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_HOMES))
 
 
 def enable(

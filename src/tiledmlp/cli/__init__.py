@@ -21,23 +21,42 @@ import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
+import importlib
+from types import ModuleType
+
 from tiledmlp.allocator import prefer_expandable_segments
-from tiledmlp.cli import bench, check, env, plan, swift_plugin, train
 from tiledmlp.cli.common import UsageError
 from tiledmlp.cli.output import results_only
-from tiledmlp.sequence_parallel.collectives import CollectiveError
 
 __all__ = ["main"]
 
 logger = logging.getLogger("tiledmlp")
+# subcommand -> its module (imported when the command line names it, or for the full help)
 _COMMANDS = {
-    "bench": bench,
-    "train": train,
-    "check": check,
-    "plan": plan,
-    "env": env,
-    "swift-plugin": swift_plugin,
+    "bench": "tiledmlp.cli.bench",
+    "train": "tiledmlp.cli.train",
+    "check": "tiledmlp.cli.check",
+    "plan": "tiledmlp.cli.plan",
+    "env": "tiledmlp.cli.env",
+    "swift-plugin": "tiledmlp.cli.swift_plugin",
 }
+
+
+def _module(command: str) -> ModuleType:
+    return importlib.import_module(_COMMANDS[command])
+
+
+def _asked(words: Sequence[str]) -> tuple[str, ...]:
+    """The subcommands whose parsers are built: the one the command line names (its first word
+    that is not a flag: the top-level flags take no value), else all of them (for the full
+    help, or the error naming the closest command). Building one command's parser imports only
+    its module: `tiledmlp plan` reads a cached answer without importing the trainer or torch."""
+    for word in words:
+        if word in ("-h", "--help"):  # the top-level help lists every command
+            break
+        if not word.startswith("-"):
+            return (word,) if word in _COMMANDS else tuple(_COMMANDS)
+    return tuple(_COMMANDS)
 
 
 class _ParseError(SystemExit):
@@ -77,7 +96,8 @@ class _Parser(argparse.ArgumentParser):
         )
 
 
-def _build_parser() -> argparse.ArgumentParser:
+def _build_parser(commands: Sequence[str] = tuple(_COMMANDS)) -> argparse.ArgumentParser:
+    """The parser of `tiledmlp` with the subcommands `commands` (every one by default)."""
     import tiledmlp
 
     parser = _Parser(
@@ -89,8 +109,8 @@ def _build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(
         dest="command", required=True, metavar="COMMAND", parser_class=_Parser
     )
-    for module in _COMMANDS.values():
-        module.add_parser(sub)
+    for command in commands:
+        _module(command).add_parser(sub)
     for child in sub.choices.values():
         child.add_argument(
             "-v",
@@ -138,10 +158,17 @@ def _unknown_message(
     return f"unrecognized argument{plural} {' '.join(unknown)}{hint}"
 
 
+def _collective_error(e: Exception) -> bool:
+    """Whether `e` is a rank's CollectiveError: only a command that imported the collectives
+    (and torch with them) can raise one, so a command that did not never imports them here."""
+    collectives = sys.modules.get("tiledmlp.sequence_parallel.collectives")
+    return collectives is not None and isinstance(e, collectives.CollectiveError)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `tiledmlp` console command."""
-    parser = _build_parser()
     words = normalise_argv(sys.argv[1:] if argv is None else argv)
+    parser = _build_parser(_asked(words))
     try:
         args, unknown = parser.parse_known_args(words)
     except _ParseError as e:
@@ -165,11 +192,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     prefer_expandable_segments()
     try:
         with results_only():
-            return int(_COMMANDS[args.command].run(args))
+            return int(_module(args.command).run(args))
     except (UsageError, ValueError) as e:
         print(f"tiledmlp {args.command}: error: {e}", file=sys.stderr)
         return 2
-    except CollectiveError as e:
+    except Exception as e:
+        if not _collective_error(e):
+            raise
         # Another rank stopped answering: one line naming it, then leave at once (tearing down
         # a process group with a dead peer can hang or abort).
         print(f"tiledmlp {args.command}: error: {e}", file=sys.stderr, flush=True)

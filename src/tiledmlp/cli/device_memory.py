@@ -9,7 +9,9 @@ Invariant: every figure is in GiB and says where it comes from; nothing here est
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 __all__ = ["GPUS", "Memory", "gpu_memory", "here"]
 
@@ -71,6 +73,8 @@ def here(device: str) -> Memory | None:
         if ram is None:
             return None
         return Memory(ram / 2**30, f"this machine's available RAM, {ram / 2**30:,.1f} GiB", True)
+    if not _gpu_nodes():  # torch would find none: no need to import it to ask
+        return None
     import torch
 
     if not torch.cuda.is_available():
@@ -78,3 +82,12 @@ def here(device: str) -> Memory | None:
     props = torch.cuda.get_device_properties(0)
     gib = props.total_memory / 2**30
     return Memory(gib, f"{props.name}, {gib:,.1f} GiB (the GPU here)", here=True)
+
+
+def _gpu_nodes() -> bool:
+    """False only where torch cannot see a GPU: on Linux, no device node of NVIDIA's driver
+    (/dev/nvidia0, ...), ROCm's (/dev/kfd) or WSL's (/dev/dxg); True elsewhere (ask torch)."""
+    if sys.platform != "linux":
+        return True
+    dev = Path("/dev")
+    return any(dev.glob("nvidia[0-9]*")) or (dev / "kfd").exists() or (dev / "dxg").exists()

@@ -28,7 +28,7 @@ def _our_key(field: str) -> str:
 def train_flags(stack: str) -> list[str]:
     """The `tiledmlp train` flags of `stack`, over train's defaults (the tiled MLPs and the
     tiled loss); checkpointing is added where the stack offloads (it needs it)."""
-    from tiledmlp.train.options import DEFAULT_PATCH
+    from tiledmlp.train.defaults import DEFAULT_PATCH
 
     if STACK_OPTIONS[stack] is None:
         return [f"--{_our_key('tiled_mlp').replace('_', '-')}", "false"]

@@ -108,7 +108,7 @@ def _add_tiling_flags(groups: _Groups) -> None:
 
     from tiledmlp.config.patch import PatchConfig
     from tiledmlp.config.schema import keys_of
-    from tiledmlp.train.options import DEFAULT_PATCH
+    from tiledmlp.train.defaults import DEFAULT_PATCH
 
     switch = _Switch(groups.long.group)
     switch("--gradient-checkpointing", help="the model's own (non-reentrant) checkpointing")

@@ -15,13 +15,49 @@ activation in mlp/glu/kernels (Triton where it runs, mlp/glu/reference otherwise
 weight's gradient in one buffer (tiling/grads) under the guards of tiling/guards, and hands each
 gradient once to the engine's backend (tiling/backend).
 
-Imports torch only: no transformers, no deepspeed, no torch.distributed collectives.
+Imports torch only (importing this package imports nothing; each name below loads its module
+on first use): no transformers, no deepspeed, no torch.distributed collectives.
 """
 
-from tiledmlp.ops.mlp.function import TiledMLPFunction
-from tiledmlp.ops.mlp.functional import tiled_mlp
-from tiledmlp.ops.mlp.structure import MLPKind, MLPStructure, recognise
-from tiledmlp.ops.tiling.tiles import TilePlan, arctic_num_tiles, split_by_tile_tokens, split_even
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tiledmlp.ops.mlp.function import TiledMLPFunction
+    from tiledmlp.ops.mlp.functional import tiled_mlp
+    from tiledmlp.ops.mlp.structure import MLPKind, MLPStructure, recognise
+    from tiledmlp.ops.tiling.tiles import (
+        TilePlan,
+        arctic_num_tiles,
+        split_by_tile_tokens,
+        split_even,
+    )
+
+# the names below, each imported from its module on first use (PEP 562): importing a module of
+# ops (a tile policy's parser, say) imports no torch through this package
+_HOMES = {
+    "TiledMLPFunction": "tiledmlp.ops.mlp.function",
+    "tiled_mlp": "tiledmlp.ops.mlp.functional",
+    "MLPKind": "tiledmlp.ops.mlp.structure",
+    "MLPStructure": "tiledmlp.ops.mlp.structure",
+    "recognise": "tiledmlp.ops.mlp.structure",
+    "TilePlan": "tiledmlp.ops.tiling.tiles",
+    "arctic_num_tiles": "tiledmlp.ops.tiling.tiles",
+    "split_by_tile_tokens": "tiledmlp.ops.tiling.tiles",
+    "split_even": "tiledmlp.ops.tiling.tiles",
+}
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module 'tiledmlp.ops' has no attribute {name!r}")
+    value = getattr(importlib.import_module(home), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "MLPKind",

@@ -2,7 +2,10 @@
 call under torch.distributed, and providers of a parameter backend (ops/tiling/backend.py).
 
 Invariant: with no process group initialised nothing runs and the default backend is used; the
-patching layer never imports an engine itself.
+patching layer never imports an engine itself. The engines register when tiledmlp.integrations
+is imported, which reading any public name of the package (`from tiledmlp import patch_model`)
+does; a tiled call under an initialised process group before that is refused, never run without
+the engine's backend.
 """
 
 from __future__ import annotations
@@ -26,9 +29,22 @@ def register_check(check: Callable[[nn.Module], None]) -> None:
         _CHECKS.append(check)
 
 
+def _engines_registered() -> None:
+    """Raises where no engine has registered (module docstring): under ZeRO-3 a tiled call
+    hands its gradients to the engine through the engine's backend, and under FSDP the engine's
+    check refuses what it cannot run; neither may be skipped silently."""
+    if not _CHECKS and not _BACKENDS:
+        raise RuntimeError(
+            "a tiled call runs under torch.distributed, but the engines' integrations are not "
+            "loaded: import patch_model and the rest from the package (`from tiledmlp import "
+            "patch_model`), or `import tiledmlp.integrations` before the model runs"
+        )
+
+
 def run_checks(module: nn.Module) -> None:
-    if not _CHECKS or not dist.is_available() or not dist.is_initialized():
+    if not dist.is_available() or not dist.is_initialized():
         return
+    _engines_registered()
     for check in _CHECKS:
         check(module)
 
@@ -41,8 +57,9 @@ def register_backend(provider: Callable[[nn.Module], ParamBackend | None]) -> No
 
 def backend_for(module: nn.Module) -> ParamBackend | None:
     """The first backend a registered engine provides for `module`, else None (local)."""
-    if not _BACKENDS or not dist.is_available() or not dist.is_initialized():
+    if not dist.is_available() or not dist.is_initialized():
         return None
+    _engines_registered()
     for provider in _BACKENDS:
         backend = provider(module)
         if backend is not None:

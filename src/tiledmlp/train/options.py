@@ -31,6 +31,7 @@ from tiledmlp.ops.tiling.policy import TilePolicy
 from tiledmlp.ops.tiling.values import check_int, check_positive_number
 from tiledmlp.sequence_parallel.sizes import check_sequence_divisible
 from tiledmlp.train.data import check_data
+from tiledmlp.train.defaults import DEFAULT_PATCH
 from tiledmlp.train.model_source import model_name_error
 
 __all__ = [
@@ -62,8 +63,6 @@ SCHEDULES = (
     "inverse_sqrt",
     "warmup_stable_decay",
 )
-# what `tiledmlp train` patches when no key says otherwise: the tiled MLPs and the tiled loss
-DEFAULT_PATCH = PatchConfig(tiled_loss=True)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -47,15 +47,26 @@ plan. The planner resolves for an accelerator on fake CPU tensors with `assume_d
 
 from __future__ import annotations
 
+import importlib
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-from tiledmlp.ops.mlp.memory_model import GENERIC_WIDTH, MemoryModel, assume_device
 from tiledmlp.ops.tiling.tiles import TilePlan, arctic_num_tiles, split_by_tile_tokens, split_even
 from tiledmlp.ops.tiling.values import check_int, is_int, positive_number
 
+if TYPE_CHECKING:
+    from tiledmlp.ops.mlp.memory_model import MemoryModel, assume_device
+
 __all__ = ["ACCELERATOR_MIN_SAVING_BYTES", "MemoryModel", "TilePolicy", "assume_device"]
+
+
+def __getattr__(name: str) -> Any:
+    """MemoryModel and assume_device, from ops/mlp/memory_model.py on first use: the memory
+    model imports torch, which parsing a policy (the command line's --num-tiles) does not need."""
+    if name in ("MemoryModel", "assume_device"):
+        return getattr(importlib.import_module("tiledmlp.ops.mlp.memory_model"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 #: "auto" on an accelerator tiles a call only where that saves at least this much (module
 #: docstring): below it the saving is small beside any accelerator's memory, while the tiles'
@@ -242,6 +253,8 @@ def _target_plan(
         fixed = model.tiled_bytes(0)
         per_token = model.tiled_bytes(1) - fixed
     else:
+        from tiledmlp.ops.mlp.memory_model import GENERIC_WIDTH, MemoryModel
+
         per_token = MemoryModel.TILED_GATED * GENERIC_WIDTH * hidden * elem
         untiled = MemoryModel.UNTILED_GATED * GENERIC_WIDTH * hidden * elem * num_tokens
         fixed = 0.0
