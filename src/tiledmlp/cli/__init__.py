@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import importlib
 import logging
 import os
 import sys
 from collections.abc import Sequence
-from typing import Any, NoReturn
-
-import importlib
 from types import ModuleType
+from typing import Any, NoReturn
 
 from tiledmlp.allocator import prefer_expandable_segments
 from tiledmlp.cli.common import UsageError

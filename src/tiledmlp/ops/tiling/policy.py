@@ -68,6 +68,7 @@ def __getattr__(name: str) -> Any:
         return getattr(importlib.import_module("tiledmlp.ops.mlp.memory_model"), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
+
 #: "auto" on an accelerator tiles a call only where that saves at least this much (module
 #: docstring): below it the saving is small beside any accelerator's memory, while the tiles'
 #: fixed costs (launches, accumulator passes, the fused kernels' first use) dominate a small
