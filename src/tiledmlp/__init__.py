@@ -5,13 +5,15 @@ and recomputes only what it must, tile by tile, in the backward.
 
 Invariant: importing the package imports nothing else (no torch: `tiledmlp plan` answers a
 question asked before without it); the first public name read from it (`tiledmlp.patch_model`,
-`from tiledmlp import patch_model`) imports the integrations, which register the engines' checks
-with the patching layer, and then the module that defines the name (PEP 562).
+`from tiledmlp import patch_model`) or sub-package read as an attribute (`tiledmlp.patching`)
+imports the integrations, which register the engines' checks with the patching layer, and then
+the module that defines the name (PEP 562).
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the names below, for type checkers and editors
@@ -57,8 +59,11 @@ _HOMES = {
 def __getattr__(name: str) -> Any:
     """A public name, imported on first use (module docstring); then kept in the module."""
     home = _HOMES.get(name)
-    if home is None:
-        raise AttributeError(f"module 'tiledmlp' has no attribute {name!r}")
+    if home is None:  # a sub-package read as an attribute (`tiledmlp.patching.tile_counts`)
+        if name.startswith("_") or importlib.util.find_spec(f"tiledmlp.{name}") is None:
+            raise AttributeError(f"module 'tiledmlp' has no attribute {name!r}")
+        importlib.import_module("tiledmlp.integrations")
+        return importlib.import_module(f"tiledmlp.{name}")
     importlib.import_module("tiledmlp.integrations")  # registers the engines' checks
     value = getattr(importlib.import_module(home), name)
     globals()[name] = value

@@ -42,12 +42,26 @@ def test_a_public_name_loads_its_module_and_registers_the_engines() -> None:
     assert res.returncode == 0, res.stderr
 
 
+def test_a_sub_package_read_as_an_attribute_loads_and_registers_the_engines() -> None:
+    code = (
+        "import sys, tiledmlp\n"
+        "assert 'tiledmlp.patching' not in sys.modules\n"
+        "assert tiledmlp.patching.tile_counts is sys.modules['tiledmlp.patching'].tile_counts\n"
+        "from tiledmlp.patching import engine_registry as r\n"
+        "assert r._BACKENDS and r._CHECKS, (r._BACKENDS, r._CHECKS)\n"
+    )
+    res = _python(code)
+    assert res.returncode == 0, res.stderr
+
+
 def test_every_public_name_resolves_and_a_wrong_one_is_an_attribute_error() -> None:
     for name in tiledmlp.__all__:
         assert getattr(tiledmlp, name) is not None, name
     assert set(tiledmlp.__all__) <= set(dir(tiledmlp))
     with pytest.raises(AttributeError, match="no attribute 'patch_modle'"):
         tiledmlp.patch_modle  # noqa: B018
+    with pytest.raises(AttributeError, match="no attribute 'nothing'"):
+        tiledmlp.nothing  # noqa: B018
     from tiledmlp import ops
 
     with pytest.raises(AttributeError, match="no attribute 'nothing'"):
