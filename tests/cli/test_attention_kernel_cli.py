@@ -27,4 +27,4 @@ def test_train_refuses_an_unknown_kernel(capsys: pytest.CaptureFixture[str]) -> 
     code = main(["train", "--model", "tiny", "--max-steps", "1", "--attention-kernel", "fast"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code != 0 and len(err) == 1
-    assert "attention_kernel must be auto, auto:<GB> or one of cudnn, flash" in err[0]
+    assert "attention_kernel must be auto, auto:<GB> or one of cudnn, by_heads, flash" in err[0]

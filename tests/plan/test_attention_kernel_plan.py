@@ -11,6 +11,16 @@ from tiledmlp.ops.attention.buffers import AttentionShape, backward_buffer_bytes
 from tiledmlp.plan.device_overhead import device_overhead
 
 
+def test_by_heads_buffers_are_each_groups_cudnn_workspace() -> None:
+    """The simulation sees one call per group of heads: each gets cuDNN's workspace for its
+    own heads (4 query heads, one key/value head, 1,000 tokens of 128)."""
+    buffers = device_overhead("cuda", "by_heads").buffers
+    assert buffers is not None
+    q = torch.empty(1, 4, 1000, 128, dtype=torch.bfloat16, device="meta")
+    k = torch.empty(1, 1, 1000, 128, dtype=torch.bfloat16, device="meta")
+    assert buffers.nbytes(None, (q, q, k, k)) == 1000 * 4 * 257 * 4 + 256
+
+
 @pytest.mark.parametrize("kernel", ["cudnn", "flash", "efficient", "math"])
 def test_each_kernels_buffers_at_the_simulated_call(kernel: str) -> None:
     buffers = device_overhead("cuda", kernel).buffers
@@ -66,11 +76,14 @@ def test_auto_plans_flash_where_cudnn_fits_a_shorter_sequence() -> None:
 
     mha = planned(8)
     by_kernel = mha["max_seq_len_by_kernel"]
-    assert isinstance(by_kernel, dict) and set(by_kernel) == {"cudnn", "flash", "efficient"}
+    assert isinstance(by_kernel, dict)
+    assert set(by_kernel) == {"cudnn", "by_heads", "flash", "efficient"}
     assert by_kernel["flash"] > by_kernel["cudnn"]
-    assert mha["attention_kernel"] == "flash" and mha["max_seq_len"] == by_kernel["flash"]
+    # the longest wins; of equal ones the faster (the order of KERNEL_NAMES)
+    best = max(by_kernel, key=lambda k: by_kernel[k])
+    assert mha["attention_kernel"] == best and mha["max_seq_len"] == by_kernel[best]
     gqa = planned(2)
-    assert gqa["attention_kernel"] == "cudnn" and "max_seq_len_by_kernel" not in gqa
+    assert set(gqa["max_seq_len_by_kernel"]) == {"cudnn", "by_heads"}  # flash: no smaller
 
 
 def test_the_plan_line_names_the_kernel_auto_takes() -> None:

@@ -37,8 +37,6 @@ import torch
 from torch import nn
 
 from tiledmlp.config.patch import PatchConfig
-from tiledmlp.patching.attention_core import by_heads
-from tiledmlp.patching.hf_attention import HF_ATTENTION
 from tiledmlp.ops.attention.buffers import (
     KERNEL_NAMES,
     AttentionShape,
@@ -48,7 +46,9 @@ from tiledmlp.ops.attention.buffers import (
     unusable,
     usable_kernels,
 )
+from tiledmlp.patching.attention_core import by_heads
 from tiledmlp.patching.features.base import Feature
+from tiledmlp.patching.hf_attention import HF_ATTENTION
 from tiledmlp.patching.layers import decoder_layers
 from tiledmlp.patching.report import ReportParts
 
@@ -217,7 +217,7 @@ class AttentionKernel(Feature):
     def _route(model: nn.Module) -> None:
         """Switches the configs of `model` that name transformers' sdpa to ROUTED_SDPA (module
         docstring), remembering them for remove()."""
-        switched = []
+        switched: list[Any] = []
         for m in model.modules():
             cfg = getattr(m, "config", None)
             if getattr(cfg, "_attn_implementation", None) == "sdpa" and all(
