@@ -192,9 +192,13 @@ class AttentionKernel(Feature):
             )
         heads = _heads(model_config)
         choice = config.attention_kernel
-        if (choice.name == "by_heads" or choice.budget_bytes is not None) and not hasattr(
-            model, _CONFIGS
-        ):
+        # under sequence parallelism the context alone routes (module docstring); its wrapper
+        # takes the model's own implementation, sdpa, not ROUTED_SDPA
+        parallel = config.sequence_parallel_size is not None or (
+            config.sequence_parallel_group is not None
+        )
+        routes = choice.name == "by_heads" or choice.budget_bytes is not None
+        if routes and not parallel and not hasattr(model, _CONFIGS):
             self._route(model)
         for _, layer in decoder_layers(model):
             if _KEY in layer.__dict__:
