@@ -104,3 +104,26 @@ def test_the_plan_line_names_the_kernel_auto_takes() -> None:
         " with the flash attention kernel (train with --attention-kernel flash; cudnn 10,240, "
         "flash 12,288)"
     )
+
+
+@pytest.mark.slow
+def test_by_heads_lifts_the_stack_whose_peak_is_an_attention_backward() -> None:
+    """About 10 s (three simulated steps). Llama-3-8B, ZeRO-3 with weights and optimizer on the host, 131,072 tokens: with the
+    norms untiled the step peaks in a norm's backward and cuDNN's workspace adds nothing to the
+    peak (so no kernel fits a longer sequence); with the norms tiled it peaks inside an
+    attention backward, where cuDNN's workspace adds to the peak and one group's does not."""
+    from tiledmlp.plan.estimate import estimate_step
+    from tiledmlp.plan.layer import load_config
+
+    config = load_config("llama3-8b")
+    common = {"seq_len": 131072, "checkpointing": True, "engine": "zero3", "offload_params": True,
+              "optimizer": "cpu-offload", "full_card": True}  # fmt: skip
+    plain = estimate_step(config, stack="tiled_mlp_loss_offload", **common)
+    assert plain.attention == 0
+    norms = estimate_step(config, stack="tiled_mlp_loss_offload_norms", **common)
+    grouped = estimate_step(
+        config, stack="tiled_mlp_loss_offload_norms", attention_kernel="by_heads", **common
+    )
+    assert norms.attention > 2 * 2**30  # cuDNN's whole workspace is 4.0 GiB here
+    assert grouped.attention == 0 and grouped.peak == norms.peak
+    assert grouped.peak + grouped.reserve < norms.peak + norms.attention + norms.reserve
