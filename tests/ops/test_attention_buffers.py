@@ -61,12 +61,29 @@ def test_forward_state() -> None:
         forward_state_bytes("fast", shape)
 
 
+def test_by_heads_buffers_are_one_groups_cudnn_workspace() -> None:
+    # 32 query and 8 key/value heads of 128, bf16: one call up to 8K tokens, 4 groups at 32K,
+    # 32 (a query head per call) from 128K (Note [Head groups]); per group cuDNN's
+    # (heads / groups) x tokens x 257 float32 values and 256 bytes
+    assert backward_buffer_bytes("by_heads", AttentionShape(1, 32, 8, 8192, 128)) == (
+        backward_buffer_bytes("cudnn", AttentionShape(1, 32, 8, 8192, 128))
+    )
+    assert backward_buffer_bytes("by_heads", LLAMA) == 32768 * 8 * 257 * 4 + 256
+    at_512k = AttentionShape(1, 32, 8, 524288, 128)
+    assert backward_buffer_bytes("by_heads", at_512k) == 524288 * 1 * 257 * 4 + 256
+    assert backward_buffer_bytes("cudnn", at_512k) == 524288 * 32 * 257 * 4 + 256
+    assert forward_state_bytes("by_heads", LLAMA) == forward_state_bytes("cudnn", LLAMA)
+
+
 def test_usable_kernels_by_device_dtype_and_heads() -> None:
-    assert usable_kernels(LLAMA, "cuda", "bfloat16") == ("cudnn", "flash", "math")
+    assert usable_kernels(LLAMA, "cuda", "bfloat16") == ("cudnn", "by_heads", "flash", "math")
     mha = AttentionShape(1, 4, 4, 64, 64)
-    assert usable_kernels(mha, "cuda", "bfloat16") == ("cudnn", "flash", "efficient", "math")
+    assert usable_kernels(mha, "cuda", "bfloat16") == (
+        "cudnn", "by_heads", "flash", "efficient", "math",
+    )  # fmt: skip
     assert usable_kernels(mha, "cuda", "float32") == ("efficient", "math")
-    assert usable_kernels(mha, "cpu", "bfloat16") == ("math",)
+    # the CPU: the CPU's flash kernel by head groups, or SDPA's own
+    assert usable_kernels(mha, "cpu", "bfloat16") == ("by_heads", "math")
     assert unusable("cudnn", mha, "cpu", "bfloat16") == (
         "the cudnn attention kernel runs on CUDA GPUs, not on cpu"
     )
@@ -78,7 +95,7 @@ def test_usable_kernels_by_device_dtype_and_heads() -> None:
 
 
 def test_auto_switches_kernels_where_cudnn_would_not_fit() -> None:
-    usable = ("cudnn", "flash", "efficient", "math")
+    usable = ("cudnn", "flash", "efficient", "math")  # by_heads left out: the next is flash
     budget = 3 * 2**30  # bytes the attention backward's buffers may take
 
     def at(tokens: int) -> str | None:
@@ -96,3 +113,24 @@ def test_auto_switches_kernels_where_cudnn_would_not_fit() -> None:
     assert kernel_for("efficient", LLAMA, usable, budget) == "efficient"
     with pytest.raises(ValueError, match="auto or one of"):
         kernel_for("fastest", LLAMA, usable, budget)
+
+
+def test_auto_takes_by_heads_where_cudnn_would_not_fit() -> None:
+    """Llama-3-8B's heads on a bound of 3 GiB: cuDNN's workspace fits at 64K tokens (2.0 GiB),
+    not at 128K (4.0 GiB), where by_heads (one query head per call, 0.13 GiB) comes before flash
+    (as much as cuDNN with grouped heads); by_heads is never SDPA's own choice."""
+    usable = usable_kernels(LLAMA, "cuda", "bfloat16")
+    budget = 3 * 2**30
+
+    def at(tokens: int) -> str | None:
+        return kernel_for("auto", AttentionShape(1, 32, 8, tokens, 128), usable, budget)
+
+    assert at(65536) is None
+    assert at(131072) == "by_heads"
+    assert backward_buffer_bytes("by_heads", AttentionShape(1, 32, 8, 131072, 128)) == (
+        131072 * 257 * 4 + 256
+    )
+    # on the CPU SDPA's own choice (math here) decides, not by_heads, which comes first there
+    cpu = usable_kernels(LLAMA, "cpu", "bfloat16")
+    assert kernel_for("auto", AttentionShape(1, 32, 8, 64, 128), cpu, budget) is None
+    assert kernel_for("by_heads", LLAMA, usable, None) == "by_heads"

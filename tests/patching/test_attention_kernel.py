@@ -56,22 +56,31 @@ def test_named_kernel_refused_in_one_line_on_the_cpu() -> None:
     )
 
 
-def test_auto_switches_to_flash_where_cudnn_would_not_fit() -> None:
-    """The kernel asked of SDPA (the sdpa_kernel context) by length, for a bound of 3 GiB: 32
-    query heads of 128 each with its own key/value head, bf16 on a GPU (the tensor is on the
-    meta device: only its shape, dtype and the device type the choice reads count)."""
+def test_auto_switches_to_by_heads_where_cudnn_would_not_fit() -> None:
+    """The context of a layer's call by length, for a bound of 3 GiB: 32 query heads of 128
+    each with its own key/value head, bf16 on a GPU (the tensor is on the meta device: only its
+    shape, dtype and the device type the choice reads count)."""
+    from tiledmlp.patching.attention_core import active
+
     choice = KernelChoice("auto", 3 * 2**30)
     cuda = torch.backends.cuda
 
-    def enabled(tokens: int) -> tuple[bool, bool, bool]:
+    def within(tokens: int) -> tuple[bool, bool, bool, bool]:
         hidden = torch.empty(1, tokens, 4096, dtype=torch.bfloat16, device="meta")
         with call_context(choice, (32, 32, 128), _on_cuda(hidden)):
-            return cuda.cudnn_sdp_enabled(), cuda.flash_sdp_enabled(), cuda.math_sdp_enabled()
+            enabled = cuda.cudnn_sdp_enabled(), cuda.flash_sdp_enabled(), cuda.math_sdp_enabled()
+            return (*enabled, active())
 
     # 64K tokens: cuDNN's 2.0 GiB fit, SDPA's own choice (every backend left enabled)
-    assert enabled(65536) == (True, True, True)
-    # 128K: cuDNN's 4.0 GiB do not fit, flash's 2.0 do: SDPA is asked for flash alone
-    assert enabled(131072) == (False, True, False)
+    assert within(65536) == (True, True, True, False)
+    # 128K: cuDNN's 4.0 GiB do not fit; the attention by head groups (SDPA's own kernel per
+    # group, the faster of the rest) does
+    assert within(131072) == (True, True, True, True)
+    assert not active()  # left after the call
+    # flash forced: SDPA is asked for flash alone
+    flash = torch.empty(1, 128, 4096, dtype=torch.bfloat16, device="meta")
+    with call_context(KernelChoice("flash"), (32, 32, 128), _on_cuda(flash)):
+        assert (cuda.cudnn_sdp_enabled(), cuda.flash_sdp_enabled()) == (False, True)
     assert cuda.cudnn_sdp_enabled()  # restored after the call
 
 
@@ -106,3 +115,68 @@ def test_both_kernels_run_on_a_gpu() -> None:
         tiledmlp.unpatch_model(model)
         err = float((out.detach().double() - ref).abs().max())
         assert err <= 2 * base, f"{kernel}: max error {err:.3g} against SDPA's {base:.3g}"
+
+
+@pytest.fixture
+def small_groups(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Tiny sequences split into groups like long ones (no minimum of waves per call, no
+    memory floor); returns the groups of every call by heads."""
+    from tiledmlp.ops.attention import heads as attention_heads
+    from tiledmlp.patching import attention_core
+
+    monkeypatch.setattr(attention_heads, "MIN_WAVES", 0)
+    monkeypatch.setattr(attention_heads, "BUFFER_FLOOR", 0)
+    seen: list[int] = []
+    real = attention_core.causal_attention_by_heads
+
+    def counted(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, groups: int,
+                kernel: object) -> torch.Tensor:  # fmt: skip
+        seen.append(groups)
+        return real(q, k, v, scale, groups, kernel)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(attention_core, "causal_attention_by_heads", counted)
+    return seen
+
+
+def test_auto_switches_the_models_attention_to_by_heads_exactly(small_groups: list[int]) -> None:
+    """auto:<GB> on the CPU, where SDPA's own choice is counted as the math path's
+    2 x heads x tokens^2 float32 values: a bound of 99,965 bytes holds them at 32 tokens
+    (32,768 bytes; SDPA's own choice stays) and not at 64 (131,072), where the model's own
+    attention runs by head groups (4 groups of one query head: 8,704 bytes). The checkpointed
+    model trains as the unpatched one (the recompute runs the kernel the forward ran: the
+    saved tensors match), and unpatching restores its attention implementation."""
+    from tiledmlp.patching.offloading import enable_checkpointing
+
+    for tokens, grouped in ((32, False), (64, True)):
+        small_groups.clear()
+        model, ref = _model(), _model()
+        for m in (model, ref):
+            enable_checkpointing(m)
+        ids = torch.randint(0, 100, (1, tokens), generator=torch.Generator().manual_seed(1))
+        want = ref(ids, labels=ids)
+        want.loss.backward()
+        report = tiledmlp.patch_model(model, attention_kernel="auto:0.0000931")  # 99,965 bytes
+        assert str(report.attention_kernel).endswith(" (per call) in 2 decoder layer(s)")
+        got = model(ids, labels=ids)
+        got.loss.backward()
+        assert small_groups == ([4, 4, 4, 4] if grouped else [])  # forward and recompute
+        assert (got.logits - want.logits).abs().max() <= 1e-5
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            assert p.grad is not None and q.grad is not None
+            diff = (p.grad - q.grad).abs()
+            assert diff.max() <= 1e-5, f"{name}: max {diff.max():.3g}, mean {diff.mean():.3g}"
+        assert model.config._attn_implementation == "tiledmlp_sdpa"
+        tiledmlp.unpatch_model(model)
+        assert model.config._attn_implementation == "sdpa"
+        assert "forward" not in model.model.layers[0].self_attn.__dict__
+
+
+def test_by_heads_named_runs_the_models_attention_by_groups(small_groups: list[int]) -> None:
+    model = _model()
+    ids = torch.randint(0, 100, (1, 24))
+    ref = model(ids).logits
+    tiledmlp.patch_model(model, attention_kernel="by-heads")
+    got = model(ids).logits
+    assert small_groups == [4, 4]
+    assert (got - ref).abs().max() <= 1e-5
+    tiledmlp.unpatch_model(model)

@@ -1,8 +1,9 @@
 """`tiledmlp plan --attention-kernel`: the attention kernel the whole step is planned with.
 
-A named kernel ("cudnn", "flash", "efficient", "math") plans every stack with that kernel's
-attention buffers (ops/attention/buffers.py), refused in one line where the planned device or
-dtype cannot run it. "auto" (the default) plans with what a run's "auto" would choose: cuDNN,
+A named kernel ("cudnn", "by_heads", "flash", "efficient", "math") plans every stack with that
+kernel's attention buffers (ops/attention/buffers.py; by_heads: the model's own attention by
+head groups, each group's call with cuDNN's workspace), refused in one line where the planned
+device or dtype cannot run it. "auto" (the default) plans with what a run's "auto" would choose: cuDNN,
 SDPA's choice on Hopper and the fastest, unless another kernel lets a stack fit a longer
 sequence within --memory-gb. A kernel whose backward buffers at cuDNN's longest sequence are
 not smaller than cuDNN's cannot fit a longer one, so only kernels with smaller buffers there are
@@ -40,8 +41,8 @@ def add_flag(group: Any) -> None:
         choices=("auto", *KERNEL_NAMES),
         default="auto",
         help="the attention kernel whose buffers the step is planned with: auto (cuDNN, "
-        "SDPA's choice on Hopper, unless another kernel fits a longer sequence within "
-        "--memory-gb), or one kernel (default: auto)",
+        "SDPA's choice on Hopper, unless another kernel (by_heads: the attention by head "
+        "groups) fits a longer sequence within --memory-gb), or one kernel (default: auto)",
     )
 
 

@@ -167,12 +167,12 @@ class PatchConfig:
         same_losses=True,
         default_factory=KernelChoice,
         help="the attention kernel of every decoder layer's call: auto (SDPA's own choice; "
-        "auto:<GB>: the fastest whose backward buffers fit GB GiB) or cudnn, flash, efficient, "
-        "math",
+        "auto:<GB>: the fastest whose backward buffers fit GB GiB) or cudnn, by_heads, flash, "
+        "efficient, math",
         keys=(Key("attention_kernel", parse_attention_kernel, metavar="KERNEL", kind="str",
                   help="the attention kernel: auto, auto:<GB> (the fastest kernel whose "
-                  "backward buffers fit GB GiB, per layer call), cudnn, flash, efficient or "
-                  "math (default: auto)"),),
+                  "backward buffers fit GB GiB, per layer call), cudnn, by_heads, flash, "
+                  "efficient or math (default: auto)"),),
         group="long context",
     )  # fmt: skip
     kernels: bool = option(

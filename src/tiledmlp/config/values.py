@@ -147,8 +147,8 @@ def parse_dtype(value: Any, name: str = "dtype") -> str:
 
 def parse_attention_kernel(value: Any, name: str = "attention_kernel") -> KernelChoice:
     """The attention kernel: a KernelChoice, "auto", "auto:<GB>" (auto with the memory one
-    attention backward's buffers may take), "cudnn", "flash", "efficient", "math", in any case,
-    or None ("auto")."""
+    attention backward's buffers may take), "cudnn", "by_heads", "flash", "efficient", "math",
+    in any case (also "by-heads"), or None ("auto")."""
     if value is None or isinstance(value, KernelChoice):
         return value or KernelChoice()
     text = str(value).strip().lower()
@@ -158,9 +158,9 @@ def parse_attention_kernel(value: Any, name: str = "attention_kernel") -> Kernel
             if gb is None:
                 raise ValueError("the size must be a positive number of GiB")
             return KernelChoice("auto", int(gb * 2**30))
-        return KernelChoice(text)
+        return KernelChoice(text.replace("-", "_"))
     except ValueError as e:
         raise ValueError(
-            f"{name} must be auto, auto:<GB> or one of cudnn, flash, efficient, math, got "
-            f"{value!r}" + ("" if "attention_kernel" in str(e) else f" ({e})")
+            f"{name} must be auto, auto:<GB> or one of cudnn, by_heads, flash, efficient, math, "
+            f"got {value!r}" + ("" if "attention_kernel" in str(e) else f" ({e})")
         ) from None

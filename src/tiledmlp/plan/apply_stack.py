@@ -38,9 +38,14 @@ def build_model(config: Any, dtype: torch.dtype, layers: int) -> Any:
     ).train()
 
 
-def apply_stack(model: nn.Module, hidden: int, num_tiles: int | str, stack: str) -> PatchReport:
+def apply_stack(
+    model: nn.Module, hidden: int, num_tiles: int | str, stack: str, attention_kernel: str = "cudnn"
+) -> PatchReport:
     """Applies `stack`'s patch_model options with `num_tiles` to the fake `model` through
     patch_model's features (module docstring); returns the report patch_model would give.
+    `attention_kernel` "by_heads" adds attention_kernel="by_heads" (the model's own attention
+    by head groups); another kernel changes only the attention backward's buffers, which the
+    simulation adds by kernel (plan/device_overhead.py).
 
     Raises:
         ValueError: a decoder MLP that is not a dense MLP recognised by shape, a decoder layer
@@ -49,7 +54,10 @@ def apply_stack(model: nn.Module, hidden: int, num_tiles: int | str, stack: str)
     options = STACK_OPTIONS[stack]
     if options is None:
         raise ValueError(f"the {stack} stack patches nothing; leave the model as it is")
-    config = PatchConfig.from_kwargs({**options, "num_tiles": num_tiles, "hidden_size": hidden})
+    kernel = {"attention_kernel": "by_heads"} if attention_kernel == "by_heads" else {}
+    config = PatchConfig.from_kwargs(
+        {**options, **kernel, "num_tiles": num_tiles, "hidden_size": hidden}
+    )
     mlps = declared_mlps(model, decoder_layers_of(model), hidden)
     declared = {"tiled_mlp": mlps, "tiled_loss": None}
     try:

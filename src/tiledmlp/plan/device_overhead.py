@@ -118,7 +118,8 @@ class AttentionBuffers:
     (ops/attention/buffers.py, Note [Kernel buffers]; cuDNN's: SDPA's choice on Hopper).
 
     Attributes:
-        kernel: "cudnn", "flash", "efficient" or "math".
+        kernel: "cudnn", "by_heads" (cuDNN's workspace for each group's call), "flash",
+            "efficient" or "math".
     """
 
     kernel: str = "cudnn"
@@ -131,7 +132,8 @@ class AttentionBuffers:
         # (grad_out, query, key, value, out, ...) for every fused kernel, q, k and v each
         # (batch, heads, tokens, head_dim)
         (batch, heads, tokens, head_dim), kv_heads = args[1].shape, args[2].shape[1]
-        if self.kernel == "cudnn":
+        # by_heads: each call is one group's, through SDPA's kernel (cuDNN on Hopper)
+        if self.kernel in ("cudnn", "by_heads"):
             return attention_call_bytes(batch, heads, kv_heads, tokens, head_dim)
         shape = AttentionShape(batch, heads, kv_heads, tokens, head_dim, args[1].element_size())
         return backward_buffer_bytes(self.kernel, shape)

@@ -93,8 +93,8 @@ def _check_attention_kernel(opts: TrainOptions, cuda: bool) -> None:
     """A named attention kernel this machine or dtype cannot run, refused before any work (the
     head size is checked at the first call: ops/attention/buffers.py, unusable)."""
     name = opts.patch.attention_kernel.name if opts.patch is not None else "auto"
-    if name in ("auto", "math"):
-        return
+    if name in ("auto", "math") or (name == "by_heads" and not cuda):
+        return  # by_heads on the CPU: the CPU's flash kernel by head groups
     if not cuda:
         raise ValueError(
             f"--attention-kernel {name}: the {name} attention kernel runs on CUDA GPUs, and this "

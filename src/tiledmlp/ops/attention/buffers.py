@@ -4,11 +4,13 @@ the output and their gradients, by mechanism, and the choice of a kernel by thos
 One call of causal attention over `heads` query and `kv_heads` key/value heads of `head_dim`,
 `tokens` query (= key) rows per sequence, `batch` sequences, q, k and v of `itemsize` bytes per
 element. The kernels are SDPA's backends, in its priority order on Hopper (SPEED_ORDER: the
-fastest first; docs/guides/gpus.md). See Note [Kernel buffers] for each figure's source.
+fastest first; docs/guides/gpus.md), with "by_heads" (the attention core by head groups,
+ops/attention/heads.py, calling SDPA's own kernel per group) after SDPA's first: See Note
+[Kernel order]. See Note [Kernel buffers] for each figure's source.
 
 `kernel_for` is the choice of the attention-kernel option: a named kernel is that kernel;
-"auto" is SDPA's own choice (the first usable kernel of the order) where its backward buffers
-fit the budget, else the first (fastest) usable kernel whose buffers do, else the one with the
+"auto" is SDPA's own choice (the first usable kernel of the order other than by_heads) where its
+backward buffers fit the budget, else the first (fastest) usable kernel whose buffers do, else the one with the
 smallest buffers.
 
 Invariant: every figure is a pure function of the shape and the kernel's name (no device, no
@@ -20,6 +22,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+from tiledmlp.ops.attention.heads import head_groups
 
 __all__ = [
     "KERNEL_NAMES",
@@ -56,11 +60,25 @@ __all__ = [
 # - math (SDPA's composite path): the attention probabilities (batch, heads, tokens, tokens)
 #   kept for the backward and their gradient there, each in float32 (the math path computes
 #   float16/bfloat16 inputs in float32): quadratic in the length, a reference path only.
+# - by_heads (the attention core by head groups, ops/attention/heads.py): the kernel SDPA
+#   selects (cuDNN on Hopper) called once per group of heads, head_groups(...) groups: one
+#   group's cuDNN workspace, (heads / groups) x tokens x (2 x head_dim + 1) float32 values and
+#   256 bytes (the op's own tensors, one group's output and gradients in flight, are tensors the
+#   simulation counts).
 # Forward state kept for the backward (forward_state_bytes): the float32 log-sum-exp per query
 # row and head (efficient: rows rounded up to 32), math: the float32 probabilities.
 
-KERNEL_NAMES: tuple[str, ...] = ("cudnn", "flash", "efficient", "math")
-SPEED_ORDER: tuple[str, ...] = KERNEL_NAMES  # SDPA's priority on Hopper: the fastest first
+# Note [Kernel order]
+# ~~~~~~~~~~~~~~~~~~~
+# SDPA's priority on Hopper is cuDNN, flash, memory-efficient, math: the fastest first. The
+# attention core by heads runs SDPA's own kernel per group of heads: on an H200 (2026-11-26,
+# benchmarks/results/gpu/2026-11-26-h200/suite/records.jsonl, docs/benchmarks.md) at 1.030x,
+# 1.021x and 1.010x SDPA's time at 32K, 128K and 256K tokens, where the flash kernel ran at
+# 306-321 TFLOP/s against cuDNN's 559-615: by_heads comes right after cuDNN. It is never SDPA's
+# own choice (auto without a bound never takes it).
+
+KERNEL_NAMES: tuple[str, ...] = ("cudnn", "by_heads", "flash", "efficient", "math")
+SPEED_ORDER: tuple[str, ...] = KERNEL_NAMES  # the fastest first (Note [Kernel order])
 CUDNN_EXTRA = 256  # bytes beyond the float32 values in every cuDNN backward workspace
 
 
@@ -135,6 +153,9 @@ def backward_buffer_bytes(kernel: str, shape: AttentionShape) -> int:
     b, h, t, d = shape.batch, shape.heads, shape.tokens, shape.head_dim
     if kernel == "cudnn":
         return b * t * h * (2 * d + 1) * 4 + CUDNN_EXTRA
+    if kernel == "by_heads":
+        groups = head_groups(b, h, shape.kv_heads, t, head_dim=d, itemsize=shape.itemsize)
+        return b * t * (h // groups) * (2 * d + 1) * 4 + CUDNN_EXTRA
     if kernel == "flash":
         d8 = _up(d, 8)
         rows = _up(t, 128)
@@ -154,7 +175,7 @@ def forward_state_bytes(kernel: str, shape: AttentionShape) -> int:
     """Bytes the forward of `kernel` keeps for its backward beside q, k, v and the output
     (Note [Kernel buffers])."""
     b, h, t = shape.batch, shape.heads, shape.tokens
-    if kernel in ("cudnn", "flash"):
+    if kernel in ("cudnn", "by_heads", "flash"):
         return b * h * t * 4
     if kernel == "efficient":
         return b * h * _up(t, 32) * 4
@@ -169,12 +190,12 @@ def unusable(kernel: str, shape: AttentionShape, device_type: str, dtype: str) -
     eligibility rules, sdp_utils.cpp, by device, dtype, head size and grouped heads)."""
     if kernel not in KERNEL_NAMES:
         return f"unknown attention kernel {kernel!r}; expected auto or one of {KERNEL_NAMES}"
-    if kernel == "math":
-        return None
+    if kernel == "math" or (kernel == "by_heads" and device_type == "cpu"):
+        return None  # by_heads: the CPU's flash kernel by groups
     if device_type != "cuda":
         return f"the {kernel} attention kernel runs on CUDA GPUs, not on {device_type}"
     low = dtype in ("bfloat16", "float16")
-    if kernel in ("cudnn", "flash"):
+    if kernel in ("cudnn", "by_heads", "flash"):
         if not low:
             return f"the {kernel} attention kernel takes bfloat16 or float16, not {dtype}"
         if shape.head_dim % 8 or shape.head_dim > 256:
@@ -208,8 +229,8 @@ def kernel_for(
 
     Returns:
         The named kernel for a named choice; for "auto" None where SDPA's own choice (the first
-        of `usable`) fits the budget (SDPA then selects as it would), else the first of
-        `usable` whose buffers fit, else the one with the smallest buffers.
+        of `usable` other than by_heads) fits the budget (SDPA then selects as it would), else
+        the first of `usable` whose buffers fit, else the one with the smallest buffers.
 
     Raises:
         ValueError: an unknown choice.
@@ -223,7 +244,8 @@ def kernel_for(
     if not usable or budget is None:
         return None
     sizes = {k: backward_buffer_bytes(k, shape) for k in usable}
-    if sizes[usable[0]] <= budget:
+    own = next((k for k in usable if k != "by_heads"), None)
+    if own is not None and sizes[own] <= budget:
         return None
     fitting = [k for k in usable if sizes[k] <= budget]
     return fitting[0] if fitting else min(usable, key=lambda k: (sizes[k], usable.index(k)))

@@ -4,16 +4,27 @@ option chooses for that call (ops/attention/buffers.py: kernel_for), so the mode
 attention (transformers' attention interface) and the attention core by heads of tiled decoder
 layers (whose kernel selection follows SDPA's enabled backends) both run it.
 
+"by_heads" (named, or taken by auto:<GB>) runs the model's own SDPA attention through the
+attention core by head groups (patching/attention_core.py: sdpa_by_heads, SDPA's own kernel per
+group of heads): the decoder's config names a registered attention implementation
+(ROUTED_SDPA) that is transformers' sdpa, and inside the call's `by_heads()` context sdpa by
+head groups; its masks are sdpa's. Under sequence parallelism (whose configs name its own
+implementation) the context alone does it: the exchange calls "sdpa" through the attention
+backend, which resolves it by heads inside the context.
+
 The choice is made per call from the layer's input (batch, tokens), the model's heads and head
 size and the dtype the attention runs in: a named kernel is forced (refused in one line where
 the device or dtype cannot run it); "auto:<GB>" keeps SDPA's own choice where its backward
-buffers fit, else takes the fastest kernel whose buffers do. A checkpointed layer's recompute
-calls the same forward with the same input, so it runs the same kernel (the saved tensors
-match). Under Ulysses sequence parallelism a call holds P x the tokens and heads / P: the
-buffers, proportional to tokens x heads, are the same.
+buffers fit, else takes the fastest kernel whose buffers do. The choice is made around the
+layer's call and around its attention module's: Hugging Face's checkpointing recomputes the
+layer's class forward, inside which the attention module's wrapped forward runs with the same
+input, so the recompute runs the kernel the forward ran (the saved tensors match). Under
+Ulysses sequence parallelism a call holds P x the tokens and heads / P: the buffers,
+proportional to tokens x heads, are the same.
 
 Invariant: the layers' outputs are those of SDPA's attention (kernels differ only in summation
-order); remove() restores each layer's forward exactly.
+order); remove() restores each layer's forward and each switched config's implementation
+exactly.
 """
 
 from __future__ import annotations
@@ -27,6 +38,7 @@ from torch import nn
 
 from tiledmlp.config.patch import PatchConfig
 from tiledmlp.ops.attention.buffers import (
+    KERNEL_NAMES,
     AttentionShape,
     KernelChoice,
     backward_buffer_bytes,
@@ -34,14 +46,41 @@ from tiledmlp.ops.attention.buffers import (
     unusable,
     usable_kernels,
 )
+from tiledmlp.patching.attention_core import by_heads
 from tiledmlp.patching.features.base import Feature
+from tiledmlp.patching.hf_attention import HF_ATTENTION
 from tiledmlp.patching.layers import decoder_layers
 from tiledmlp.patching.report import ReportParts
 
-__all__ = ["ATTENTION_KERNEL", "AttentionKernel", "call_context"]
+__all__ = ["ATTENTION_KERNEL", "ROUTED_SDPA", "AttentionKernel", "call_context"]
 
 _KEY = "_tiledmlp_attention_kernel"  # instance attribute: (the choice, the forward replaced)
+_ATTN_KEY = "_tiledmlp_attention_kernel_inner"  # the same, on a layer's attention module
+_ATTENTION_NAMES = ("self_attn", "attention", "attn")
+_CONFIGS = "_tiledmlp_attention_kernel_configs"  # model attribute: the configs switched
 _MISSING = object()
+ROUTED_SDPA = "tiledmlp_sdpa"  # transformers' sdpa; by head groups inside by_heads()
+_REGISTERED: list[bool] = []
+
+
+def _routed_sdpa(*args: Any, **kwargs: Any) -> Any:
+    return HF_ATTENTION.function("sdpa")(*args, **kwargs)
+
+
+def _register_routed() -> None:
+    """Registers ROUTED_SDPA once per process, with sdpa's mask function."""
+    if not _REGISTERED:
+        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+        HF_ATTENTION.register(ROUTED_SDPA, _routed_sdpa, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+        _REGISTERED.append(True)
+
+
+def _set_implementation(config: Any, name: str) -> None:
+    if hasattr(config, "_attn_implementation_internal"):
+        config._attn_implementation_internal = name
+    else:
+        config._attn_implementation = name
 
 
 def _backend(name: str) -> Any:
@@ -93,6 +132,8 @@ def call_context(
     name = kernel_for(choice.name, shape, usable, choice.budget_bytes)
     if name is None:
         return contextlib.nullcontext()
+    if name == "by_heads":  # SDPA's own kernel, per group of heads (module docstring)
+        return by_heads()
     from torch.nn.attention import sdpa_kernel
 
     names = [name]
@@ -101,9 +142,18 @@ def call_context(
         # take this call after all (an explicit mask, say, which flash refuses)
         at = usable.index(name)
         names += [
-            k for k in usable[at + 1 :] if backward_buffer_bytes(k, shape) <= choice.budget_bytes
+            k
+            for k in usable[at + 1 :]
+            if k != "by_heads" and backward_buffer_bytes(k, shape) <= choice.budget_bytes
         ]
     return sdpa_kernel([_backend(k) for k in names], set_priority=True)
+
+
+def _restore(module: nn.Module, before: Any) -> None:
+    if before is _MISSING:
+        del module.__dict__["forward"]
+    else:
+        module.forward = before  # type: ignore[method-assign]
 
 
 def _wrapped(
@@ -141,18 +191,58 @@ class AttentionKernel(Feature):
                 "transformers model is expected)"
             )
         heads = _heads(model_config)
+        choice = config.attention_kernel
+        # under sequence parallelism the context alone routes (module docstring); its wrapper
+        # takes the model's own implementation, sdpa, not ROUTED_SDPA
+        parallel = config.sequence_parallel_size is not None or (
+            config.sequence_parallel_group is not None
+        )
+        routes = choice.name == "by_heads" or choice.budget_bytes is not None
+        if routes and not parallel and not hasattr(model, _CONFIGS):
+            self._route(model)
         for _, layer in decoder_layers(model):
             if _KEY in layer.__dict__:
                 continue
-            before = layer.__dict__.get("forward", _MISSING)
-            wrapped = _wrapped(layer, config.attention_kernel, heads)
-            layer.__dict__[_KEY] = (config.attention_kernel, before)
-            layer.forward = wrapped  # type: ignore[method-assign]
+            # the layer's call, and its attention module's inside it: Hugging Face's
+            # checkpointing recomputes the class's forward (not an instance's), so the
+            # recompute runs the kernel the forward ran only with the context inside it too
+            attn = next((m for n in _ATTENTION_NAMES
+                         if isinstance(m := getattr(layer, n, None), nn.Module)), None)  # fmt: skip
+            for module, key in ((layer, _KEY), (attn, _ATTN_KEY)):
+                if module is None or key in module.__dict__:
+                    continue
+                before = module.__dict__.get("forward", _MISSING)
+                wrapped = _wrapped(module, config.attention_kernel, heads)
+                module.__dict__[key] = (config.attention_kernel, before)
+                module.forward = wrapped  # type: ignore[method-assign]
         self.describe(model, report)
 
+    @staticmethod
+    def _route(model: nn.Module) -> None:
+        """Switches the configs of `model` that name transformers' sdpa to ROUTED_SDPA (module
+        docstring), remembering them for remove()."""
+        switched: list[Any] = []
+        for m in model.modules():
+            cfg = getattr(m, "config", None)
+            if getattr(cfg, "_attn_implementation", None) == "sdpa" and all(
+                cfg is not c for c in switched
+            ):
+                switched.append(cfg)
+        if switched:
+            _register_routed()
+        for cfg in switched:
+            _set_implementation(cfg, ROUTED_SDPA)
+        model.__dict__[_CONFIGS] = switched
+
     def remove(self, model: nn.Module) -> list[str]:
+        for cfg in model.__dict__.pop(_CONFIGS, []):
+            if getattr(cfg, "_attn_implementation", None) == ROUTED_SDPA:
+                _set_implementation(cfg, "sdpa")
         restored = []
         for name, layer in model.named_modules():
+            inner = layer.__dict__.pop(_ATTN_KEY, None)
+            if inner is not None:
+                _restore(layer, inner[1])
             entry = layer.__dict__.pop(_KEY, None)
             if entry is None:
                 continue
@@ -170,7 +260,7 @@ class AttentionKernel(Feature):
         layers = sum(1 for _, layer in model.named_modules() if _KEY in layer.__dict__)
         if choices:
             what = " or ".join(sorted(choices))
-            how = "" if what in ("cudnn", "flash", "efficient", "math") else " (per call)"
+            how = "" if what in KERNEL_NAMES else " (per call)"
             report.attention_kernel = f"{what}{how} in {layers} decoder layer(s)"
 
 

@@ -49,13 +49,14 @@ class FakeStep:
 
 
 def prepare(config: Any, layers: int, stack: str, dtype: torch.dtype, checkpointing: bool,
-             optimizer: str, num_tiles: int | str) -> FakeStep:  # fmt: skip
-    """The model cut to `layers`, tiled as `stack` says; AdamW's states created as after a
-    first step."""
+             optimizer: str, num_tiles: int | str,
+             attention_kernel: str = "cudnn") -> FakeStep:  # fmt: skip
+    """The model cut to `layers`, tiled as `stack` says (its attention by head groups where
+    `attention_kernel` is "by_heads"); AdamW's states created as after a first step."""
     model = build_model(config, dtype, layers)
     if stack != "untiled":
         hidden = config.get_text_config().hidden_size
-        apply_stack(model, hidden, num_tiles, stack)
+        apply_stack(model, hidden, num_tiles, stack, attention_kernel)
     if checkpointing:
         enable_checkpointing(model)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -196,7 +197,8 @@ def _run(
 ) -> tuple[StepRecord, _Held]:
     """The step run on fake tensors (simulate): its record and what existed before it."""
     with fake_mode(), assume_device(device_type):
-        step = prepare(config, layers, stack, dtype, checkpointing, optimizer, num_tiles)
+        step = prepare(config, layers, stack, dtype, checkpointing, optimizer, num_tiles,
+                       attention_kernel)  # fmt: skip
         model = step.model
         if sequence_parallel_size > 1:
             register_exchanged(sequence_parallel_size, model)
