@@ -22,8 +22,8 @@ from torch import nn
 
 from tiledmlp.config.patch import PatchConfig
 from tiledmlp.config.stacks import STACK_OPTIONS
+from tiledmlp.patching.features.activation_offloading import offloader_of
 from tiledmlp.patching.loss import unannounced
-from tiledmlp.patching.offloading import offloader_of
 from tiledmlp.patching.patch import PatchReport, apply_features, probe_features
 from tiledmlp.plan.layer import cut_config, declared_mlps
 
