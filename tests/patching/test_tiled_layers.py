@@ -17,7 +17,7 @@ from tiledmlp import patch_model, unpatch_model
 from tiledmlp.config.stacks import STACK_OPTIONS, STACKS
 from tiledmlp.integrations import trl
 from tiledmlp.patching.features.activation_offloading import enable_checkpointing
-from tiledmlp.patching.layers import LAYER, layer_parts
+from tiledmlp.patching.features.tiled_layers import LAYER, layer_parts
 from tiledmlp.patching.patch import tile_counts
 
 from conftest import (

@@ -35,7 +35,7 @@ from tiledmlp.ops.attention.buffers import (
     usable_kernels,
 )
 from tiledmlp.patching.features.base import Feature
-from tiledmlp.patching.layers import decoder_layers
+from tiledmlp.patching.features.tiled_layers import decoder_layers
 from tiledmlp.patching.report import ReportParts
 
 __all__ = ["ATTENTION_KERNEL", "AttentionKernel", "call_context"]
