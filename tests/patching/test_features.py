@@ -18,6 +18,7 @@ from tiledmlp import PatchConfig, patch_model, unpatch_model
 from tiledmlp.patching import patch as hub
 from tiledmlp.patching.detect import Candidate
 from tiledmlp.patching.features import FEATURES
+from tiledmlp.patching.features.tiled_loss import TILED_LOSS, loss_patched
 from tiledmlp.patching.features.tiled_mlp import FoundModules
 from tiledmlp.patching.patch import apply_features, patch_report, probe_features
 
@@ -166,3 +167,23 @@ def test_the_planner_runs_these_features(monkeypatch: pytest.MonkeyPatch) -> Non
 
     monkeypatch.setattr(tiled_modules, "tiled_mlp", untiled_mlp)
     assert estimate_step(cfg, stack="tiled_mlp", **kw).peak == untiled
+
+
+def test_integration_hooks_run_when_a_probed_loss_is_first_patched_only(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The tiled loss keeps no module-level state: what integrations registered is held by the
+    feature object, and a model whose loss result is declared (the planner's) readies none."""
+    seen: list[nn.Module] = []
+    monkeypatch.setattr(TILED_LOSS, "on_patch", [seen.append])
+    config = PatchConfig.from_kwargs({"tiled_loss": True, "tiled_mlp": False})
+    declared = tiny_causal_lm("llama")
+    apply_features(declared, config, {"tiled_loss": None})
+    assert loss_patched(declared) and seen == []
+    probed = tiny_causal_lm("llama")
+    found = probe_features(probed, config)
+    assert not isinstance(found["tiled_loss"], str)  # the probe's head transform
+    apply_features(probed, config, found)
+    assert loss_patched(probed) and seen == [probed]
+    apply_features(probed, config, probe_features(probed, config))  # patched: updated only
+    assert seen == [probed]
