@@ -22,6 +22,7 @@ from tiledmlp.config import (
     parse_tile_policy,
     read_keys,
 )
+from tiledmlp.ops.mlp.tile_rules import resolve_tiles
 from tiledmlp.ops.tiling.tiles import split_by_tile_tokens, split_even
 from tiledmlp.patching import tile_counts
 
@@ -51,9 +52,9 @@ def test_tile_policy_spellings(
 
 
 def test_tile_policy_resolves_and_derives_the_loss_policy() -> None:
-    assert TilePolicy.of(3).resolve(10, 4, None) == split_even(10, 3)
-    assert TilePolicy.of(tile_tokens=4).resolve(10, 4, None) == split_by_tile_tokens(10, 4)
-    assert TilePolicy.of("arctic").resolve(10, 4, None) == split_even(10, 3)  # ceil(10 / 4)
+    assert resolve_tiles(TilePolicy.of(3), 10, 4, None) == split_even(10, 3)
+    assert resolve_tiles(TilePolicy.of(tile_tokens=4), 10, 4, None) == split_by_tile_tokens(10, 4)
+    assert resolve_tiles(TilePolicy.of("arctic"), 10, 4, None) == split_even(10, 3)  # ceil(10 / 4)
     assert TilePolicy.budget(2).target_bytes == 2 * 2**30
     assert TilePolicy.of(6).for_loss() == TilePolicy.of(6)
     for mlp_only in ("arctic", "target:2"):

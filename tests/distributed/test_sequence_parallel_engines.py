@@ -30,7 +30,7 @@ from distributed.test_sequence_parallel import (
     tiny_model,
 )
 from tiledmlp import patch_model, unpatch_model
-from tiledmlp.patching.offloading import enable_checkpointing
+from tiledmlp.patching.features.activation_offloading import enable_checkpointing
 from tiledmlp.patching.patch import tile_counts
 from tiledmlp.sequence_parallel import installed_groups, shard_batch
 
@@ -180,7 +180,7 @@ def _tiled() -> dict[str, Any]:
 
 
 def _offloaded() -> dict[str, Any]:
-    from tiledmlp.patching.offloading import offloader_of
+    from tiledmlp.patching.features.activation_offloading import offloader_of
 
     model = tiny_model()
     enable_checkpointing(model)

@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hf_models import VOCAB, tiny_causal_lm
 from tiledmlp import patch_model
-from tiledmlp.patching.offloading import enable_checkpointing
+from tiledmlp.patching.features.activation_offloading import enable_checkpointing
 
 from generic_modules import with_mlp_lora
 
@@ -198,7 +198,7 @@ def engine_worker(
     else:
         final = {n: _full(p.detach()).clone() for n, p in model.named_parameters()}
     del original
-    from tiledmlp.patching.offloading import offloader_of
+    from tiledmlp.patching.features.activation_offloading import offloader_of
 
     offloader = offloader_of(model)
     offloaded = None if offloader is None else offloader.stats.offloaded

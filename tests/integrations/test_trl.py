@@ -411,7 +411,7 @@ def test_fused_head_with_moe_router_logits_runs_trls_head_with_one_warning(
     for m in (model, ref):
         trl_utils.add_fused_lm_head(m, outputs=("log_probs",))
     ids = torch.randint(3, 258, (2, 9))
-    with caplog.at_level(logging.WARNING, logger="tiledmlp.patching.loss"):
+    with caplog.at_level(logging.WARNING, logger="tiledmlp.patching.features.tiled_loss"):
         outs = [model(input_ids=ids, labels=ids, fused_lm_head=True) for _ in range(2)]
     told = [r.getMessage() for r in caplog.records if "fused_lm_head=True" in r.getMessage()]
     assert len(told) == 1 and "output_router_logits=False" in told[0]

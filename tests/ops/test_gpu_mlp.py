@@ -14,8 +14,8 @@ import torch
 from tiledmlp import tiled_mlp
 from tiledmlp.models.mlps import GatedMLP
 from tiledmlp.ops import recognise
+from tiledmlp.ops.mlp.memory_model import MemoryModel
 from tiledmlp.ops.tiling.grads import fp32_epilogue
-from tiledmlp.ops.tiling.policy import MemoryModel
 
 pytestmark = pytest.mark.gpu
 

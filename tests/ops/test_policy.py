@@ -11,8 +11,11 @@ from tiledmlp import tiled_mlp
 from tiledmlp.bench.memory import peak_bytes, tensor_bytes
 from tiledmlp.models.mlps import GatedMLP
 from tiledmlp.ops import recognise
+from tiledmlp.ops.mlp.memory_model import MemoryModel
 from tiledmlp.ops.mlp.structure import MLPKind, MLPStructure
-from tiledmlp.ops.tiling.policy import MemoryModel, TilePolicy, assume_device
+from tiledmlp.ops.mlp.tile_rules import resolve_tiles
+from tiledmlp.ops.tiling.assumed import assume_device
+from tiledmlp.ops.tiling.policy import TilePolicy
 
 from conftest import make_mlp
 
@@ -71,7 +74,9 @@ def test_auto_runs_untiled_at_short_sequences() -> None:
     x = torch.randn(1, 32, 64, requires_grad=True)
     structure = recognise(mlp)
     assert structure is not None
-    assert TilePolicy.of("auto").resolve(32, 64, MemoryModel(structure, torch.float32)) is None
+    assert (
+        resolve_tiles(TilePolicy.of("auto"), 32, 64, MemoryModel(structure, torch.float32)) is None
+    )
     with FlopCounterMode(display=False) as fc:
         tiled_mlp(mlp, x).sum().backward()
     assert fc.get_total_flops() == 9 * 2 * 32 * 64 * 192  # the plain module's 9U, no recompute
@@ -88,7 +93,7 @@ def test_auto_tile_size_is_about_the_weights() -> None:
     model = MemoryModel(s, torch.bfloat16)
     n = model.auto_tile_tokens()
     assert n == (3 * 4096 * 12288 * 2) // (5 * 12288 * 2)
-    plan = TilePolicy.of("auto").resolve(131072, 4096, model)
+    plan = resolve_tiles(TilePolicy.of("auto"), 131072, 4096, model)
     assert plan is not None and plan.max_tile <= n and plan.num_tiles == -(-131072 // n)
 
 
@@ -99,7 +104,7 @@ def test_plan_depends_only_on_shapes() -> None:
     plans = set()
     for _ in range(3):
         junk = torch.empty(2**22)  # whatever else is allocated must not matter
-        plans.add(TilePolicy.of("auto").resolve(5000, 64, MemoryModel(s, torch.float32)))
+        plans.add(resolve_tiles(TilePolicy.of("auto"), 5000, 64, MemoryModel(s, torch.float32)))
         del junk
     assert len(plans) == 1
 
@@ -121,7 +126,7 @@ def test_accelerator_auto_takes_few_large_tiles() -> None:
     tiles = {}
     with assume_device("cuda"):
         for n in (2048, 8192, 16384, 32768, 131072, 524288):
-            plan = TilePolicy.of("auto").resolve(n, 4096, model)
+            plan = resolve_tiles(TilePolicy.of("auto"), n, 4096, model)
             tiles[n] = 0 if plan is None else plan.num_tiles
             if plan is not None:
                 assert plan.max_tile >= 8192
@@ -129,9 +134,9 @@ def test_accelerator_auto_takes_few_large_tiles() -> None:
                 assert plan.max_tile * per_token <= 2 * 2**30 + per_token  # a tile's budget
                 assert model.tiled_bytes(plan.max_tile) < model.untiled_bytes(n)
     assert tiles == {2048: 0, 8192: 0, 16384: 2, 32768: 4, 131072: 10, 524288: 31}
-    cpu = TilePolicy.of("auto").resolve(131072, 4096, model)
+    cpu = resolve_tiles(TilePolicy.of("auto"), 131072, 4096, model)
     assert cpu is not None and cpu.num_tiles == 54  # the CPU's rule is unchanged
-    assert TilePolicy.of("arctic").resolve(131072, 4096, model).num_tiles == 32  # type: ignore[union-attr]
+    assert resolve_tiles(TilePolicy.of("arctic"), 131072, 4096, model).num_tiles == 32  # type: ignore[union-attr]
 
 
 @pytest.mark.parametrize("hidden,intermediate", [(512, 1536), (2048, 8192), (8192, 28672)])
@@ -140,7 +145,7 @@ def test_accelerator_auto_keeps_nearly_all_the_saving(hidden: int, intermediate:
     fixed = model.tiled_bytes(0)
     with assume_device("cuda"):
         for n in (4096, 20000, 65536, 100003, 262144):
-            plan = TilePolicy.of("auto").resolve(n, hidden, model)
+            plan = resolve_tiles(TilePolicy.of("auto"), n, hidden, model)
             if plan is None:
                 continue
             saving = model.untiled_bytes(n) - model.tiled_bytes(plan.max_tile)

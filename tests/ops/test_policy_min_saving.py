@@ -7,13 +7,11 @@ from __future__ import annotations
 import torch
 
 from tiledmlp.models.mlps import GatedMLP
+from tiledmlp.ops.mlp.memory_model import MemoryModel
 from tiledmlp.ops.mlp.structure import MLPKind, MLPStructure
-from tiledmlp.ops.tiling.policy import (
-    ACCELERATOR_MIN_SAVING_BYTES,
-    MemoryModel,
-    TilePolicy,
-    assume_device,
-)
+from tiledmlp.ops.mlp.tile_rules import ACCELERATOR_MIN_SAVING_BYTES, resolve_tiles
+from tiledmlp.ops.tiling.assumed import assume_device
+from tiledmlp.ops.tiling.policy import TilePolicy
 
 
 def _model(hidden: int, intermediate: int) -> MemoryModel:
@@ -27,7 +25,7 @@ def _model(hidden: int, intermediate: int) -> MemoryModel:
 
 def _tiles(model: MemoryModel, n: int, hidden: int, device: str = "cuda") -> int:
     with assume_device(device):
-        plan = TilePolicy.of("auto").resolve(n, hidden, model)
+        plan = resolve_tiles(TilePolicy.of("auto"), n, hidden, model)
     return 0 if plan is None else plan.num_tiles
 
 

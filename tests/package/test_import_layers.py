@@ -13,6 +13,11 @@ The map (lowest first; see the README's layout section):
     plan | bench | train               siblings: they share what lies below, never each other
     the package facade (__init__)      re-exports the public API
     cli, __main__                      on top; nothing imports them
+
+Inside ops, the same rule one level down (OPS_LAYERS): tiling (tile plans and policies, the
+shared gradient, state and probe pieces) is the floor; the ops (mlp, loss, attention,
+offloading) stand on it as siblings, importing each other only where OPS_SIBLINGS declares it;
+the ops facade (ops/__init__.py) sits on top.
 """
 
 from __future__ import annotations
@@ -46,6 +51,10 @@ LAYERS = {
     "cli": 7,
     "__main__": 8,
 }
+# sub-package of tiledmlp.ops -> layer ("" is the facade, ops/__init__.py)
+OPS_LAYERS = {"tiling": 0, "mlp": 1, "loss": 1, "attention": 1, "offloading": 1, "": 2}
+# (importer, imported) pairs of sibling ops allowed to meet; none today
+OPS_SIBLINGS: set[tuple[str, str]] = set()
 # the bottom layers import no third-party package but these (each lazily where optional)
 BOTTOM = {"ops", "sequence_parallel"}
 BOTTOM_THIRD_PARTY = {"torch", "triton", "numpy"}
@@ -187,3 +196,64 @@ def test_the_contract_catches_what_it_forbids(
     graph, errors = _graph(tmp_path)
     found = errors + [f"circle {c}" for c in _cycles(graph)]
     assert any(expected in e for e in found), found
+
+
+def _ops_part(module: str) -> str:
+    parts = module.split(".")
+    return parts[2] if len(parts) > 2 else ""
+
+
+def _ops_errors(root: Path) -> list[str]:
+    """The imports inside tiledmlp.ops that break OPS_LAYERS (module docstring)."""
+    modules = _modules(root)
+    errors = []
+    for name, path in modules.items():
+        if _part(name) != "ops":
+            continue
+        src = _ops_part(name)
+        for target, line in _imports(name, path, modules):
+            if target not in modules or _part(target) != "ops":
+                continue
+            dst = _ops_part(target)
+            if src == dst or (src, dst) in OPS_SIBLINGS:
+                continue
+            if OPS_LAYERS.get(dst, 99) >= OPS_LAYERS.get(src, -1):
+                errors.append(
+                    f"{path.relative_to(root)}:{line}: {name} (ops.{src or 'facade'}) imports "
+                    f"{target} (ops.{dst or 'facade'}): inside ops only lower layers may be "
+                    "imported (tiling, then the ops as siblings, then the facade)"
+                )
+    return errors
+
+
+def test_every_sub_package_of_ops_has_a_layer() -> None:
+    parts = {_ops_part(m) for m in _modules(SRC) if _part(m) == "ops"}
+    assert parts <= OPS_LAYERS.keys(), f"add {sorted(parts - OPS_LAYERS.keys())} to OPS_LAYERS"
+
+
+def test_ops_import_down_their_layer_map() -> None:
+    errors = _ops_errors(SRC)
+    assert not errors, "\n".join(errors)
+
+
+@pytest.mark.parametrize(
+    ("files", "expected"),
+    [
+        ({"ops/tiling/a.py": "from tiledmlp.ops.mlp import b\n", "ops/mlp/b.py": ""}, "ops.tiling"),
+        ({"ops/loss/a.py": "from tiledmlp.ops.mlp.b import x\n", "ops/mlp/b.py": ""}, "ops.loss"),
+        ({"ops/mlp/a.py": "def f():\n    from tiledmlp.ops import b\n", "ops/b.py": ""}, "ops.mlp"),
+    ],
+)
+def test_the_ops_contract_catches_what_it_forbids(
+    tmp_path: Path, files: dict[str, str], expected: str
+) -> None:
+    for rel, text in {"__init__.py": "", **files}.items():
+        path = tmp_path / PACKAGE / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        for folder in (path.parent, *path.parent.parents):
+            if folder == tmp_path:
+                break
+            (folder / "__init__.py").touch()
+        path.write_text(text)
+    errors = _ops_errors(tmp_path)
+    assert any(f"({expected})" in e for e in errors), errors

@@ -16,8 +16,8 @@ from tiledmlp import patch_model
 from tiledmlp.ops.attention import heads as attention_heads
 from tiledmlp.patching import attention_core
 from tiledmlp.patching.attention_core import by_heads, sdpa_by_heads
+from tiledmlp.patching.features.activation_offloading import enable_checkpointing
 from tiledmlp.patching.hf_attention import HF_ATTENTION
-from tiledmlp.patching.offloading import enable_checkpointing
 
 from conftest import (
     assert_close_rel,

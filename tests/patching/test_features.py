@@ -18,8 +18,8 @@ from tiledmlp import PatchConfig, patch_model, unpatch_model
 from tiledmlp.patching import patch as hub
 from tiledmlp.patching.detect import Candidate
 from tiledmlp.patching.features import FEATURES
+from tiledmlp.patching.features.tiled_loss import TILED_LOSS, loss_patched
 from tiledmlp.patching.features.tiled_mlp import FoundModules
-from tiledmlp.patching.loss import unannounced
 from tiledmlp.patching.patch import apply_features, patch_report, probe_features
 
 # patch_model's keywords as documented before they were derived from PatchConfig: public API
@@ -123,8 +123,11 @@ def test_applied_on_the_meta_device_from_declared_results_as_patch_model_on_real
     config = PatchConfig.from_kwargs({**STACK, "tiled_layers": layers, "num_tiles": 2})
     real = tiny_causal_lm("llama")
     found = probe_features(real, config)
-    with unannounced():  # (no integration readied: TRL's import is slow)
-        report = apply_features(real, config, found)  # patch_model(real, config)
+    assert not isinstance(found["tiled_loss"], str)  # the loss's probe passed
+    # patch_model(real, config), the loss's result declared as the planner declares it: no
+    # integration readied for a model never trained (TRL's import is slow)
+    found["tiled_loss"] = None
+    report = apply_features(real, config, found)
     with torch.device("meta"):
         meta = tr.LlamaForCausalLM(tr.LlamaConfig(**BASE))
     modules = dict(meta.named_modules())
@@ -135,8 +138,7 @@ def test_applied_on_the_meta_device_from_declared_results_as_patch_model_on_real
         Candidate(c.name, modules[c.name], c.path, c.kind) for c in found["tiled_mlp"].candidates
     ]
     declared = {"tiled_mlp": FoundModules(mlps), "tiled_loss": found["tiled_loss"]}
-    with unannounced():
-        on_meta = apply_features(meta, config, probe_features(meta, config, declared))
+    on_meta = apply_features(meta, config, probe_features(meta, config, declared))
     assert str(on_meta) == str(report)
     assert str(patch_report(meta)) == str(patch_report(real))
     restored = unpatch_model(meta)
@@ -165,3 +167,23 @@ def test_the_planner_runs_these_features(monkeypatch: pytest.MonkeyPatch) -> Non
 
     monkeypatch.setattr(tiled_modules, "tiled_mlp", untiled_mlp)
     assert estimate_step(cfg, stack="tiled_mlp", **kw).peak == untiled
+
+
+def test_integration_hooks_run_when_a_probed_loss_is_first_patched_only(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The tiled loss keeps no module-level state: what integrations registered is held by the
+    feature object, and a model whose loss result is declared (the planner's) readies none."""
+    seen: list[nn.Module] = []
+    monkeypatch.setattr(TILED_LOSS, "on_patch", [seen.append])
+    config = PatchConfig.from_kwargs({"tiled_loss": True, "tiled_mlp": False})
+    declared = tiny_causal_lm("llama")
+    apply_features(declared, config, {"tiled_loss": None})
+    assert loss_patched(declared) and seen == []
+    probed = tiny_causal_lm("llama")
+    found = probe_features(probed, config)
+    assert not isinstance(found["tiled_loss"], str)  # the probe's head transform
+    apply_features(probed, config, found)
+    assert loss_patched(probed) and seen == [probed]
+    apply_features(probed, config, probe_features(probed, config))  # patched: updated only
+    assert seen == [probed]

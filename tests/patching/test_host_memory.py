@@ -21,7 +21,7 @@ from tiledmlp.ops.offloading.host_memory import (
     check_host_memory,
     offload_bytes,
 )
-from tiledmlp.patching.offloading import offloader_of
+from tiledmlp.patching.features.activation_offloading import offloader_of
 
 GiB = 2**30
 
@@ -83,7 +83,7 @@ sys.path.insert(0, sys.argv[1])
 from hf_models import BASE
 from tiledmlp import patch_model
 from tiledmlp.process_memory import proc_status_bytes
-from tiledmlp.patching.offloading import offloader_of
+from tiledmlp.patching.features.activation_offloading import offloader_of
 torch.manual_seed(0)
 torch.set_num_threads(1)
 model = tr.LlamaForCausalLM(tr.LlamaConfig(**{**BASE, "num_hidden_layers": 3})).train()

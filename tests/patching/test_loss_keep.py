@@ -120,7 +120,7 @@ def test_a_value_of_no_known_form_runs_the_models_own_loss_and_warns_once(
     ids = torch.randint(3, VOCAB, (2, SEQ))
     keep = torch.tensor(SEQ - 1)  # a 0-d tensor: none of transformers' forms
     labels = ids[:, 5]  # (batch,): one logit row per sequence, the first scored
-    with caplog.at_level(logging.WARNING, logger="tiledmlp.patching.loss"):
+    with caplog.at_level(logging.WARNING, logger="tiledmlp.patching.features.tiled_loss"):
         out = model(input_ids=ids, labels=labels, logits_to_keep=keep)
         model(input_ids=ids, labels=labels, logits_to_keep=keep)
     told = [r for r in caplog.records if "runs the model's own loss" in r.getMessage()]
@@ -177,7 +177,7 @@ def test_a_model_that_slices_otherwise_keeps_its_own_loss_for_that_form(
     for param in grads:
         assert_close_rel(grads[param], ref_grads[param], param)
     index = torch.tensor([[0, 3, 4, 12], [1, 2, 10, 11]])
-    with caplog.at_level(logging.WARNING, logger="tiledmlp.patching.loss"):
+    with caplog.at_level(logging.WARNING, logger="tiledmlp.patching.features.tiled_loss"):
         for _ in range(2):  # the model's own forward runs, and fails as without the patch
             with pytest.raises(ValueError, match="Expected input batch_size"):
                 model(input_ids=ids, labels=ids[:, :4], logits_to_keep=index)

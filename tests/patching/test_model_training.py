@@ -12,7 +12,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from hf_models import VOCAB, tiny_causal_lm
 from test_patching import assert_same_training_step
 from tiledmlp import patch_from_args, patch_model
-from tiledmlp.patching.offloading import enable_checkpointing
+from tiledmlp.patching.features.activation_offloading import enable_checkpointing
 
 from conftest import assert_close_rel
 

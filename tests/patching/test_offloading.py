@@ -13,7 +13,11 @@ from torch import nn
 
 from hf_models import BASE, VOCAB
 from tiledmlp import patch_model, unpatch_model
-from tiledmlp.patching.offloading import enable_checkpointing, install_offloading, offloader_of
+from tiledmlp.patching.features.activation_offloading import (
+    enable_checkpointing,
+    install_offloading,
+    offloader_of,
+)
 
 NON_REENTRANT = {"use_reentrant": False}
 LAYERS = 4

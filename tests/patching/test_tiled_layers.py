@@ -16,8 +16,8 @@ from hf_models import VOCAB, tiny_causal_lm
 from tiledmlp import patch_model, unpatch_model
 from tiledmlp.config.stacks import STACK_OPTIONS, STACKS
 from tiledmlp.integrations import trl
-from tiledmlp.patching.layers import LAYER, layer_parts
-from tiledmlp.patching.offloading import enable_checkpointing
+from tiledmlp.patching.features.activation_offloading import enable_checkpointing
+from tiledmlp.patching.features.tiled_layers import LAYER, layer_parts
 from tiledmlp.patching.patch import tile_counts
 
 from conftest import (

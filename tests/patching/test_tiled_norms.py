@@ -10,7 +10,7 @@ import torch
 
 from hf_models import VOCAB, tiny_causal_lm
 from tiledmlp import patch_model, unpatch_model
-from tiledmlp.patching.offloading import enable_checkpointing
+from tiledmlp.patching.features.activation_offloading import enable_checkpointing
 
 from conftest import assert_same_sgd_steps
 

@@ -93,7 +93,7 @@ def test_full_card_estimate_is_the_estimate_without_what_a_card_takes_back() -> 
 
 @pytest.mark.parametrize("options", [{}, {"optimizer": "adamw"}, SHARDED_CPU])
 def test_held_of_built_once_is_the_models_at_every_length(options: dict[str, Any]) -> None:
-    from tiledmlp.ops.tiling.policy import assume_device
+    from tiledmlp.ops.tiling.assumed import assume_device
     from tiledmlp.plan.sim.fast_fake import fake_mode
 
     kw = {k: v for k, v in _options("untiled", **options).items() if k != "seq_len"}

@@ -19,7 +19,7 @@ import torch
 from tiledmlp import patch_model
 from tiledmlp.bench.memory import peak_bytes, tensor_bytes
 from tiledmlp.config.stacks import STACK_OPTIONS
-from tiledmlp.patching.offloading import enable_checkpointing
+from tiledmlp.patching.features.activation_offloading import enable_checkpointing
 from tiledmlp.plan.model import STACKS, estimate_step
 
 pytest.importorskip("transformers")

@@ -18,7 +18,7 @@ from hf_models import BASE
 from tiledmlp import patch_model
 from tiledmlp.bench.memory import peak_bytes, tensor_bytes
 from tiledmlp.config.stacks import STACK_OPTIONS, stack_option
-from tiledmlp.patching.offloading import enable_checkpointing
+from tiledmlp.patching.features.activation_offloading import enable_checkpointing
 from tiledmlp.plan.model import STACKS, estimate_step, max_seq_len
 
 pytest.importorskip("transformers")

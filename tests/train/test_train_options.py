@@ -15,7 +15,9 @@ from tiledmlp.config import PatchConfig
 from tiledmlp.models.mlps import GatedMLP
 from tiledmlp.models.presets import default_learning_rate
 from tiledmlp.ops import recognise
-from tiledmlp.ops.tiling.policy import MemoryModel, TilePolicy
+from tiledmlp.ops.mlp.memory_model import MemoryModel
+from tiledmlp.ops.mlp.tile_rules import resolve_tiles
+from tiledmlp.ops.tiling.policy import TilePolicy
 from tiledmlp.patching.args import patch_from_args, tiling_from_args
 from tiledmlp.train.options import options_from, read_config_file
 
@@ -103,13 +105,13 @@ def test_target_policy_fits_the_budget_with_the_fewest_tiles() -> None:
     model = MemoryModel(structure, torch.float32)
     tokens = 4096
     budget = model.untiled_bytes(tokens) / 5
-    plan = TilePolicy.of(f"target:{budget / 2**30}").resolve(tokens, 64, model)
+    plan = resolve_tiles(TilePolicy.of(f"target:{budget / 2**30}"), tokens, 64, model)
     assert plan is not None
     assert model.tiled_bytes(max(plan.sizes)) <= budget
     fewer = -(-tokens // (plan.num_tiles - 1))
     assert model.tiled_bytes(fewer) > budget  # one tile fewer would not fit
-    assert TilePolicy.of("target:100").resolve(tokens, 64, model) is None  # fits untiled
-    generic = TilePolicy.of(f"target:{budget / 2**30}").resolve(tokens, 64, None)
+    assert resolve_tiles(TilePolicy.of("target:100"), tokens, 64, model) is None  # fits untiled
+    generic = resolve_tiles(TilePolicy.of(f"target:{budget / 2**30}"), tokens, 64, None)
     assert generic is not None and generic.num_tiles > 1
     with pytest.raises(ValueError, match="positive number of GiB"):
         TilePolicy.of("target:-1")

@@ -22,7 +22,7 @@ import torch
 
 from tiledmlp.bench.memory import peak_bytes, tensor_bytes
 from tiledmlp.patching import patch_model
-from tiledmlp.patching.offloading import enable_checkpointing
+from tiledmlp.patching.features.activation_offloading import enable_checkpointing
 
 __all__ = ["measure_model_step"]
 

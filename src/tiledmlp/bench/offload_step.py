@@ -30,7 +30,7 @@ import torch
 from tiledmlp.allocator import prefer_expandable_segments
 from tiledmlp.models.build import build_causal_lm, llama_config
 from tiledmlp.patching import patch_model
-from tiledmlp.patching.offloading import enable_checkpointing, offloader_of
+from tiledmlp.patching.features.activation_offloading import enable_checkpointing, offloader_of
 from tiledmlp.process_memory import proc_status_bytes
 
 __all__ = ["measure_offload"]

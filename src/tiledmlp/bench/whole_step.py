@@ -44,7 +44,7 @@ from tiledmlp.bench.peak_memory import TensorAddresses, categorise_peak
 from tiledmlp.config.stacks import STACK_OPTIONS, STACKS
 from tiledmlp.models.build import build_causal_lm, llama_config
 from tiledmlp.patching import patch_model
-from tiledmlp.patching.offloading import enable_checkpointing
+from tiledmlp.patching.features.activation_offloading import enable_checkpointing
 from tiledmlp.process_memory import proc_status_bytes
 
 __all__ = ["STACKS", "StepJob", "measure_whole_step", "measure_whole_steps", "ready_for_step"]

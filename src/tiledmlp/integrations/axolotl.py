@@ -298,7 +298,7 @@ def tiles_summary(model: Any) -> str | None:
     """'2 MLP(s) in 4 tiles' for each count the patched modules of `model` last ran with, or
     None before any ran."""
     from tiledmlp.patching import patch_report, tile_counts
-    from tiledmlp.patching.layers import LAYER_KIND
+    from tiledmlp.patching.state import LAYER_KIND
 
     report = patch_report(model)
     paths = report.paths if report is not None else {}

@@ -34,7 +34,7 @@ from typing import Any
 from torch import nn
 
 from tiledmlp.config.patch import PatchConfig
-from tiledmlp.patching.loss import loss_patched
+from tiledmlp.patching.features.tiled_loss import loss_patched
 from tiledmlp.patching.state import STATE
 
 __all__ = ["TiledMLPCallback", "disable", "enable", "enabled", "is_patched"]

@@ -14,7 +14,7 @@ Whatever the order:
 - patched before the trainer is built: TRL's `add_fused_lm_head` (in every loaded module that
   imported it, and in `trl.trainer.utils` for those imported later) is wrapped once, the first
   time a loss is patched; on a loss-patched model it installs TRL's head BELOW the tiled loss
-  (patching.loss.lifted), so the tiled loss serves `fused_lm_head=True` and hands every other
+  (patching.features.tiled_loss.lifted), so the tiled loss serves `fused_lm_head=True` and hands every other
   call to TRL's forward, which hands it to the model's own;
 - patched after: patch_model stacks the tiled loss over TRL's forward; same arrangement;
 - `install(trainer)`: patches a built trainer's model and reference model.
@@ -48,12 +48,11 @@ from torch import nn
 from tiledmlp.config.patch import PatchConfig
 from tiledmlp.ops.loss.cross_entropy import tiled_token_stats
 from tiledmlp.patching.detect import text_config
-from tiledmlp.patching.loss import (
+from tiledmlp.patching.features.tiled_loss import (
+    TILED_LOSS,
     decoder_of,
     lifted,
     loss_patched,
-    register_fused_head,
-    register_on_loss_patch,
     replaced_forward,
     softcap_of,
 )
@@ -319,5 +318,5 @@ def reference_config(config: PatchConfig) -> PatchConfig:
     )
 
 
-register_fused_head(_serve)
-register_on_loss_patch(_on_loss_patch)
+TILED_LOSS.register_fused_head(_serve)
+TILED_LOSS.register_on_patch(_on_loss_patch)

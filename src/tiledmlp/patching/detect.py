@@ -34,7 +34,7 @@ from torch import nn
 from tiledmlp.ops.mlp.structure import recognise
 from tiledmlp.ops.mlp.untiled import UntiledCall
 from tiledmlp.ops.tiling.probe import stand_ins
-from tiledmlp.patching.state import original_forward
+from tiledmlp.patching.state import NORM_KIND, original_forward
 
 __all__ = ["Candidate", "Detection", "detect_mlps", "experts_count", "hidden_size_of", "norms_of"]
 
@@ -398,5 +398,5 @@ def norms_of(model: nn.Module, hidden: int) -> list[Candidate]:
             continue
         weight = _weight_of(module)
         if isinstance(weight, torch.Tensor) and tuple(weight.shape) == (hidden,):
-            found.append(Candidate(name, module, "generic", "norm"))
+            found.append(Candidate(name, module, "generic", NORM_KIND))
     return found

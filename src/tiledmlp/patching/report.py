@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tiledmlp.config.tiled import TiledMLPConfig
-from tiledmlp.patching.layers import LAYER_KIND
+from tiledmlp.patching.state import LAYER_KIND
 
 __all__ = ["PatchReport", "ReportParts"]
 

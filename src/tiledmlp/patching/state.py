@@ -1,7 +1,9 @@
 """What a patched MLP records on its instance, and the forward it replaced.
 
 Detection (detect.py) reads the original forward of an already patched module, the tiling
-features (features/tiled_modules.py, layers.py) write the record: all import this module.
+features (features/tiled_modules.py, features/tiled_layers/) write the record: all import this
+module. A record's kind says which feature owns the module: NORM_KIND (tiled norms),
+LAYER_KIND (tiled decoder layers), any other (tiled MLPs: the MLP's kind).
 
 Invariant: a module is patched exactly when its __dict__ holds a PatchState under STATE.
 """
@@ -18,9 +20,11 @@ from tiledmlp.config.tiled import TiledMLPConfig
 from tiledmlp.ops.tiling.tiles import TileCount
 from tiledmlp.patching.agreement import StepTokens
 
-__all__ = ["STATE", "PatchState", "original_forward"]
+__all__ = ["LAYER_KIND", "NORM_KIND", "STATE", "PatchState", "original_forward"]
 
 STATE = "_tiledmlp_patch"
+NORM_KIND = "norm"
+LAYER_KIND = "decoder layer"
 
 
 @dataclass

@@ -22,8 +22,7 @@ from torch import nn
 
 from tiledmlp.config.patch import PatchConfig
 from tiledmlp.config.stacks import STACK_OPTIONS
-from tiledmlp.patching.loss import unannounced
-from tiledmlp.patching.offloading import offloader_of
+from tiledmlp.patching.features.activation_offloading import offloader_of
 from tiledmlp.patching.patch import PatchReport, apply_features, probe_features
 from tiledmlp.plan.layer import cut_config, declared_mlps
 
@@ -64,8 +63,7 @@ def apply_stack(
         found = probe_features(model, config, declared)
     except ValueError as e:
         raise ValueError(f"{e}; the {stack} stack cannot be planned for this model") from None
-    with unannounced():  # no integration (TRL's fused head) readied for a fake model
-        report = apply_features(model, config, found)
+    report = apply_features(model, config, found)  # (the loss declared: no integration readied)
     offloader = offloader_of(model)
     if offloader is not None:
         offloader.pool.device = torch.device("meta")

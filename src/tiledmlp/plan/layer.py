@@ -35,7 +35,8 @@ from torch.utils._pytree import tree_flatten
 from tiledmlp.config.patch import PatchConfig
 from tiledmlp.ops.mlp.functional import tile_plan
 from tiledmlp.ops.mlp.structure import recognise
-from tiledmlp.ops.tiling.policy import TilePolicy, assume_device
+from tiledmlp.ops.tiling.assumed import assume_device
+from tiledmlp.ops.tiling.policy import TilePolicy
 from tiledmlp.patching.detect import Candidate, experts_count
 from tiledmlp.patching.features.tiled_mlp import FoundModules
 from tiledmlp.patching.patch import apply_features

@@ -17,7 +17,8 @@ import torch
 
 from tiledmlp.models.mlps import GatedMLP
 from tiledmlp.ops.mlp.functional import tile_plan, tiled_mlp
-from tiledmlp.ops.tiling.policy import TilePolicy, assume_device
+from tiledmlp.ops.tiling.assumed import assume_device
+from tiledmlp.ops.tiling.policy import TilePolicy
 from tiledmlp.plan.sim.fast_fake import fake_mode
 from tiledmlp.plan.sim.periodic_tiles import cut_peak_bytes
 

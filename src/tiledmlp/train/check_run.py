@@ -24,7 +24,7 @@ from torch import nn
 
 from tiledmlp.patching.check import CHECK_SEQ_LEN, LocalEngine, StepEngine, check
 from tiledmlp.patching.check_result import CheckResult
-from tiledmlp.patching.offloading import enable_checkpointing
+from tiledmlp.patching.features.activation_offloading import enable_checkpointing
 from tiledmlp.train.launch import Launch, check_launch, shard_fsdp2
 from tiledmlp.train.model_source import check_model, load_model
 from tiledmlp.train.options import TrainOptions

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from tiledmlp.integrations.deepspeed import quiet_accelerator_guess
 from tiledmlp.patching import patch_model
-from tiledmlp.patching.offloading import enable_checkpointing
+from tiledmlp.patching.features.activation_offloading import enable_checkpointing
 from tiledmlp.sequence_parallel.collectives import guarded
 from tiledmlp.train.callbacks import InterruptToSave, MetricsFile, Progress, StepLosses, StopAtStep
 from tiledmlp.train.checkpoints import STAGING

@@ -13,7 +13,7 @@ import torch
 
 from tiledmlp.allocator import allocator_setting
 from tiledmlp.patching import tile_counts
-from tiledmlp.patching.offloading import offloader_of
+from tiledmlp.patching.features.activation_offloading import offloader_of
 from tiledmlp.process_memory import proc_status_bytes
 from tiledmlp.train.callbacks import StepLosses
 from tiledmlp.train.data import plural

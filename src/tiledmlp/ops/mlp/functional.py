@@ -21,6 +21,7 @@ from tiledmlp.ops.mlp.function import TiledMLPFunction, TiledRun, anchor_input
 from tiledmlp.ops.mlp.generic import GenericEngine
 from tiledmlp.ops.mlp.memory_model import MemoryModel
 from tiledmlp.ops.mlp.structure import MLPStructure, recognise
+from tiledmlp.ops.mlp.tile_rules import resolve_tiles
 from tiledmlp.ops.mlp.untiled import UntiledCall, running_untiled
 from tiledmlp.ops.tiling.backend import LOCAL, ParamBackend
 from tiledmlp.ops.tiling.policy import TilePolicy
@@ -72,7 +73,7 @@ def tiled_mlp(
         num_tiles: a positive int; "auto" (default): a memory-budget rule that never uses more
             memory than the untiled module and runs it untiled when tiling would not save memory;
             "arctic": ceil(tokens / hidden) tiles as in Arctic Long Sequence Training;
-            "target:<GB>": the fewest tiles whose working memory fits <GB> GiB (ops/tiling/policy.py);
+            "target:<GB>": the fewest tiles whose working memory fits <GB> GiB (ops/mlp/tile_rules.py);
             or a TilePolicy (checked once where it was built, not again per call).
         tile_tokens: tokens per tile (the last tile takes the remainder), instead of num_tiles.
         forward: the module's untiled computation, used for the structure probe, the generic
@@ -237,10 +238,10 @@ def _prepare(
     num_tokens = x.numel() // hidden if hidden else 0
     elem = x.element_size()
     if plan_tokens is None or plan_tokens <= num_tokens:
-        return engine, policy.resolve(num_tokens, hidden, model, elem)
+        return engine, resolve_tiles(policy, num_tokens, hidden, model, elem)
     # Ranks agreed on the largest token count: resolve the policy for it, so that every rank
     # runs the same number of tiles, then split this rank's tokens into that many.
-    agreed = policy.resolve(plan_tokens, hidden, model, elem)
+    agreed = resolve_tiles(policy, plan_tokens, hidden, model, elem)
     if agreed is None:
         return engine, None
     return engine, split_even(num_tokens, agreed.num_tiles)

@@ -1,7 +1,8 @@
 """The memory model of a recognised MLP: bytes a step needs beyond weights, inputs and outputs.
 
-"auto" and "target:<GB>" tile policies (ops/tiling/policy.py) size tiles with it; the planner reuses
-it. `assume_device` lets the planner resolve for an accelerator on fake CPU tensors.
+"auto" and "target:<GB>" tile policies size an MLP's tiles with it (tile_rules.py); the planner
+reuses it. `assume_device` (ops/tiling/assumed.py) lets the planner resolve for an accelerator
+on fake CPU tensors.
 
 Invariant: the figures depend only on the structure's shapes, dtypes and device type, never on
 free memory, so every rank with the same inputs gets the same answer.
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from tiledmlp.ops.mlp.structure import MLPKind, MLPStructure
-from tiledmlp.ops.tiling.assumed import assume_device, assumed_type
+from tiledmlp.ops.tiling.assumed import assumed_type
 from tiledmlp.ops.tiling.grads import fp32_epilogue
 
 __all__ = [
@@ -23,7 +24,6 @@ __all__ = [
     "ACCELERATOR_SAVING",
     "GENERIC_WIDTH",
     "MemoryModel",
-    "assume_device",
 ]
 
 GENERIC_WIDTH = 4  # intermediate / hidden assumed for "target:<GB>" without a memory model
@@ -58,9 +58,6 @@ class MemoryModel:
     UNTILED_PLAIN = 2.5
     TILED_GATED = 5.0
     TILED_PLAIN = 4.0
-    # Tile only where the model predicts at most half the untiled intermediates: at short
-    # sequences the untiled peak overlaps less with the gradients and sits below the model.
-    MARGIN = 0.5
 
     @property
     def _elem(self) -> int:

@@ -153,7 +153,7 @@ class ActivationOffloader:
         #: called with each device tensor a copy on the side stream reads or writes (on CUDA the
         #: tensors given to record_stream), on every device: the planner's view of those blocks
         self.side_stream_use: Callable[[torch.Tensor], None] | None = None
-        #: the largest step (in tokens) whose host memory was checked (patching/offloading.py)
+        #: the largest step (in tokens) whose host memory was checked (patching/features/activation_offloading.py)
         self.host_checked_tokens = 0
 
     def __getstate__(self) -> dict[str, Any]:

@@ -1,15 +1,17 @@
-"""The features of patch_model, one module each, in the order they are applied.
+"""The features of patch_model, one home each, in the order they are applied.
 
     activation_offloading.py   checkpointed layer inputs to host memory
     tiled_mlp.py               the MLPs through tiled_mlp (found by structure, probed)
     tiled_norms.py             the norms over the hidden size through the generic path
-    tiled_layers.py            the token-wise rest of each decoder layer
+    tiled_layers/              the token-wise rest of each decoder layer
     attention_kernel.py        each decoder layer's attention kernel (around its forward)
-    tiled_loss.py              the training loss through tiled_cross_entropy
+    tiled_loss/                the training loss through tiled_cross_entropy
     sequence_parallel.py       Ulysses attention over P ranks
 
 Each implements base.Feature (probe / apply / remove / describe); tiled_modules.py holds what
-the three module-tiling features share. patch_model probes then applies them in this order,
+the three module-tiling features share. A feature's module (a sub-package's __init__) holds
+its implementation or is the only door to it: code elsewhere imports a feature's pieces from
+there, never from the files behind it. patch_model probes then applies them in this order,
 unpatch_model removes them in the reverse order, patch_report asks each to describe itself.
 
 Invariant: the order is the one the root's forward hooks need: offloading's pre-hook before

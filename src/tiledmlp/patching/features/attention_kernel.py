@@ -48,8 +48,8 @@ from tiledmlp.ops.attention.buffers import (
 )
 from tiledmlp.patching.attention_core import by_heads
 from tiledmlp.patching.features.base import Feature
+from tiledmlp.patching.features.tiled_layers import decoder_layers
 from tiledmlp.patching.hf_attention import HF_ATTENTION
-from tiledmlp.patching.layers import decoder_layers
 from tiledmlp.patching.report import ReportParts
 
 __all__ = ["ATTENTION_KERNEL", "ROUTED_SDPA", "AttentionKernel", "call_context"]

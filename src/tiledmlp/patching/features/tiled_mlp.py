@@ -18,9 +18,8 @@ from tiledmlp.config.patch import PatchConfig
 from tiledmlp.patching.detect import Candidate, detect_mlps
 from tiledmlp.patching.features.base import Found
 from tiledmlp.patching.features.tiled_modules import ModuleTiling, hidden_size, tile_candidates
-from tiledmlp.patching.layers import LAYER_KIND
 from tiledmlp.patching.report import ReportParts
-from tiledmlp.patching.state import PatchState
+from tiledmlp.patching.state import LAYER_KIND, NORM_KIND, PatchState
 
 __all__ = ["TILED_MLP", "FoundModules", "TiledMLPs"]
 
@@ -39,7 +38,7 @@ class TiledMLPs(ModuleTiling):
     name = "tiled_mlp"
 
     def owns(self, state: PatchState) -> bool:
-        return state.kind not in ("norm", LAYER_KIND)
+        return state.kind not in (NORM_KIND, LAYER_KIND)
 
     def probe(self, model: nn.Module, config: PatchConfig, found: Found) -> FoundModules:
         del found

@@ -28,7 +28,6 @@ from tiledmlp.patching.bound import BoundForward, bind
 from tiledmlp.patching.detect import Candidate, hidden_size_of
 from tiledmlp.patching.engine_registry import backend_for, run_checks
 from tiledmlp.patching.features.base import Feature
-from tiledmlp.patching.layers import tiled_layer_forward
 from tiledmlp.patching.report import ReportParts
 from tiledmlp.patching.state import STATE, PatchState, original_forward
 
@@ -113,23 +112,22 @@ def _owned(model: nn.Module, owns: Owns) -> list[tuple[str, nn.Module, PatchStat
     return found
 
 
-def _ours_on_top(module: nn.Module) -> bool:
+def _ours_on_top(module: nn.Module, forward: Callable[..., Any]) -> bool:
     fwd = module.__dict__.get("forward")
-    return (
-        isinstance(fwd, BoundForward)
-        and fwd.func in (tiled_forward, tiled_layer_forward)
-        and fwd.module is module
-    )
+    return isinstance(fwd, BoundForward) and fwd.func is forward and fwd.module is module
 
 
-def blocked_modules(model: nn.Module, owns: Owns) -> list[str]:
-    """Why tiled modules cannot be restored: another forward sits over ours."""
+def blocked_modules(
+    model: nn.Module, owns: Owns, forward: Callable[..., Any] = tiled_forward
+) -> list[str]:
+    """Why tiled modules cannot be restored: another forward sits over ours (`forward`, the
+    one the feature installs)."""
     return [
         f"cannot restore {name or '<root>'} ({type(module).__name__}): another forward was "
         "installed over the tiled one, and removing ours would remove it too. Remove that one "
         "first (or leave the model patched)"
         for name, module, _ in _owned(model, owns)
-        if not _ours_on_top(module)
+        if not _ours_on_top(module, forward)
     ]
 
 
@@ -170,12 +168,13 @@ class ModuleTiling(Feature):
     `owns` accepts, and blocks, removes and describes those alone."""
 
     removed_keys: tuple[str, ...] = ()  # per-module entries the feature adds beside its state
+    installed_forward: Callable[..., Any] = staticmethod(tiled_forward)  # what it installs
 
     def owns(self, state: PatchState) -> bool:
         raise NotImplementedError
 
     def blocked(self, model: nn.Module) -> list[str]:
-        return blocked_modules(model, self.owns)
+        return blocked_modules(model, self.owns, self.installed_forward)
 
     def remove(self, model: nn.Module) -> list[str]:
         return remove_modules(model, self.owns, keys=self.removed_keys)

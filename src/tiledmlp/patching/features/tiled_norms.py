@@ -20,7 +20,7 @@ from tiledmlp.patching.features.base import Found
 from tiledmlp.patching.features.tiled_mlp import FoundModules
 from tiledmlp.patching.features.tiled_modules import ModuleTiling, hidden_size, tile_candidates
 from tiledmlp.patching.report import ReportParts
-from tiledmlp.patching.state import PatchState
+from tiledmlp.patching.state import NORM_KIND, PatchState
 
 __all__ = ["TILED_NORMS", "TiledNorms"]
 
@@ -31,7 +31,7 @@ class TiledNorms(ModuleTiling):
     name = "tiled_norms"
 
     def owns(self, state: PatchState) -> bool:
-        return state.kind == "norm"
+        return state.kind == NORM_KIND
 
     def probe(self, model: nn.Module, config: PatchConfig, found: Found) -> FoundModules:
         mlps = found.get("tiled_mlp")

@@ -18,8 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from tiledmlp.ops.tiling.policy import assume_device
-from tiledmlp.patching.offloading import enable_checkpointing, offloader_of
+from tiledmlp.ops.tiling.assumed import assume_device
+from tiledmlp.patching.features.activation_offloading import enable_checkpointing, offloader_of
 from tiledmlp.plan.apply_stack import apply_stack, build_model, decoder_layers_of
 from tiledmlp.plan.device_overhead import CUBLAS_WORKSPACES, device_overhead
 from tiledmlp.plan.forked import beside

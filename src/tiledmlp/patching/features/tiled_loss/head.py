@@ -10,7 +10,7 @@ logits, flattened, against its labels shifted along their own last dimension and
 (ForCausalLMLoss), so the labels hold one entry per kept position.
 
 Invariant: kept_rows and targets_of compute the rows and targets that the model's own forward
-scores; whether a model's forward slices this way is the probe's to show (patching/loss.py),
+scores; whether a model's forward slices this way is the probe's to show (forward.py),
 form by form.
 """
 

@@ -1,8 +1,16 @@
 """The tiled decoder layers feature (tiled_layers=True): the token-wise rest of each decoder
-layer (norms, projections, rotary, residuals, MLP around the attention core) runs in tiles
-(patching/layers.py).
+layer (norms, projections, rotary, residuals, MLP around the attention core) runs in tiles.
 
-Probe: every decoder layer found by structure must be recognised (layers.py's layer_parts: on
+    recognise.py         finding decoder layers, recognising one (structure and probe),
+                         installing the tiled forward
+    blocks.py            a recognised layer as two token-wise blocks around its attention call
+    latent_attention.py  the pre-attention block of multi-head latent attention
+    forward.py           the forward installed on a tiled layer
+
+This module is the door: the feature, and what other code needs of tiled layers
+(decoder_layers, layer_parts, LAYER: the key of a layer's recognised parts).
+
+Probe: every decoder layer found by structure must be recognised (recognise.py's layer_parts: on
 real values it compares the layer's forward with the tiled blocks; on fake or meta parameters it
 only records how the layer calls its attention, so the planner probes this feature too). Apply:
 the tiled layer forward on each, from the recognised parts.
@@ -21,19 +29,19 @@ from torch import nn
 from tiledmlp.config.patch import PatchConfig
 from tiledmlp.patching.agreement import step_tokens
 from tiledmlp.patching.features.base import Found
-from tiledmlp.patching.features.tiled_modules import ModuleTiling
-from tiledmlp.patching.layers import (
+from tiledmlp.patching.features.tiled_layers.forward import tiled_layer_forward
+from tiledmlp.patching.features.tiled_layers.recognise import (
     LAYER,
-    LAYER_KIND,
     decoder_layers,
     install_layer,
     layer_parts,
     own_mixer,
 )
+from tiledmlp.patching.features.tiled_modules import ModuleTiling
 from tiledmlp.patching.report import ReportParts
-from tiledmlp.patching.state import PatchState
+from tiledmlp.patching.state import LAYER_KIND, PatchState
 
-__all__ = ["TILED_LAYERS", "TiledLayers"]
+__all__ = ["LAYER", "TILED_LAYERS", "TiledLayers", "decoder_layers", "layer_parts"]
 
 #: (qualified name, the layer, its recognised parts)
 FoundLayers = list[tuple[str, nn.Module, Any]]
@@ -44,6 +52,7 @@ class TiledLayers(ModuleTiling):
 
     name = "tiled_layers"
     removed_keys = (LAYER,)
+    installed_forward = staticmethod(tiled_layer_forward)
 
     def owns(self, state: PatchState) -> bool:
         return state.kind == LAYER_KIND

@@ -8,11 +8,11 @@ and the query into another (or projects it directly), then expands them per head
     q = [q_nope | rotary(q_rope)],   k = [k_nope | rotary(k_rope) (one for every head)]
 
 All of it is token-wise, so `LatentPreAttention` (x, cos, sin -> q, k, v) takes the place of
-PreAttention (patching/layer_blocks.py) in front of the attention call.
+PreAttention (blocks.py) in front of the attention call.
 
 Invariant: the block holds the attention module's own submodules (unregistered in the model),
 reads the head sizes from the attention module, and computes the q, k and v the attention
-module passes to its attention function (checked by the layer probe, patching/layers.py).
+module passes to its attention function (checked by the layer probe, recognise.py).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tiledmlp.patching.layer_blocks import call_untiled
+from tiledmlp.patching.features.tiled_layers.blocks import call_untiled
 
 __all__ = ["LatentPreAttention", "is_latent"]
 

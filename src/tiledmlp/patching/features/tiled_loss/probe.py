@@ -1,7 +1,7 @@
 """The tiled loss's probe: on random ids, does the patched loss equal the model's own?
 
 The probe runs the model's own forward and the patched one on the same inputs from the same
-random state and compares their losses (patching/loss.py installs the patch only when they
+random state and compares their losses (forward.py installs the patch only when they
 agree). What it varies: ignored labels, an attention mask with zeros, num_items_in_batch, large
 logits (for soft-capping), the logit scales the config implies, and each form of
 logits_to_keep.
@@ -23,7 +23,7 @@ from torch import nn
 
 from tiledmlp.ops.tiling.probe import stand_ins
 from tiledmlp.patching.detect import probing
-from tiledmlp.patching.loss_head import (
+from tiledmlp.patching.features.tiled_loss.head import (
     HeadTransform,
     keep_probes,
     keeps_positions,
@@ -53,7 +53,7 @@ def probe(
     their loss), num_items_in_batch (when the forward takes it), and logits large enough that
     final-logit soft-capping matters (the LM head's weight scaled up for the probe: at random
     init the logits are too small for a cap to show). They run at each logit scale the config
-    implies (loss_head.scale_candidates) until one reproduces the model's loss. Then each form
+    implies (head.py: scale_candidates) until one reproduces the model's loss. Then each form
     of logits_to_keep (when the forward takes it) is compared alone: a form that differs is
     served by the model's own loss, the others by the tiled one.
     """

@@ -1,4 +1,4 @@
-"""The forward installed on a tiled decoder layer: its two blocks (patching/layer_blocks.py)
+"""The forward installed on a tiled decoder layer: its two blocks (blocks.py)
 through tiled_mlp's generic path (ops/mlp/generic.py) around the model's attention function.
 
 Neither block keeps anything from its forward but its inputs (saved by a tiny anchor op), so a
@@ -26,7 +26,7 @@ from torch import nn
 
 from tiledmlp.ops.mlp.functional import tiled_mlp
 from tiledmlp.patching.engine_registry import backend_for, run_checks
-from tiledmlp.patching.layer_blocks import LayerParts, layer_math
+from tiledmlp.patching.features.tiled_layers.blocks import LayerParts, layer_math
 from tiledmlp.patching.state import STATE, PatchState, original_forward
 
 __all__ = ["LAYER", "tiled_layer_forward", "unchecked_forward"]

@@ -2,15 +2,15 @@
 
 A layer is recognised by structure and by a probe: it must hold self_attn (q_proj, k_proj,
 v_proj or a fused qkv_proj, o_proj, optional q_norm / k_norm per head or over the whole
-projection, head_dim, scaling; or multi-head latent attention, patching/latent_attention.py),
+projection, head_dim, scaling; or multi-head latent attention, latent_attention.py),
 an mlp (dense, or a mixture of experts run whole) and norms whose names say where they sit
 (`_norms`: Llama, Gemma 2/3, OLMo 2/3, Cohere); its own forward must give, at independent random
 weights (ops/tiling/probe.py), in training mode, with random rotary angles, exactly what the two
-blocks (patching/layer_blocks.py) give around the same attention call (the probe records the
+blocks (blocks.py) give around the same attention call (the probe records the
 keyword arguments the attention module passes, e.g. a sliding window, soft-capping or attention
 sinks, and passes the same ones). Anything else is refused with one line, never approximated;
 a hybrid stack's linear-attention layer keeps its own attention (`own_mixer`). `install_layer`
-puts the tiled forward (patching/layer_forward.py) on a recognised layer.
+puts the tiled forward (forward.py) on a recognised layer.
 
 Invariant: recognition changes nothing on the layer (the probe restores its weights, mode and
 attention implementation); installing is reversible (the original forward is kept in the layer's
@@ -34,21 +34,24 @@ from tiledmlp.ops.tiling.probe import absent, stand_ins
 from tiledmlp.patching.agreement import StepTokens
 from tiledmlp.patching.bound import bind
 from tiledmlp.patching.detect import is_projection, probing
-from tiledmlp.patching.latent_attention import LatentPreAttention, is_latent
-from tiledmlp.patching.layer_blocks import (
+from tiledmlp.patching.features.tiled_layers.blocks import (
     LayerParts,
     Norms,
     PostAttention,
     PreAttention,
     layer_math,
 )
-from tiledmlp.patching.layer_forward import LAYER, tiled_layer_forward, unchecked_forward
-from tiledmlp.patching.state import STATE, PatchState, original_forward
+from tiledmlp.patching.features.tiled_layers.forward import (
+    LAYER,
+    tiled_layer_forward,
+    unchecked_forward,
+)
+from tiledmlp.patching.features.tiled_layers.latent_attention import LatentPreAttention, is_latent
+from tiledmlp.patching.state import LAYER_KIND, STATE, PatchState, original_forward
 from tiledmlp.sequence_parallel.install import set_implementation
 
 __all__ = [
     "LAYER",
-    "LAYER_KIND",
     "decoder_layers",
     "install_layer",
     "layer_parts",
@@ -56,7 +59,6 @@ __all__ = [
     "tiled_layer_forward",
 ]
 
-LAYER_KIND = "decoder layer"
 _PROBE_NAME = "tiledmlp_layer_probe"
 _PROBE_TOKENS = 5
 # Keyword arguments of the attention call that the tiled forward passes itself.
@@ -220,7 +222,7 @@ def _common(layer: nn.Module, norms: Norms) -> tuple[bool, str] | str:
 
 
 def _latent_structure(layer: nn.Module, norms: Norms) -> LayerParts | str:
-    """The parts of a multi-head-latent-attention layer (patching/latent_attention.py)."""
+    """The parts of a multi-head-latent-attention layer (latent_attention.py)."""
     attn: Any = layer.self_attn
     if not isinstance(getattr(attn, "scaling", None), float):
         return "its latent attention has no scaling attribute"

@@ -9,7 +9,7 @@ A Llama-family decoder layer computes
 Other families move the norms (`Norms`: after the attention and the MLP too, Gemma 2/3; on the
 outputs only, OLMo 2/3; one norm for attention and MLP side by side, Cohere), fuse q/k/v
 (Phi-3), gate the attention's output (Qwen3-Next), compress q/k/v (multi-head latent attention:
-patching/latent_attention.py), or route tokens to experts (the MoE block then runs whole between
+latent_attention.py), or route tokens to experts (the MoE block then runs whole between
 the post-attention block and the last residual, so its router sees every token at once).
 Everything but the attention core is token-wise (rotary given each token's cos/sin), so the
 layer is `PreAttention` (x, cos, sin -> q, k, v), the attention function, and `PostAttention`
@@ -187,7 +187,7 @@ class LayerParts:
 
     Attributes:
         pre: the pre-attention block (PreAttention, or LatentPreAttention of
-            patching/latent_attention.py).
+            latent_attention.py).
         post: the post-attention block.
         attn: the attention module (handed to the attention function, as its own forward does).
         head_dim: per-head size.
@@ -209,7 +209,7 @@ class LayerParts:
         v_head_dim: per-head size of the values (0: head_dim).
         rotary_width: the rotary angles' width (0: head_dim; multi-head latent attention:
             its rotary part).
-        latent: multi-head latent attention (patching/latent_attention.py), whose KV cache
+        latent: multi-head latent attention (latent_attention.py), whose KV cache
             holds the latents: a call with a cache runs the layer's own forward.
     """
 

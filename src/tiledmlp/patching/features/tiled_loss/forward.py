@@ -1,17 +1,22 @@
-"""Routing a Hugging Face causal LM's training loss through tiled_cross_entropy.
+"""The tiled loss's forward: a Hugging Face causal LM's training loss through tiled_cross_entropy.
 
 The model's own forward stays in charge when no labels are given. With labels, the base model
 runs as usual and the loss is computed from its last hidden states by tiled_cross_entropy with
 the LM head's weight (and bias), the model's logit scale and final-logit soft-capping, causal
 shifting (or the caller's shift_labels), the positions `logits_to_keep` keeps and
-num_items_in_batch handled like Hugging Face's loss (patching/loss_head.py); the logits are
-never materialised (the output's `logits` is None).
+num_items_in_batch handled like Hugging Face's loss (head.py); the logits are never materialised
+(the output's `logits` is None).
 
 A call with `fused_lm_head=True` (the slot through which TRL's trainers ask a model for
-per-token log-probabilities instead of logits) is served by the fused-head server an integration
-registered (tiledmlp.integrations.trl); `fused_lm_head` never reaches the decoder.
+per-token log-probabilities instead of logits) is served by the fused-head server the patch was
+installed with (the one an integration registered with the feature, tiledmlp.integrations.trl);
+`fused_lm_head` never reaches the decoder.
 
-Invariant: a model is only patched after a probe (patching/loss_probe.py) shows that, on random
+Everything a patch knows lives in its `_LossState`, on the model it patched: the forward it
+replaced, the tile policy, the head transform its probe found, the fused-head server, and the
+notes already logged for it (each note once per patched model). Nothing is kept at module level.
+
+Invariant: a model is only patched after a probe (probe.py) shows that, on random
 ids, the patched loss equals the model's own loss; a model whose forward adds anything else to
 the loss (an MoE auxiliary loss computed otherwise than transformers' load_balancing_loss_func)
 fails the probe and is left alone, with the reason reported. A
@@ -26,7 +31,6 @@ import contextlib
 import functools
 import inspect
 import logging
-import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,7 +42,7 @@ from tiledmlp.ops.loss.cross_entropy import tiled_cross_entropy
 from tiledmlp.ops.tiling.policy import TilePolicy
 from tiledmlp.patching.bound import BoundForward, bind
 from tiledmlp.patching.detect import text_config
-from tiledmlp.patching.loss_head import (
+from tiledmlp.patching.features.tiled_loss.head import (
     ALL,
     HeadTransform,
     keep_form,
@@ -49,48 +53,30 @@ from tiledmlp.patching.loss_head import (
     softcap_of,
     targets_of,
 )
-from tiledmlp.patching.loss_probe import probe
+from tiledmlp.patching.features.tiled_loss.probe import probe
 
 __all__ = [
+    "LossProbe",
     "decoder_of",
     "install_loss",
     "lifted",
-    "loss_refusal",
     "loss_description",
     "loss_patched",
-    "patch_loss",
-    "register_fused_head",
-    "register_on_loss_patch",
+    "probe_loss",
     "replaced_forward",
     "softcap_of",
-    "unannounced",
     "unpatch_loss",
 ]
 
 logger = logging.getLogger(__name__)
 
 _STATE = "_tiledmlp_loss_patch"
-_TOLD: list[bool] = []  # the evaluation note is logged once per process
-#: what loss_refusal found for a model, until install_loss takes it
-_FOUND: weakref.WeakKeyDictionary[nn.Module, HeadTransform] = weakref.WeakKeyDictionary()
-_TOLD_OWN: set[tuple[str, str]] = set()  # (model class, logits_to_keep form) told to run its own
+_PREDICTIONS = "predictions"  # the key of the evaluation note in _LossState.told
 
-#: serves model(..., fused_lm_head=True): server(model, args, kwargs, num_tiles) -> output
-_FUSED_SERVER: list[Callable[..., Any]] = []
-#: called with the causal LM after its loss is patched (an integration readies its slot)
-_ON_PATCH: list[Callable[[nn.Module], None]] = []
-_UNANNOUNCED: list[bool] = []  # non-empty inside unannounced()
-
-
-def register_fused_head(server: Callable[..., Any]) -> None:
-    """Sets the server of `fused_lm_head=True` calls on loss-patched models (one at a time)."""
-    _FUSED_SERVER[:] = [server]
-
-
-def register_on_loss_patch(hook: Callable[[nn.Module], None]) -> None:
-    """Adds a hook called with the causal LM each time its loss is patched."""
-    if hook not in _ON_PATCH:
-        _ON_PATCH.append(hook)
+#: What the tiled loss's probe found (probe_loss): the HeadTransform the patched loss uses, why
+#: the loss cannot be tiled (a str), or None where no probe ran (the model is already patched,
+#: or a caller declares the result instead, the planner's fake model).
+LossProbe = HeadTransform | str | None
 
 
 @dataclass
@@ -98,9 +84,21 @@ class _LossState:
     saved: Any  # replaced instance-level forward, or None
     num_tiles: TilePolicy
     head: HeadTransform = field(default_factory=HeadTransform)
+    #: serves model(..., fused_lm_head=True): server(model, args, kwargs, num_tiles) -> output
+    fused_head: Callable[..., Any] | None = None
+    #: the notes logged for this patch (each once): the kinds of call told to run the model's
+    #: own loss, and the evaluation note (_PREDICTIONS)
+    told: set[str] = field(default_factory=set)
     # False once unpatched while another forward sat over ours: ours stays in that forward's
     # chain as a pure pass-through to `saved`
     active: bool = True
+
+    def tell_once(self, key: str) -> bool:
+        """Whether the note `key` is still to be logged for this patch (it is marked told)."""
+        if key in self.told:
+            return False
+        self.told.add(key)
+        return True
 
 
 def replaced_forward(model: nn.Module) -> Any:
@@ -128,18 +126,19 @@ def _loss_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         # TRL's fused head with an MoE auxiliary loss: the head below ours serves it
         _tell_own_loss(
             self,
+            state,
             "fused_lm_head=True",
             "the fused LM head with MoE router logits (an auxiliary loss) is served by the "
             "head the trainer installed; set output_router_logits=False to tile it",
         )
         return _original(self)(*args, **kwargs)
     if kwargs.pop("fused_lm_head", False):
-        if not _FUSED_SERVER:
+        if state.fused_head is None:
             raise TypeError(
                 f"{type(self).__name__}(..., fused_lm_head=True): no fused-head server is "
                 "registered; import tiledmlp (it registers TRL's) or call without fused_lm_head"
             )
-        return _FUSED_SERVER[0](self, args, kwargs, state.num_tiles)
+        return state.fused_head(self, args, kwargs, state.num_tiles)
     orig = _original(self)
     params = _by_name(orig, args, kwargs)
     if params is None:
@@ -154,7 +153,7 @@ def _loss_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     form = keep_form(keep)
     why = "not one of transformers' forms" if form is None else state.head.unserved.get(form)
     if why is not None:
-        _tell_own_loss(self, f"logits_to_keep={form or _described(keep)}", why)
+        _tell_own_loss(self, state, f"logits_to_keep={form or _described(keep)}", why)
         return orig(*args, **kwargs)
     shifted = params.pop("shift_labels", None)
     num_items = params.pop("num_items_in_batch", None)
@@ -170,7 +169,7 @@ def _loss_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         targets, shift = (labels, True) if shifted is None else (shifted, False)
     else:
         # the kept positions' rows, scored against the labels shifted and flattened as the
-        # model's loss does (patching/loss_head.py)
+        # model's loss does (head.py)
         hidden = kept_rows(hidden, keep)
         targets, shift = targets_of(labels, shifted), False
         if targets.numel() != hidden.shape[0]:
@@ -200,7 +199,8 @@ def _loss_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     if aux is not None:  # added after the division, as the model's own forward does
         loss = loss + aux[1] * aux[0].to(loss.device)
     aux_loss = None if aux is None else aux[0]
-    return _output(outputs, loss, predictions, aux_loss, _wants_dict(config, return_dict))
+    as_dict = _wants_dict(config, return_dict)
+    return _output(outputs, loss, predictions, aux_loss, as_dict, state)
 
 
 def _described(keep: Any) -> str:
@@ -209,16 +209,14 @@ def _described(keep: Any) -> str:
     return f"{type(keep).__name__} {keep!r}"
 
 
-def _tell_own_loss(model: nn.Module, call: str, why: str) -> None:
-    """Logs once per model class and kind of call that it runs the model's own loss, and why
+def _tell_own_loss(model: nn.Module, state: _LossState, call: str, why: str) -> None:
+    """Logs once per patch and kind of call that it runs the model's own loss, and why
     (`call`: the arguments that make it, as "logits_to_keep=<form>")."""
-    key = (type(model).__name__, call)
-    if key in _TOLD_OWN:
+    if not state.tell_once(call):
         return
-    _TOLD_OWN.add(key)
     logger.warning(
         "tiled loss: %s(labels=..., %s) runs the model's own loss (its logits formed whole): %s",
-        key[0],
+        type(model).__name__,
         call,
         why,
     )
@@ -252,7 +250,12 @@ def _by_name(orig: Any, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any] |
 
 
 def _output(
-    outputs: Any, loss: torch.Tensor, predictions: Any, aux_loss: Any, as_dict: bool
+    outputs: Any,
+    loss: torch.Tensor,
+    predictions: Any,
+    aux_loss: Any,
+    as_dict: bool,
+    state: _LossState,
 ) -> Any:
     """The causal LM's output from the decoder's `outputs` and the tiled loss: its tuple layout
     or a CausalLMOutputWithPast (MoeCausalLMOutputWithPast with an auxiliary loss), logits None
@@ -282,8 +285,7 @@ def _output(
         # an extra key: the Trainer's prediction loop hands every non-loss output to
         # compute_metrics, so EvalPrediction.predictions are these token ids
         result["predictions"] = predictions
-        if not _TOLD:
-            _TOLD.append(True)
+        if state.tell_once(_PREDICTIONS):
             logger.warning(
                 "tiled loss: evaluation outputs carry `predictions` (the argmax token of every "
                 "position, labels' shape, int64) instead of logits, which are never formed; "
@@ -314,11 +316,10 @@ def decoder_of(model: nn.Module) -> Any:
     return base
 
 
-def loss_refusal(model: nn.Module, num_tiles: TilePolicy) -> str | None:
-    """The probe of the tiled loss: None when the loss of `model` can be routed through
-    tiled_cross_entropy (or already is), else why not. Runs the model on random ids at a
-    scaled LM head (patching/loss_probe.py); changes nothing but remembering, for
-    install_loss, the logit scale it found and the logits_to_keep forms it serves.
+def probe_loss(model: nn.Module, num_tiles: TilePolicy) -> LossProbe:
+    """The probe of the tiled loss: the HeadTransform with which the loss of `model` equals
+    the model's own (it can be routed through tiled_cross_entropy), else why not; None when it
+    already is. Runs the model on random ids at a scaled LM head (probe.py); changes nothing.
 
     A PEFT model (PeftModel and kin, which call their base model's forward with the labels) is
     probed through the causal LM it wraps.
@@ -327,7 +328,7 @@ def loss_refusal(model: nn.Module, num_tiles: TilePolicy) -> str | None:
     if _STATE in model.__dict__:
         return None
     # the probe calls the patched forward directly: it reads the state, present for the probe
-    # only; the HeadTransform it finds is kept for install_loss
+    # only; the HeadTransform it settles on is the result
     state = _LossState(model.__dict__.get("forward"), num_tiles)
     model.__dict__[_STATE] = state
 
@@ -338,57 +339,45 @@ def loss_refusal(model: nn.Module, num_tiles: TilePolicy) -> str | None:
         why = probe(model, _original(model), functools.partial(_loss_forward, model), use)
     finally:
         del model.__dict__[_STATE]
-    if why is None:
-        _FOUND[model] = state.head
-    return why
+    return state.head if why is None else why
 
 
-def install_loss(model: nn.Module, num_tiles: TilePolicy) -> None:
+def install_loss(
+    model: nn.Module,
+    num_tiles: TilePolicy,
+    head: HeadTransform | None = None,
+    fused_head: Callable[..., Any] | None = None,
+) -> bool:
     """Routes the training loss of `model` through tiled_cross_entropy, with the tile policy
     `num_tiles` (a loss policy: a count, tokens per tile or "auto"; PatchConfig.loss_policy);
-    on a loss-patched model, updates the policy. Reads no values (the probe, loss_refusal, is
-    the caller's): it installs on a model built under fake tensors as on a real one.
+    on a loss-patched model, updates the policy and the server. Reads no values (the probe,
+    probe_loss, is the caller's): it installs on a model built under fake tensors as on a real
+    one.
+
+    Args:
+        model: the causal LM (or a PEFT wrapper of one).
+        num_tiles: the loss's tile policy.
+        head: what probe_loss found; None where no probe ran (the planner's fake model): the
+            likeliest logit scale of the config.
+        fused_head: the server of `fused_lm_head=True` calls (an integration's), or None.
+
+    Returns:
+        Whether the patch is new (False: an existing one was updated).
     """
     model = _causal_lm(model)
     state = model.__dict__.get(_STATE)
     if state is not None:
         state.num_tiles = num_tiles
+        state.fused_head = fused_head
         state.active = True
-        return
-    head = _FOUND.pop(model, None)
+        return False
     if head is None:  # not probed (the planner's fake model): the likeliest scale
         head = HeadTransform(scale_candidates(getattr(model, "config", None))[0])
-    model.__dict__[_STATE] = _LossState(model.__dict__.get("forward"), num_tiles, head)
+    model.__dict__[_STATE] = _LossState(model.__dict__.get("forward"), num_tiles, head, fused_head)
     # Bound with its module (picklable, deep-copied with it), advertising the model's own
     # forward signature: the Hugging Face Trainer inspects it to decide which inputs to pass.
     model.forward = bind(_loss_forward, model, _original)  # type: ignore[method-assign]
-    for hook in _ON_PATCH if not _UNANNOUNCED else ():
-        hook(model)
-
-
-@contextlib.contextmanager
-def unannounced() -> Iterator[None]:
-    """Within the block, a loss patch does not call the hooks integrations registered
-    (register_on_loss_patch): for a model that is never trained, the planner's fake one, which
-    needs no integration readied (TRL's import takes seconds)."""
-    _UNANNOUNCED.append(True)
-    try:
-        yield
-    finally:
-        _UNANNOUNCED.pop()
-
-
-def patch_loss(model: nn.Module, num_tiles: TilePolicy) -> str | None:
-    """The probe and, when it passes, the install (loss_refusal, install_loss).
-
-    Returns:
-        None when patched (or already patched; the tile policy is updated), else the reason it
-        was left alone.
-    """
-    why = loss_refusal(model, num_tiles)
-    if why is None:
-        install_loss(model, num_tiles)
-    return why
+    return True
 
 
 def loss_patched(model: nn.Module) -> bool:
