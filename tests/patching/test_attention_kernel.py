@@ -145,7 +145,7 @@ def test_auto_switches_the_models_attention_to_by_heads_exactly(small_groups: li
     attention runs by head groups (4 groups of one query head: 8,704 bytes). The checkpointed
     model trains as the unpatched one (the recompute runs the kernel the forward ran: the
     saved tensors match), and unpatching restores its attention implementation."""
-    from tiledmlp.patching.offloading import enable_checkpointing
+    from tiledmlp.patching.features.activation_offloading import enable_checkpointing
 
     for tokens, grouped in ((32, False), (64, True)):
         small_groups.clear()
