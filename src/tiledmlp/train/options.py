@@ -25,7 +25,7 @@ from typing import Any
 
 from tiledmlp.config.keys import KEYS, PREFIX, read_keys
 from tiledmlp.config.patch import FEATURES, PatchConfig
-from tiledmlp.config.schema import option_of
+from tiledmlp.config.schema import Key, flag, keys_of, option, option_of
 from tiledmlp.config.values import DTYPES, parse_bool, parse_dtype
 from tiledmlp.ops.tiling.policy import TilePolicy
 from tiledmlp.ops.tiling.values import check_int, check_positive_number
@@ -37,6 +37,9 @@ __all__ = [
     "ALIASES",
     "DEFAULT_PATCH",
     "DTYPES",
+    "ENGINES",
+    "SCHEDULES",
+    "TRAIN_KEYS",
     "TrainOptions",
     "canonical_key",
     "known_keys",
@@ -44,13 +47,6 @@ __all__ = [
     "read_config_file",
 ]
 
-# alias -> canonical name
-ALIASES = {
-    "steps": "max_steps",
-    "lr": "learning_rate",
-    "batch_size": "per_device_train_batch_size",
-    "deepspeed_config": "deepspeed",
-}
 ENGINES = ("auto", "single", "ddp", "fsdp2", "deepspeed")
 SCHEDULES = (
     "linear",
@@ -66,54 +62,286 @@ SCHEDULES = (
 DEFAULT_PATCH = PatchConfig(tiled_loss=True)
 
 
+def _int(value: Any, name: str) -> int:
+    """An integer, or its text (the range is checked by TrainOptions)."""
+    if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+        raise ValueError(f"{name} expected an integer, got {value!r}")
+    try:
+        return int(str(value).strip()) if not isinstance(value, int) else value
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} expected an integer, got {value!r}") from None
+
+
+def _float(value: Any, name: str) -> float:
+    """A finite number, or its text."""
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        number = math.nan
+    if isinstance(value, bool) or not math.isfinite(number):
+        raise ValueError(f"{name} expected a number, got {value!r}")
+    return number
+
+
+def _text(value: Any, name: str) -> str:
+    return str(value)
+
+
+def _path(value: Any, name: str) -> Path:
+    return Path(str(value))
+
+
+def _list(value: Any, name: str) -> str:
+    """A comma-separated list, or a list (a config file's)."""
+    if isinstance(value, list | tuple):
+        return ",".join(map(str, value)) or "none"
+    return str(value)
+
+
+def _key(name: str, parse: Any, metavar: str = "N", **kwargs: Any) -> Key:
+    return Key(name, parse, metavar=metavar, kind=kwargs.pop("kind", "str"), **kwargs)
+
+
+def _models() -> str:
+    from tiledmlp.models.presets import PRESETS
+
+    return ", ".join(sorted(PRESETS))
+
+
 @dataclass(frozen=True, kw_only=True)
 class TrainOptions:
-    """A training run (see `tiledmlp train --help` for each field).
+    """A training run: each field is declared once with its help, default, section of the
+    help, and every key that spells it with that key's parser (config/schema.py); `tiledmlp
+    train`'s flags, the --config FILE keys and the docs' table derive from them.
 
-    learning_rate None: the documented default for the model (models/presets.py).
-    data_field None: the records' "text" field, else their "messages" (chat turns through the
-    tokenizer's chat template) (train/data.py).
-    resume_from_checkpoint: a checkpoint directory, or "latest" (the newest checkpoint-N in
-    output_dir).
     patch: what patch_model applies to the model (None: nothing), parsed once from the
-    feature keys (options_from); default: the tiled MLPs and the tiled loss.
-    preflight: plan the run's memory before loading anything and refuse one that cannot fit
-    (cli/preflight.py); memory_gb: the memory it is checked against, in GiB (None: the GPU's
-    free memory, or the available RAM on the CPU).
+    feature keys of PatchConfig's schema (options_from); default: the tiled MLPs and the tiled
+    loss.
     """
 
-    model: str = "tiny"
-    data: Path | None = None
-    data_field: str | None = None
-    seq_len: int = 2048
-    per_device_train_batch_size: int = 1
-    max_steps: int = 12
-    learning_rate: float | None = None
-    lr_scheduler_type: str = "linear"
-    warmup_steps: int = 0
-    weight_decay: float = 0.0
-    gradient_accumulation_steps: int = 1
-    max_grad_norm: float = 1.0
-    logging_steps: int = 1
-    report_to: str = "none"
-    eval_steps: int | None = None
-    eval_sequences: int = 4
-    save_steps: int | None = None
-    save_total_limit: int | None = None
-    output_dir: Path | None = None
-    resume_from_checkpoint: str | None = None
-    gradient_checkpointing: bool = False
+    model: str = option(
+        default="tiny",
+        group="model",
+        help=f"a preset ({_models()}), trained from scratch, or a local model folder (e.g. a "
+        "previous --output-dir) or a Hugging Face Hub id (org/name, from the local cache or the "
+        "Hub), fine-tuned, or a model's config.json, trained from random init",
+        keys=(_key("model", _text, "NAME_OR_DIR"),),
+    )
+    dtype: str = option(
+        default="float32",
+        group="model",
+        help="weights and activations: float32/fp32, bfloat16/bf16 (pure bf16 weights; "
+        "DeepSpeed keeps fp32 masters), float16/fp16 (mixed precision with loss scaling, CUDA "
+        "only)",
+        keys=(_key("dtype", parse_dtype, "|".join(DTYPES)),),
+    )
+    seed: int = option(
+        default=0,
+        group="model",
+        help="model init and data order seed",
+        keys=(_key("seed", _int, "SEED", kind="int"),),
+    )
+    data: Path | None = option(
+        default=None,
+        group="data",
+        default_text="the Python stdlib source",
+        help="a local file or folder: .txt/.md, .jsonl, .json (an array of records), .csv, "
+        ".parquet, .arrow, or a folder written by datasets' save_to_disk (all but text and "
+        ".jsonl need the data extra)",
+        keys=(_key("data", _path, "PATH"),),
+    )
+    data_field: str | None = option(
+        default=None,
+        group="data",
+        default_text="text, else messages",
+        help="the records' field to train on: text, or chat turns through the tokenizer's chat "
+        "template",
+        keys=(_key("data_field", _text, "NAME"),),
+    )
+    seq_len: int = option(
+        default=2048,
+        group="data",
+        help="tokens per sequence",
+        keys=(_key("seq_len", _int, kind="int"),),
+    )
+    max_data_bytes: int = option(
+        default=4_000_000,
+        group="data",
+        help="read at most about this much text",
+        keys=(_key("max_data_bytes", _int, kind="int"),),
+    )
+    gradient_checkpointing: bool = option(
+        default=False,
+        group="long context",
+        help="the model's own (non-reentrant) checkpointing",
+        keys=(_key("gradient_checkpointing", parse_bool, "true|false", kind="bool"),),
+    )
+    # the feature options: PatchConfig's own schema (tiling, loss, norms, layers, offloading,
+    # sequence parallelism), listed here in `tiledmlp train --help`
     patch: PatchConfig | None = DEFAULT_PATCH
-    dtype: str = "float32"
-    engine: str = "auto"
-    deepspeed: Path | None = None
-    fsdp: str | None = None
-    fsdp_config: Path | None = None
-    seed: int = 0
-    max_data_bytes: int = 4_000_000
-    ddp_timeout: int = 1800
-    preflight: bool = True
-    memory_gb: float | None = None
+    deepspeed: Path | None = option(
+        default=None,
+        group="distributed",
+        help="DeepSpeed JSON config; 'auto' values are filled by the Trainer",
+        keys=(_key("deepspeed", _path, "CONFIG"), _key("deepspeed_config", _path, "CONFIG")),
+    )
+    fsdp: str | None = option(
+        default=None,
+        group="distributed",
+        help="FSDP2, one unit per decoder layer (the Trainer's --fsdp; on CPU-only machines "
+        "tiledmlp shards the model itself)",
+        keys=(_key("fsdp", _text, "full_shard"),),
+    )
+    fsdp_config: Path | None = option(
+        default=None,
+        group="distributed",
+        help="JSON of the Trainer's fsdp_config keys, over tiledmlp's (fsdp_version 2, the "
+        "decoder layer class to wrap); GPUs only",
+        keys=(_key("fsdp_config", _path, "FILE"),),
+    )
+    ddp_timeout: int = option(
+        default=1800,
+        group="distributed",
+        help="how long a collective waits for the other ranks before every survivor stops "
+        "naming the rank that stopped answering (the Trainer's ddp_timeout)",
+        keys=(_key("ddp_timeout", _int, "SECONDS", kind="int"),),
+    )
+    engine: str = option(
+        default="auto",
+        group="distributed",
+        help=f"{', '.join(ENGINES)}; auto: DeepSpeed with --deepspeed, FSDP2 with --fsdp, DDP "
+        "under torchrun with several processes, else one process",
+        keys=(_key("engine", _text, "NAME", choices=ENGINES),),
+    )
+    max_steps: int = option(
+        default=12,
+        group="training",
+        help="optimizer steps",
+        keys=(_key("max_steps", _int, kind="int"), _key("steps", _int, kind="int")),
+    )
+    per_device_train_batch_size: int = option(
+        default=1,
+        group="training",
+        help="sequences per micro-batch and process",
+        keys=(
+            _key("per_device_train_batch_size", _int, kind="int"),
+            _key("batch_size", _int, kind="int"),
+        ),
+    )
+    gradient_accumulation_steps: int = option(
+        default=1,
+        group="training",
+        help="micro-batches per optimizer step",
+        keys=(_key("gradient_accumulation_steps", _int, kind="int"),),
+    )
+    learning_rate: float | None = option(
+        default=None,
+        group="training",
+        default_text="presets 2e-3 x 256 / hidden_size, e.g. tiny 2e-3, llama3-8b 1.25e-4; model "
+        "directories 2e-5",
+        help="peak AdamW learning rate",
+        keys=(_key("learning_rate", _float, "LR", kind="float"), _key("lr", _float, "LR")),
+    )
+    lr_scheduler_type: str = option(
+        default="linear",
+        group="training",
+        help=f"learning-rate schedule: {', '.join(SCHEDULES)}",
+        keys=(_key("lr_scheduler_type", _text, "NAME", choices=SCHEDULES),),
+    )
+    warmup_steps: int = option(
+        default=0,
+        group="training",
+        help="linear warmup steps",
+        keys=(_key("warmup_steps", _int, kind="int"),),
+    )
+    weight_decay: float = option(
+        default=0.0,
+        group="training",
+        default_text="0",
+        help="AdamW weight decay",
+        keys=(_key("weight_decay", _float, "W", kind="float"),),
+    )
+    max_grad_norm: float = option(
+        default=1.0,
+        group="training",
+        help="gradient clipping norm, 0 for none",
+        keys=(_key("max_grad_norm", _float, "NORM", kind="float"),),
+    )
+    eval_steps: int | None = option(
+        default=None,
+        group="training",
+        default_text="never",
+        help="evaluate on held-out sequences every N steps",
+        keys=(_key("eval_steps", _int, kind="int"),),
+    )
+    eval_sequences: int = option(
+        default=4,
+        group="training",
+        help="held-out sequences for evaluation",
+        keys=(_key("eval_sequences", _int, kind="int"),),
+    )
+    output_dir: Path | None = option(
+        default=None,
+        group="output",
+        default_text="nothing is saved",
+        help="save the trained model, its tokenizer, summary.json, metrics.jsonl and curve.png "
+        "(with matplotlib) here, a directory that works as --model",
+        keys=(_key("output_dir", _path, "DIR"),),
+    )
+    save_steps: int | None = option(
+        default=None,
+        group="output",
+        default_text="never",
+        help="save OUTPUT_DIR/checkpoint-N every N steps",
+        keys=(_key("save_steps", _int, kind="int"),),
+    )
+    save_total_limit: int | None = option(
+        default=None,
+        group="output",
+        default_text="all",
+        help="keep at most this many checkpoints",
+        keys=(_key("save_total_limit", _int, kind="int"),),
+    )
+    resume_from_checkpoint: str | None = option(
+        default=None,
+        group="output",
+        help="continue that run from OUTPUT_DIR/checkpoint-N, or the newest one with 'latest', "
+        "with the run's own settings (recorded in the checkpoint; an option given that changes "
+        "the run is refused, one that changes only memory or speed is applied and said; "
+        "--max-steps at most the run's own)",
+        keys=(_key("resume_from_checkpoint", _text, "DIR|latest"),),
+    )
+    logging_steps: int = option(
+        default=1,
+        group="output",
+        help="log the loss every N steps",
+        keys=(_key("logging_steps", _int, kind="int"),),
+    )
+    report_to: str = option(
+        default="none",
+        group="output",
+        help="none, tensorboard, wandb, ... comma-separated; each needs its package (pip "
+        "install tensorboard)",
+        keys=(_key("report_to", _list, "LIST"),),
+    )
+    preflight: bool = option(
+        default=True,
+        group="pre-flight",
+        help="before loading anything, plan the run's memory and refuse, in one line naming what "
+        "fits, a run that cannot fit; a note when it is within 10% of the memory, and when "
+        "--seq-len passes the model's max_position_embeddings (a note, not a refusal: extending "
+        "a model's context is a recipe of its own; set rope_scaling in its config.json to "
+        "extend it by RoPE scaling)",
+        keys=(_key("preflight", parse_bool, "true|false", kind="bool"),),
+    )
+    memory_gb: float | None = option(
+        default=None,
+        group="pre-flight",
+        default_text="the GPU's free memory, or on the CPU the available RAM within the "
+        "cgroup's limit",
+        help="the memory the pre-flight checks the run against, in GiB",
+        keys=(_key("memory_gb", _float, "GB", kind="float"),),
+    )
 
     def __post_init__(self) -> None:
         self._check_numbers()
@@ -304,17 +532,30 @@ def read_config_file(path: Path) -> dict[str, Any]:
     return values
 
 
-def _option_fields() -> dict[str, dataclasses.Field[Any]]:
-    """TrainOptions' fields that options are read into (the patch comes from the feature
-    keys)."""
-    return {f.name: f for f in dataclasses.fields(TrainOptions) if f.name != "patch"}
+@dataclass(frozen=True)
+class _TrainKey:
+    """One spelling of a TrainOptions field (from its schema)."""
+
+    field: dataclasses.Field[Any]
+    key: Key
+
+
+def _train_keys() -> dict[str, _TrainKey]:
+    """key -> the TrainOptions field it sets, for every key of the schema (the patch's keys
+    are PatchConfig's)."""
+    return {key.name: _TrainKey(f, key) for f, _, key in keys_of(TrainOptions)}
+
+
+TRAIN_KEYS = _train_keys()
+# another spelling -> the field's name (steps -> max_steps, lr -> learning_rate, ...)
+ALIASES = {name: k.field.name for name, k in TRAIN_KEYS.items() if name != k.field.name}
 
 
 def known_keys() -> set[str]:
     """Every canonical option name, and every key of the feature options, ours and other
     frameworks' (also with the prefix tiledmlp_)."""
     features = {*KEYS, *(PREFIX + k for k in KEYS)}
-    return set(_option_fields()) | features
+    return {k.field.name for k in TRAIN_KEYS.values()} | features
 
 
 def canonical_key(raw: str) -> str:
@@ -335,7 +576,6 @@ def options_from(values: Mapping[str, Any], source: str = "option") -> TrainOpti
         ValueError: an unknown key (with the known ones listed), a bad value, or two spellings
             of one option with different values.
     """
-    fields = _option_fields()
     canonical: dict[str, Any] = {}
     features: dict[str, Any] = {}
     for raw, value in values.items():
@@ -345,10 +585,10 @@ def options_from(values: Mapping[str, Any], source: str = "option") -> TrainOpti
                 raise ValueError(f"{source} {key} given twice with different values")
             features[key] = value
             continue
-        if key not in fields:
-            known = sorted({*fields, *ALIASES, *KEYS})
+        if key not in TRAIN_KEYS:
+            known = sorted({*TRAIN_KEYS, *KEYS})
             raise ValueError(f"unknown {source} {raw!r}; known: {', '.join(known)}")
-        converted = _convert(key, value, fields[key].type)
+        converted = _parsed(TRAIN_KEYS[key], value)
         if key in canonical and canonical[key] != converted:
             raise ValueError(f"{source} {key} given twice with different values")
         canonical[key] = converted
@@ -356,6 +596,17 @@ def options_from(values: Mapping[str, Any], source: str = "option") -> TrainOpti
         {field: kv.value for field, kv in read_keys(features, what=source).items()}
     )
     return TrainOptions(**canonical)
+
+
+def _parsed(spelled: _TrainKey, value: Any) -> Any:
+    """A field's value from a spelled one, by the key's parser (None: unset, where the
+    field's default is None)."""
+    name = flag(spelled.field.name)
+    if value is None:
+        if spelled.field.default is None:
+            return None
+        raise ValueError(f"{name} needs a value")
+    return spelled.key.parse(value, name)
 
 
 def train_patch(values: Mapping[str, Any]) -> PatchConfig | None:
@@ -377,35 +628,3 @@ def _defaults_of(config: PatchConfig) -> dict[str, Any]:
         for f in dataclasses.fields(PatchConfig)
         if getattr(config, f.name) != getattr(base, f.name)
     }
-
-
-def _convert(key: str, value: Any, kind: Any) -> Any:
-    name = f"--{key.replace('_', '-')}"
-    text = str(kind)
-    if value is None:
-        if "None" in text:
-            return None
-        raise ValueError(f"{name} needs a value")
-    if key == "dtype":
-        return parse_dtype(value, name)
-    if key == "report_to" and isinstance(value, list | tuple):
-        return ",".join(map(str, value)) or "none"
-    base = text.replace(" | None", "")
-    try:
-        if base == "bool":
-            return parse_bool(value, name)
-        if base == "int":
-            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
-                raise ValueError
-            return int(str(value).strip()) if not isinstance(value, int) else value
-        if base == "float":
-            number = float(value)
-            if not math.isfinite(number):
-                raise ValueError
-            return number
-    except (TypeError, ValueError):
-        expected = {"bool": "true or false", "int": "an integer", "float": "a number"}[base]
-        raise ValueError(f"{name} expected {expected}, got {value!r}") from None
-    if base == "Path":
-        return Path(str(value))
-    return str(value)
