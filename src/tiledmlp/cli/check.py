@@ -18,8 +18,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from tiledmlp.cli.output import show
 from tiledmlp.cli.flags import RUN_GROUPS, add_field_flags, add_run_flags
+from tiledmlp.cli.output import show
 from tiledmlp.cli.train import option_values
 
 __all__ = ["add_parser", "run"]

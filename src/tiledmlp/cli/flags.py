@@ -103,9 +103,9 @@ def add_run_flags(
         if field.name in skip:
             continue
         if field.name == "patch":
-            for f, spec, key in keys_of(PatchConfig):
-                text = flag_help(f, spec, key, patch_defaults)
-                adder = where.get(spec.group) if text is not None else hidden
+            for f, feature, key in keys_of(PatchConfig):
+                text = flag_help(f, feature, key, patch_defaults)
+                adder = where.get(feature.group) if text is not None else hidden
                 if adder is not None:
                     _add_text_flag(adder, key, text)
             continue
@@ -144,14 +144,16 @@ def add_typed_flag(
     """The flag of the key `name` of a schema-declared config, its value parsed by the key's
     parser as argparse reads it (a bad value: argparse's one-line error); `help` replaces the
     schema's help where the command means something else by it, `note` is added to it."""
-    field, spec, key = schema_key(config_type, name)
+    _, spec, key = schema_key(config_type, name)
     text = help if help is not None else (key.help or spec.help)
+    at = text.find(" (default") if note else -1
+    text = text + note if at < 0 else text[:at] + note + text[at:]  # the note before the default
     group.add_argument(
         key.flag,
         type=_parser(key),
         default=default,
         metavar=key.metavar or "N",
-        help=(text + note).replace("%", "%%"),
+        help=text.replace("%", "%%"),
     )
 
 
@@ -159,8 +161,36 @@ def _parser(key: Key) -> Callable[[str], Any]:
     def parse(text: str) -> Any:
         try:
             return key.parse(text, key.flag)
-        except ValueError as e:
-            raise argparse.ArgumentTypeError(str(e)) from None
+        except ValueError as e:  # argparse names the flag itself: "argument --num-tiles: ..."
+            raise argparse.ArgumentTypeError(str(e).removeprefix(f"{key.flag} ")) from None
 
     parse.__name__ = key.name  # argparse names the type in some messages
     return parse
+
+
+def flag_tables(parser: argparse.ArgumentParser) -> str:
+    """The command line reference's tables of a subcommand's flags, one per group of its
+    --help ("options" is "general"), each listed flag with its metavar and help: what
+    docs/reference/cli.md holds for the commands whose flags come from the schema."""
+    out: list[str] = []
+    for group in parser._action_groups:
+        rows = [
+            f"| `{_spelled(action)}` | {action.help.replace('%%', '%')} |"
+            for action in group._group_actions
+            if action.help not in (None, argparse.SUPPRESS)
+            and action.option_strings
+            and action.option_strings[0] not in ("-h", "-v")
+        ]
+        if rows:
+            title = "general" if group.title == "options" else group.title
+            out += [f"**{title}**", "", "| flag | meaning |", "|---|---|", *rows, ""]
+    return "\n".join(out)
+
+
+def _spelled(action: argparse.Action) -> str:
+    """`--flag METAVAR` as the reference writes it (| escaped for the table)."""
+    name = action.option_strings[-1]
+    if action.nargs == 0:
+        return name
+    metavar = action.metavar if isinstance(action.metavar, str) else None
+    return (f"{name} {metavar}" if metavar else name).replace("|", "\\|")

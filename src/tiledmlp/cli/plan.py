@@ -12,12 +12,15 @@ import json
 import logging
 from typing import Any
 
-from tiledmlp.cli.common import DTYPE_CHOICES, UsageError, dtype_name, positive_int, tiles
+from tiledmlp.cli.common import DTYPE_CHOICES, UsageError, positive_int
 from tiledmlp.cli.device_memory import GPUS
+from tiledmlp.cli.flags import add_typed_flag
 from tiledmlp.cli.output import StderrHandler, show
+from tiledmlp.cli.plan_args import PlanArgs
 from tiledmlp.cli.plan_kernels import add_flag as add_attention_kernel_flag
 from tiledmlp.cli.plan_kernels import plan_with_kernels
 from tiledmlp.cli.plan_report import show_text
+from tiledmlp.ops.tiling.policy import TilePolicy
 from tiledmlp.ops.tiling.values import check_positive_number
 
 __all__ = ["add_parser", "run"]
@@ -81,20 +84,11 @@ def _add_what_flags(what: Any) -> None:
 
 def _add_tiling_flags(tiling: Any) -> None:
     """The tile policy, the device it is planned for, and the MLP's budget."""
-    tiling.add_argument(
-        "--num-tiles",
-        type=tiles,
-        default="auto",
-        help="tile policy to estimate: an int, 'auto' or 'arctic' (default: auto)",
-    )
-    tiling.add_argument(
-        "--tile-budget-gb",
-        type=float,
-        default=None,
-        metavar="GB",
-        help="estimate the memory-target policy: each MLP's working memory within GB GiB (the "
-        "same as --num-tiles target:<GB>)",
-    )
+    from tiledmlp.config.patch import PatchConfig
+
+    # the tile policy's flags from the schema (PatchConfig's keys), parsed by their parsers
+    add_typed_flag(tiling, PatchConfig, "num_tiles", default=TilePolicy())
+    add_typed_flag(tiling, PatchConfig, "tile_budget_gb")
     tiling.add_argument(
         "--device",
         choices=("cuda", "cpu"),
@@ -113,6 +107,8 @@ def _add_tiling_flags(tiling: Any) -> None:
 
 def _add_whole_step_flags(whole: Any) -> None:
     """What a whole training step (with --model) counts, and the card's memory."""
+    from tiledmlp.config.patch import PatchConfig
+
     whole.add_argument(
         "--gradient-checkpointing",
         action="store_true",
@@ -146,14 +142,8 @@ def _add_whole_step_flags(whole: Any) -> None:
         + " (default: the GPU here, an H100 80GB where none is, or this machine's RAM with "
         "--device cpu); unlike --memory-gb it runs no search",
     )
-    whole.add_argument(
-        "--sequence-parallel-size",
-        type=positive_int,
-        default=1,
-        metavar="P",
-        help="the sequence split over P GPUs (Ulysses); figures per GPU, max_seq_len for the "
-        "whole sequence (default: 1)",
-    )
+    add_typed_flag(whole, PatchConfig, "sequence_parallel_size", default=1,
+                   note="; figures per GPU, max_seq_len for the whole sequence")  # fmt: skip
     whole.add_argument(
         "--stacks",
         type=_stacks,
@@ -256,12 +246,12 @@ def _progress_on_stderr() -> None:
     log.propagate = False
 
 
-def run(args: argparse.Namespace) -> int:
+def run(parsed: argparse.Namespace) -> int:
     """Runs `tiledmlp plan`: from the cache when the same question was answered before
     (plan/cache.py: no model is built, transformers is not imported), else planned and kept."""
     _progress_on_stderr()
+    args = PlanArgs.of(parsed)  # the request, typed once; nothing below writes to it
     _check_flags(args)
-    args.dtype = dtype_name(args.dtype)
     key = None if args.measure else _cache_key(args)  # a measurement is never reused
     from tiledmlp.plan import cache
 
@@ -289,7 +279,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def config_given(args: argparse.Namespace) -> bool:
+def config_given(args: PlanArgs) -> bool:
     """Whether the whole model is planned (--model)."""
     return args.model is not None
 
@@ -297,7 +287,7 @@ def config_given(args: argparse.Namespace) -> bool:
 _NOT_ASKED = ("json", "verbose", "command", "argv", "gpu")  # flags that do not change the plan
 
 
-def _cache_key(args: argparse.Namespace) -> str | None:
+def _cache_key(args: PlanArgs) -> str | None:
     """The plan's cache key: the model's configuration as written and every flag that changes
     the answer; None when the model's configuration cannot be read (load_config says why)."""
     from tiledmlp.models.presets import PRESETS
@@ -309,12 +299,12 @@ def _cache_key(args: argparse.Namespace) -> str | None:
         fields = config_fields(args.model, PRESETS)
     if fields is None:
         return None
-    options = {k: v for k, v in sorted(vars(args).items()) if k not in _NOT_ASKED}
+    options = {k: v for k, v in sorted(args.asked().items()) if k not in _NOT_ASKED}
     options.pop("model", None)  # the configuration, not the name, decides the answer
     return cache_key("plan", fields, options)
 
 
-def _plan(args: argparse.Namespace) -> dict[str, Any]:
+def _plan(args: PlanArgs) -> dict[str, Any]:
     """The plan's result (the JSON's keys) with the MLP's shape, planned."""
     import torch
 
@@ -336,23 +326,11 @@ def _plan(args: argparse.Namespace) -> dict[str, Any]:
     return {"result": result, "hidden": hidden, "intermediate": intermediate}
 
 
-def _check_flags(args: argparse.Namespace) -> None:
-    """Refuses flag values and combinations `plan` cannot use; settles --tile-budget-gb into
-    --num-tiles (one tile policy)."""
+def _check_flags(args: PlanArgs) -> None:
+    """Refuses flag values and combinations `plan` cannot use."""
     for flag, value in (("--budget-gb", args.budget_gb), ("--memory-gb", args.memory_gb)):
         if value is not None:
             check_positive_number(flag, value)
-    if args.tile_budget_gb is not None:
-        from tiledmlp.config.keys import read_keys
-
-        keys = {"--tile-budget-gb": args.tile_budget_gb}
-        if args.num_tiles.rule != "auto":
-            keys["--num-tiles"] = args.num_tiles
-        try:
-            tiles = read_keys(keys)
-        except ValueError as e:
-            raise UsageError(str(e)) from None
-        args.num_tiles = tiles["tiles"].value
     whole = (
         ("--gradient-checkpointing", args.gradient_checkpointing),
         (
@@ -397,8 +375,6 @@ def _check_flags(args: argparse.Namespace) -> None:
             raise UsageError(
                 "--measure on cuda needs a visible GPU; add --device cpu to measure on the CPU"
             )
-    if args.measure_lengths is None:
-        args.measure_lengths = (8192, 16384, 32768) if args.device != "cpu" else (512, 1024, 2048)
     from tiledmlp.plan.engines import check_engine
 
     try:
@@ -407,7 +383,7 @@ def _check_flags(args: argparse.Namespace) -> None:
         raise UsageError(str(e)) from None
 
 
-def _shape(args: argparse.Namespace) -> tuple[Any, int, int]:
+def _shape(args: PlanArgs) -> tuple[Any, int, int]:
     """(the model's config or None, hidden, intermediate) from --model or --hidden and
     --intermediate."""
     config = None
@@ -429,7 +405,7 @@ def _shape(args: argparse.Namespace) -> tuple[Any, int, int]:
     return config, hidden, intermediate
 
 
-def _plan_model(args: argparse.Namespace, config: Any, dtype: Any) -> dict[str, Any]:
+def _plan_model(args: PlanArgs, config: Any, dtype: Any) -> dict[str, Any]:
     """The decoder layer's and the whole model's figures (the keys --model adds to the JSON)."""
     from tiledmlp.plan.layer import RoutedExperts, plan_layer
 
@@ -470,9 +446,10 @@ def _plan_model(args: argparse.Namespace, config: Any, dtype: Any) -> dict[str, 
         from tiledmlp.plan.cache import config_fields
         from tiledmlp.plan.cached import plan_stacks
 
-        planner = functools.partial(plan_stacks, fields=config_fields(args.model, PRESETS))
+        planner = functools.partial(plan_stacks, fields=config_fields(str(args.model), PRESETS))
     # the attention kernel's buffers: --attention-kernel (cli/plan_kernels.py)
-    stacks = plan_with_kernels(planner, config, args, dtype.itemsize, options)
+    request: Any = args  # read by attribute, as the flags are named
+    stacks = plan_with_kernels(planner, config, request, dtype.itemsize, options)
     if args.measure:
         from tiledmlp.cli.plan_measure import measure_stacks
 

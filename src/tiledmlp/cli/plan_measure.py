@@ -19,6 +19,7 @@ import sys
 from typing import Any
 
 from tiledmlp.cli.common import UsageError
+from tiledmlp.cli.plan_args import PlanArgs
 
 __all__ = ["measure_stacks", "parse_lengths"]
 
@@ -96,7 +97,7 @@ def _measured_bytes(record: dict[str, Any]) -> int:
 
 
 def measure_stacks(
-    args: argparse.Namespace,
+    args: PlanArgs,
     config: Any,
     dtype: Any,
     stacks: dict[str, Any],
@@ -124,8 +125,9 @@ def measure_stacks(
         points = []
         for n in args.measure_lengths:
             measured = next(measured_bytes)
+            tiles: Any = args.num_tiles  # a TilePolicy, which estimate_step takes as it is
             sim = estimate_step(cut, seq_len=n, stack=stack, dtype=dtype, checkpointing=True,
-                                num_tiles=args.num_tiles, exact=True, device_type=args.device,
+                                num_tiles=tiles, exact=True, device_type=args.device,
                                 expandable_segments=args.expandable_segments)  # fmt: skip
             card = sim.peak + overhead.total(sim.reserve, sim.attention)  # cards with room
             points.append(MeasuredPoint(n, measured, card))
@@ -139,7 +141,7 @@ def measure_stacks(
             measured_entry.update(
                 measured_max_seq_len(
                     config,
-                    int(args.memory_gb * 2**30),
+                    int((args.memory_gb or 0) * 2**30),  # max_seq_len: --memory-gb's search
                     correction,
                     stack=stack,
                     overhead=overhead,

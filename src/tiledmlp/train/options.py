@@ -141,7 +141,7 @@ class TrainOptions:
         help="model init and data order seed",
         keys=(_key("seed", _int, "SEED", kind="int"),),
     )
-    data: Path | None = option(
+    data: Path | None = option(  # noqa: RUF009 (option() returns a dataclasses.field)
         default=None,
         group="data",
         default_text="the Python stdlib source",
@@ -179,7 +179,7 @@ class TrainOptions:
     # the feature options: PatchConfig's own schema (tiling, loss, norms, layers, offloading,
     # sequence parallelism), listed here in `tiledmlp train --help`
     patch: PatchConfig | None = DEFAULT_PATCH
-    deepspeed: Path | None = option(
+    deepspeed: Path | None = option(  # noqa: RUF009 (option() returns a dataclasses.field)
         default=None,
         group="distributed",
         help="DeepSpeed JSON config; 'auto' values are filled by the Trainer",
@@ -192,7 +192,7 @@ class TrainOptions:
         "tiledmlp shards the model itself)",
         keys=(_key("fsdp", _text, "full_shard"),),
     )
-    fsdp_config: Path | None = option(
+    fsdp_config: Path | None = option(  # noqa: RUF009 (option() returns a dataclasses.field)
         default=None,
         group="distributed",
         help="JSON of the Trainer's fsdp_config keys, over tiledmlp's (fsdp_version 2, the "
@@ -280,7 +280,7 @@ class TrainOptions:
         help="held-out sequences for evaluation",
         keys=(_key("eval_sequences", _int, kind="int"),),
     )
-    output_dir: Path | None = option(
+    output_dir: Path | None = option(  # noqa: RUF009 (option() returns a dataclasses.field)
         default=None,
         group="output",
         default_text="nothing is saved",
