@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tiledmlp.config.keys import KEYS, PREFIX, read_keys
+from tiledmlp.config.keys import KEYS, PREFIX, read_keys, spelled_keys
 from tiledmlp.config.patch import FEATURES, PatchConfig
 from tiledmlp.config.schema import Key, flag, keys_of, option, option_of
 from tiledmlp.config.values import DTYPES, parse_bool, parse_dtype
@@ -31,7 +31,7 @@ from tiledmlp.ops.tiling.policy import TilePolicy
 from tiledmlp.ops.tiling.values import check_int, check_positive_number
 from tiledmlp.sequence_parallel.sizes import check_sequence_divisible
 from tiledmlp.train.data import check_data
-from tiledmlp.train.model_source import model_name_error
+from tiledmlp.train.model_source import check_model
 
 __all__ = [
     "ALIASES",
@@ -45,6 +45,7 @@ __all__ = [
     "known_keys",
     "options_from",
     "read_config_file",
+    "spelled",
 ]
 
 ENGINES = ("auto", "single", "ddp", "fsdp2", "deepspeed")
@@ -447,9 +448,7 @@ class TrainOptions:
             raise ValueError("--resume-from-checkpoint latest looks in --output-dir: add it")
         if self.data is not None:
             check_data(Path(self.data))  # known format, readable with what is installed
-        model_error = model_name_error(self.model)  # a preset (did-you-mean), folder or Hub id
-        if model_error is not None:
-            raise ValueError(model_error)
+        check_model(self.model)  # a preset (did-you-mean), a loadable folder, config or Hub id
 
     def patch_config(self) -> PatchConfig | None:
         """What patch_model applies for this run (None: nothing)."""
@@ -607,6 +606,29 @@ def _parsed(spelled: _TrainKey, value: Any) -> Any:
             return None
         raise ValueError(f"{name} needs a value")
     return spelled.key.parse(value, name)
+
+
+def spelled(opts: TrainOptions) -> dict[str, Any]:
+    """Every option of `opts` by its main key, with JSON values (paths as text, the patch as
+    its own keys, or switched off): what options_from reads back into equal options (what a
+    checkpoint records of its run)."""
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(TrainOptions):
+        value = getattr(opts, f.name)
+        if f.name == "patch":
+            off = {"use_tiled_mlp": False, "tiled_loss": False}  # train_patch's "nothing"
+            out.update(off if value is None else spelled_keys(value))
+        else:
+            out[f.name] = str(value) if isinstance(value, Path) else value
+    return out
+
+
+def field_of(key: str) -> str:
+    """The field (TrainOptions' or PatchConfig's) a key of any spelling sets (the key itself
+    for one that sets none)."""
+    name = canonical_key(key)
+    feature = KEYS.get(name.removeprefix(PREFIX))
+    return (feature.field or name) if feature is not None else name
 
 
 def train_patch(values: Mapping[str, Any]) -> PatchConfig | None:
