@@ -97,9 +97,28 @@ def test_tiling_and_sequence_parallel_flags_are_the_schemas_keys(command: str) -
             continue
         # parsed by the key's own parser, shown with its metavar
         assert getattr(action.type, "__name__", None) == key.name, (command, name)
-        assert action.metavar == (key.metavar or "N"), (command, name)
+        assert action.metavar == (key.metavar or None), (command, name)
     if command == "plan":
         assert {"--num-tiles", "--tile-budget-gb", "--sequence-parallel-size"} <= set(spelled)
+
+
+def test_plans_flags_are_its_requests_schema() -> None:
+    from tiledmlp.cli.plan_args import PlanArgs
+
+    flags = _flags(_commands()["plan"])
+    schema = _schema(PlanArgs)
+    # one flag per field of PlanArgs, and --attention-kernel (cli/plan_kernels.py's)
+    assert set(flags) == set(schema) | {"--attention-kernel"}, set(flags) ^ set(schema)
+    for name, (field, spec, key) in schema.items():
+        action = flags[name]
+        assert action.dest == field.name and action.help == (spec.help or key.help), name
+        if key.kind != "flag":
+            assert getattr(action.type, "__name__", None) == key.name, name
+            assert tuple(action.choices or ()) == key.choices, name
+    # the tiling keys are PatchConfig's own (the same name, parser and metavar)
+    patch = _schema(PatchConfig)
+    for name in ("--num-tiles", "--tile-budget-gb", "--sequence-parallel-size"):
+        assert schema[name][2] is patch[name][2], name
 
 
 def test_plan_parses_the_tile_policy_once_and_settles_the_budget_into_it() -> None:

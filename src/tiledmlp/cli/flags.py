@@ -23,6 +23,7 @@ from tiledmlp.config.schema import Key, Option, default_text, keys_of, option_of
 
 __all__ = [
     "RUN_GROUPS",
+    "add_config_flags",
     "add_field_flags",
     "add_run_flags",
     "add_typed_flag",
@@ -139,20 +140,49 @@ def add_typed_flag(
     *,
     default: Any = None,
     help: str | None = None,
-    note: str = "",
 ) -> None:
     """The flag of the key `name` of a schema-declared config, its value parsed by the key's
     parser as argparse reads it (a bad value: argparse's one-line error); `help` replaces the
-    schema's help where the command means something else by it, `note` is added to it."""
+    schema's help where the command means something else by it (bench's own default)."""
     _, spec, key = schema_key(config_type, name)
-    text = help if help is not None else (key.help or spec.help)
-    at = text.find(" (default") if note else -1
-    text = text + note if at < 0 else text[:at] + note + text[at:]  # the note before the default
+    _add_typed(group, key, help if help is not None else (key.help or spec.help), default)
+
+
+def add_config_flags(
+    where: Mapping[str, Any],
+    config_type: type,
+    *,
+    after: Mapping[str, Callable[[Any], None]] | None = None,
+) -> None:
+    """A flag per field of a schema-declared command request (`plan`'s PlanArgs), parsed as
+    argparse reads it: the field's first key, in the group `where` maps its section to, with
+    the field's help (else the key's: a key shared with PatchConfig keeps its words) and
+    default. `after` adds a flag declared elsewhere right after a field's."""
+    for field in dataclasses.fields(config_type):
+        spec = option_of(field)
+        if spec is None:
+            continue
+        default = (
+            field.default_factory()  # type: ignore[misc,operator]
+            if field.default is dataclasses.MISSING
+            else field.default
+        )
+        _add_typed(where[spec.group], spec.keys[0], spec.help or spec.keys[0].help, default)
+        if after is not None and field.name in after:
+            after[field.name](where[spec.group])
+
+
+def _add_typed(group: Any, key: Key, text: str, default: Any) -> None:
+    """A flag parsed by its key's parser; a key of kind "flag" is a switch without a value."""
+    if key.kind == "flag":
+        group.add_argument(key.flag, action="store_true", help=text.replace("%", "%%"))
+        return
     group.add_argument(
         key.flag,
         type=_parser(key),
         default=default,
-        metavar=key.metavar or "N",
+        choices=key.choices or None,
+        metavar=key.metavar or None,
         help=text.replace("%", "%%"),
     )
 

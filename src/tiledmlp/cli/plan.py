@@ -12,15 +12,14 @@ import json
 import logging
 from typing import Any
 
-from tiledmlp.cli.common import DTYPE_CHOICES, UsageError, positive_int
+from tiledmlp.cli.common import UsageError
 from tiledmlp.cli.device_memory import GPUS
-from tiledmlp.cli.flags import add_typed_flag
+from tiledmlp.cli.flags import add_config_flags
 from tiledmlp.cli.output import StderrHandler, show
 from tiledmlp.cli.plan_args import PlanArgs
 from tiledmlp.cli.plan_kernels import add_flag as add_attention_kernel_flag
 from tiledmlp.cli.plan_kernels import plan_with_kernels
 from tiledmlp.cli.plan_report import show_text
-from tiledmlp.ops.tiling.policy import TilePolicy
 from tiledmlp.ops.tiling.values import check_positive_number
 
 __all__ = ["add_parser", "run"]
@@ -44,193 +43,10 @@ def add_parser(sub: Any) -> None:
             "With --budget-gb, the fewest tiles with which the MLP alone fits."
         ),
     )
-    _add_what_flags(pl.add_argument_group("what to plan"))
-    _add_tiling_flags(pl.add_argument_group("tiling"))
-    _add_whole_step_flags(pl.add_argument_group("the whole training step (with --model)"))
-    pl.add_argument_group("output").add_argument(
-        "--json", action="store_true", help="print one JSON object"
-    )
-
-
-def _add_what_flags(what: Any) -> None:
-    """The model or MLP shape, the length and the dtype."""
-    what.add_argument(
-        "--model",
-        default=None,
-        metavar="NAME_OR_PATH",
-        help="a preset (llama3-8b, small, tiny) or a Hugging Face config.json (or a directory "
-        "holding one): take the MLP shape from it and also estimate one decoder layer; "
-        "nothing is downloaded",
-    )
-    what.add_argument(
-        "--hidden",
-        type=positive_int,
-        default=None,
-        help="hidden size (default: 4096; not with --model)",
-    )
-    what.add_argument(
-        "--intermediate",
-        type=positive_int,
-        default=None,
-        help="intermediate size (default: 14336, Llama-3-8B; not with --model)",
-    )
-    what.add_argument(
-        "--seq-len", type=positive_int, default=131072, help="tokens (default: 131072)"
-    )
-    what.add_argument(
-        "--dtype", choices=DTYPE_CHOICES, default="bfloat16", help="dtype (default: bfloat16)"
-    )
-
-
-def _add_tiling_flags(tiling: Any) -> None:
-    """The tile policy, the device it is planned for, and the MLP's budget."""
-    from tiledmlp.config.patch import PatchConfig
-
-    # the tile policy's flags from the schema (PatchConfig's keys), parsed by their parsers
-    add_typed_flag(tiling, PatchConfig, "num_tiles", default=TilePolicy())
-    add_typed_flag(tiling, PatchConfig, "tile_budget_gb")
-    tiling.add_argument(
-        "--device",
-        choices=("cuda", "cpu"),
-        default="cuda",
-        help="the device to plan for: 'auto' picks fewer, larger tiles on a GPU than on the "
-        "CPU (default: cuda)",
-    )
-    tiling.add_argument(
-        "--budget-gb",
-        type=float,
-        default=None,
-        help="a memory budget in GiB for the MLP alone: recommend the fewest tiles that fit it "
-        "(for a whole model's limit use --memory-gb)",
-    )
-
-
-def _add_whole_step_flags(whole: Any) -> None:
-    """What a whole training step (with --model) counts, and the card's memory."""
-    from tiledmlp.config.patch import PatchConfig
-
-    whole.add_argument(
-        "--gradient-checkpointing",
-        action="store_true",
-        help="the model's own non-reentrant checkpointing for every stack (default: only the "
-        "offloading stacks, which need it)",
-    )
-    whole.add_argument(
-        "--optimizer",
-        choices=("none", "adamw", "cpu-offload"),
-        default="none",
-        help="optimizer state counted on the device: none (not counted), adamw (two states per "
-        "parameter, in its dtype), cpu-offload (states on the host, gradients on the device) "
-        "(default: none)",
-    )
-    whole.add_argument(
-        "--memory-gb",
-        type=float,
-        default=None,
-        help="the card's memory in GiB (e.g. 79.2 for an H100 80GB, as torch reports it); "
-        "report each stack's longest sequence whose step, with the device overhead (CUDA "
-        "context, cuBLAS workspaces, attention backward buffers, allocator; zero with --device "
-        "cpu), fits (max_seq_len, a multiple of 1024)",
-    )
-    whole.add_argument(
-        "--gpu",
-        choices=tuple(GPUS),
-        default=None,
-        metavar="CARD",
-        help="judge the bottom line by this card's memory: "
-        + ", ".join(GPUS)
-        + " (default: the GPU here, an H100 80GB where none is, or this machine's RAM with "
-        "--device cpu); unlike --memory-gb it runs no search",
-    )
-    add_typed_flag(whole, PatchConfig, "sequence_parallel_size", default=1,
-                   note="; figures per GPU, max_seq_len for the whole sequence")  # fmt: skip
-    whole.add_argument(
-        "--stacks",
-        type=_stacks,
-        default=None,
-        metavar="NAME[,NAME...]",
-        help="plan only these stacks, comma-separated (default: every stack); with --memory-gb "
-        "each stack's search estimates several lengths, seconds each",
-    )
-    whole.add_argument(
-        "--engine",
-        choices=("ddp", "zero3", "fsdp2"),
-        default="ddp",
-        help="what each GPU keeps of the weights, gradients and optimizer states: ddp (whole on "
-        "every GPU), zero3 (DeepSpeed ZeRO-3: sharded over the P GPUs, the gathered layer in "
-        "flight, prefetch and reduce bucket) or fsdp2 (fully_shard per layer: sharded, two "
-        "layers and the embeddings gathered); the JSON says per GPU and per host (default: ddp)",
-    )
-    whole.add_argument(
-        "--offload-params",
-        action="store_true",
-        help="with --engine zero3 (offload_param) or fsdp2 (CPUOffloadPolicy): parameters, "
-        "gradients and the optimizer (--optimizer cpu-offload) on the host; host memory per "
-        "GPU and per node of 8 GPUs",
-    )
-    whole.add_argument(
-        "--expandable-segments",
-        type=_true_false,
-        default=True,
-        metavar="true|false",
-        help="whether the step runs with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, as "
-        "tiledmlp's own commands set it unless you set the variable; the CUDA allocator's "
-        "reserve beyond the tensors depends on it (default: true)",
-    )
-
-    add_attention_kernel_flag(whole)
-    whole.add_argument(
-        "--measure",
-        action="store_true",
-        help="also run the real step of the model (Llama family) cut to --measure-layers "
-        "layers at --measure-lengths, each in a fresh process, and print measured beside "
-        "simulated; the difference, fitted against the length, is carried to the whole model "
-        "and its max_seq_len (the lower of the two stands). On the CPU it measures the "
-        "process's peak memory. Needs --gradient-checkpointing",
-    )
-    whole.add_argument(
-        "--measure-layers",
-        type=positive_int,
-        default=2,
-        metavar="N",
-        help="decoder layers of the measured model (default: 2)",
-    )
-    whole.add_argument(
-        "--measure-lengths",
-        type=_measure_lengths,
-        default=None,
-        metavar="N,N[,N]",
-        help="two or three token counts to measure (default: 8192,16384,32768 on cuda, "
-        "512,1024,2048 on the CPU)",
-    )
-
-
-def _measure_lengths(text: str) -> tuple[int, ...]:
-    from tiledmlp.cli.plan_measure import parse_lengths
-
-    return parse_lengths(text)
-
-
-def _true_false(text: str) -> bool:
-    """--expandable-segments: true or false."""
-    value = text.strip().lower()
-    if value not in ("true", "false"):
-        raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
-    return value == "true"
-
-
-def _stacks(text: str) -> tuple[str, ...]:
-    """--stacks: known stack names, comma-separated, each once."""
-    from tiledmlp.config.stacks import STACKS
-
-    names = tuple(n.strip() for n in text.split(",") if n.strip())
-    unknown = [n for n in names if n not in STACKS]
-    if not names or unknown or len(set(names)) != len(names):
-        raise argparse.ArgumentTypeError(
-            f"expected stack names from {', '.join(STACKS)}, comma-separated, each once; "
-            f"got {text!r}"
-        )
-    return names
+    groups = ("what to plan", "tiling", "the whole training step (with --model)", "output")
+    where = {title: pl.add_argument_group(title) for title in groups}
+    # every flag from PlanArgs' schema; --attention-kernel is cli/plan_kernels.py's
+    add_config_flags(where, PlanArgs, after={"expandable_segments": add_attention_kernel_flag})
 
 
 def _progress_on_stderr() -> None:
