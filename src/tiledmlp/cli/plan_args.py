@@ -76,9 +76,17 @@ def _stacks(text: str) -> tuple[str, ...]:
 
 
 def _measure_lengths(text: str) -> tuple[int, ...]:
-    from tiledmlp.cli.plan_measure import parse_lengths
-
-    return parse_lengths(text)
+    """--measure-lengths: two or three positive token counts, comma-separated."""
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        values = ()
+    if not 2 <= len(values) <= 3 or len(set(values)) != len(values) or min(values) <= 0:
+        raise argparse.ArgumentTypeError(
+            f"expected two or three distinct positive token counts, e.g. 1024,2048,4096; got "
+            f"{text!r}"
+        )
+    return values
 
 
 def _key(name: str, parse: Any, metavar: str = "", **kwargs: Any) -> Key:

@@ -12,7 +12,6 @@ Invariant: a stack's answer names which estimate stands; the lower one always do
 
 from __future__ import annotations
 
-import argparse
 import json
 import subprocess
 import sys
@@ -21,25 +20,11 @@ from typing import Any
 from tiledmlp.cli.common import UsageError
 from tiledmlp.cli.plan_args import PlanArgs
 
-__all__ = ["measure_stacks", "parse_lengths"]
+__all__ = ["measure_stacks"]
 
 MiB = 2**20
 # measurement processes at once on the CPU (each holds the cut model and its step in memory)
 MEASURED_AT_ONCE = 4
-
-
-def parse_lengths(text: str) -> tuple[int, ...]:
-    """--measure-lengths: two or three positive token counts, comma-separated."""
-    try:
-        values = tuple(int(v) for v in text.split(",") if v.strip())
-    except ValueError:
-        values = ()
-    if not 2 <= len(values) <= 3 or len(set(values)) != len(values) or min(values) <= 0:
-        raise argparse.ArgumentTypeError(
-            f"expected two or three distinct positive token counts, e.g. 1024,2048,4096; got "
-            f"{text!r}"
-        )
-    return values
 
 
 def _job_config(config: Any, layers: int) -> dict[str, Any]:
