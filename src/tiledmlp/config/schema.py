@@ -5,9 +5,10 @@ the field's metadata: the help text, its default as the help says it, the sectio
 it is listed in, the keys that set it and, per key, the parser that turns a spelled value
 (text, a number, a bool) into the field's typed value, the framework that spells it so, and
 the help, metavar and choices a command line shows. The configurations declared so are
-PatchConfig (config/patch.py: tiling, loss, norms, layers, offloading, sequence parallelism)
-and TrainOptions (train/options.py: the model, the data, the training, the engines, the
-output). Everything else that names an option is derived from these fields: the key table
+PatchConfig (config/patch.py: tiling, loss, norms, layers, offloading, sequence parallelism),
+TrainOptions (train/run_options.py: the model, the data, the training, the engines, the
+output, with a PatchConfig nested) and `plan`'s request (cli/plan_args.py, whose tiling and
+sequence-parallel fields reuse PatchConfig's keys). Everything else that names an option is derived from these fields: the key table
 (config/keys.py), the flags of `tiledmlp train`, `check`, `plan`, `bench` and `swift-plugin`
 (cli/flags.py), the axolotl and ms-swift plugins' arguments and the documentation's tables.
 
