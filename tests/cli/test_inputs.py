@@ -128,7 +128,7 @@ def test_broken_inputs_and_names_are_one_line_before_any_model_loads(tmp_path: P
 def test_one_error_style_in_every_subcommand(tmp_path: Path) -> None:
     cases = [
         (["bench", "--device", "tpu"], ["tpu"]),
-        (["bench", "--num-tiles", "zero"], ["expected a positive integer"]),
+        (["bench", "--num-tiles", "zero"], ["must be a positive int, 'auto'"]),
         (["bench", "--isolate", "maybe"], ["expected one of", "got 'maybe'"]),
         (["plan", "--dtype", "bf61"], ["expected one of", "got 'bf61'; did you mean 'bf16'?"]),
         (["plan", "--tile-budget-gb", "0"], []),

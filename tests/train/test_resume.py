@@ -94,3 +94,36 @@ def test_a_checkpoint_without_settings_resumes_with_the_command_and_says_so(
     plan, _, notes = _resume({"resume_from_checkpoint": str(ckpt), "seq_len": "32"})
     assert plan.build.seq_len == 32 and plan.build.max_steps == 9
     assert len(notes) == 1 and "records no run settings" in notes[0]
+
+
+def test_a_checkpoint_records_the_runs_whole_typed_options(tmp_path: Path) -> None:
+    from tiledmlp.train.options import spelled
+
+    first = {"seq_len": "64", "lr": "1e-3", "tiled_norms": "true", "num_tiles": "target:0.5",
+             "attention_kernel": "auto:2", "output_dir": str(tmp_path / "run")}  # fmt: skip
+    record = settings_record(first, 9)
+    # every option but the per-invocation ones, by its main key, read back into equal options
+    assert record["options"]["tiled_norms"] is True and record["options"]["learning_rate"] == 1e-3
+    assert "output_dir" not in record["options"] and record["max_steps"] == 9
+    again = options_from(record["options"])
+    assert spelled(again) == {**spelled(options_from(first)), "output_dir": None}
+
+
+def test_a_checkpoint_of_the_earlier_format_still_resumes(tmp_path: Path) -> None:
+    # earlier checkpoints recorded only the options their run was given
+    ckpt = _checkpoint(tmp_path, {}, 9)
+    (ckpt / RUN_SETTINGS).write_text(json.dumps({"options": {"seq_len": 64, "lr": "1e-3"},
+                                                 "max_steps": 9}))  # fmt: skip
+    plan, _, notes = _resume({"resume_from_checkpoint": str(ckpt)})
+    assert (plan.build.seq_len, plan.build.learning_rate, plan.build.max_steps) == (64, 1e-3, 9)
+    assert notes == []
+    (ckpt / RUN_SETTINGS).write_text(json.dumps(["seq_len", 64]))
+    with pytest.raises(ValueError, match="is not a run-settings record"):
+        _resume({"resume_from_checkpoint": str(ckpt)})
+
+
+def test_an_option_given_again_in_another_spelling_replaces_the_runs(tmp_path: Path) -> None:
+    ckpt = _checkpoint(tmp_path, {"seq_len": "64", "num_tiles": "4"}, 9)
+    plan, _, notes = _resume({"resume_from_checkpoint": str(ckpt), "tiled_mlp_num_shards": "2"})
+    assert plan.build.patch is not None and plan.build.patch.tiles.num_tiles == 2
+    assert any("--num-tiles 2: applied on resume (the run had 4)" in n for n in notes), notes

@@ -12,9 +12,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from tiledmlp.cli.common import DTYPE_CHOICES, UsageError, dtype_name, positive_int, seq_lens, tiles
+from tiledmlp.cli.common import DTYPE_CHOICES, UsageError, dtype_name, positive_int, seq_lens
+from tiledmlp.cli.flags import add_typed_flag
 from tiledmlp.cli.output import show
 from tiledmlp.extras import install_command
+from tiledmlp.ops.tiling.policy import TilePolicy
 from tiledmlp.ops.tiling.values import check_int
 
 __all__ = ["add_parser", "run"]
@@ -70,10 +72,14 @@ def _add_shape_flags(bench: argparse.ArgumentParser) -> None:
         help="dtype of weights and activations (default: bfloat16 on an accelerator, float32 on "
         "CPU)",
     )
-    bench.add_argument(
-        "--num-tiles",
-        type=tiles,
-        default="arctic",
+    from tiledmlp.config.patch import PatchConfig
+
+    # the key, its parser and metavar from the schema; the help says bench's own default
+    add_typed_flag(
+        bench,
+        PatchConfig,
+        "num_tiles",
+        default=TilePolicy.of("arctic"),
         help="tiles for the tiled variants: an int, 'auto' or 'arctic' (default: "
         "arctic, ceil(tokens/hidden); DeepSpeed gets the same count, or the "
         "arctic count when this is 'auto')",

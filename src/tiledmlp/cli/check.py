@@ -18,15 +18,9 @@ import os
 from pathlib import Path
 from typing import Any
 
+from tiledmlp.cli.flags import RUN_GROUPS, add_field_flags, add_run_flags
 from tiledmlp.cli.output import show
-from tiledmlp.cli.train import (
-    _add_distributed_flags,
-    _add_tiling_flags,
-    _Adder,
-    _Groups,
-    add_model_flags,
-    option_values,
-)
+from tiledmlp.cli.train import option_values
 
 __all__ = ["add_parser", "run"]
 
@@ -50,27 +44,21 @@ def add_parser(sub: Any) -> None:
     )
     c.add_argument("--config", type=Path, metavar="FILE", help="YAML or JSON file of tiledmlp "
                    "train's options (flags override it)")  # fmt: skip
-    groups = _Groups(
-        model=_Adder(c.add_argument_group("model")),
-        data=_Adder(c.add_argument_group("the step")),
-        tiling=_Adder(c.add_argument_group("tiling")),
-        long=_Adder(c.add_argument_group("long context")),
-        dist=_Adder(c.add_argument_group("distributed (under torchrun)")),
-        training=_Adder(c),
-        output=_Adder(c),
-        preflight=_Adder(c),  # check plans nothing: no pre-flight flags
-        hidden=_Adder(c),
-    )
-    add_model_flags(groups.model)
-    step = groups.data
-    step("--seq-len", help="tokens per sequence (default: 256, short: the tiles' logic, not the "
-         "length, is what is checked)")  # fmt: skip
-    step("--per-device-train-batch-size", help="sequences per micro-batch and process "
-         "(default: 1)")  # fmt: skip
-    groups.hidden("--batch-size", dest="per_device_train_batch_size", help=argparse.SUPPRESS)
-    step("--gradient-accumulation-steps", help="micro-batches per step, at least 2 (default: 2)")
-    _add_tiling_flags(groups)
-    _add_distributed_flags(groups)
+    model = c.add_argument_group("model")
+    step = c.add_argument_group("the step")
+    where = {s: c.add_argument_group(RUN_GROUPS[s]) for s in ("tiling", "long context",
+                                                                "distributed")}  # fmt: skip
+    from tiledmlp.train.options import DEFAULT_PATCH
+
+    # train's flags, from the schema: the model, the tiling and the engines (the check plans
+    # nothing, reads no data and saves nothing: no data, training, output or pre-flight flags)
+    add_run_flags({"model": model}, c, skip=("patch",))
+    add_field_flags(step, c, "seq_len", help="tokens per sequence (default: 256, short: the "
+                    "tiles' logic, not the length, is what is checked)")  # fmt: skip
+    add_field_flags(step, c, "per_device_train_batch_size")
+    add_field_flags(step, c, "gradient_accumulation_steps", help="micro-batches per step, at "
+                    "least 2 (default: 2)")  # fmt: skip
+    add_run_flags(where, c, patch_defaults=DEFAULT_PATCH)
     c.add_argument("--json", action="store_true", default=False,
                    help="print the verdict as one JSON object on stdout")  # fmt: skip
 

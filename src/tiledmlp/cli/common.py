@@ -7,17 +7,14 @@ from __future__ import annotations
 
 import argparse
 
-from tiledmlp.config.values import DTYPES, parse_bool, parse_dtype, parse_int, parse_tile_policy
-from tiledmlp.ops.tiling.policy import TilePolicy
+from tiledmlp.config.values import DTYPES, parse_dtype, parse_int
 
 __all__ = [
     "DTYPE_CHOICES",
     "UsageError",
-    "bool_value",
     "dtype_name",
     "positive_int",
     "seq_lens",
-    "tiles",
 ]
 
 # --dtype spellings accepted everywhere (aliases as in Hugging Face and DeepSpeed configs)
@@ -40,17 +37,6 @@ def positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
 
 
-def tiles(text: str) -> TilePolicy:
-    """The tile policy of a --num-tiles spelling, parsed once here (the commands pass the
-    TilePolicy down)."""
-    try:
-        return parse_tile_policy(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected a positive integer, 'auto', 'arctic' or 'target:<GB>', got {text!r}"
-        ) from None
-
-
 def seq_lens(text: str) -> tuple[int, ...]:
     parts = [p for p in text.split(",") if p.strip()]
     if not parts:
@@ -58,10 +44,3 @@ def seq_lens(text: str) -> tuple[int, ...]:
             "expected comma-separated sequence lengths, e.g. 1024,4096"
         )
     return tuple(positive_int(p.strip()) for p in parts)
-
-
-def bool_value(text: str) -> bool:
-    try:
-        return parse_bool(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}") from None

@@ -12,9 +12,11 @@ import json
 import logging
 from typing import Any
 
-from tiledmlp.cli.common import DTYPE_CHOICES, UsageError, dtype_name, positive_int, tiles
+from tiledmlp.cli.common import UsageError
 from tiledmlp.cli.device_memory import GPUS
+from tiledmlp.cli.flags import add_config_flags
 from tiledmlp.cli.output import StderrHandler, show
+from tiledmlp.cli.plan_args import PlanArgs
 from tiledmlp.cli.plan_kernels import add_flag as add_attention_kernel_flag
 from tiledmlp.cli.plan_kernels import plan_with_kernels
 from tiledmlp.cli.plan_report import show_text
@@ -41,206 +43,10 @@ def add_parser(sub: Any) -> None:
             "With --budget-gb, the fewest tiles with which the MLP alone fits."
         ),
     )
-    _add_what_flags(pl.add_argument_group("what to plan"))
-    _add_tiling_flags(pl.add_argument_group("tiling"))
-    _add_whole_step_flags(pl.add_argument_group("the whole training step (with --model)"))
-    pl.add_argument_group("output").add_argument(
-        "--json", action="store_true", help="print one JSON object"
-    )
-
-
-def _add_what_flags(what: Any) -> None:
-    """The model or MLP shape, the length and the dtype."""
-    what.add_argument(
-        "--model",
-        default=None,
-        metavar="NAME_OR_PATH",
-        help="a preset (llama3-8b, small, tiny) or a Hugging Face config.json (or a directory "
-        "holding one): take the MLP shape from it and also estimate one decoder layer; "
-        "nothing is downloaded",
-    )
-    what.add_argument(
-        "--hidden",
-        type=positive_int,
-        default=None,
-        help="hidden size (default: 4096; not with --model)",
-    )
-    what.add_argument(
-        "--intermediate",
-        type=positive_int,
-        default=None,
-        help="intermediate size (default: 14336, Llama-3-8B; not with --model)",
-    )
-    what.add_argument(
-        "--seq-len", type=positive_int, default=131072, help="tokens (default: 131072)"
-    )
-    what.add_argument(
-        "--dtype", choices=DTYPE_CHOICES, default="bfloat16", help="dtype (default: bfloat16)"
-    )
-
-
-def _add_tiling_flags(tiling: Any) -> None:
-    """The tile policy, the device it is planned for, and the MLP's budget."""
-    tiling.add_argument(
-        "--num-tiles",
-        type=tiles,
-        default="auto",
-        help="tile policy to estimate: an int, 'auto' or 'arctic' (default: auto)",
-    )
-    tiling.add_argument(
-        "--tile-budget-gb",
-        type=float,
-        default=None,
-        metavar="GB",
-        help="estimate the memory-target policy: each MLP's working memory within GB GiB (the "
-        "same as --num-tiles target:<GB>)",
-    )
-    tiling.add_argument(
-        "--device",
-        choices=("cuda", "cpu"),
-        default="cuda",
-        help="the device to plan for: 'auto' picks fewer, larger tiles on a GPU than on the "
-        "CPU (default: cuda)",
-    )
-    tiling.add_argument(
-        "--budget-gb",
-        type=float,
-        default=None,
-        help="a memory budget in GiB for the MLP alone: recommend the fewest tiles that fit it "
-        "(for a whole model's limit use --memory-gb)",
-    )
-
-
-def _add_whole_step_flags(whole: Any) -> None:
-    """What a whole training step (with --model) counts, and the card's memory."""
-    whole.add_argument(
-        "--gradient-checkpointing",
-        action="store_true",
-        help="the model's own non-reentrant checkpointing for every stack (default: only the "
-        "offloading stacks, which need it)",
-    )
-    whole.add_argument(
-        "--optimizer",
-        choices=("none", "adamw", "cpu-offload"),
-        default="none",
-        help="optimizer state counted on the device: none (not counted), adamw (two states per "
-        "parameter, in its dtype), cpu-offload (states on the host, gradients on the device) "
-        "(default: none)",
-    )
-    whole.add_argument(
-        "--memory-gb",
-        type=float,
-        default=None,
-        help="the card's memory in GiB (e.g. 79.2 for an H100 80GB, as torch reports it); "
-        "report each stack's longest sequence whose step, with the device overhead (CUDA "
-        "context, cuBLAS workspaces, attention backward buffers, allocator; zero with --device "
-        "cpu), fits (max_seq_len, a multiple of 1024)",
-    )
-    whole.add_argument(
-        "--gpu",
-        choices=tuple(GPUS),
-        default=None,
-        metavar="CARD",
-        help="judge the bottom line by this card's memory: "
-        + ", ".join(GPUS)
-        + " (default: the GPU here, an H100 80GB where none is, or this machine's RAM with "
-        "--device cpu); unlike --memory-gb it runs no search",
-    )
-    whole.add_argument(
-        "--sequence-parallel-size",
-        type=positive_int,
-        default=1,
-        metavar="P",
-        help="the sequence split over P GPUs (Ulysses); figures per GPU, max_seq_len for the "
-        "whole sequence (default: 1)",
-    )
-    whole.add_argument(
-        "--stacks",
-        type=_stacks,
-        default=None,
-        metavar="NAME[,NAME...]",
-        help="plan only these stacks, comma-separated (default: every stack); with --memory-gb "
-        "each stack's search estimates several lengths, seconds each",
-    )
-    whole.add_argument(
-        "--engine",
-        choices=("ddp", "zero3", "fsdp2"),
-        default="ddp",
-        help="what each GPU keeps of the weights, gradients and optimizer states: ddp (whole on "
-        "every GPU), zero3 (DeepSpeed ZeRO-3: sharded over the P GPUs, the gathered layer in "
-        "flight, prefetch and reduce bucket) or fsdp2 (fully_shard per layer: sharded, two "
-        "layers and the embeddings gathered); the JSON says per GPU and per host (default: ddp)",
-    )
-    whole.add_argument(
-        "--offload-params",
-        action="store_true",
-        help="with --engine zero3 (offload_param) or fsdp2 (CPUOffloadPolicy): parameters, "
-        "gradients and the optimizer (--optimizer cpu-offload) on the host; host memory per "
-        "GPU and per node of 8 GPUs",
-    )
-    whole.add_argument(
-        "--expandable-segments",
-        type=_true_false,
-        default=True,
-        metavar="true|false",
-        help="whether the step runs with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, as "
-        "tiledmlp's own commands set it unless you set the variable; the CUDA allocator's "
-        "reserve beyond the tensors depends on it (default: true)",
-    )
-
-    add_attention_kernel_flag(whole)
-    whole.add_argument(
-        "--measure",
-        action="store_true",
-        help="also run the real step of the model (Llama family) cut to --measure-layers "
-        "layers at --measure-lengths, each in a fresh process, and print measured beside "
-        "simulated; the difference, fitted against the length, is carried to the whole model "
-        "and its max_seq_len (the lower of the two stands). On the CPU it measures the "
-        "process's peak memory. Needs --gradient-checkpointing",
-    )
-    whole.add_argument(
-        "--measure-layers",
-        type=positive_int,
-        default=2,
-        metavar="N",
-        help="decoder layers of the measured model (default: 2)",
-    )
-    whole.add_argument(
-        "--measure-lengths",
-        type=_measure_lengths,
-        default=None,
-        metavar="N,N[,N]",
-        help="two or three token counts to measure (default: 8192,16384,32768 on cuda, "
-        "512,1024,2048 on the CPU)",
-    )
-
-
-def _measure_lengths(text: str) -> tuple[int, ...]:
-    from tiledmlp.cli.plan_measure import parse_lengths
-
-    return parse_lengths(text)
-
-
-def _true_false(text: str) -> bool:
-    """--expandable-segments: true or false."""
-    value = text.strip().lower()
-    if value not in ("true", "false"):
-        raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
-    return value == "true"
-
-
-def _stacks(text: str) -> tuple[str, ...]:
-    """--stacks: known stack names, comma-separated, each once."""
-    from tiledmlp.config.stacks import STACKS
-
-    names = tuple(n.strip() for n in text.split(",") if n.strip())
-    unknown = [n for n in names if n not in STACKS]
-    if not names or unknown or len(set(names)) != len(names):
-        raise argparse.ArgumentTypeError(
-            f"expected stack names from {', '.join(STACKS)}, comma-separated, each once; "
-            f"got {text!r}"
-        )
-    return names
+    groups = ("what to plan", "tiling", "the whole training step (with --model)", "output")
+    where = {title: pl.add_argument_group(title) for title in groups}
+    # every flag from PlanArgs' schema; --attention-kernel is cli/plan_kernels.py's
+    add_config_flags(where, PlanArgs, after={"expandable_segments": add_attention_kernel_flag})
 
 
 def _progress_on_stderr() -> None:
@@ -256,12 +62,12 @@ def _progress_on_stderr() -> None:
     log.propagate = False
 
 
-def run(args: argparse.Namespace) -> int:
+def run(parsed: argparse.Namespace) -> int:
     """Runs `tiledmlp plan`: from the cache when the same question was answered before
     (plan/cache.py: no model is built, transformers is not imported), else planned and kept."""
     _progress_on_stderr()
+    args = PlanArgs.of(parsed)  # the request, typed once; nothing below writes to it
     _check_flags(args)
-    args.dtype = dtype_name(args.dtype)
     key = None if args.measure else _cache_key(args)  # a measurement is never reused
     from tiledmlp.plan import cache
 
@@ -289,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def config_given(args: argparse.Namespace) -> bool:
+def config_given(args: PlanArgs) -> bool:
     """Whether the whole model is planned (--model)."""
     return args.model is not None
 
@@ -297,7 +103,7 @@ def config_given(args: argparse.Namespace) -> bool:
 _NOT_ASKED = ("json", "verbose", "command", "argv", "gpu")  # flags that do not change the plan
 
 
-def _cache_key(args: argparse.Namespace) -> str | None:
+def _cache_key(args: PlanArgs) -> str | None:
     """The plan's cache key: the model's configuration as written and every flag that changes
     the answer; None when the model's configuration cannot be read (load_config says why)."""
     from tiledmlp.models.presets import PRESETS
@@ -309,12 +115,12 @@ def _cache_key(args: argparse.Namespace) -> str | None:
         fields = config_fields(args.model, PRESETS)
     if fields is None:
         return None
-    options = {k: v for k, v in sorted(vars(args).items()) if k not in _NOT_ASKED}
+    options = {k: v for k, v in sorted(args.asked().items()) if k not in _NOT_ASKED}
     options.pop("model", None)  # the configuration, not the name, decides the answer
     return cache_key("plan", fields, options)
 
 
-def _plan(args: argparse.Namespace) -> dict[str, Any]:
+def _plan(args: PlanArgs) -> dict[str, Any]:
     """The plan's result (the JSON's keys) with the MLP's shape, planned."""
     import torch
 
@@ -336,23 +142,11 @@ def _plan(args: argparse.Namespace) -> dict[str, Any]:
     return {"result": result, "hidden": hidden, "intermediate": intermediate}
 
 
-def _check_flags(args: argparse.Namespace) -> None:
-    """Refuses flag values and combinations `plan` cannot use; settles --tile-budget-gb into
-    --num-tiles (one tile policy)."""
+def _check_flags(args: PlanArgs) -> None:
+    """Refuses flag values and combinations `plan` cannot use."""
     for flag, value in (("--budget-gb", args.budget_gb), ("--memory-gb", args.memory_gb)):
         if value is not None:
             check_positive_number(flag, value)
-    if args.tile_budget_gb is not None:
-        from tiledmlp.config.keys import read_keys
-
-        keys = {"--tile-budget-gb": args.tile_budget_gb}
-        if args.num_tiles.rule != "auto":
-            keys["--num-tiles"] = args.num_tiles
-        try:
-            tiles = read_keys(keys)
-        except ValueError as e:
-            raise UsageError(str(e)) from None
-        args.num_tiles = tiles["tiles"].value
     whole = (
         ("--gradient-checkpointing", args.gradient_checkpointing),
         (
@@ -397,8 +191,6 @@ def _check_flags(args: argparse.Namespace) -> None:
             raise UsageError(
                 "--measure on cuda needs a visible GPU; add --device cpu to measure on the CPU"
             )
-    if args.measure_lengths is None:
-        args.measure_lengths = (8192, 16384, 32768) if args.device != "cpu" else (512, 1024, 2048)
     from tiledmlp.plan.engines import check_engine
 
     try:
@@ -407,7 +199,7 @@ def _check_flags(args: argparse.Namespace) -> None:
         raise UsageError(str(e)) from None
 
 
-def _shape(args: argparse.Namespace) -> tuple[Any, int, int]:
+def _shape(args: PlanArgs) -> tuple[Any, int, int]:
     """(the model's config or None, hidden, intermediate) from --model or --hidden and
     --intermediate."""
     config = None
@@ -429,7 +221,7 @@ def _shape(args: argparse.Namespace) -> tuple[Any, int, int]:
     return config, hidden, intermediate
 
 
-def _plan_model(args: argparse.Namespace, config: Any, dtype: Any) -> dict[str, Any]:
+def _plan_model(args: PlanArgs, config: Any, dtype: Any) -> dict[str, Any]:
     """The decoder layer's and the whole model's figures (the keys --model adds to the JSON)."""
     from tiledmlp.plan.layer import RoutedExperts, plan_layer
 
@@ -470,9 +262,10 @@ def _plan_model(args: argparse.Namespace, config: Any, dtype: Any) -> dict[str, 
         from tiledmlp.plan.cache import config_fields
         from tiledmlp.plan.cached import plan_stacks
 
-        planner = functools.partial(plan_stacks, fields=config_fields(args.model, PRESETS))
+        planner = functools.partial(plan_stacks, fields=config_fields(str(args.model), PRESETS))
     # the attention kernel's buffers: --attention-kernel (cli/plan_kernels.py)
-    stacks = plan_with_kernels(planner, config, args, dtype.itemsize, options)
+    request: Any = args  # read by attribute, as the flags are named
+    stacks = plan_with_kernels(planner, config, request, dtype.itemsize, options)
     if args.measure:
         from tiledmlp.cli.plan_measure import measure_stacks
 

@@ -11,13 +11,13 @@ host memory per node within the RAM available.
 
 from __future__ import annotations
 
-import argparse
 import shlex
 import textwrap
 from typing import Any
 
 from tiledmlp.cli.device_memory import Memory, gpu_memory, here
 from tiledmlp.cli.output import show
+from tiledmlp.cli.plan_args import PlanArgs
 from tiledmlp.cli.stack_command import axolotl_keys, patch_call, train_flags
 from tiledmlp.plan import stack_speed
 
@@ -27,7 +27,7 @@ _GIB = 1024.0  # MiB per GiB
 _DEFAULT_GPU = "h100-80gb"  # judged against where no GPU is here and none is named
 
 
-def _memory(args: argparse.Namespace) -> Memory | None:
+def _memory(args: PlanArgs) -> Memory | None:
     if args.gpu is not None:
         return gpu_memory(args.gpu)
     if args.memory_gb is not None:
@@ -43,7 +43,7 @@ def _memory(args: argparse.Namespace) -> Memory | None:
     return found
 
 
-def bottom_line(args: argparse.Namespace, stacks: dict[str, Any]) -> dict[str, Any]:
+def bottom_line(args: PlanArgs, stacks: dict[str, Any]) -> dict[str, Any]:
     """The bottom line as a dict (the JSON's "bottom_line"): memory_gib and what it is, fits
     and does_not_fit (stack -> GiB per GPU), host_gib of each stack that keeps host memory,
     ram_gib (this machine's available RAM), fastest, its train command, patch_model call and
@@ -87,7 +87,7 @@ def bottom_line(args: argparse.Namespace, stacks: dict[str, Any]) -> dict[str, A
     return line
 
 
-def _patch_extra(args: argparse.Namespace) -> dict[str, Any]:
+def _patch_extra(args: PlanArgs) -> dict[str, Any]:
     extra: dict[str, Any] = {}
     if args.num_tiles.rule != "auto":
         extra["num_tiles"] = str(args.num_tiles)
@@ -96,13 +96,13 @@ def _patch_extra(args: argparse.Namespace) -> dict[str, Any]:
     return extra
 
 
-def _train_command(args: argparse.Namespace, stack: str) -> str:
+def _train_command(args: PlanArgs, stack: str) -> str:
     """The `tiledmlp train` command of `stack` for the planned run (torchrun where it shards)."""
     p = args.sequence_parallel_size
     words = ["tiledmlp", "train"]
     if p > 1 or args.engine != "ddp":
         words = ["torchrun", f"--nproc_per_node={p}", "-m", "tiledmlp", "train"]
-    words += ["--model", args.model, "--seq-len", str(args.seq_len), "--dtype", args.dtype]
+    words += ["--model", str(args.model), "--seq-len", str(args.seq_len), "--dtype", args.dtype]
     flags = train_flags(stack)
     if args.gradient_checkpointing and "--gradient-checkpointing" not in flags:
         words.append("--gradient-checkpointing")
@@ -118,7 +118,7 @@ def _train_command(args: argparse.Namespace, stack: str) -> str:
     return shlex.join(words)
 
 
-def show_bottom_line(args: argparse.Namespace, line: dict[str, Any]) -> None:
+def show_bottom_line(args: PlanArgs, line: dict[str, Any]) -> None:
     """The bottom line's text, after the report."""
     if line["memory_gib"] is None:
         _wrapped(

@@ -12,33 +12,19 @@ Invariant: a stack's answer names which estimate stands; the lower one always do
 
 from __future__ import annotations
 
-import argparse
 import json
 import subprocess
 import sys
 from typing import Any
 
 from tiledmlp.cli.common import UsageError
+from tiledmlp.cli.plan_args import PlanArgs
 
-__all__ = ["measure_stacks", "parse_lengths"]
+__all__ = ["measure_stacks"]
 
 MiB = 2**20
 # measurement processes at once on the CPU (each holds the cut model and its step in memory)
 MEASURED_AT_ONCE = 4
-
-
-def parse_lengths(text: str) -> tuple[int, ...]:
-    """--measure-lengths: two or three positive token counts, comma-separated."""
-    try:
-        values = tuple(int(v) for v in text.split(",") if v.strip())
-    except ValueError:
-        values = ()
-    if not 2 <= len(values) <= 3 or len(set(values)) != len(values) or min(values) <= 0:
-        raise argparse.ArgumentTypeError(
-            f"expected two or three distinct positive token counts, e.g. 1024,2048,4096; got "
-            f"{text!r}"
-        )
-    return values
 
 
 def _job_config(config: Any, layers: int) -> dict[str, Any]:
@@ -96,7 +82,7 @@ def _measured_bytes(record: dict[str, Any]) -> int:
 
 
 def measure_stacks(
-    args: argparse.Namespace,
+    args: PlanArgs,
     config: Any,
     dtype: Any,
     stacks: dict[str, Any],
@@ -124,8 +110,9 @@ def measure_stacks(
         points = []
         for n in args.measure_lengths:
             measured = next(measured_bytes)
+            tiles: Any = args.num_tiles  # a TilePolicy, which estimate_step takes as it is
             sim = estimate_step(cut, seq_len=n, stack=stack, dtype=dtype, checkpointing=True,
-                                num_tiles=args.num_tiles, exact=True, device_type=args.device,
+                                num_tiles=tiles, exact=True, device_type=args.device,
                                 expandable_segments=args.expandable_segments)  # fmt: skip
             card = sim.peak + overhead.total(sim.reserve, sim.attention)  # cards with room
             points.append(MeasuredPoint(n, measured, card))
@@ -139,7 +126,7 @@ def measure_stacks(
             measured_entry.update(
                 measured_max_seq_len(
                     config,
-                    int(args.memory_gb * 2**30),
+                    int((args.memory_gb or 0) * 2**30),  # max_seq_len: --memory-gb's search
                     correction,
                     stack=stack,
                     overhead=overhead,

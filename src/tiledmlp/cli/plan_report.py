@@ -6,17 +6,17 @@ Invariant: it reads the result and the flags only; nothing here estimates.
 
 from __future__ import annotations
 
-import argparse
 import textwrap
 from typing import Any
 
 from tiledmlp.cli.output import show
+from tiledmlp.cli.plan_args import PlanArgs
 
 __all__ = ["show_text"]
 
 
 def show_text(
-    args: argparse.Namespace,
+    args: PlanArgs,
     result: dict[str, Any],
     hidden: int,
     intermediate: int,
@@ -71,7 +71,7 @@ _OPTIMIZER_TEXT = {
 }
 
 
-def _optimizer_text(args: argparse.Namespace) -> str:
+def _optimizer_text(args: PlanArgs) -> str:
     """The optimizer's assumption; a sharding engine's host optimizer takes the gradients too."""
     if args.engine != "ddp" and args.optimizer == "cpu-offload":
         return "optimizer state and gradient partitions on the host"
@@ -88,7 +88,7 @@ _ENGINE_TEXT = {
 }
 
 
-def _show_model(args: argparse.Namespace, stacks: dict[str, Any]) -> None:
+def _show_model(args: PlanArgs, stacks: dict[str, Any]) -> None:
     """The whole-model table: its assumptions first, then one aligned row per stack, in GiB."""
     gib = 1024.0  # MiB per GiB
     per_gpu = args.sequence_parallel_size > 1
@@ -121,7 +121,9 @@ def _show_model(args: argparse.Namespace, stacks: dict[str, Any]) -> None:
         parts = ", ".join(
             f"{k} {v / gib:,.2f}" for k, v in entry["breakdown_mib"].items() if v >= 0.005 * gib
         )
-        fits = _fits_text(args.memory_gb, entry["max_seq_len"]) if "max_seq_len" in entry else ""
+        fits = ""
+        if "max_seq_len" in entry and args.memory_gb is not None:  # --memory-gb's search
+            fits = _fits_text(args.memory_gb, entry["max_seq_len"])
         fits += kernels_text(entry)
         if entry.get("device_overhead_mib"):
             parts += f"; + device overhead {entry['device_overhead_mib'] / gib:,.2f}"
@@ -138,7 +140,7 @@ def _show_model(args: argparse.Namespace, stacks: dict[str, Any]) -> None:
             show(f"  {'':<{width}}  {_measured_text(entry['measured'], args.memory_gb)}")
 
 
-def _kernel_text(args: argparse.Namespace) -> str:
+def _kernel_text(args: PlanArgs) -> str:
     """Whose attention buffers the plan counts (--attention-kernel)."""
     kernel = getattr(args, "attention_kernel", "auto")
     if kernel == "auto":

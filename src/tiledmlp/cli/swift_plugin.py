@@ -48,7 +48,8 @@ def add_parser(sub: Any) -> None:
     for field, _, key in keys_of(PatchConfig):
         flag = "--" + key.name.replace("_", "-")
         # sequence parallelism is ms-swift's own: accepted only to be refused with the reason
-        shown = key.ours and bool(key.help) and field.name != "sequence_parallel_size"
+        shown = key.ours and key.listed and bool(key.help)
+        shown = shown and field.name != "sequence_parallel_size"
         text = key.help if shown else argparse.SUPPRESS
         if key.kind == "bool":  # alone: true; the value is parsed by the key's parser
             p.add_argument(flag, nargs="?", const="true", metavar="true|false", help=text)

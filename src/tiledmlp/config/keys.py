@@ -36,6 +36,7 @@ __all__ = [
     "key_table",
     "option_table",
     "read_keys",
+    "spelled_keys",
 ]
 
 PREFIX = "tiledmlp_"
@@ -181,3 +182,35 @@ def option_table() -> str:
         kind = str(f.type).replace("|", "\\|")
         rows.append(f"| `{f.name}` | `{kind}` | `{default}` | {spec.help} |")
     return "\n".join(rows) + "\n"
+
+
+def spelled_keys(config: PatchConfig) -> dict[str, Any]:
+    """`config` as our main keys spell it (JSON values: a tile policy as its num_tiles or
+    tile_tokens, the attention kernel as its name): what read_keys reads back into the same
+    PatchConfig. A process group (Python only) has no spelling and is left out.
+
+    Raises:
+        ValueError: a loss tile policy of tokens per tile (only the Python API sets one; no
+            key spells it).
+    """
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(PatchConfig):
+        spec = option_of(f)
+        value = getattr(config, f.name)
+        ours = [k for k in spec.keys if k.ours and k.sets] if spec is not None else []
+        if not ours or value is None:
+            continue
+        if isinstance(value, TilePolicy):
+            if value.rule == "tokens" and f.name == "tiles":
+                out["tile_tokens"] = value.tile_tokens
+            elif value.rule == "tokens":
+                raise ValueError(
+                    f"{f.name}={value} has no key (the loss's tiles are a count or 'auto')"
+                )
+            else:
+                out[ours[0].name] = value.num_tiles
+        elif isinstance(value, bool | int | str):
+            out[ours[0].name] = value
+        else:
+            out[ours[0].name] = str(value)  # a typed value as it is spelled (the kernel)
+    return out

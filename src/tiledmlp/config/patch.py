@@ -58,7 +58,9 @@ class PatchConfig:
                 "whose working memory fits GB GiB) (default: auto)"),
             Key("tile_tokens", parse_tile_tokens, keyword=True, metavar="N", kind="int",
                 help="tokens per tile, instead of --num-tiles"),
-            Key("tile_budget_gb", parse_budget_gb, metavar="GB", kind="float | str"),  # target:<GB>
+            Key("tile_budget_gb", parse_budget_gb, metavar="GB", kind="float | str",
+                listed=False, help="the memory-target policy: each MLP's working memory within "
+                "GB GiB (the same as --num-tiles target:<GB>)"),
             Key("tiled_mlp_num_shards", parse_tile_policy, "ms-swift / axolotl", metavar="N",
                 kind="int | str"),
         ),

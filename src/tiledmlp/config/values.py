@@ -11,6 +11,8 @@ reads these values from text again.
 
 from __future__ import annotations
 
+import math
+from pathlib import Path
 from typing import Any
 
 from tiledmlp.ops.attention.buffers import KernelChoice
@@ -19,6 +21,11 @@ from tiledmlp.ops.tiling.values import check_int, positive_number
 
 __all__ = [
     "DTYPES",
+    "as_float",
+    "as_int",
+    "as_list",
+    "as_path",
+    "as_text",
     "is_bool_text",
     "parse_bool",
     "parse_budget_gb",
@@ -164,3 +171,43 @@ def parse_attention_kernel(value: Any, name: str = "attention_kernel") -> Kernel
             f"{name} must be auto, auto:<GB> or one of cudnn, by_heads, flash, efficient, math, "
             f"got {value!r}" + ("" if "attention_kernel" in str(e) else f" ({e})")
         ) from None
+
+
+# Values of a run's options as read from text or a config file; the ranges are the options'
+# own checks (train/run_options.py).
+
+
+def as_int(value: Any, name: str) -> int:
+    """An integer, or its text (the range is checked by TrainOptions)."""
+    if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+        raise ValueError(f"{name} expected an integer, got {value!r}")
+    try:
+        return int(str(value).strip()) if not isinstance(value, int) else value
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} expected an integer, got {value!r}") from None
+
+
+def as_float(value: Any, name: str) -> float:
+    """A finite number, or its text."""
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        number = math.nan
+    if isinstance(value, bool) or not math.isfinite(number):
+        raise ValueError(f"{name} expected a number, got {value!r}")
+    return number
+
+
+def as_text(value: Any, name: str) -> str:
+    return str(value)
+
+
+def as_path(value: Any, name: str) -> Path:
+    return Path(str(value))
+
+
+def as_list(value: Any, name: str) -> str:
+    """A comma-separated list, or a list (a config file's)."""
+    if isinstance(value, list | tuple):
+        return ",".join(map(str, value)) or "none"
+    return str(value)

@@ -26,7 +26,7 @@ from tiledmlp.patching.check import CHECK_SEQ_LEN, LocalEngine, StepEngine, chec
 from tiledmlp.patching.check_result import CheckResult
 from tiledmlp.patching.features.activation_offloading import enable_checkpointing
 from tiledmlp.train.launch import Launch, check_launch, shard_fsdp2
-from tiledmlp.train.model_source import check_model, load_model
+from tiledmlp.train.model_source import load_model
 from tiledmlp.train.options import TrainOptions
 
 __all__ = ["CHECK_MICRO_BATCHES", "CHECK_SEQ_LEN", "refusal", "run_check"]
@@ -122,8 +122,7 @@ def run_check(opts: TrainOptions, *, seq_len_given: bool) -> CheckResult:
     why = refusal(opts)
     if why is not None:
         raise ValueError(why)
-    launch = check_launch(opts)
-    check_model(opts.model)
+    launch = check_launch(opts)  # the model was checked with the options
     build_on = launch.device if launch.cuda else None
     model, _ = load_model(
         opts.model, opts.dtype, opts.seq_len, opts.seed, build_on, tokenizer_needed=False

@@ -1,7 +1,9 @@
 """Resuming a run: the checkpoint to resume from, and the settings it is resumed with.
 
-Every checkpoint-N holds its run's settings (tiledmlp_run.json: the options that run was
-given, and the --max-steps it was planned for). A resume continues that run: options not given
+Every checkpoint-N holds its run's settings (tiledmlp_run.json: the run's TrainOptions, every
+option by its main key (options.spelled) but the per-invocation ones, and the --max-steps it
+was planned for; a checkpoint written before held only the options its run was given, read the
+same way). A resume continues that run: options not given
 again are taken from the checkpoint; an option given again with a different value that would
 change the run's math (the data, the model, the schedule, the batches) is refused in one line;
 one that changes only memory and speed (tiling, checkpointing, offloading, kernels) is applied
@@ -23,7 +25,7 @@ from typing import Any
 
 from tiledmlp.config.patch import SAME_LOSSES
 from tiledmlp.train.checkpoints import resolve_resume
-from tiledmlp.train.options import TrainOptions, canonical_key, options_from
+from tiledmlp.train.options import TrainOptions, canonical_key, field_of, options_from, spelled
 
 __all__ = ["PER_INVOCATION", "RUN_SETTINGS", "Resume", "given_of", "resume", "settings_record"]
 
@@ -64,34 +66,34 @@ def given_of(opts: TrainOptions) -> dict[str, Any]:
     }
 
 
-def settings_record(given: Mapping[str, Any], max_steps: int) -> dict[str, Any]:
-    """What a checkpoint stores about its run: the options given (but the per-invocation ones)
-    and the number of steps it was planned for."""
-    options = {
-        canonical_key(k): _jsonable(v)
-        for k, v in given.items()
-        if canonical_key(k) not in PER_INVOCATION
-    }
-    return {"options": options, "max_steps": max_steps}
+def settings_record(settings: TrainOptions | Mapping[str, Any], max_steps: int) -> dict[str, Any]:
+    """What a checkpoint stores about its run: its options (a TrainOptions, or keys that
+    options_from reads into one), every one by its main key but the per-invocation ones, and
+    the number of steps it was planned for."""
+    opts = settings if isinstance(settings, TrainOptions) else options_from(settings)
+    options = {k: _jsonable(v) for k, v in spelled(opts).items() if k not in PER_INVOCATION}
+    return {"format": 2, "options": options, "max_steps": max_steps}
 
 
 def resume(
     opts: TrainOptions, given: Mapping[str, Any], say: Callable[[str], None]
-) -> tuple[Resume, Mapping[str, Any]]:
-    """(how to resume, the options given as the run's settings) for `opts`; refuses, before
-    any work, what cannot continue the checkpoint's run (module docstring)."""
+) -> tuple[Resume, TrainOptions]:
+    """(how to resume, the run's settings: the checkpoint's options with this command's over
+    them) for `opts`; refuses, before any work, what cannot continue the checkpoint's run
+    (module docstring)."""
     checkpoint = _checkpoint(opts, say)
     if checkpoint is None:
-        return Resume(None, opts, None), given
+        return Resume(None, opts, None), opts
     record = _read_record(checkpoint)
     if record is None:
         say(
             f"{checkpoint} records no run settings (saved by an older tiledmlp): resuming with "
             "the options of this command"
         )
-        merged, settings = opts, given
+        merged = opts
     else:
-        merged, settings = _merged(opts, given, record, checkpoint, say)
+        merged = _merged(opts, given, record, checkpoint, say)
+    settings = merged
     planned = _planned_steps(checkpoint, record)
     if planned is None:
         return Resume(checkpoint, merged, None), settings
@@ -153,14 +155,15 @@ def _merged(
     record: dict[str, Any],
     checkpoint: Path,
     say: Callable[[str], None],
-) -> tuple[TrainOptions, dict[str, Any]]:
+) -> TrainOptions:
     """The checkpoint's options with this command's given ones over them; refuses a given
     option that changes the run's math, says each one that changes only memory or speed."""
     recorded = dict(record["options"])
     now = {canonical_key(k): v for k, v in given.items()}
     per_invocation = {k: v for k, v in now.items() if k in PER_INVOCATION}
     original = options_from({**recorded, **per_invocation})
-    merged_values = {k: v for k, v in recorded.items() if k not in now}
+    fields_now = {field_of(k) for k in now}  # a field given again, in whatever spelling
+    merged_values = {k: v for k, v in recorded.items() if field_of(k) not in fields_now}
     merged_values.update(now)
     try:
         merged = options_from(merged_values)
@@ -185,7 +188,7 @@ def _merged(
             f"a resume continues the same run: drop {flag}, or "
             f"start a new run from the saved model with --model {checkpoint}"
         )
-    return merged, {**recorded, **now}
+    return merged
 
 
 def _same_parallelism(a: Any, b: Any) -> bool:

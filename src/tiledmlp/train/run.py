@@ -33,7 +33,6 @@ from tiledmlp.train.curve import draw_curve
 from tiledmlp.train.data import (
     Corpus,
     PackedDataset,
-    check_data,
     default_corpus,
     encoder,
     open_corpus,
@@ -46,7 +45,7 @@ from tiledmlp.train.launch import (
     start_sequence_parallel,
     training_arguments,
 )
-from tiledmlp.train.model_source import check_model, load_model, seq_len_note
+from tiledmlp.train.model_source import load_model, seq_len_note
 from tiledmlp.train.options import TrainOptions
 from tiledmlp.train.resume import given_of, resume, settings_record
 from tiledmlp.train.summary import peak_mib, summary
@@ -123,15 +122,12 @@ def run(
             memory pre-flight); it refuses the run by raising ValueError.
     """
     check_launch(opts)  # this command's engine and device, before a checkpoint is read
-    plan, settings = resume(opts, given_of(opts) if given is None else given, _say)
+    plan, _ = resume(opts, given_of(opts) if given is None else given, _say)
     build = plan.build  # the run as planned (a resume stopping early: its planned length)
     opts = build if plan.stop_at is None else dataclasses.replace(build, max_steps=plan.stop_at)
     launch = check_launch(opts)  # again with the checkpoint's settings (e.g. its dtype)
     sp = start_sequence_parallel(opts, launch)
-    check_model(opts.model)
-    check_output_dir(opts)
-    if opts.data is not None:
-        check_data(Path(opts.data))
+    check_output_dir(opts)  # the model and the data were checked with the options
     if before_load is not None:
         before_load(opts, launch)
 
@@ -169,7 +165,7 @@ def run(
     trainer = make_trainer(opts, model, args, (train_set, eval_set), tokenizer, callbacks)
     trainer.step_losses = losses
     trainer.own_fsdp = launch.own_fsdp
-    trainer.run_settings = settings_record(settings, build.max_steps)
+    trainer.run_settings = settings_record(build, build.max_steps)  # the run's own options
     if sp > 1:
         use_sequence_parallel(trainer, model)
     checkpoint = None if plan.checkpoint is None else str(plan.checkpoint)
