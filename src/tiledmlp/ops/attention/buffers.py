@@ -23,8 +23,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from tiledmlp.ops.attention.heads import head_groups
-
 __all__ = [
     "KERNEL_NAMES",
     "SPEED_ORDER",
@@ -154,6 +152,8 @@ def backward_buffer_bytes(kernel: str, shape: AttentionShape) -> int:
     if kernel == "cudnn":
         return b * t * h * (2 * d + 1) * 4 + CUDNN_EXTRA
     if kernel == "by_heads":
+        from tiledmlp.ops.attention.heads import head_groups  # imports torch: only here
+
         groups = head_groups(b, h, shape.kv_heads, t, head_dim=d, itemsize=shape.itemsize)
         return b * t * (h // groups) * (2 * d + 1) * 4 + CUDNN_EXTRA
     if kernel == "flash":
