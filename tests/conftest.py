@@ -1,4 +1,6 @@
-"""Shared test helpers: tolerances, reference runs, module factories."""
+"""Shared test helpers: tolerances, reference runs, module factories; and the suite's own
+arrangement: torch threads per xdist worker, the distributed tests on one worker at a time, the
+slowest tests' times kept in tests/durations.json after a whole run."""
 
 from __future__ import annotations
 
@@ -6,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Sequence
 from copy import deepcopy
 from pathlib import Path
@@ -44,15 +47,77 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
+DURATIONS = Path(__file__).resolve().parent / "durations.json"
+SLOWEST = 25
+_START = pytest.StashKey[float]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Under xdist (`-n N`) each worker runs torch with its share of the cores (1 thread each
+    for `-n 2` on 2 cores), and so do the fresh processes its tests start (OMP_NUM_THREADS,
+    unless set already): N workers never run more busy threads than there are cores."""
+    config.stash[_START] = time.monotonic()
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if workers:
+        share = max(1, (os.cpu_count() or 1) // int(workers))
+        os.environ.setdefault("OMP_NUM_THREADS", str(share))
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups (--dist loadgroup)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The one place the `gpu` marker meets its skip: without a CUDA device every gpu-marked
-    test is skipped, with the reason."""
+    """The distributed tests (2 to 4 processes each) form one xdist group: under
+    `--dist loadgroup` they run one after another on one worker while the other workers take
+    the single-process tests, so two multi-process tests never share the cores (nor race
+    their deadlines). And the one place the `gpu` marker meets its skip: without a CUDA device
+    every gpu-marked test is skipped, with the reason."""
+    for item in items:
+        if item.get_closest_marker("distributed"):
+            item.add_marker(pytest.mark.xdist_group("distributed"))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="gpu: needs a CUDA device")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def _whole_suite_ran(config: pytest.Config, exitstatus: int) -> bool:
+    """The default selection (the test paths, no -k, -m, --lf, deselection) and all passed."""
+    opt = config.option
+    return (
+        exitstatus == 0
+        and config.args_source == pytest.Config.ArgsSource.TESTPATHS
+        and not opt.keyword
+        and not opt.markexpr
+        and not getattr(opt, "lf", False)
+        and not getattr(opt, "deselect", None)
+    )
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    """After a whole run that passed, the 25 slowest tests (setup + call + teardown, seconds)
+    go to tests/durations.json beside the run's wall time and test count: committed with the
+    change that moved them, a regression shows in the diff. Under xdist this runs on the
+    controller, which holds every worker's reports."""
+    if hasattr(config, "workerinput") or not _whole_suite_ran(config, exitstatus):
+        return
+    seconds: dict[str, float] = {}
+    for reports in terminalreporter.stats.values():
+        for report in reports:
+            if isinstance(report, pytest.TestReport):
+                test = report.nodeid.split("@", 1)[0]  # loadgroup adds "@<group>"
+                seconds[test] = seconds.get(test, 0.0) + report.duration
+    slowest = sorted(seconds.items(), key=lambda kv: (-kv[1], kv[0]))[:SLOWEST]
+    record = {
+        "tests": len(seconds),
+        "wall_s": round(time.monotonic() - config.stash[_START], 1),
+        "workers": config.getoption("numprocesses", default=None) or 0,
+        "cpus": os.cpu_count(),
+        "slowest_s": {test: round(s, 1) for test, s in slowest},
+    }
+    DURATIONS.write_text(json.dumps(record, indent=1) + "\n")
+    terminalreporter.write_line(f"the {SLOWEST} slowest tests' times: {DURATIONS}")
 
 
 def assert_close_rel(got: torch.Tensor, ref: torch.Tensor, name: str, rtol: float = 1e-5) -> None:

@@ -14,7 +14,7 @@ gated MLP with intermediate size 4 x hidden (GENERIC_WIDTH), in the input's dtyp
 i.e. a tile's transient intermediates are about the size of the MLP's weights (c_t (n, m) tensors
 of e bytes per token row, see fast.py). It runs untiled unless its memory model predicts that
 tiling needs at most half the untiled module's intermediates (short sequences run untiled), so
-"auto" never costs memory and costs no recompute where it saves little (tests/ops/test_policy.py
+"auto" never costs memory and costs no recompute where it saves little (tests/ops/tiling/test_policy.py
 measures this).
 
 "auto" for a recognised MLP on an accelerator (any device but the CPU) is time-aware: small tiles
