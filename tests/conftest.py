@@ -83,10 +83,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def _whole_suite_ran(config: pytest.Config, exitstatus: int) -> bool:
-    """The default selection (the test paths, no -k, -m, --lf, deselection) and all passed."""
+    """The default selection (the test paths, no -k, -m, --lf, deselection), run (not only
+    collected), and all passed."""
     opt = config.option
     return (
         exitstatus == 0
+        and not opt.collectonly
         and config.args_source == pytest.Config.ArgsSource.TESTPATHS
         and not opt.keyword
         and not opt.markexpr
