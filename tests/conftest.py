@@ -64,22 +64,57 @@ def pytest_configure(config: pytest.Config) -> None:
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
+def _shares_a_module_result(item: pytest.Item) -> bool:
+    """The test uses what its module computes once for several tests: a module- or
+    session-scoped fixture defined in the module, or a cache of the module (functools.cache)."""
+    module = item.nodeid.split("::", 1)[0]
+    info = getattr(item, "_fixtureinfo", None)
+    for defs in info.name2fixturedefs.values() if info else ():
+        if defs and defs[-1].scope in ("module", "session") and defs[-1].baseid == module:
+            return True
+    found = getattr(item, "module", None)
+    return any(
+        hasattr(value, "cache_info") and getattr(value, "__module__", None) == found.__name__
+        for value in (vars(found).values() if found else ())
+    )
+
+
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups (--dist loadgroup)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The distributed tests (2 to 4 processes each) form one xdist group: under
-    `--dist loadgroup` they run one after another on one worker while the other workers take
-    the single-process tests, so two multi-process tests never share the cores (nor race
-    their deadlines). And the one place the `gpu` marker meets its skip: without a CUDA device
-    every gpu-marked test is skipped, with the reason."""
+    """xdist groups, for `--dist loadgroup`: the distributed tests (2 to 4 processes each) form
+    one, so they run one after another on one worker while the other workers take the
+    single-process tests (two multi-process tests never share the cores, nor race their
+    deadlines); the tests of a module that share a result it computes once (a module fixture,
+    a cache) form one per module, so one worker computes it once. And the one place the `gpu`
+    marker meets its skip: without a CUDA device every gpu-marked test is skipped, with the
+    reason."""
     for item in items:
         if item.get_closest_marker("distributed"):
             item.add_marker(pytest.mark.xdist_group("distributed"))
+        elif _shares_a_module_result(item):
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="gpu: needs a CUDA device")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's worker sends the test ids to the controller
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Under `--dist loadgroup` the controller reads a test's group from its id, suffixed
+    "@<group>" by xdist's own hook. pytest 9.2 keeps a node's id in `_id`, which xdist 3.8
+    does not set (it sets `_nodeid`, no longer read): where the suffix is missing it is added
+    here, as xdist would."""
+    if not getattr(session.config.option, "loadgroup", False):
+        return
+    from _pytest.nodeid import NodeId
+
+    for item in session.items:
+        groups = sorted({str(m.args[0]) for m in item.iter_markers("xdist_group") if m.args})
+        if groups and "@" not in item.nodeid:
+            item._id = NodeId.parse(f"{item.nodeid}@{'_'.join(groups)}")
 
 
 def _whole_suite_ran(config: pytest.Config, exitstatus: int) -> bool:
