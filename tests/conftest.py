@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from copy import deepcopy
@@ -50,6 +51,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 DURATIONS = Path(__file__).resolve().parent / "durations.json"
 SLOWEST = 25
 _START = pytest.StashKey[float]()
+_GROUPS_KEY = pytest.StashKey[str]()
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -93,6 +95,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.xdist_group("distributed"))
         elif _shares_a_module_result(item):
             item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))
+    _write_groups(config, items)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="gpu: needs a CUDA device")
@@ -101,20 +104,53 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's worker sends the test ids to the controller
-def pytest_collection_finish(session: pytest.Session) -> None:
-    """Under `--dist loadgroup` the controller reads a test's group from its id, suffixed
-    "@<group>" by xdist's own hook. pytest 9.2 keeps a node's id in `_id`, which xdist 3.8
-    does not set (it sets `_nodeid`, no longer read): where the suffix is missing it is added
-    here, as xdist would."""
-    if not getattr(session.config.option, "loadgroup", False):
-        return
-    from _pytest.nodeid import NodeId
+_GROUPS_DIR = "tiledmlp_xdist_groups"  # the key of the workers' input naming the folder
 
-    for item in session.items:
-        groups = sorted({str(m.args[0]) for m in item.iter_markers("xdist_group") if m.args})
-        if groups and "@" not in item.nodeid:
-            item._id = NodeId.parse(f"{item.nodeid}@{'_'.join(groups)}")
+
+@pytest.hookimpl(optionalhook=True)  # an xdist hook: unknown without xdist
+def pytest_configure_node(node: Any) -> None:
+    """xdist (controller): each worker writes the groups of its collection into one folder."""
+    folder = node.config.stash.setdefault(_GROUPS_KEY, tempfile.mkdtemp(prefix="xdist-groups-"))
+    node.workerinput[_GROUPS_DIR] = folder
+
+
+def _write_groups(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """xdist (worker): {test id: group} of the grouped tests, for the controller's scheduler."""
+    folder = getattr(config, "workerinput", {}).get(_GROUPS_DIR)
+    if folder is None:
+        return
+    groups = {
+        item.nodeid: str(mark.args[0])
+        for item in items
+        for mark in [item.get_closest_marker("xdist_group")]
+        if mark is not None and mark.args
+    }
+    path = Path(folder) / f"{config.workerinput['workerid']}.json"
+    path.with_suffix(".tmp").write_text(json.dumps(groups))
+    path.with_suffix(".tmp").replace(path)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """`--dist loadgroup` with the groups read from the workers' collections: xdist 3.8 finds a
+    test's group in a suffix of its id that it can no longer set under pytest 9.2 (a node's id
+    lives in `_id` there), so the groups travel beside the ids instead."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadGroupScheduling
+
+    class GroupsBesideIds(LoadGroupScheduling):
+        _groups: dict[str, str] | None = None
+
+        def _split_scope(self, nodeid: str) -> str:
+            if self._groups is None:  # every worker has sent its collection by now
+                folder = Path(config.stash[_GROUPS_KEY])
+                self._groups = {}
+                for path in sorted(folder.glob("*.json")):
+                    self._groups.update(json.loads(path.read_text()))
+            return self._groups.get(nodeid) or super()._split_scope(nodeid)
+
+    return GroupsBesideIds(config, log)
 
 
 def _whole_suite_ran(config: pytest.Config, exitstatus: int) -> bool:
@@ -143,8 +179,7 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
     for reports in terminalreporter.stats.values():
         for report in reports:
             if isinstance(report, pytest.TestReport):
-                test = report.nodeid.split("@", 1)[0]  # loadgroup adds "@<group>"
-                seconds[test] = seconds.get(test, 0.0) + report.duration
+                seconds[report.nodeid] = seconds.get(report.nodeid, 0.0) + report.duration
     slowest = sorted(seconds.items(), key=lambda kv: (-kv[1], kv[0]))[:SLOWEST]
     record = {
         "tests": len(seconds),
