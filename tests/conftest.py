@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -110,8 +111,16 @@ _GROUPS_DIR = "tiledmlp_xdist_groups"  # the key of the workers' input naming th
 @pytest.hookimpl(optionalhook=True)  # an xdist hook: unknown without xdist
 def pytest_configure_node(node: Any) -> None:
     """xdist (controller): each worker writes the groups of its collection into one folder."""
-    folder = node.config.stash.setdefault(_GROUPS_KEY, tempfile.mkdtemp(prefix="xdist-groups-"))
-    node.workerinput[_GROUPS_DIR] = folder
+    if _GROUPS_KEY not in node.config.stash:
+        node.config.stash[_GROUPS_KEY] = tempfile.mkdtemp(prefix="xdist-groups-")
+    node.workerinput[_GROUPS_DIR] = node.config.stash[_GROUPS_KEY]
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """The groups' folder goes with the run."""
+    folder = config.stash.get(_GROUPS_KEY, None)
+    if folder is not None:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _write_groups(config: pytest.Config, items: list[pytest.Item]) -> None:
