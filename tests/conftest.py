@@ -1,11 +1,16 @@
-"""Shared test helpers: tolerances, reference runs, module factories."""
+"""Shared test helpers: tolerances, reference runs, module factories; and the suite's own
+arrangement: torch threads per xdist worker, the distributed tests on one worker at a time, the
+slowest tests' times kept in tests/durations.json after a whole run."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
+import time
 from collections.abc import Callable, Sequence
 from copy import deepcopy
 from pathlib import Path
@@ -44,15 +49,156 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
+DURATIONS = Path(__file__).resolve().parent / "durations.json"
+SLOWEST = 25
+_START = pytest.StashKey[float]()
+_GROUPS_KEY = pytest.StashKey[str]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Under xdist (`-n N`) each worker runs torch with its share of the cores (1 thread each
+    for `-n 2` on 2 cores), and so do the fresh processes its tests start (OMP_NUM_THREADS,
+    unless set already): N workers never run more busy threads than there are cores."""
+    config.stash[_START] = time.monotonic()
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if workers:
+        share = max(1, (os.cpu_count() or 1) // int(workers))
+        os.environ.setdefault("OMP_NUM_THREADS", str(share))
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+
+def _shares_a_module_result(item: pytest.Item) -> bool:
+    """The test uses what its module computes once for several tests: a module- or
+    session-scoped fixture defined in the module, or a cache of the module (functools.cache)."""
+    module = item.nodeid.split("::", 1)[0]
+    info = getattr(item, "_fixtureinfo", None)
+    for defs in info.name2fixturedefs.values() if info else ():
+        if defs and defs[-1].scope in ("module", "session") and defs[-1].baseid == module:
+            return True
+    found = getattr(item, "module", None)
+    return any(
+        hasattr(value, "cache_info") and getattr(value, "__module__", None) == found.__name__
+        for value in (vars(found).values() if found else ())
+    )
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups (--dist loadgroup)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The one place the `gpu` marker meets its skip: without a CUDA device every gpu-marked
-    test is skipped, with the reason."""
+    """xdist groups, for `--dist loadgroup`: the distributed tests (2 to 4 processes each) form
+    one, so they run one after another on one worker while the other workers take the
+    single-process tests (two multi-process tests never share the cores, nor race their
+    deadlines); the tests of a module that share a result it computes once (a module fixture,
+    a cache) form one per module, so one worker computes it once. And the one place the `gpu`
+    marker meets its skip: without a CUDA device every gpu-marked test is skipped, with the
+    reason."""
+    for item in items:
+        if item.get_closest_marker("distributed"):
+            item.add_marker(pytest.mark.xdist_group("distributed"))
+        elif _shares_a_module_result(item):
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))
+    _write_groups(config, items)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="gpu: needs a CUDA device")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+_GROUPS_DIR = "tiledmlp_xdist_groups"  # the key of the workers' input naming the folder
+
+
+@pytest.hookimpl(optionalhook=True)  # an xdist hook: unknown without xdist
+def pytest_configure_node(node: Any) -> None:
+    """xdist (controller): each worker writes the groups of its collection into one folder."""
+    if _GROUPS_KEY not in node.config.stash:
+        node.config.stash[_GROUPS_KEY] = tempfile.mkdtemp(prefix="xdist-groups-")
+    node.workerinput[_GROUPS_DIR] = node.config.stash[_GROUPS_KEY]
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """The groups' folder goes with the run."""
+    folder = config.stash.get(_GROUPS_KEY, None)
+    if folder is not None:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _write_groups(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """xdist (worker): {test id: group} of the grouped tests, for the controller's scheduler."""
+    folder = getattr(config, "workerinput", {}).get(_GROUPS_DIR)
+    if folder is None:
+        return
+    groups = {
+        item.nodeid: str(mark.args[0])
+        for item in items
+        for mark in [item.get_closest_marker("xdist_group")]
+        if mark is not None and mark.args
+    }
+    path = Path(folder) / f"{config.workerinput['workerid']}.json"
+    path.with_suffix(".tmp").write_text(json.dumps(groups))
+    path.with_suffix(".tmp").replace(path)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """`--dist loadgroup` with the groups read from the workers' collections: xdist 3.8 finds a
+    test's group in a suffix of its id that it can no longer set under pytest 9.2 (a node's id
+    lives in `_id` there), so the groups travel beside the ids instead."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadGroupScheduling
+
+    class GroupsBesideIds(LoadGroupScheduling):
+        _groups: dict[str, str] | None = None
+
+        def _split_scope(self, nodeid: str) -> str:
+            if self._groups is None:  # every worker has sent its collection by now
+                folder = Path(config.stash[_GROUPS_KEY])
+                self._groups = {}
+                for path in sorted(folder.glob("*.json")):
+                    self._groups.update(json.loads(path.read_text()))
+            return self._groups.get(nodeid) or super()._split_scope(nodeid)
+
+    return GroupsBesideIds(config, log)
+
+
+def _whole_suite_ran(config: pytest.Config, exitstatus: int) -> bool:
+    """The default selection (the test paths, no -k, -m, --lf, deselection), run (not only
+    collected), and all passed."""
+    opt = config.option
+    return (
+        exitstatus == 0
+        and not opt.collectonly
+        and config.args_source == pytest.Config.ArgsSource.TESTPATHS
+        and not opt.keyword
+        and not opt.markexpr
+        and not getattr(opt, "lf", False)
+        and not getattr(opt, "deselect", None)
+    )
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    """After a whole run that passed, the 25 slowest tests (setup + call + teardown, seconds)
+    go to tests/durations.json beside the run's wall time and test count: committed with the
+    change that moved them, a regression shows in the diff. Under xdist this runs on the
+    controller, which holds every worker's reports."""
+    if hasattr(config, "workerinput") or not _whole_suite_ran(config, exitstatus):
+        return
+    seconds: dict[str, float] = {}
+    for reports in terminalreporter.stats.values():
+        for report in reports:
+            if isinstance(report, pytest.TestReport):
+                seconds[report.nodeid] = seconds.get(report.nodeid, 0.0) + report.duration
+    slowest = sorted(seconds.items(), key=lambda kv: (-kv[1], kv[0]))[:SLOWEST]
+    record = {
+        "tests": len(seconds),
+        "wall_s": round(time.monotonic() - config.stash[_START], 1),
+        "workers": config.getoption("numprocesses", default=None) or 0,
+        "cpus": os.cpu_count(),
+        "slowest_s": {test: round(s, 1) for test, s in slowest},
+    }
+    DURATIONS.write_text(json.dumps(record, indent=1) + "\n")
+    terminalreporter.write_line(f"the {SLOWEST} slowest tests' times: {DURATIONS}")
 
 
 def assert_close_rel(got: torch.Tensor, ref: torch.Tensor, name: str, rtol: float = 1e-5) -> None:

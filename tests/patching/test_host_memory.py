@@ -126,7 +126,7 @@ def test_200_offloaded_steps_keep_resident_memory_flat() -> None:
 
 
 def _soak_sequence_parallel(rank: int) -> dict[str, Any]:
-    from distributed.test_sequence_parallel import global_batches, tiny_model
+    from sequence_parallel.test_sequence_parallel import global_batches, tiny_model
     from tiledmlp.process_memory import proc_status_bytes
     from tiledmlp.sequence_parallel import installed_groups, shard_batch
 

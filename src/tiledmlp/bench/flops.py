@@ -3,7 +3,7 @@
 torch.utils.flop_counter.FlopCounterMode also tracks modules with autograd hooks, which crash
 inside implementations that chunk a requires-grad input under no_grad (DeepSpeed's TiledMLP among
 them). This counter applies the same registered formulas (flop_counter.flop_registry) to every
-dispatched op and tracks nothing else, so every variant is counted the same way. tests/ops/test_flops.py
+dispatched op and tracks nothing else, so every variant is counted the same way. tests/ops/mlp/test_flops.py
 checks that it agrees with FlopCounterMode wherever the latter runs.
 
 Invariant: counts are deterministic functions of the ops and shapes executed.

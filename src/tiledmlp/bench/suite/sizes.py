@@ -142,5 +142,5 @@ def smoke_sizes(device: torch.device) -> Sizes:
         offload_steps=3,
         offload_seq_len=128,
         train=("--model", "tiny", "--dtype", low, "--seq-len", "128", "--max-steps", "2"),
-        gpu_tests=("tests/ops/test_gpu_mlp.py",),
+        gpu_tests=("tests/ops/mlp/test_gpu_mlp.py",),
     )

@@ -25,7 +25,7 @@ cast fused) with the targets' entries written over it from the gathered log-prob
 per-row coefficient, where the math needs one, is one more multiply before that single
 rounding. At most two float32 (n x V) tensors exist at once (the upcast logits and their
 log-softmax). The untiled path (logits, their float32 copy, log_softmax, nll_loss's dense
-gradient, log_softmax's backward, the cast back) makes more passes (tests/ops/test_loss_passes.py
+gradient, log_softmax's backward, the cast back) makes more passes (tests/ops/loss/test_loss_passes.py
 counts both).
 
 Note [the factored gradient]: for a plain cross-entropy (no class weights, label smoothing,

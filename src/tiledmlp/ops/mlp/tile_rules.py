@@ -11,7 +11,7 @@ i.e. a tile's transient intermediates are about the size of the MLP's weights (c
 of e bytes per token row, see fast.py). It runs untiled unless its memory model predicts that
 tiling needs at most CPU_MARGIN (half) of the untiled module's intermediates (short sequences run
 untiled: there the untiled peak overlaps less with the gradients and sits below the model), so
-"auto" never costs memory and costs no recompute where it saves little (tests/ops/test_policy.py
+"auto" never costs memory and costs no recompute where it saves little (tests/ops/tiling/test_policy.py
 measures this).
 
 "auto" for a recognised MLP on an accelerator (any device but the CPU) is time-aware: small tiles

@@ -1,7 +1,7 @@
 """CUDA: the tiled MLP's weight gradients accumulate in float32 inside the GEMM (error at most
 the untiled bf16 module's against a float64 reference), and its peak memory stays below the
 untiled module's and the memory model's bound. Skipped with a reason without a GPU; the logic
-of the accumulation path is covered on the CPU by the scratch path's tests (tests/ops/test_lowprec.py).
+of the accumulation path is covered on the CPU by the scratch path's tests (tests/ops/mlp/test_lowprec.py).
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from distributed.harness import run_distributed
-from distributed.test_sequence_parallel import (
+from sequence_parallel.test_sequence_parallel import (
     LR,
     ROWS,
     collator_labels,

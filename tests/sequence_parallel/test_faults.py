@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from distributed import harness
 from distributed.harness import run_distributed
-from distributed.test_sequence_parallel import global_batches, tiny_model
+from sequence_parallel.test_sequence_parallel import global_batches, tiny_model
 from tiledmlp import patch_model
 from tiledmlp.sequence_parallel import (
     CollectiveError,
