@@ -51,12 +51,13 @@ def test_auto_plans_flash_where_cudnn_fits_a_shorter_sequence() -> None:
     from transformers import LlamaConfig
 
     from tiledmlp.cli.plan_kernels import plan_with_kernels
+    from tiledmlp.config.plan import StepSpec
     from tiledmlp.plan.model import plan_model
 
     args = argparse.Namespace(attention_kernel="auto", device="cuda", dtype="bfloat16",
                               seq_len=4096)  # fmt: skip
-    kwargs = {"seq_len": 4096, "checkpointing": True, "budget_bytes": int(1.5 * 2**30),
-              "stacks": ("tiled_mlp_loss_offload",)}  # fmt: skip
+    kwargs = {"step": StepSpec(seq_len=4096, checkpointing=True),
+              "budget_bytes": int(1.5 * 2**30), "stacks": ("tiled_mlp_loss_offload",)}  # fmt: skip
 
     def planned(kv_heads: int) -> dict[str, object]:
         config = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=4,
