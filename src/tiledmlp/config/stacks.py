@@ -58,8 +58,8 @@ def stack_patch(stack: str, num_tiles: int | str | TilePolicy = "auto") -> Patch
 
 
 def stack_of(patch: PatchConfig | None) -> str | None:
-    """The name of the stack whose features `patch` turns on (None: untiled), or None where
-    no named stack has them."""
+    """The name of the stack whose features `patch` turns on ("untiled" for None, or for a
+    patch with no feature on), or None where no named stack has them."""
     on = _features(patch)
     return next((s for s, p in STACK_PATCHES.items() if _features(p) == on), None)
 
