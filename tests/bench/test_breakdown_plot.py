@@ -16,13 +16,13 @@ pytest.importorskip("transformers")
 def _plan(seq_len: int, stacks: tuple[str, ...]) -> dict:
     """What `tiledmlp plan --model tiny --engine zero3 --offload-params --optimizer cpu-offload
     --json` writes, the keys the plot reads (the CLI adds the MLP's and the layer's)."""
+    from tiledmlp.config.plan import StepSpec
     from tiledmlp.plan.layer import load_config
     from tiledmlp.plan.model import plan_model
 
-    model = plan_model(
-        load_config("tiny"), seq_len=seq_len, num_tiles=2, engine="zero3", offload_params=True,
-        optimizer="cpu-offload", stacks=stacks,
-    )  # fmt: skip
+    step = StepSpec(seq_len=seq_len, num_tiles=2, engine="zero3", offload_params=True,
+                    optimizer="cpu-offload")  # fmt: skip
+    model = plan_model(load_config("tiny"), step, stacks=stacks)
     return json.loads(json.dumps({"seq_len": seq_len, "model_name": "tiny", "model": model}))
 
 

@@ -14,7 +14,7 @@ from tiledmlp.cli import main
 from tiledmlp.cli.preflight import preflight
 from tiledmlp.cli.stack_command import axolotl_keys, patch_call, train_flags
 from tiledmlp.config.patch import FEATURES
-from tiledmlp.config.stacks import STACK_OPTIONS, STACKS, stack_option
+from tiledmlp.config.stacks import STACK_PATCHES, STACKS, stack_keywords
 from tiledmlp.train.launch import Launch
 from tiledmlp.train.options import options_from
 
@@ -37,23 +37,25 @@ def _flag_values(flags: list[str]) -> dict[str, Any]:
 def test_each_stack_s_train_flags_turn_on_exactly_its_features(stack: str) -> None:
     opts = options_from(_flag_values(train_flags(stack)))
     on = {f for f in FEATURES if opts.patch is not None and getattr(opts.patch, f)}
-    assert on == {f for f in FEATURES if stack_option(stack, f)}
+    patch = STACK_PATCHES[stack]
+    assert on == {f for f in FEATURES if patch is not None and getattr(patch, f)}
     call = patch_call(stack)
     keys = axolotl_keys(stack)
-    if STACK_OPTIONS[stack] is None:
+    keywords = stack_keywords(stack)
+    if keywords is None:
         assert call == "" and keys == []
     else:
-        assert (
-            call
-            == "patch_model(model"
-            + "".join(
-                f", {k}={v!r}"
-                for k, v in STACK_OPTIONS[stack].items()  # type: ignore[union-attr]
-            )
-            + ")"
-        )
+        # the features beyond the tiled MLPs (on by default), each set once
+        assert set(keywords) == on - {"tiled_mlp"} and set(keywords.values()) <= {True}
+        assert call == "patch_model(model" + "".join(f", {k}=True" for k in keywords) + ")"
         assert "tiledmlp: true" in keys
-        assert all(f"tiledmlp_{k}: true" in keys for k in STACK_OPTIONS[stack])  # type: ignore[union-attr]
+        assert all(f"tiledmlp_{k}: true" in keys for k in keywords)
+
+
+def test_a_stack_s_call_spells_its_features_in_the_order_the_stacks_add_them() -> None:
+    assert patch_call("tiled_mlp_loss_offload_norms") == (
+        "patch_model(model, tiled_loss=True, activation_offloading=True, tiled_norms=True)"
+    )
 
 
 def _one_error_line(err: str) -> str:

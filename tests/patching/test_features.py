@@ -153,20 +153,22 @@ def test_the_planner_runs_these_features(monkeypatch: pytest.MonkeyPatch) -> Non
     applies the features themselves to its fake model, not a copy of them."""
     import transformers as tr
 
+    from tiledmlp.config.plan import StepSpec
+    from tiledmlp.config.stacks import stack_patch
     from tiledmlp.patching.features import tiled_modules
     from tiledmlp.plan.model import estimate_step
 
     cfg = tr.LlamaConfig(**{**BASE, "num_hidden_layers": 2, "intermediate_size": 256})
-    kw: dict[str, Any] = {"seq_len": 2048, "dtype": torch.float32, "num_tiles": 4}
-    untiled = estimate_step(cfg, stack="untiled", **kw).peak
-    tiled = estimate_step(cfg, stack="tiled_mlp", **kw).peak
+    step = StepSpec(seq_len=2048, dtype=torch.float32)
+    untiled = estimate_step(cfg, step, None).peak
+    tiled = estimate_step(cfg, step, stack_patch("tiled_mlp", 4)).peak
     assert tiled < untiled
 
     def untiled_mlp(module: nn.Module, x: torch.Tensor, *args: Any, **options: Any) -> Any:
         return options["forward"](x, *args)
 
     monkeypatch.setattr(tiled_modules, "tiled_mlp", untiled_mlp)
-    assert estimate_step(cfg, stack="tiled_mlp", **kw).peak == untiled
+    assert estimate_step(cfg, step, stack_patch("tiled_mlp", 4)).peak == untiled
 
 
 def test_integration_hooks_run_when_a_probed_loss_is_first_patched_only(

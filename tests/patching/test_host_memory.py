@@ -40,10 +40,11 @@ def test_offload_bytes_is_what_the_offloader_moves_and_what_the_planner_reports(
     assert offloader is not None
     want = offload_bytes(4, ids.numel(), BASE["hidden_size"], 4)
     assert offloader.stats.offloaded_bytes == want == 3 * 48 * BASE["hidden_size"] * 4
+    from tiledmlp.config.plan import StepSpec
     from tiledmlp.plan.model import plan_model
 
-    plan = plan_model(config, seq_len=1024, dtype=torch.float32, optimizer="cpu-offload",
-                      stacks=("tiled_mlp_loss", "tiled_mlp_loss_offload"))  # fmt: skip
+    step = StepSpec(seq_len=1024, dtype=torch.float32, optimizer="cpu-offload")
+    plan = plan_model(config, step, stacks=("tiled_mlp_loss", "tiled_mlp_loss_offload"))
     params = sum(p.numel() for p in model.parameters())
     states = 2 * params * 4
     assert plan["tiled_mlp_loss"]["host_peak_mib"] == round(states / 2**20, 1)

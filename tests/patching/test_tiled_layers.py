@@ -14,7 +14,7 @@ import torch
 
 from hf_models import VOCAB, tiny_causal_lm
 from tiledmlp import patch_model, unpatch_model
-from tiledmlp.config.stacks import STACK_OPTIONS, STACKS
+from tiledmlp.config.stacks import STACK_PATCHES, STACKS, stack_patch
 from tiledmlp.integrations import trl
 from tiledmlp.patching.features.activation_offloading import enable_checkpointing
 from tiledmlp.patching.features.tiled_layers import LAYER, layer_parts
@@ -207,7 +207,7 @@ def test_bf16_error_at_most_twice_the_untiled_error(family: str) -> None:
     assert_tiled_layers_bf16_within_twice_untiled(tiny_causal_lm(family), _ids())
 
 
-@pytest.mark.parametrize("stack", [s for s in STACKS if STACK_OPTIONS[s] is not None])
+@pytest.mark.parametrize("stack", [s for s in STACKS if STACK_PATCHES[s] is not None])
 def test_a_dropped_patched_model_frees_its_tensors_at_once(stack: str) -> None:
     # A patched forward lives in its module's __dict__; holding the module strongly made a cycle
     # that only the cycle collector frees, so a process measuring one stack after another kept
@@ -220,7 +220,7 @@ def test_a_dropped_patched_model_frees_its_tensors_at_once(stack: str) -> None:
     try:
         model = tiny_causal_lm("llama")
         enable_checkpointing(model)
-        patch_model(model, num_tiles=2, **(STACK_OPTIONS[stack] or {}))
+        patch_model(model, stack_patch(stack, 2))
         ids = _ids()
         model(input_ids=ids, labels=ids).loss.backward()
         tensors = [weakref.ref(t) for p in model.parameters() for t in (p, p.grad) if t is not None]

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -61,12 +63,13 @@ def test_auto_plans_flash_where_cudnn_fits_a_shorter_sequence() -> None:
     from transformers import LlamaConfig
 
     from tiledmlp.cli.plan_kernels import plan_with_kernels
+    from tiledmlp.config.plan import StepSpec
     from tiledmlp.plan.model import plan_model
 
     args = argparse.Namespace(attention_kernel="auto", device="cuda", dtype="bfloat16",
                               seq_len=4096)  # fmt: skip
-    kwargs = {"seq_len": 4096, "checkpointing": True, "budget_bytes": int(1.5 * 2**30),
-              "stacks": ("tiled_mlp_loss_offload",)}  # fmt: skip
+    kwargs = {"step": StepSpec(seq_len=4096, checkpointing=True),
+              "budget_bytes": int(1.5 * 2**30), "stacks": ("tiled_mlp_loss_offload",)}  # fmt: skip
 
     def planned(kv_heads: int) -> dict[str, object]:
         config = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=4,
@@ -112,17 +115,22 @@ def test_by_heads_lifts_the_stack_whose_peak_is_an_attention_backward() -> None:
     norms untiled the step peaks in a norm's backward and cuDNN's workspace adds nothing to the
     peak (so no kernel fits a longer sequence); with the norms tiled it peaks inside an
     attention backward, where cuDNN's workspace adds to the peak and one group's does not."""
+    from tiledmlp.config.plan import StepSpec
+    from tiledmlp.config.stacks import stack_patch
     from tiledmlp.plan.estimate import estimate_step
     from tiledmlp.plan.layer import load_config
 
     config = load_config("llama3-8b")
-    common = {"seq_len": 131072, "checkpointing": True, "engine": "zero3", "offload_params": True,
-              "optimizer": "cpu-offload", "full_card": True}  # fmt: skip
-    plain = estimate_step(config, stack="tiled_mlp_loss_offload", **common)
+    step = StepSpec(seq_len=131072, checkpointing=True, engine="zero3", offload_params=True,
+                    optimizer="cpu-offload")  # fmt: skip
+    plain = estimate_step(
+        config, step, stack_patch("tiled_mlp_loss_offload", "auto"), full_card=True
+    )
     assert plain.attention == 0
-    norms = estimate_step(config, stack="tiled_mlp_loss_offload_norms", **common)
+    norms_patch = stack_patch("tiled_mlp_loss_offload_norms", "auto")
+    norms = estimate_step(config, step, norms_patch, full_card=True)
     grouped = estimate_step(
-        config, stack="tiled_mlp_loss_offload_norms", attention_kernel="by_heads", **common
+        config, dataclasses.replace(step, attention_kernel="by_heads"), norms_patch, full_card=True
     )
     assert norms.attention > 2 * 2**30  # cuDNN's whole workspace is 4.0 GiB here
     assert grouped.attention == 0 and grouped.peak == norms.peak

@@ -141,8 +141,8 @@ def test_expandable_blocks_split_whatever_remains() -> None:
 def test_the_planner_replays_its_step_trace() -> None:
     """A simulated step's trace is balanced (everything created in it is freed or kept), and
     its replayed reserve is what StepEstimate carries."""
-    import torch
 
+    from tiledmlp.config.plan import StepSpec
     from tiledmlp.plan.layer import load_config
     from tiledmlp.plan.sim.segments import larger
 
@@ -164,9 +164,8 @@ def test_the_planner_replays_its_step_trace() -> None:
     fake_step.reserve_beyond_peak = spy  # type: ignore[assignment]
     try:
         est = larger(
-            fake_step.simulate(cfg, 2, seq_len=4096, stack="untiled", dtype=torch.bfloat16,
-                               checkpointing=True, optimizer="none", num_tiles="auto")
-        )  # fmt: skip
+            fake_step.simulate(cfg, 2, step=StepSpec(seq_len=4096, checkpointing=True), patch=None)
+        )
     finally:
         fake_step.reserve_beyond_peak = real  # type: ignore[assignment]
     assert len(seen) == 1

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from test_periodic_tiles import SMALL as TINY
-from tiledmlp.config.stacks import STACKS, stack_option
+from tiledmlp.config.plan import StepSpec
+from tiledmlp.config.stacks import STACKS, stack_patch
 from tiledmlp.plan.estimate import estimate_step
 from tiledmlp.plan.sim import fake_step
 from tiledmlp.plan.sim.deeper import deeper
@@ -27,24 +28,19 @@ def _config() -> Any:
     return tr.LlamaConfig(**{**TINY, "num_hidden_layers": 5})
 
 
+def _step(stack: str, **over: Any) -> StepSpec:
+    patch = stack_patch(stack)
+    offloads = patch is not None and patch.activation_offloading
+    return StepSpec(**{"seq_len": 2048, "num_tiles": 4, "checkpointing": offloads, **over})
+
+
 def _options(stack: str, **over: Any) -> dict[str, Any]:
-    options: dict[str, Any] = {
-        "seq_len": 2048,
-        "stack": stack,
-        "dtype": torch.bfloat16,
-        "checkpointing": stack_option(stack, "activation_offloading"),
-        "optimizer": "none",
-        "num_tiles": 4,
-        "device_type": "cuda",
-        "sharded": False,
-        "sequence_parallel_size": 1,
-        "cut_tiles": True,
-    }
-    return {**options, **over}
+    """simulate's (and _run's) keywords for `stack` at 2048 tokens, 4 tiles, with `over`."""
+    return {"step": _step(stack, **over), "patch": stack_patch(stack, 4), "cut_tiles": True}
 
 
 CHECKPOINTED_ADAMW = {"checkpointing": True, "optimizer": "adamw"}
-SHARDED_CPU = {"sharded": True, "device_type": "cpu"}
+SHARDED_CPU = {"engine": "zero3", "device_type": "cpu"}
 CASES = [(stack, {}) for stack in STACKS] + [
     ("tiled_mlp_loss", CHECKPOINTED_ADAMW),
     ("tiled_mlp", CHECKPOINTED_ADAMW),
@@ -61,7 +57,7 @@ def test_built_step_is_the_simulated_one(stack: str, over: dict[str, Any]) -> No
     record, _ = fake_step._run(_config(), 5, **options)
     # these models' records show their middle layers; an optimizer step on the device is not
     # theirs (its foreach requests cover every layer): refused, the step simulated
-    assert (deeper(record) is None) == (options["optimizer"] == "adamw")
+    assert (deeper(record) is None) == (options["step"].optimizer == "adamw")
     _, built = fake_step.simulate(_config(), 5, deeper_too=True, **options)
     assert built == fake_step.simulate(_config(), 6, **options)
 
@@ -71,10 +67,10 @@ def test_whole_depth_built_is_the_whole_depth_simulated(stack: str) -> None:
     import transformers as tr
 
     config = tr.LlamaConfig(**{**TINY, "num_hidden_layers": 8})
-    kw: dict[str, Any] = {"seq_len": 2048, "stack": stack, "num_tiles": 4,
-                          "checkpointing": True, "expandable_segments": False}  # fmt: skip
-    built = estimate_step(config, whole=True, **kw)
-    assert built == estimate_step(config, exact=True, **kw)
+    step = StepSpec(seq_len=2048, checkpointing=True, expandable_segments=False)
+    patch = stack_patch(stack, 4)
+    built = estimate_step(config, step, patch, whole=True)
+    assert built == estimate_step(config, step, patch, exact=True)
     assert built.reserve > 0  # the whole depth's trace replayed without expandable segments
 
 
@@ -82,11 +78,11 @@ def test_full_card_estimate_is_the_estimate_without_what_a_card_takes_back() -> 
     import transformers as tr
 
     config = tr.LlamaConfig(**{**TINY, "num_hidden_layers": 8})
-    kw: dict[str, Any] = {"seq_len": 8192, "stack": "tiled_mlp_loss_offload", "num_tiles": 4,
-                          "checkpointing": True, "whole": True}  # fmt: skip
-    est = estimate_step(config, **kw)
+    step = StepSpec(seq_len=8192, checkpointing=True)
+    patch = stack_patch("tiled_mlp_loss_offload", 4)
+    est = estimate_step(config, step, patch, whole=True)
     assert est.reclaimable > 0  # the offloader's copies hold blocks on a GPU
-    full = estimate_step(config, full_card=True, **kw)
+    full = estimate_step(config, step, patch, whole=True, full_card=True)
     assert (full.peak, full.breakdown, full.attention) == (est.peak, est.breakdown, est.attention)
     assert (full.full_card_reserve, full.reclaimable) == (est.full_card_reserve, 0)
 
@@ -96,14 +92,13 @@ def test_held_of_built_once_is_the_models_at_every_length(options: dict[str, Any
     from tiledmlp.ops.tiling.assumed import assume_device
     from tiledmlp.plan.sim.fast_fake import fake_mode
 
-    kw = {k: v for k, v in _options("untiled", **options).items() if k != "seq_len"}
     for seq_len in (1024, 3072, 1024):  # the second and third from the model built once
-        held = fake_step._held_of(_config(), 6, seq_len=seq_len, **kw)
-        with fake_mode(), assume_device(kw["device_type"]):
-            step = fake_step.prepare(_config(), 6, "untiled", kw["dtype"], False,
-                                     kw["optimizer"], kw["num_tiles"])  # fmt: skip
+        step = _step("untiled", **{**options, "seq_len": seq_len})
+        held = fake_step._held_of(_config(), 6, step=step)
+        with fake_mode(), assume_device(step.device_type):
+            built = fake_step.prepare(_config(), 6, None, step)
             ids = torch.zeros(1, seq_len, dtype=torch.long)
-            assert held == fake_step._held(step, ids, kw["sharded"], kw["device_type"])
+            assert held == fake_step._held(built, ids, step.sharded, step.device_type)
 
 
 def test_segment_peaks_are_the_trackers() -> None:

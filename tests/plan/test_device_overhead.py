@@ -9,6 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from tiledmlp.config.plan import StepSpec
+from tiledmlp.config.stacks import stack_patch
 from tiledmlp.plan.device_overhead import AttentionBuffers, attention_call_bytes, device_overhead
 from tiledmlp.plan.layer import load_config
 from tiledmlp.plan.sim.caching_allocator import FREE
@@ -111,12 +113,13 @@ def test_a_planned_step_counts_the_buffers_at_their_moment() -> None:
 
     cfg = load_config("llama3-8b")
     cfg.num_hidden_layers, cfg.vocab_size = 2, 1024
-    kw = {"seq_len": 65536, "checkpointing": True, "dtype": torch.bfloat16}
-    assert estimate_step(cfg, stack="untiled", **kw).attention == 0
-    stack = "tiled_mlp_loss_offload_norms"
-    gpu = estimate_step(cfg, stack=stack, **kw)
+    step = StepSpec(seq_len=65536, checkpointing=True, dtype=torch.bfloat16)
+    assert estimate_step(cfg, step, None).attention == 0
+    patch = stack_patch("tiled_mlp_loss_offload_norms")
+    gpu = estimate_step(cfg, step, patch)
     assert 0 < gpu.attention <= attention_call_bytes(1, 32, 8, 65536, 128)
-    assert estimate_step(cfg, stack=stack, device_type="cpu", **kw).attention == 0
+    cpu = StepSpec(seq_len=65536, checkpointing=True, dtype=torch.bfloat16, device_type="cpu")
+    assert estimate_step(cfg, cpu, patch).attention == 0
 
 
 def test_the_allocator_term_is_the_replayed_reserve_in_both_settings() -> None:
@@ -130,13 +133,14 @@ def test_the_allocator_term_is_the_replayed_reserve_in_both_settings() -> None:
     cuda = device_overhead("cuda")
     assert cuda.terms(reserve=123 * MiB)["allocator"] == 123 * MiB
     assert device_overhead("cpu").terms(123 * MiB)["allocator"] == 0
-    kw = {"seq_len": 4096, "checkpointing": True}
-    est = estimate_step(cfg, stack="untiled", dtype=torch.bfloat16, expandable_segments=False, **kw)
-    plan = plan_model(cfg, stacks=("untiled",), expandable_segments=False, **kw)["untiled"]
+    off = StepSpec(seq_len=4096, checkpointing=True, expandable_segments=False)
+    est = estimate_step(cfg, off, None)
+    plan = plan_model(cfg, off, stacks=("untiled",))["untiled"]
     assert plan["device_overhead_breakdown_mib"]["allocator"] == round(est.reserve / MiB, 1)
     assert est.reserve > 0
-    on = plan_model(cfg, stacks=("untiled",), **kw)["untiled"]
-    grown = estimate_step(cfg, stack="untiled", dtype=torch.bfloat16, **kw)
+    step = StepSpec(seq_len=4096, checkpointing=True)
+    on = plan_model(cfg, step, stacks=("untiled",))["untiled"]
+    grown = estimate_step(cfg, step, None)
     assert on["device_overhead_breakdown_mib"]["allocator"] == round(grown.reserve / MiB, 1)
     # the same step's trace fragments less when the segment grows at its end
     assert 0 < grown.reserve < est.reserve
@@ -164,22 +168,24 @@ def test_an_offloading_step_on_a_gpu_has_reclaimable_blocks_and_max_seq_len_uses
 
     cfg = load_config("llama3-8b")
     cfg.num_hidden_layers, cfg.vocab_size = 4, 1024
-    kw = {"seq_len": 16384, "checkpointing": True, "dtype": torch.bfloat16}
-    gpu = estimate_step(cfg, stack="tiled_mlp_loss_offload", **kw)
+    step = StepSpec(seq_len=16384, checkpointing=True, dtype=torch.bfloat16)
+    offload = stack_patch("tiled_mlp_loss_offload")
+    gpu = estimate_step(cfg, step, offload)
     assert 0 < gpu.reclaimable <= gpu.reserve
-    assert estimate_step(cfg, stack="tiled_mlp_loss", **kw).reclaimable == 0  # no side stream
     assert (
-        estimate_step(cfg, stack="tiled_mlp_loss_offload", device_type="cpu", **kw).reclaimable == 0
-    )
-    entry = plan_model(cfg, stacks=("tiled_mlp_loss_offload",), **kw)["tiled_mlp_loss_offload"]
+        estimate_step(cfg, step, stack_patch("tiled_mlp_loss")).reclaimable == 0
+    )  # no side stream
+    cpu = StepSpec(seq_len=16384, checkpointing=True, dtype=torch.bfloat16, device_type="cpu")
+    assert estimate_step(cfg, cpu, offload).reclaimable == 0
+    entry = plan_model(cfg, step, stacks=("tiled_mlp_loss_offload",))["tiled_mlp_loss_offload"]
     assert entry["reclaimable_mib"] == round(gpu.reclaimable / MiB, 1)
     # a card as large as the step's figure holds it: the held blocks are beyond that figure
     card = entry["per_gpu_mib"] + 1.0
     fits = plan_model(
         cfg,
+        step,
         stacks=("tiled_mlp_loss_offload",),
         budget_bytes=int(card * MiB),
         granularity=1024,
-        **kw,
     )["tiled_mlp_loss_offload"]
     assert fits["max_seq_len"] >= 16384

@@ -10,6 +10,8 @@ import torch
 from torch._subclasses._fake_tensor_utils import _CacheKeyState
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from tiledmlp.config.plan import StepSpec
+from tiledmlp.config.stacks import stack_patch
 from tiledmlp.plan.estimate import estimate_step
 from tiledmlp.plan.layer import load_config
 from tiledmlp.plan.sim import fake_step
@@ -53,8 +55,8 @@ def test_the_keys_are_fake_tensor_mode_s() -> None:
 
 def test_a_planned_step_is_the_same_under_either_mode(monkeypatch: pytest.MonkeyPatch) -> None:
     config = load_config("tiny")
-    options: dict[str, Any] = {"seq_len": 2048, "stack": "tiled_layer", "checkpointing": True,
-                               "optimizer": "adamw", "num_tiles": 4}  # fmt: skip
-    fast = estimate_step(config, **options)
+    step = StepSpec(seq_len=2048, checkpointing=True, optimizer="adamw")
+    patch = stack_patch("tiled_layer", 4)
+    fast = estimate_step(config, step, patch)
     monkeypatch.setattr(fake_step, "fake_mode", FakeTensorMode)
-    assert estimate_step(config, **options) == fast
+    assert estimate_step(config, step, patch) == fast

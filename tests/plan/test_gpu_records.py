@@ -26,6 +26,7 @@ from typing import Any
 import pytest
 import torch
 
+from tiledmlp.config.plan import StepSpec
 from tiledmlp.plan.layer import load_config
 from tiledmlp.plan.model import plan_model
 
@@ -190,14 +191,13 @@ def _plan(layers: int, seq_len: int, stack: str, dtype: str, checkpointing: bool
     once."""
     config = load_config("llama3-8b")
     config.num_hidden_layers = layers
-    return plan_model(
-        config,
+    step = StepSpec(
         seq_len=seq_len,
         dtype=getattr(torch, dtype),
         checkpointing=checkpointing,
-        stacks=(stack,),
         expandable_segments=expandable,
-    )[stack]
+    )
+    return plan_model(config, step, stacks=(stack,))[stack]
 
 
 @pytest.mark.parametrize(("folder", "part", "rec"), _records())

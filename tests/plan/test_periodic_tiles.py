@@ -12,7 +12,8 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from hf_models import BASE
-from tiledmlp.config.stacks import STACKS, stack_option
+from tiledmlp.config.plan import StepSpec
+from tiledmlp.config.stacks import STACKS, stack_patch
 from tiledmlp.ops.tiling.tiles import TilePlan, split_even
 from tiledmlp.plan.sim import fake_step
 from tiledmlp.plan.sim.caching_allocator import FREE, HOLD, reserve_beyond_peak
@@ -77,14 +78,10 @@ def test_cut_tiles_give_the_whole_simulation_s_peaks(stack: str) -> None:
         real_cut(self, tracker)
         cuts.append(self)
 
-    options: dict[str, Any] = {
-        "seq_len": 392,
-        "stack": stack,
-        "dtype": torch.float32,
-        "checkpointing": stack_option(stack, "activation_offloading"),
-        "optimizer": "adamw",
-        "num_tiles": 6,
-    }
+    patch = stack_patch(stack, 6)
+    offloads = patch is not None and patch.activation_offloading
+    step = StepSpec(seq_len=392, dtype=torch.float32, checkpointing=offloads, optimizer="adamw")
+    options: dict[str, Any] = {"step": step, "patch": patch}
     PhaseTracker.__init__ = spy  # type: ignore[method-assign]
     PeriodicTiles.__init__ = spy_cut  # type: ignore[method-assign]
     try:

@@ -3,6 +3,7 @@ without planning; a changed option or configuration is planned; a damaged file i
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -13,6 +14,7 @@ import pytest
 import torch
 import transformers
 
+from tiledmlp.config.plan import StepSpec
 from tiledmlp.plan import cache
 from tiledmlp.plan.cached import plan_stacks
 
@@ -20,7 +22,7 @@ FIELDS = {
     "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
     "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 300,
 }  # fmt: skip
-OPTIONS: dict[str, Any] = {"seq_len": 256, "dtype": torch.float32, "device_type": "cpu"}
+OPTIONS: dict[str, Any] = {"step": StepSpec(seq_len=256, dtype=torch.float32, device_type="cpu")}
 STACKS = ("tiled_mlp_loss",)
 
 
@@ -58,7 +60,10 @@ def test_a_changed_option_or_configuration_is_planned(cached: Path) -> None:
     planned = plan_stacks(base, {"config": base.fields}, stacks=STACKS, **OPTIONS)
     longer = Builds()
     other = plan_stacks(
-        longer, {"config": longer.fields}, stacks=STACKS, **{**OPTIONS, "seq_len": 512}
+        longer,
+        {"config": longer.fields},
+        stacks=STACKS,
+        **{**OPTIONS, "step": dataclasses.replace(OPTIONS["step"], seq_len=512)},
     )
     assert longer.calls == 1
     assert other["tiled_mlp_loss"]["peak_mib"] > planned["tiled_mlp_loss"]["peak_mib"]

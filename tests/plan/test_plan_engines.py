@@ -12,6 +12,8 @@ import pytest
 import torch
 
 from test_plan_model import SMALL
+from tiledmlp.config.plan import StepSpec
+from tiledmlp.config.stacks import stack_patch
 from tiledmlp.plan import engines
 from tiledmlp.plan.model import CATEGORIES, estimate_step, param_counts, plan_model
 
@@ -73,15 +75,10 @@ def test_float32_zero3_updates_its_partitions_in_place() -> None:
 @pytest.mark.parametrize("engine", ["zero3", "fsdp2"])
 def test_sharded_step_is_the_same_simulation_plus_the_engine(engine: str) -> None:
     config = _config()
+    patch = stack_patch(STACK[0], 4)
     one, four = (
         estimate_step(
-            config,
-            seq_len=1024,
-            stack=STACK[0],
-            optimizer="adamw",
-            num_tiles=4,
-            engine=engine,
-            world=w,
+            config, StepSpec(seq_len=1024, optimizer="adamw", engine=engine, world=w), patch
         )
         for w in (1, 4)
     )
@@ -92,7 +89,7 @@ def test_sharded_step_is_the_same_simulation_plus_the_engine(engine: str) -> Non
     assert one.peak - four.peak == sum(held[1].device.values()) - sum(held[4].device.values())
     assert four.breakdown["gathered"] == held[4].device["gathered"]
     assert four.breakdown["weights"] < one.breakdown["weights"] / 3
-    ddp = estimate_step(config, seq_len=1024, stack=STACK[0], optimizer="adamw", num_tiles=4)
+    ddp = estimate_step(config, StepSpec(seq_len=1024, optimizer="adamw"), patch)
     # DeepSpeed's default reduce bucket (5e8 elements) outweighs this small model whole
     assert four.peak - four.breakdown["reduce_scatter"] < ddp.peak
 
@@ -101,10 +98,10 @@ def test_ddp_is_the_default_and_keeps_its_figures() -> None:
     import transformers as tr
 
     config = _config()
-    default = plan_model(config, seq_len=1024, optimizer="adamw", stacks=STACK, num_tiles=4)
-    ddp = plan_model(
-        config, seq_len=1024, optimizer="adamw", stacks=STACK, num_tiles=4, engine="ddp"
-    )
+    step = StepSpec(seq_len=1024, optimizer="adamw", num_tiles=4)
+    default = plan_model(config, step, stacks=STACK)
+    ddp = plan_model(config, StepSpec(seq_len=1024, optimizer="adamw", num_tiles=4, engine="ddp"),
+                     stacks=STACK)  # fmt: skip
     assert default == ddp
     entry = default[STACK[0]]
     assert tuple(entry["breakdown_mib"]) == CATEGORIES  # no engine terms
@@ -120,16 +117,15 @@ def test_ddp_is_the_default_and_keeps_its_figures() -> None:
 @pytest.mark.parametrize("engine", ["zero3", "fsdp2"])
 def test_offloaded_params_leave_only_what_is_in_flight_on_the_device(engine: str) -> None:
     config = _config()
-    got = plan_model(
-        config,
+    step = StepSpec(
         seq_len=2048,
-        stacks=STACK,
         num_tiles=4,
         optimizer="cpu-offload",
         engine=engine,
         offload_params=True,
         sequence_parallel_size=2,
-    )[STACK[0]]
+    )
+    got = plan_model(config, step, stacks=STACK)[STACK[0]]
     device, host = got["breakdown_mib"], got["host_breakdown_mib"]
     assert device["weights"] == device["optimizer"] == 0
     assert device["gathered"] > 0 and device["reduce_scatter"] > 0

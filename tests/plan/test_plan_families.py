@@ -18,7 +18,8 @@ import torch
 
 from tiledmlp import patch_model
 from tiledmlp.bench.memory import peak_bytes, tensor_bytes
-from tiledmlp.config.stacks import STACK_OPTIONS
+from tiledmlp.config.plan import StepSpec
+from tiledmlp.config.stacks import stack_patch
 from tiledmlp.patching.features.activation_offloading import enable_checkpointing
 from tiledmlp.plan.model import STACKS, estimate_step
 
@@ -72,10 +73,10 @@ def _real_peak(model_type: str, stack: str) -> int:
     model = tr.AutoModelForCausalLM.from_config(
         _config(model_type), attn_implementation="sdpa", dtype=torch.float32
     ).train()
-    options = STACK_OPTIONS[stack]
+    patch = stack_patch(stack, TILES)
     enable_checkpointing(model)
-    if options is not None:
-        patch_model(model, num_tiles=TILES, **options)
+    if patch is not None:
+        patch_model(model, patch)
     ids = torch.randint(3, SMALL["vocab_size"], (1, SEQ[model_type]))
     params = list(model.parameters())
     opt = torch.optim.AdamW(params, lr=1e-5, foreach=True)
@@ -118,16 +119,14 @@ def _real_peaks(model_type: str) -> dict[str, int]:
 def test_estimate_matches_the_real_tensor_level_peak(model_type: str, stack: str) -> None:
     # the real step runs in a fresh process (_real_peaks): what earlier tests left in this one
     # (seen: Qwen3-MoE's tiled_layer step 0.26 MiB higher after tests/train) is not the step's
-    est = estimate_step(
-        _config(model_type),
+    step = StepSpec(
         seq_len=SEQ[model_type],
-        stack=stack,
         dtype=torch.float32,
         checkpointing=True,
         optimizer="adamw",
-        num_tiles=TILES,
         device_type="cpu",
     )
+    est = estimate_step(_config(model_type), step, stack_patch(stack, TILES))
     real = _real_peaks(model_type)[stack]
     error = abs(est.peak - real) / real
     assert error <= TOLERANCE[model_type], (

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from hf_models import BASE
+from tiledmlp.config.plan import StepSpec
 from tiledmlp.plan import forked
 from tiledmlp.plan import model as plan_model_module
 from tiledmlp.plan.forked import default_processes, run_jobs
@@ -57,12 +58,12 @@ def test_jobs_come_back_in_their_order_from_other_processes() -> None:
 def test_a_plan_in_processes_equals_the_plan_in_one() -> None:
     """Every stack, with a max_seq_len search: the same entries in the same order, and the
     same estimates handed back for a later search."""
-    options: dict[str, Any] = {"seq_len": 1024, "dtype": torch.float32, "num_tiles": 2,
-                               "budget_bytes": 40 * 2**20, "granularity": 512}  # fmt: skip
+    step = StepSpec(seq_len=1024, dtype=torch.float32, num_tiles=2)
+    options: dict[str, Any] = {"budget_bytes": 40 * 2**20, "granularity": 512}
     known_one: dict[str, dict[int, int]] = {}
     known_two: dict[str, dict[int, int]] = {}
-    one = plan_model(_config(), known_peaks=known_one, processes=1, **options)
-    two = plan_model(_config(), known_peaks=known_two, processes=2, **options)
+    one = plan_model(_config(), step, known_peaks=known_one, processes=1, **options)
+    two = plan_model(_config(), step, known_peaks=known_two, processes=2, **options)
     assert list(two) == list(one) and two == one
     assert known_two == known_one and all(len(v) > 1 for v in known_one.values())
 
@@ -78,7 +79,8 @@ def test_a_job_s_error_is_raised_by_the_plan(monkeypatch: pytest.MonkeyPatch) ->
 
     monkeypatch.setattr(plan_model_module, "_plan_stack", fails)  # inherited by the fork
     with pytest.raises(ValueError, match="cannot be planned yet"):
-        plan_model(_config(), seq_len=512, dtype=torch.float32, num_tiles=2, processes=2)
+        step = StepSpec(seq_len=512, dtype=torch.float32, num_tiles=2)
+        plan_model(_config(), step, processes=2)
 
 
 def _side(kind: str) -> Any:

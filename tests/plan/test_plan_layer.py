@@ -15,6 +15,7 @@ import torch
 
 from tiledmlp import patch_model
 from tiledmlp.bench.memory import peak_bytes, tensor_bytes
+from tiledmlp.config.plan import StepSpec
 from tiledmlp.models.presets import PRESETS
 from tiledmlp.plan.layer import load_config, plan_layer
 
@@ -46,9 +47,8 @@ def test_fake_layer_estimate_equals_real_tensor_level_peak(tiles: int | str) -> 
     import transformers as tr
 
     n = 2048
-    est = plan_layer(
-        load_config("tiny"), seq_len=n, dtype=torch.float32, num_tiles=tiles, device_type="cpu"
-    )
+    step = StepSpec(seq_len=n, dtype=torch.float32, num_tiles=tiles, device_type="cpu")
+    est = plan_layer(load_config("tiny"), step)
     cfg = tr.LlamaConfig(**{**PRESETS["tiny"], "num_hidden_layers": 1, "use_cache": False})
     torch.manual_seed(0)
     model = tr.LlamaModel._from_config(cfg, attn_implementation="sdpa", dtype=torch.float32)
@@ -101,17 +101,19 @@ def _family_config(family: str) -> Any:
     "family", ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma3", "phi3", "gpt_neox"]
 )
 def test_families_plan_and_tiling_saves(family: str) -> None:
-    est = plan_layer(_family_config(family), seq_len=4096, dtype=torch.bfloat16, num_tiles=8)
+    est = plan_layer(
+        _family_config(family), StepSpec(seq_len=4096, dtype=torch.bfloat16, num_tiles=8)
+    )
     assert est["hidden"] == 64 and est["intermediate"] == 256 and est["tiles"] == 8
     assert 0 < est["tiled_mib"] < est["regular_mib"], est
 
 
 def test_estimate_depends_only_on_shapes() -> None:
     cfg = load_config("tiny")
-    a = plan_layer(cfg, seq_len=1024, dtype=torch.bfloat16, num_tiles=2)
-    b = plan_layer(cfg, seq_len=1024, dtype=torch.bfloat16, num_tiles=2)
+    a = plan_layer(cfg, StepSpec(seq_len=1024, dtype=torch.bfloat16, num_tiles=2))
+    b = plan_layer(cfg, StepSpec(seq_len=1024, dtype=torch.bfloat16, num_tiles=2))
     assert a == b
-    wide = plan_layer(cfg, seq_len=2048, dtype=torch.bfloat16, num_tiles=2)
+    wide = plan_layer(cfg, StepSpec(seq_len=2048, dtype=torch.bfloat16, num_tiles=2))
     assert wide["regular_mib"] > a["regular_mib"]
 
 
@@ -122,10 +124,10 @@ def test_unplannable_layers_raise_value_error() -> None:
         **SMALL, head_dim=16, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2
     )
     with pytest.raises(ValueError, match="mixture-of-experts"):
-        plan_layer(moe, seq_len=64, dtype=torch.float32)
+        plan_layer(moe, StepSpec(seq_len=64, dtype=torch.float32))
     softcapped = tr.Gemma2Config(**SMALL, head_dim=16)  # SDPA cannot soft-cap logits
     with pytest.raises(ValueError):
-        plan_layer(softcapped, seq_len=64, dtype=torch.float32)
+        plan_layer(softcapped, StepSpec(seq_len=64, dtype=torch.float32))
 
 
 def test_load_config_sources(tmp_path: Path) -> None:

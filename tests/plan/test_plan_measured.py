@@ -12,6 +12,8 @@ from typing import Any
 import pytest
 import torch
 
+from tiledmlp.config.plan import StepSpec
+from tiledmlp.config.stacks import stack_patch
 from tiledmlp.plan.device_overhead import device_overhead
 from tiledmlp.plan.measured import MeasuredPoint, fit_correction, measured_max_seq_len
 from tiledmlp.plan.search import max_seq_len
@@ -42,8 +44,10 @@ def test_the_fit_recovers_a_line_through_the_differences() -> None:
 
 def test_the_lower_estimate_stands_and_is_named() -> None:
     cfg = _config()
-    kw: dict[str, Any] = {"stack": "tiled_mlp_loss", "num_tiles": 2, "device_type": "cpu",
-                          "dtype": torch.float32}  # fmt: skip
+    kw: dict[str, Any] = {
+        "step": StepSpec(seq_len=512, device_type="cpu", dtype=torch.float32),
+        "patch": stack_patch("tiled_mlp_loss", 2),
+    }
     cpu = device_overhead("cpu")
     budget = 64 * MiB
     known: dict[int, int] = {}
@@ -67,15 +71,17 @@ def test_a_second_search_reuses_the_first_ones_estimates(monkeypatch) -> None:
     from tiledmlp.plan import search
 
     cfg = _config()
-    kw: dict[str, Any] = {"stack": "tiled_mlp", "num_tiles": 2, "device_type": "cpu",
-                          "dtype": torch.float32}  # fmt: skip
+    kw: dict[str, Any] = {
+        "step": StepSpec(seq_len=512, device_type="cpu", dtype=torch.float32),
+        "patch": stack_patch("tiled_mlp", 2),
+    }
     known: dict[int, int] = {}
     first = max_seq_len(cfg, 48 * MiB, granularity=512, known_peaks=known, **kw)
     calls: list[int] = []
     real = search.estimate_step
 
     def counted(*args: Any, **kwargs: Any) -> Any:
-        calls.append(kwargs["seq_len"])
+        calls.append(args[1].seq_len)
         return real(*args, **kwargs)
 
     monkeypatch.setattr(search, "estimate_step", counted)

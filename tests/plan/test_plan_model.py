@@ -17,7 +17,8 @@ import torch
 from hf_models import BASE
 from tiledmlp import patch_model
 from tiledmlp.bench.memory import peak_bytes, tensor_bytes
-from tiledmlp.config.stacks import STACK_OPTIONS, stack_option
+from tiledmlp.config.plan import StepSpec
+from tiledmlp.config.stacks import stack_patch
 from tiledmlp.patching.features.activation_offloading import enable_checkpointing
 from tiledmlp.plan.model import STACKS, estimate_step, max_seq_len
 
@@ -57,11 +58,11 @@ def _real_peak(stack: str, seq: int, checkpointing: bool, optimizer: str) -> int
     model = tr.LlamaForCausalLM._from_config(
         _config(), attn_implementation="sdpa", dtype=torch.float32
     ).train()
-    options = STACK_OPTIONS[stack]
-    if checkpointing or stack_option(stack, "activation_offloading"):
+    patch = stack_patch(stack, TILES)
+    if checkpointing or (patch is not None and patch.activation_offloading):
         enable_checkpointing(model)
-    if options is not None:
-        patch_model(model, num_tiles=TILES, **options)
+    if patch is not None:
+        patch_model(model, patch)
     ids = torch.randint(3, SMALL["vocab_size"], (1, seq))
     params = list(model.parameters())
     opt = torch.optim.AdamW(params, lr=1e-5, foreach=True) if optimizer == "adamw" else None
@@ -86,16 +87,15 @@ def test_estimate_matches_the_real_tensor_level_peak(
     stack: str, checkpointing: bool, optimizer: str
 ) -> None:
     seq = 4096
-    est = estimate_step(
-        _config(),
+    step = StepSpec(
         seq_len=seq,
-        stack=stack,
         dtype=torch.float32,
         checkpointing=checkpointing,
         optimizer=optimizer,
         num_tiles=TILES,
         device_type="cpu",  # the step it is compared with runs here (a GPU runs fused kernels)
     )
+    est = estimate_step(_config(), step, stack_patch(stack, TILES))
     real = _real_peak(stack, seq, checkpointing, optimizer)
     error = abs(est.peak - real) / real
     assert error <= TOLERANCE, (stack, est.peak / MiB, real / MiB, f"{error:.2%}")
@@ -113,10 +113,9 @@ def test_estimate_with_the_attention_core_by_heads_matches_the_real_peak(
     monkeypatch.setattr(attention_heads, "MIN_WAVES", 0)
     monkeypatch.setattr(attention_heads, "BUFFER_FLOOR", 0)
     assert attention_heads.head_groups(1, 4, 2, 4096) == 4
-    est = estimate_step(
-        _config(), seq_len=4096, stack="tiled_layer", dtype=torch.float32, checkpointing=True,
-        optimizer="adamw", num_tiles=TILES, device_type="cpu",
-    )  # fmt: skip
+    step = StepSpec(seq_len=4096, dtype=torch.float32, checkpointing=True, optimizer="adamw",
+                    device_type="cpu")  # fmt: skip
+    est = estimate_step(_config(), step, stack_patch("tiled_layer", TILES))
     real = _real_peak("tiled_layer", 4096, True, "adamw")
     error = abs(est.peak - real) / real
     assert error <= TOLERANCE, (est.peak / MiB, real / MiB, f"{error:.2%}")
@@ -126,9 +125,9 @@ def test_estimate_with_the_attention_core_by_heads_matches_the_real_peak(
 @pytest.mark.parametrize("optimizer", ["adamw", "cpu-offload"])
 def test_depth_extrapolation_equals_simulating_every_layer(stack: str, optimizer: str) -> None:
     cfg = _config(num_hidden_layers=9)
-    kw: dict[str, Any] = {"seq_len": 4096, "stack": stack, "optimizer": optimizer, "num_tiles": 2}
-    fast = estimate_step(cfg, checkpointing=True, **kw)
-    exact = estimate_step(cfg, checkpointing=True, exact=True, **kw)
+    step = StepSpec(seq_len=4096, optimizer=optimizer, checkpointing=True)
+    fast = estimate_step(cfg, step, stack_patch(stack, 2))
+    exact = estimate_step(cfg, step, stack_patch(stack, 2), exact=True)
     # the allocator's reserve does not follow a line in the depth: the extrapolated estimate
     # carries the larger of the 4- and 5-layer steps' (plan/estimate.py), the exact one its own;
     # the blocks held for the offloader's copies, a part of it, neither
@@ -142,19 +141,15 @@ def test_mlp_only_policies_plan_the_loss_with_auto(policy: str) -> None:
     # "arctic" and "target:<GB>" are MLP policies; the tiled loss then uses "auto", as
     # patch_model(tiled_loss=True) does (the plan used to stop with the loss's error)
     cfg = _config()
-    kw: dict[str, Any] = {"seq_len": 4096, "stack": "tiled_mlp_loss", "dtype": torch.float32}
-    named = estimate_step(cfg, num_tiles=policy, **kw)
-    assert named.peak < estimate_step(cfg, stack="untiled", seq_len=4096, dtype=torch.float32).peak
+    step = StepSpec(seq_len=4096, dtype=torch.float32)
+    named = estimate_step(cfg, step, stack_patch("tiled_mlp_loss", policy))
+    assert named.peak < estimate_step(cfg, step, None).peak
 
 
 def test_the_stacks_order_and_what_offloading_removes() -> None:
     cfg = _config(vocab_size=8192)  # logits larger than a hidden state, as in real models
-    peaks = {
-        s: estimate_step(
-            cfg, seq_len=8192, stack=s, checkpointing=True, dtype=torch.float32, num_tiles=TILES
-        )
-        for s in STACKS
-    }
+    step = StepSpec(seq_len=8192, checkpointing=True, dtype=torch.float32)
+    peaks = {s: estimate_step(cfg, step, stack_patch(s, TILES)) for s in STACKS}
     assert peaks["untiled"].peak >= peaks["tiled_mlp"].peak > peaks["tiled_mlp_loss"].peak
     assert peaks["tiled_mlp_loss"].peak > peaks["tiled_mlp_loss_offload"].peak
     assert peaks["tiled_mlp_loss_offload"].peak > peaks["tiled_mlp_loss_offload_norms"].peak
@@ -169,10 +164,10 @@ def test_tiled_layers_shrink_the_recompute() -> None:
     # Past the loss's peak (a small vocabulary, many tokens per head) the step peaks in a
     # layer's recompute, which the tiled layer brings down to the attention core's tensors.
     cfg = _config(num_attention_heads=2, num_key_value_heads=1)
-    kw: dict[str, Any] = {"seq_len": 32768, "checkpointing": True, "dtype": torch.float32}
+    step = StepSpec(seq_len=32768, checkpointing=True, dtype=torch.float32)
     # 16 tiles: the post-attention block's tile holds its MLP's whole graph (generic path)
-    norms = estimate_step(cfg, stack="tiled_mlp_loss_offload_norms", num_tiles=16, **kw)
-    layer = estimate_step(cfg, stack="tiled_layer", num_tiles=16, **kw)
+    norms = estimate_step(cfg, step, stack_patch("tiled_mlp_loss_offload_norms", 16))
+    layer = estimate_step(cfg, step, stack_patch("tiled_layer", 16))
     assert norms.breakdown["recompute"] > layer.breakdown["recompute"] > 0
     assert norms.peak > layer.peak
 
@@ -183,22 +178,25 @@ def test_the_tiled_loss_holds_nothing_through_the_layers_backward() -> None:
     # the sequence's size.
     cfg = _config(num_attention_heads=2, num_key_value_heads=1)
     seq = 32768
-    est = estimate_step(
-        cfg, seq_len=seq, checkpointing=True, dtype=torch.float32,
-        stack="tiled_mlp_loss_offload_norms", num_tiles=16,
-    )  # fmt: skip
+    step = StepSpec(seq_len=seq, checkpointing=True, dtype=torch.float32)
+    est = estimate_step(cfg, step, stack_patch("tiled_mlp_loss_offload_norms", 16))
     assert est.breakdown["recompute"] > 0
     assert est.breakdown["loss"] < seq * cfg.hidden_size * 4
 
 
 def test_max_seq_len_is_the_longest_that_fits() -> None:
     cfg = _config()
-    kw: dict[str, Any] = {"stack": "tiled_mlp_loss_offload", "num_tiles": TILES}
-    budget = estimate_step(cfg, seq_len=20_000, **kw).peak
+    patch = stack_patch("tiled_mlp_loss_offload", TILES)
+
+    def peak(n: int) -> int:
+        return estimate_step(cfg, StepSpec(seq_len=n), patch).peak
+
+    budget = peak(20_000)
+    kw: dict[str, Any] = {"step": StepSpec(seq_len=20_000), "patch": patch}
     n = max_seq_len(cfg, budget, granularity=512, **kw)
     assert n % 512 == 0 and 19_000 < n <= 20_000
-    assert estimate_step(cfg, seq_len=n, **kw).peak <= budget
-    assert estimate_step(cfg, seq_len=n + 512, **kw).peak > budget
+    assert peak(n) <= budget
+    assert peak(n + 512) > budget
     assert max_seq_len(cfg, 1, **kw) == 0
 
 
@@ -289,9 +287,11 @@ def test_sequence_parallel_plan_is_the_local_step_plus_the_all_to_all() -> None:
         # 4 query heads, 4 or 2 key/value heads over P = 4 (2: K/V repeated to 4 heads before
         # the exchange, so a GPU holds more of them than the local step)
         config = _config(num_key_value_heads=kv)
-        one = plan_model(config, seq_len=512, dtype=torch.float32, stacks=stacks)
+        one = plan_model(config, StepSpec(seq_len=512, dtype=torch.float32), stacks=stacks)
         split = plan_model(
-            config, seq_len=2048, dtype=torch.float32, stacks=stacks, sequence_parallel_size=4
+            config,
+            StepSpec(seq_len=2048, dtype=torch.float32, sequence_parallel_size=4),
+            stacks=stacks,
         )
         head_dim = config.hidden_size // config.num_attention_heads
         a2a = 2 * 4 * head_dim * 4 * 512  # the largest of q and the repeated k, v: sent + received
@@ -303,11 +303,11 @@ def test_sequence_parallel_plan_is_the_local_step_plus_the_all_to_all() -> None:
             assert got["peak_mib"] > ref["peak_mib"] + a2a / 2**20 + 0.11
     config = _config(num_key_value_heads=2)
     with pytest.raises(ValueError, match="divisible by the sequence-parallel size 4"):
-        plan_model(config, seq_len=2050, stacks=stacks, sequence_parallel_size=4)
+        plan_model(config, StepSpec(seq_len=2050, sequence_parallel_size=4), stacks=stacks)
     with pytest.raises(
         ValueError, match="4 query heads must be divisible by the sequence-parallel size 3"
     ):
-        plan_model(config, seq_len=3 * 512, stacks=stacks, sequence_parallel_size=3)
+        plan_model(config, StepSpec(seq_len=3 * 512, sequence_parallel_size=3), stacks=stacks)
 
 
 @pytest.mark.slow  # a second max_seq_len search
@@ -331,9 +331,12 @@ def test_device_overhead_terms_and_max_seq_len_on_a_card() -> None:
     # every layer simulated: the allocator's reserve is the whole depth's (plan_model does so)
     # (the reserve replayed under the same allocator setting as `cuda`'s: without expandable
     # segments)
-    kw: dict[str, Any] = {"stack": "tiled_mlp_loss_offload", "num_tiles": TILES, "exact": True,
-                          "expandable_segments": False}  # fmt: skip
-    est = estimate_step(cfg, seq_len=8192, **kw)
+    patch = stack_patch("tiled_mlp_loss_offload", TILES)
+
+    def at(n: int) -> StepSpec:
+        return StepSpec(seq_len=n, expandable_segments=False)
+
+    est = estimate_step(cfg, at(8192), patch, exact=True)
     assert est.reserve > 0  # a step's tensors change size: the allocator holds more
 
     # a full card: the blocks held for the offloader's copies come back (est.reclaimable)
@@ -341,10 +344,11 @@ def test_device_overhead_terms_and_max_seq_len_on_a_card() -> None:
         return int(e.peak + cuda.total(e.full_card_reserve, e.attention))
 
     card = full(est)
+    kw: dict[str, Any] = {"step": at(8192), "patch": patch, "exact": True}
     n = max_seq_len(cfg, card, granularity=512, overhead=cuda, **kw)
     assert 7_500 < n <= 8192
     for length, fits in ((n, True), (n + 512, False)):
-        assert (full(estimate_step(cfg, seq_len=length, **kw)) <= card) is fits
+        assert (full(estimate_step(cfg, at(length), patch, exact=True)) <= card) is fits
     # without the overhead the same card would be said to hold more
     assert max_seq_len(cfg, card, granularity=512, **kw) > n
 

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from tiledmlp.config.plan import StepSpec
 from tiledmlp.plan import search
 from tiledmlp.plan.sim.segments import StepEstimate
 
@@ -27,14 +28,14 @@ def _search(
     """max_seq_len with estimate_step answering f(tokens); the lengths it estimated."""
     calls: list[int] = []
 
-    def estimate(_config: Any, *, seq_len: int, **_options: Any) -> Any:
-        calls.append(seq_len)
-        return StepEstimate(f(seq_len), {}, checkpointing=False)
+    def estimate(_config: Any, step: StepSpec, _patch: Any, **_options: Any) -> Any:
+        calls.append(step.seq_len)
+        return StepEstimate(f(step.seq_len), {}, checkpointing=False)
 
     monkeypatch.setattr(search, "estimate_step", estimate)
     known = {} if hint is None else {hint: f(hint)}  # the planned length, estimated before
-    got = search.max_seq_len(None, budget, stack="untiled", granularity=G, hint=hint,
-                             known_peaks=known)  # fmt: skip
+    got = search.max_seq_len(None, budget, step=StepSpec(seq_len=G), patch=None, granularity=G,
+                             hint=hint, known_peaks=known)  # fmt: skip
     return got, calls
 
 
@@ -100,16 +101,17 @@ def test_a_reserve_off_the_line_still_gives_a_verified_answer(monkeypatch, seed:
     noise = {n: rng.randint(0, GiB // 2) for n in range(1, LIMIT + 2)}
     budget = int(79.2 * GiB)
 
-    def estimate(_config: Any, *, seq_len: int, **options: Any) -> Any:
+    def estimate(_config: Any, step: StepSpec, _patch: Any, **options: Any) -> Any:
         assert options["full_card"]  # one replay: a full card's
-        return StepEstimate(f(seq_len), {}, False, reserve=noise[seq_len // G], attention=seq_len)
+        n = step.seq_len
+        return StepEstimate(f(n), {}, False, reserve=noise[n // G], attention=n)
 
     def step(n: int) -> int:
         return f(n * G) + overhead.total(noise[n], n * G)
 
     monkeypatch.setattr(search, "estimate_step", estimate)
-    got = search.max_seq_len(None, budget, stack="untiled", granularity=G, hint=131072,
-                             fixed_bytes=f(0) // 2, overhead=overhead,
+    got = search.max_seq_len(None, budget, step=StepSpec(seq_len=G), patch=None, granularity=G,
+                             hint=131072, fixed_bytes=f(0) // 2, overhead=overhead,
                              known_peaks={}, known_reserves={})  # fmt: skip
     n = got // G
     assert n >= 1 and step(n) <= budget and (n == LIMIT or step(n + 1) > budget)

@@ -10,6 +10,8 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from tiledmlp.config.plan import StepSpec
+from tiledmlp.config.stacks import stack_patch
 from tiledmlp.plan.estimate import estimate_step
 from tiledmlp.plan.layer import load_config
 from tiledmlp.plan.sim import fake_memory
@@ -64,8 +66,8 @@ def test_a_planned_step_is_the_same_without_the_shortcut(
     monkeypatch: pytest.MonkeyPatch, stack: str
 ) -> None:
     config = load_config("tiny")
-    options: dict[str, Any] = {"seq_len": 2048, "stack": stack, "checkpointing": True,
-                               "optimizer": "adamw", "num_tiles": 4}  # fmt: skip
-    fast = estimate_step(config, **options)
+    step = StepSpec(seq_len=2048, checkpointing=True, optimizer="adamw")
+    patch = stack_patch(stack, 4)
+    fast = estimate_step(config, step, patch)
     monkeypatch.setattr(fake_memory, "written_out", lambda *_: None)
-    assert estimate_step(config, **options) == fast
+    assert estimate_step(config, step, patch) == fast

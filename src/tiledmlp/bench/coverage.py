@@ -38,7 +38,7 @@ from tiledmlp.bench.coverage_build import (
     clone,
 )
 from tiledmlp.bench.coverage_table import COLUMNS, RECORDS, load, table, write_page
-from tiledmlp.config.stacks import STACK_OPTIONS
+from tiledmlp.config.stacks import stack_keywords
 
 __all__ = ["POPULAR", "RECORDS", "STACKS", "load", "run_architecture", "run_coverage"]
 
@@ -46,7 +46,7 @@ __all__ = ["POPULAR", "RECORDS", "STACKS", "load", "run_architecture", "run_cove
 def _without_offloading(stack: str) -> dict[str, Any]:
     """A named stack's options (config/stacks.py) without activation offloading, which needs
     the model's gradient checkpointing and changes no value."""
-    options = STACK_OPTIONS[stack]
+    options = stack_keywords(stack)
     assert options is not None
     return {k: v for k, v in options.items() if k != "activation_offloading"}
 

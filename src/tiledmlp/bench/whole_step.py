@@ -41,7 +41,7 @@ import torch
 from tiledmlp.allocator import allocator_setting, prefer_expandable_segments
 from tiledmlp.bench.device import others_on_device_bytes
 from tiledmlp.bench.peak_memory import TensorAddresses, categorise_peak
-from tiledmlp.config.stacks import STACK_OPTIONS, STACKS
+from tiledmlp.config.stacks import STACK_PATCHES, STACKS
 from tiledmlp.models.build import build_causal_lm, llama_config
 from tiledmlp.patching import patch_model
 from tiledmlp.patching.features.activation_offloading import enable_checkpointing
@@ -118,7 +118,7 @@ def _peak_by_category(model: Any, device: torch.device) -> dict[str, Any]:
 
 def measure_whole_step(job: StepJob) -> dict[str, Any]:
     """Measures `job` in this process; returns its record."""
-    if job.stack not in STACK_OPTIONS:
+    if job.stack not in STACK_PATCHES:
         raise ValueError(f"unknown stack {job.stack!r}; expected one of {STACKS}")
     device = torch.device(job.device)
     dtype = getattr(torch, job.dtype)
@@ -201,9 +201,9 @@ def ready_for_step(model: Any, job: StepJob, vocab_size: int) -> torch.Tensor:
     checkpointing, patched for the stack; returns the step's tokens (the same on every
     device)."""
     enable_checkpointing(model)
-    options = STACK_OPTIONS[job.stack]
-    if options is not None:
-        patch_model(model, None, **options)
+    patch = STACK_PATCHES[job.stack]
+    if patch is not None:
+        patch_model(model, patch)
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, vocab_size, (1, job.seq_len), generator=gen)
     return ids.to(torch.device(job.device))

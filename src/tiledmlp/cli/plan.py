@@ -223,16 +223,23 @@ def _shape(args: PlanArgs) -> tuple[Any, int, int]:
 
 def _plan_model(args: PlanArgs, config: Any, dtype: Any) -> dict[str, Any]:
     """The decoder layer's and the whole model's figures (the keys --model adds to the JSON)."""
+    from tiledmlp.config.plan import StepSpec
     from tiledmlp.plan.layer import RoutedExperts, plan_layer
 
+    step = StepSpec(
+        seq_len=args.seq_len,
+        dtype=dtype,
+        checkpointing=args.gradient_checkpointing,
+        optimizer=args.optimizer,
+        num_tiles=args.num_tiles,
+        device_type=args.device,
+        sequence_parallel_size=args.sequence_parallel_size,
+        engine=args.engine,
+        offload_params=args.offload_params,
+        expandable_segments=args.expandable_segments,
+    )
     try:
-        layer = plan_layer(
-            config,
-            seq_len=args.seq_len,
-            dtype=dtype,
-            num_tiles=args.num_tiles,
-            device_type=args.device,
-        )
+        layer = plan_layer(config, step)
     except RoutedExperts:  # one layer's figures are for dense MLPs; the step plans the experts
         model_type = getattr(config.get_text_config(), "model_type", "")
         layer = {"model_type": model_type, "tiles": None, "regular_mib": None,
@@ -241,17 +248,8 @@ def _plan_model(args: PlanArgs, config: Any, dtype: Any) -> dict[str, Any]:
 
     known_peaks: dict[str, dict[int, int]] = {}
     options = dict(
-        seq_len=args.seq_len,
-        dtype=dtype,
-        checkpointing=args.gradient_checkpointing,
-        optimizer=args.optimizer,
-        num_tiles=args.num_tiles,
+        step=step,
         budget_bytes=None if args.memory_gb is None else int(args.memory_gb * 2**30),
-        device_type=args.device,
-        sequence_parallel_size=args.sequence_parallel_size,
-        engine=args.engine,
-        offload_params=args.offload_params,
-        expandable_segments=args.expandable_segments,
         processes=None,  # the stacks in parallel, one process per CPU (plan/forked.py)
         stacks=STACKS if args.stacks is None else args.stacks,
     )

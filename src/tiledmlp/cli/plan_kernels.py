@@ -17,6 +17,7 @@ plans exactly what planning with cuDNN plans.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -73,11 +74,11 @@ def plan_with_kernels(
         why = unusable(choice, _shape(config, args.seq_len, itemsize), device, dtype)
         if why is not None:
             raise UsageError(f"--attention-kernel {choice}: {why}; use auto or another kernel")
-        return plan(config, attention_kernel=choice, **kwargs)
-    stacks = plan(config, attention_kernel="cudnn", **kwargs)
+        return plan(config, **_with_kernel(kwargs, choice))
+    stacks = plan(config, **_with_kernel(kwargs, "cudnn"))
     if kwargs.get("budget_bytes") is None or device != "cuda":
         return stacks
-    p = kwargs.get("sequence_parallel_size", 1)
+    p = kwargs["step"].sequence_parallel_size
     for name, entry in stacks.items():
         longest = entry.get("max_seq_len")
         if not longest:
@@ -92,7 +93,7 @@ def plan_with_kernels(
         by_kernel = {"cudnn": longest}
         best, best_entry = "cudnn", entry
         for kernel in smaller:
-            other = plan(config, attention_kernel=kernel, **{**kwargs, "stacks": (name,)})[name]
+            other = plan(config, **{**_with_kernel(kwargs, kernel), "stacks": (name,)})[name]
             by_kernel[kernel] = other.get("max_seq_len", 0)
             if by_kernel[kernel] > by_kernel[best]:
                 best, best_entry = kernel, other
@@ -100,3 +101,8 @@ def plan_with_kernels(
         if len(by_kernel) > 1:
             stacks[name]["max_seq_len_by_kernel"] = by_kernel
     return stacks
+
+
+def _with_kernel(kwargs: dict[str, Any], kernel: str) -> dict[str, Any]:
+    """plan_model's keyword arguments with the step planned for attention `kernel`."""
+    return {**kwargs, "step": dataclasses.replace(kwargs["step"], attention_kernel=kernel)}

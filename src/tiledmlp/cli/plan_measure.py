@@ -90,6 +90,8 @@ def measure_stacks(
 ) -> None:
     """Adds "measured" to each stack's entry of `stacks` (plan_model's answer); the second
     search reuses plan_model's estimates (`known_peaks`, per stack)."""
+    from tiledmlp.config.plan import StepSpec
+    from tiledmlp.config.stacks import stack_patch
     from tiledmlp.plan.device_overhead import device_overhead
     from tiledmlp.plan.estimate import estimate_step
     from tiledmlp.plan.layer import cut_config
@@ -110,10 +112,10 @@ def measure_stacks(
         points = []
         for n in args.measure_lengths:
             measured = next(measured_bytes)
-            tiles: Any = args.num_tiles  # a TilePolicy, which estimate_step takes as it is
-            sim = estimate_step(cut, seq_len=n, stack=stack, dtype=dtype, checkpointing=True,
-                                num_tiles=tiles, exact=True, device_type=args.device,
-                                expandable_segments=args.expandable_segments)  # fmt: skip
+            at = StepSpec(seq_len=n, dtype=dtype, checkpointing=True, num_tiles=args.num_tiles,
+                          device_type=args.device,
+                          expandable_segments=args.expandable_segments)  # fmt: skip
+            sim = estimate_step(cut, at, stack_patch(stack, args.num_tiles), exact=True)
             card = sim.peak + overhead.total(sim.reserve, sim.attention)  # cards with room
             points.append(MeasuredPoint(n, measured, card))
         correction = fit_correction(points)
@@ -121,18 +123,19 @@ def measure_stacks(
         per_gpu = int(entry["per_gpu_mib"] * MiB)
         measured_entry["per_gpu_mib"] = round((per_gpu + correction.at(args.seq_len)) / MiB, 1)
         if "max_seq_len" in entry:
-            options = {"dtype": dtype, "checkpointing": True, "num_tiles": args.num_tiles,
-                       "device_type": args.device, "optimizer": args.optimizer}  # fmt: skip
+            step = StepSpec(seq_len=args.seq_len, dtype=dtype, checkpointing=True,
+                            num_tiles=args.num_tiles, device_type=args.device,
+                            optimizer=args.optimizer)  # fmt: skip
             measured_entry.update(
                 measured_max_seq_len(
                     config,
                     int((args.memory_gb or 0) * 2**30),  # max_seq_len: --memory-gb's search
                     correction,
-                    stack=stack,
+                    step=step,
+                    patch=stack_patch(stack, args.num_tiles),
                     overhead=overhead,
                     simulated=entry["max_seq_len"],
                     known_peaks=None if known_peaks is None else known_peaks.get(stack),
-                    **options,
                 )
             )
             entry["max_seq_len"] = measured_entry["max_seq_len"]

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tiledmlp.config.stacks import STACKS, stack_option
+from tiledmlp.config.stacks import STACK_PATCHES, STACKS, stack_of
 from tiledmlp.train.launch import Launch
 from tiledmlp.train.options import TrainOptions
 
@@ -164,17 +164,14 @@ def _stack(opts: TrainOptions) -> str:
     """The planner's stack that this run's features are."""
     from tiledmlp.config.patch import FEATURES
 
-    patch = opts.patch
-    if patch is None:
-        return "untiled"
-    on = {f for f in FEATURES if getattr(patch, f)}
-    for stack in STACKS:
-        if on == {f for f in FEATURES if stack_option(stack, f)}:
-            return stack
-    raise _Skip(
-        f"the planner knows the stacks {', '.join(STACKS)}; this run's features "
-        f"({', '.join(sorted(on))}) are not one of them"
-    )
+    stack = stack_of(opts.patch)
+    if stack is None:
+        on = {f for f in FEATURES if getattr(opts.patch, f)}
+        raise _Skip(
+            f"the planner knows the stacks {', '.join(STACKS)}; this run's features "
+            f"({', '.join(sorted(on))}) are not one of them"
+        )
+    return stack
 
 
 def _options(opts: TrainOptions, launch: Launch) -> dict[str, Any]:
@@ -182,6 +179,7 @@ def _options(opts: TrainOptions, launch: Launch) -> dict[str, Any]:
     import torch
 
     from tiledmlp.allocator import allocator_setting
+    from tiledmlp.config.plan import StepSpec
     from tiledmlp.ops.tiling.policy import TilePolicy
 
     if opts.dtype == "float16":
@@ -199,19 +197,20 @@ def _options(opts: TrainOptions, launch: Launch) -> dict[str, Any]:
             f"the planner shards over the {p} GPU(s) the sequence is split over; this run "
             f"shards over {launch.world}"
         )
-    return {
-        "seq_len": opts.seq_len,
-        "dtype": getattr(torch, opts.dtype),
-        "checkpointing": opts.gradient_checkpointing,
-        "optimizer": optimizer,
-        "num_tiles": opts.patch.tiles if opts.patch is not None else TilePolicy(),
-        "device_type": "cuda" if launch.cuda else "cpu",
-        "sequence_parallel_size": p,
-        "engine": engine,
-        "offload_params": offload,
-        "expandable_segments": "expandable_segments:True"
+    step = StepSpec(
+        seq_len=opts.seq_len,
+        dtype=getattr(torch, opts.dtype),
+        checkpointing=opts.gradient_checkpointing,
+        optimizer=optimizer,
+        num_tiles=opts.patch.tiles if opts.patch is not None else TilePolicy(),
+        device_type="cuda" if launch.cuda else "cpu",
+        sequence_parallel_size=p,
+        engine=engine,
+        offload_params=offload,
+        expandable_segments="expandable_segments:True"
         in allocator_setting()["value"].replace(" ", ""),
-    }
+    )
+    return {"step": step}
 
 
 def _deepspeed(opts: TrainOptions) -> tuple[str, str, bool]:
@@ -332,9 +331,7 @@ def _refusal(
         request.stack: need,
         **{s: _needs(e, launch, free_read)[0] for s, e in planned.items()},
     }
-    candidates = [
-        s for s in needs if launch.cuda or not stack_option(s, "activation_offloading")
-    ] or [request.stack]
+    candidates = [s for s in needs if launch.cuda or not _offloads(s)] or [request.stack]
     least = min(candidates, key=lambda s: needs[s])
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     budget = memory if launch.cuda else memory // max(1, local)
@@ -354,3 +351,9 @@ def _refusal(
 
 def _flags(flags: list[str]) -> str:
     return " ".join(flags) if flags else "the default tiling"
+
+
+def _offloads(stack: str) -> bool:
+    """Whether the named `stack` offloads activations to the host."""
+    patch = STACK_PATCHES[stack]
+    return patch is not None and patch.activation_offloading

@@ -1,9 +1,9 @@
 """What turns a planner's stack on, in each place a user can: `tiledmlp train` flags, a
-`patch_model(...)` call and axolotl's keys, derived from the stack's options
+`patch_model(...)` call and axolotl's keys, derived from the stack's PatchConfig
 (config/stacks.py) and the option schema (config/schema.py), never written out per stack.
 
 Invariant: the flags given to `tiledmlp train` (on its defaults) turn on exactly the stack's
-features; the call and the keys set exactly STACK_OPTIONS[stack].
+features; the call and the keys set exactly stack_keywords(stack).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 
 from tiledmlp.config.patch import FEATURES, PatchConfig
 from tiledmlp.config.schema import option_of
-from tiledmlp.config.stacks import STACK_OPTIONS, stack_option
+from tiledmlp.config.stacks import STACK_PATCHES, stack_keywords
 
 __all__ = ["axolotl_keys", "patch_call", "train_flags"]
 
@@ -30,13 +30,14 @@ def train_flags(stack: str) -> list[str]:
     tiled loss); checkpointing is added where the stack offloads (it needs it)."""
     from tiledmlp.train.defaults import DEFAULT_PATCH
 
-    if STACK_OPTIONS[stack] is None:
+    patch = STACK_PATCHES[stack]
+    if patch is None:
         return [f"--{_our_key('tiled_mlp').replace('_', '-')}", "false"]
     flags: list[str] = []
-    if stack_option(stack, "activation_offloading"):
+    if patch.activation_offloading:
         flags.append("--gradient-checkpointing")
     for field in FEATURES:
-        want, default = stack_option(stack, field), bool(getattr(DEFAULT_PATCH, field))
+        want, default = bool(getattr(patch, field)), bool(getattr(DEFAULT_PATCH, field))
         if want != default:
             flags += [f"--{_our_key(field).replace('_', '-')}"] + ([] if want else ["false"])
     return flags
@@ -44,7 +45,7 @@ def train_flags(stack: str) -> list[str]:
 
 def patch_call(stack: str, extra: dict[str, Any] | None = None) -> str:
     """`patch_model(model, ...)` with the stack's keywords (and `extra`); '' for "untiled"."""
-    options = STACK_OPTIONS[stack]
+    options = stack_keywords(stack)
     if options is None:
         return ""
     kwargs = {**options, **(extra or {})}
@@ -53,12 +54,12 @@ def patch_call(stack: str, extra: dict[str, Any] | None = None) -> str:
 
 def axolotl_keys(stack: str) -> list[str]:
     """The axolotl config lines (the tiledmlp plugin's keys) of `stack`; [] for "untiled"."""
-    options = STACK_OPTIONS[stack]
+    options = stack_keywords(stack)
     if options is None:
         return []
     lines = ["plugins: [tiledmlp.integrations.axolotl.TiledMLPPlugin]", "tiledmlp: true"] + [
         f"tiledmlp_{k}: {str(v).lower()}" for k, v in options.items()
     ]
-    if stack_option(stack, "activation_offloading"):
+    if options.get("activation_offloading"):
         lines.append("gradient_checkpointing: true")
     return lines

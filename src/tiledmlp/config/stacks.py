@@ -1,41 +1,74 @@
 """The named stacks of features that the planner predicts and the measurement suite measures.
 
-Each stack adds one feature to the one before it; `STACK_OPTIONS` holds the `patch_model`
-keywords that turn a stack on (None: the model is left unpatched).
+Each stack adds one feature to the one before it; `STACK_PATCHES` holds the PatchConfig that
+turns a stack on (None: the model is left unpatched), at the default tile policy
+(`stack_patch` gives it another). The names are public: the planner's JSON keys and the CLI's
+`--stacks` values.
 
-Invariant: the planner and the suite use these names and options alone, so a prediction and its
+Invariant: the planner and the suite use these names and configs alone, so a prediction and its
 measurement always describe the same model.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
 
-__all__ = ["STACKS", "STACK_OPTIONS", "stack_option"]
+from tiledmlp.config.patch import FEATURES, PatchConfig
+from tiledmlp.ops.tiling.policy import TilePolicy
 
-STACK_OPTIONS: dict[str, dict[str, Any] | None] = {
+__all__ = ["STACKS", "STACK_PATCHES", "stack_keywords", "stack_of", "stack_patch"]
+
+STACK_PATCHES: dict[str, PatchConfig | None] = {
     "untiled": None,
-    "tiled_mlp": {},
-    "tiled_mlp_loss": {"tiled_loss": True},
-    "tiled_mlp_loss_offload": {"tiled_loss": True, "activation_offloading": True},
-    "tiled_mlp_loss_offload_norms": {
-        "tiled_loss": True,
-        "activation_offloading": True,
-        "tiled_norms": True,
-    },
-    "tiled_layer": {
-        "tiled_loss": True,
-        "activation_offloading": True,
-        "tiled_norms": True,
-        "tiled_layers": True,
-    },
+    "tiled_mlp": PatchConfig(),
+    "tiled_mlp_loss": PatchConfig(tiled_loss=True),
+    "tiled_mlp_loss_offload": PatchConfig(tiled_loss=True, activation_offloading=True),
+    "tiled_mlp_loss_offload_norms": PatchConfig(
+        tiled_loss=True, activation_offloading=True, tiled_norms=True
+    ),
+    "tiled_layer": PatchConfig(
+        tiled_loss=True, activation_offloading=True, tiled_norms=True, tiled_layers=True
+    ),
 }
-STACKS: tuple[str, ...] = tuple(STACK_OPTIONS)
+STACKS: tuple[str, ...] = tuple(STACK_PATCHES)
 
 
-def stack_option(stack: str, name: str) -> bool:
-    """Whether `stack` turns on the patch_model option `name` ("tiled_mlp": any patched stack)."""
-    options = STACK_OPTIONS[stack]
-    if options is None:
-        return False
-    return name == "tiled_mlp" or bool(options.get(name, False))
+def _features(patch: PatchConfig | None) -> frozenset[str]:
+    return frozenset() if patch is None else frozenset(f for f in FEATURES if getattr(patch, f))
+
+
+# the features in the order the stacks add them (each stack's one more), tiled_mlp first
+_ADDED: tuple[str, ...] = tuple(
+    dict.fromkeys(f for p in STACK_PATCHES.values() for f in FEATURES if f in _features(p))
+)
+
+
+def stack_patch(stack: str, num_tiles: int | str | TilePolicy = "auto") -> PatchConfig | None:
+    """The PatchConfig of the named `stack` with the tile policy `num_tiles` (None: untiled).
+
+    Raises:
+        ValueError: an unknown stack name, or a bad tile policy (TilePolicy.of).
+    """
+    if stack not in STACK_PATCHES:
+        raise ValueError(f"stack must be one of {', '.join(STACKS)}, got {stack!r}")
+    patch = STACK_PATCHES[stack]
+    if patch is None:
+        return None
+    return dataclasses.replace(patch, tiles=TilePolicy.of(num_tiles))
+
+
+def stack_of(patch: PatchConfig | None) -> str | None:
+    """The name of the stack whose features `patch` turns on ("untiled" for None, or for a
+    patch with no feature on), or None where no named stack has them."""
+    on = _features(patch)
+    return next((s for s, p in STACK_PATCHES.items() if _features(p) == on), None)
+
+
+def stack_keywords(stack: str) -> dict[str, bool] | None:
+    """The patch_model keywords that turn `stack` on over patch_model's defaults (the tiled
+    MLPs are on by default), in the order the stacks add them; None for "untiled". For text
+    that spells a stack out: a `patch_model(...)` call, a framework's keys."""
+    patch = STACK_PATCHES[stack]
+    if patch is None:
+        return None
+    return {f: True for f in _ADDED if f != "tiled_mlp" and getattr(patch, f)}

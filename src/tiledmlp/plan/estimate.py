@@ -3,8 +3,8 @@
 Two short simulations (fake_step.py) are extrapolated to the model's depth (segments.py); a
 sharding engine's own memory (engines.py) is added.
 
-Invariant: the estimate depends only on the config's shapes, the sequence length, the dtype,
-the stack and its options.
+Invariant: the estimate depends only on the config's shapes, the step (config/plan.py's
+StepSpec) and the features applied (a PatchConfig, or None for the untiled model).
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from tiledmlp.config.stacks import STACKS, stack_option
+from tiledmlp.config.patch import PatchConfig
+from tiledmlp.config.plan import OPTIMIZERS, StepSpec
 from tiledmlp.plan.apply_stack import build_model, decoder_layers_of
 from tiledmlp.plan.engines import ParamCounts, check_engine, engine_memory
 from tiledmlp.plan.sim.fake_step import simulate
@@ -24,30 +25,18 @@ from tiledmlp.plan.sim.segments import SHORT, Segments, StepEstimate, extrapolat
 
 __all__ = ["OPTIMIZERS", "estimate_step", "param_counts"]
 
-OPTIMIZERS = ("none", "adamw", "cpu-offload")
-
 
 def estimate_step(
     config: Any,
+    step: StepSpec,
+    patch: PatchConfig | None,
     *,
-    seq_len: int,
-    stack: str,
-    dtype: torch.dtype = torch.bfloat16,
-    checkpointing: bool = False,
-    optimizer: str = "none",
-    num_tiles: int | str = "auto",
     exact: bool = False,
     whole: bool = False,
-    device_type: str = "cuda",
-    engine: str = "ddp",
-    world: int = 1,
-    offload_params: bool = False,
-    sequence_parallel_size: int = 1,
-    expandable_segments: bool = True,
     full_card: bool = False,
-    attention_kernel: str = "cudnn",
 ) -> StepEstimate:
-    """Peak device memory of one training step of `stack` on one GPU (see the module docstring).
+    """Peak device memory of one training `step` with the features of `patch` (None: the
+    model untiled) on one GPU (see the module docstring).
 
     A model's decoder layers are alike, so what is alive at any moment of the step grows
     affinely with their number, and in the backward it changes by the same amount from one
@@ -59,59 +48,46 @@ def estimate_step(
     instead (what the tests compare the extrapolation with); `whole=True` counts every layer
     too, the layers beyond 5 built from the 5 layers' record where it shows them (deeper.py:
     the same figures as `exact`, at the cost of one short simulation). Under a sharding
-    `engine` ("zero3", "fsdp2") over `world` GPUs, the parameters, gradients and optimizer
-    states are the engine's (plan/engines.py) instead of whole ones. With
-    `sequence_parallel_size` P > 1, `seq_len` is one GPU's share and its attention runs on the
-    whole sequence's shapes (plan/sim/exchange.py).
-    `expandable_segments`: the CUDA caching allocator's setting whose reserve the estimate
-    carries (plan/sim/caching_allocator.py). `full_card=True`: only what a card with no room left
-    holds is replayed (`full_card_reserve`, as without it; nothing `reclaimable`): what a search
-    for the longest sequence needs, at one replay of the allocator instead of two.
-    `attention_kernel`: the kernel whose backward buffers a GPU's attention calls get
-    ("cudnn", SDPA's choice on Hopper; ops/attention/buffers.py).
+    engine (`step.engine` "zero3", "fsdp2") over `step.world` GPUs, the parameters, gradients
+    and optimizer states are the engine's (plan/engines.py) instead of whole ones. With
+    `step.sequence_parallel_size` P > 1, `step.seq_len` is one GPU's share and its attention
+    runs on the whole sequence's shapes (plan/sim/exchange.py). `step.expandable_segments`:
+    the CUDA caching allocator's setting whose reserve the estimate carries
+    (plan/sim/caching_allocator.py). `full_card=True`: only what a card with no room left
+    holds is replayed (`full_card_reserve`, as without it; nothing `reclaimable`): what a
+    search for the longest sequence needs, at one replay of the allocator instead of two.
 
     Raises:
-        ValueError: an unknown stack, optimizer or engine, or options the engine cannot
-            combine; a model that cannot be planned (see layer.py: SDPA attention and dense
-            MLPs only).
+        ValueError: an engine and options it cannot combine; a model that cannot be planned
+            (see layer.py: SDPA attention and dense MLPs only).
     """
-    if stack not in STACKS:
-        raise ValueError(f"stack must be one of {', '.join(STACKS)}, got {stack!r}")
-    if optimizer not in OPTIMIZERS:
-        raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {optimizer!r}")
-    check_engine(engine, offload_params=offload_params, optimizer=optimizer)
-    sharded = engine != "ddp"
+    check_engine(step.engine, offload_params=step.offload_params, optimizer=step.optimizer)
+    simulated = dataclasses.replace(
+        step,
+        # activation offloading needs checkpointing and turns it on
+        checkpointing=step.checkpointing or (patch is not None and patch.activation_offloading),
+        optimizer="none" if step.sharded else step.optimizer,  # the engine's: engines.py
+    )
+    # repeated tiles run once; the allocator replays the loops' whole trace, rebuilt
     run = functools.partial(
-        simulate,
-        config,
-        seq_len=seq_len,
-        stack=stack,
-        dtype=dtype,
-        checkpointing=checkpointing or stack_option(stack, "activation_offloading"),
-        optimizer="none" if sharded else optimizer,  # the engine's optimizer: engines.py
-        num_tiles=num_tiles,
-        device_type=device_type,
-        sharded=sharded,
-        sequence_parallel_size=sequence_parallel_size,
-        # repeated tiles run once; the allocator replays the loops' whole trace, rebuilt
-        cut_tiles=True,
-        expandable_segments=expandable_segments,
-        full_card=full_card,
-        attention_kernel=attention_kernel,
+        simulate, config, step=simulated, patch=patch, cut_tiles=True, full_card=full_card
     )
     depth = int(config.get_text_config().num_hidden_layers)
     if whole and not exact:
         run = functools.partial(run, build_from=SHORT)
     est = _simulated(run, depth, exact or whole)
-    if not sharded:
-        return est
+    return _with_engine(config, step, est) if step.sharded else est
+
+
+def _with_engine(config: Any, step: StepSpec, est: StepEstimate) -> StepEstimate:
+    """`est` with a sharding engine's own device memory added (plan/engines.py)."""
     held = engine_memory(
-        engine,
+        step.engine,
         param_counts(config),
-        world=world,
-        elem=torch.empty((), dtype=dtype).element_size(),
-        optimizer=optimizer,
-        offload_params=offload_params,
+        world=step.world,
+        elem=torch.empty((), dtype=step.dtype).element_size(),
+        optimizer=step.optimizer,
+        offload_params=step.offload_params,
     ).device
     breakdown = {k: est.breakdown.get(k, 0) + v for k, v in held.items()}
     return StepEstimate(

@@ -33,6 +33,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from tiledmlp.config.patch import PatchConfig
+from tiledmlp.config.plan import StepSpec
 from tiledmlp.ops.mlp.functional import tile_plan
 from tiledmlp.ops.mlp.structure import recognise
 from tiledmlp.ops.tiling.assumed import assume_device
@@ -276,24 +277,17 @@ def _estimate(
     return peak, used
 
 
-def plan_layer(
-    config: Any,
-    *,
-    seq_len: int,
-    dtype: torch.dtype,
-    num_tiles: int | str | TilePolicy = "auto",
-    device_type: str = "cuda",
-) -> dict[str, Any]:
+def plan_layer(config: Any, step: StepSpec) -> dict[str, Any]:
     """Estimated peak MiB of one decoder layer's forward + backward, untiled and with its MLP
     tiled.
 
     Args:
         config: a `transformers` config (e.g. LlamaConfig, Qwen3Config, or a multimodal config
             whose text config is a decoder); only its shapes are used.
-        seq_len: tokens of the single sequence, hidden states (1, seq_len, hidden).
-        dtype: dtype of weights and activations.
-        num_tiles: the MLP's tile policy: a positive int, "auto" or "arctic" (see tiled_mlp).
-        device_type: the device whose "auto" rule to plan for (a GPU by default).
+        step: the step; its `seq_len` (tokens of the single sequence, hidden states
+            (1, seq_len, hidden)), `dtype` (of weights and activations), `num_tiles` (the
+            MLP's tile policy: a positive int, "auto" or "arctic"; see tiled_mlp) and
+            `device_type` (the device whose "auto" rule to plan for) are used.
 
     Returns:
         {"model_type", "hidden", "intermediate", "seq_len", "dtype", "num_tiles",
@@ -303,9 +297,10 @@ def plan_layer(
     Raises:
         ValueError: the config's layer cannot be planned (see the module docstring).
     """
+    seq_len, dtype, num_tiles = step.seq_len, step.dtype, step.num_tiles
     hidden, intermediate = mlp_shape(config)
     regular, _ = _estimate(config, seq_len, dtype, None)
-    tiled, used = _estimate(config, seq_len, dtype, num_tiles, device_type)
+    tiled, used = _estimate(config, seq_len, dtype, num_tiles, step.device_type)
     cfg = config.get_text_config()
     return {
         "model_type": getattr(cfg, "model_type", ""),

@@ -17,6 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from tiledmlp.config.patch import PatchConfig
+from tiledmlp.config.plan import StepSpec
 from tiledmlp.plan.device_overhead import DeviceOverhead
 from tiledmlp.plan.search import max_seq_len
 
@@ -81,7 +83,8 @@ def measured_max_seq_len(
     budget_bytes: int,
     correction: Correction,
     *,
-    stack: str,
+    step: StepSpec,
+    patch: PatchConfig | None,
     overhead: DeviceOverhead | None,
     simulated: int,
     known_peaks: dict[int, int] | None = None,
@@ -98,7 +101,8 @@ def measured_max_seq_len(
     measured = max_seq_len(
         config,
         budget_bytes,
-        stack=stack,
+        step=step,
+        patch=patch,
         hint=simulated or None,
         extra_bytes_per_token=correction.per_token,
         extra_bytes=int(correction.constant),

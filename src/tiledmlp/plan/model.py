@@ -58,21 +58,24 @@ engine keeps there (engines.py: DeepSpeed's float32 master partitions, states an
 partitions; the parameters' shards with "offload_params"). "host_per_node_mib": the same for the
 GPUs of one node (at most 8 of the P).
 
-Invariant: the estimate depends only on the config's shapes, the sequence length, the dtype,
-the stack and its options; no weights are read or downloaded.
+Invariant: the estimate depends only on the config's shapes, the step (config/plan.py's
+StepSpec) and the stack's features; no weights are read or downloaded.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from tiledmlp.config.stacks import STACKS, stack_option
+from tiledmlp.config.patch import PatchConfig
+from tiledmlp.config.plan import StepSpec
+from tiledmlp.config.stacks import STACKS, stack_patch
 from tiledmlp.ops.offloading.host_memory import offload_bytes
-from tiledmlp.ops.tiling.values import check_int
-from tiledmlp.plan.device_overhead import device_overhead
+from tiledmlp.plan.device_overhead import DeviceOverhead, device_overhead
 from tiledmlp.plan.engines import ENGINES, GPUS_PER_NODE, check_engine, engine_memory
 from tiledmlp.plan.estimate import OPTIMIZERS, estimate_step, param_counts
 from tiledmlp.plan.forked import default_processes, run_jobs
@@ -89,6 +92,7 @@ __all__ = [
     "OPTIMIZERS",
     "STACKS",
     "StepEstimate",
+    "StepSpec",
     "estimate_step",
     "host_breakdown",
     "max_seq_len",
@@ -101,39 +105,30 @@ MiB = 2**20
 
 def plan_model(
     config: Any,
+    step: StepSpec,
     *,
-    seq_len: int,
-    dtype: torch.dtype = torch.bfloat16,
-    checkpointing: bool = False,
-    optimizer: str = "none",
-    num_tiles: int | str = "auto",
-    budget_bytes: int | None = None,
     stacks: tuple[str, ...] = STACKS,
+    budget_bytes: int | None = None,
     granularity: int = 1024,
-    device_type: str = "cuda",
-    sequence_parallel_size: int = 1,
-    engine: str = "ddp",
-    offload_params: bool = False,
-    expandable_segments: bool = True,
     known_peaks: dict[str, dict[int, int]] | None = None,
     processes: int | None = 1,
-    attention_kernel: str = "cudnn",
 ) -> dict[str, Any]:
-    """Every stack's peak MiB and breakdown at `seq_len`; with a budget, each stack's longest
-    sequence that fits ("max_seq_len", a multiple of `granularity`). The tile policy resolves
-    as on `device_type` (a GPU by default). With `sequence_parallel_size` P, every figure is
-    per GPU for a sequence of `seq_len` tokens split over P GPUs (module docstring), and
-    "max_seq_len" is the whole sequence's length (a multiple of P x granularity). `engine`
-    "zero3" or "fsdp2" shards the parameters, gradients and optimizer states over the P GPUs
-    (plan/engines.py; "ddp", the default, keeps them whole); `offload_params` keeps the
-    parameters and gradients on the host. `expandable_segments`: the CUDA caching allocator's
-    setting the step will run with (plan/device_overhead.py, Note [Allocator reserve]).
-    `known_peaks`, when given, receives each stack's tensor-level estimates by length, for a
-    later search with the same options (plan/search.py). `processes`: how many processes the
-    stacks are planned in (plan/forked.py: forked, one stack each at a time; the answer is the
-    same); None: one per available CPU where that is safe. `attention_kernel`: the kernel
-    whose backward buffers a GPU's attention calls get ("cudnn", SDPA's choice on Hopper;
-    ops/attention/buffers.py; the CLI's "auto" plans each kernel: cli/plan_kernels.py).
+    """Every named stack's peak MiB and breakdown for `step`; with a budget, each stack's
+    longest sequence that fits ("max_seq_len", a multiple of `granularity`). Each stack is
+    config/stacks.py's PatchConfig with the tile policy `step.num_tiles`, which resolves as on
+    `step.device_type` (a GPU by default). With `step.sequence_parallel_size` P, every figure
+    is per GPU for a sequence of `step.seq_len` tokens split over P GPUs (module docstring),
+    and "max_seq_len" is the whole sequence's length (a multiple of P x granularity). A
+    sharding `step.engine` ("zero3", "fsdp2") shards the parameters, gradients and optimizer
+    states over those P GPUs (plan/engines.py; `step.world` is taken as P; "ddp" keeps them
+    whole). `step.expandable_segments`: the CUDA caching allocator's setting the step will run
+    with (plan/device_overhead.py, Note [Allocator reserve]). `known_peaks`, when given,
+    receives each stack's tensor-level estimates by length, for a later search with the same
+    step (plan/search.py). `processes`: how many processes the stacks are planned in
+    (plan/forked.py: forked, one stack each at a time; the answer is the same); None: one per
+    available CPU where that is safe. `step.attention_kernel`: the kernel whose backward
+    buffers a GPU's attention calls get (the CLI's "auto" plans each kernel:
+    cli/plan_kernels.py).
 
     "peak_mib" is tensor-level; "device_overhead_mib" is what the process holds on the device
     beside the tensors (plan/device_overhead.py, per term in "device_overhead_breakdown_mib";
@@ -147,34 +142,16 @@ def plan_model(
         step, and of one node's GPUs of this job: module docstring).
 
     Raises:
-        ValueError: seq_len not divisible by sequence_parallel_size, heads that Ulysses
-            cannot split over it, or an engine and options that cannot be combined.
+        ValueError: an unknown stack, seq_len not divisible by sequence_parallel_size, heads
+            that Ulysses cannot split over it, or an engine and options that cannot be combined.
     """
-    p = sequence_parallel_size
-    check_int("sequence_parallel_size", p)
-    check_sequence_divisible(seq_len, p, seq_name="seq_len")
-    check_engine(engine, offload_params=offload_params, optimizer=optimizer)
-    options: dict[str, Any] = {
-        "dtype": dtype,
-        "checkpointing": checkpointing,
-        "optimizer": optimizer,
-        "num_tiles": num_tiles,
-        "device_type": device_type,
-        "engine": engine,
-        "world": p,
-        "offload_params": offload_params,
-        "sequence_parallel_size": p,
-        # on a GPU the allocator's reserve is the whole depth's trace replayed (it follows no
-        # line in the depth: plan/device_overhead.py, Note [Allocator reserve]): every layer
-        # counted, those beyond the first five built from their record (plan/sim/deeper.py), unless
-        # AdamW steps on the device (its requests are not per layer: the line through 5 and 6
-        # layers then); on the CPU there is no reserve, and the peaks follow the line exactly
-        "whole": device_type != "cpu" and not (optimizer == "adamw" and engine == "ddp"),
-        "expandable_segments": expandable_segments,
-        "attention_kernel": attention_kernel,
-    }
+    p = step.sequence_parallel_size
+    check_sequence_divisible(step.seq_len, p, seq_name="seq_len")
+    check_engine(step.engine, offload_params=step.offload_params, optimizer=step.optimizer)
+    patches = {stack: stack_patch(stack, step.num_tiles) for stack in stacks}
+    search = _Search(budget_bytes, granularity, _whole(step))
     jobs = [
-        (config, stack, i, len(stacks), seq_len, p, budget_bytes, granularity, options,
+        (config, stack, patches[stack], i, len(stacks), dataclasses.replace(step, world=p), search,
          {} if known_peaks is None else known_peaks.get(stack, {}))
         for i, stack in enumerate(stacks, 1)
     ]  # fmt: skip
@@ -189,54 +166,100 @@ def plan_model(
     return out
 
 
+def _whole(step: StepSpec) -> bool:
+    """Whether estimate_step counts every layer (`whole`) for `step`: see Note [Whole depth]."""
+    # Note [Whole depth]: on a GPU the allocator's reserve is the whole depth's trace replayed
+    # (it follows no line in the depth: plan/device_overhead.py, Note [Allocator reserve]):
+    # every layer counted, those beyond the first five built from their record
+    # (plan/sim/deeper.py), unless AdamW steps on the device (its requests are not per layer:
+    # the line through 5 and 6 layers then); on the CPU there is no reserve, and the peaks
+    # follow the line exactly.
+    return step.device_type != "cpu" and not (step.optimizer == "adamw" and step.engine == "ddp")
+
+
+@dataclass(frozen=True)
+class _Search:
+    """How plan_model searches each stack's longest sequence: within `budget_bytes` (None: no
+    search), in multiples of `granularity` tokens, with estimate_step's `whole`."""
+
+    budget_bytes: int | None
+    granularity: int
+    whole: bool
+
+
 def _stack_job(
     config: Any,
     stack: str,
+    patch: PatchConfig | None,
     i: int,
     n: int,
-    seq_len: int,
-    p: int,
-    budget_bytes: int | None,
-    granularity: int,
-    options: dict[str, Any],
+    step: StepSpec,
+    search: _Search,
     known: dict[int, int],
 ) -> tuple[dict[str, Any], dict[int, int]]:
     """plan_model's job for one stack (the `i`-th of `n`), in this process or a forked one
     (forked.py): its entry, and `known` with its tensor-level estimates by length added."""
-    logger.info("%s (%d of %d): one step at %s tokens", stack, i, n, f"{seq_len // p:,}")
-    entry = _plan_stack(config, stack, seq_len, p, budget_bytes, granularity, options, known)
+    p = step.sequence_parallel_size
+    logger.info("%s (%d of %d): one step at %s tokens", stack, i, n, f"{step.seq_len // p:,}")
+    entry = _plan_stack(config, stack, patch, step, search, known)
     return entry, known
 
 
 def _plan_stack(
     config: Any,
     stack: str,
-    seq_len: int,
-    p: int,
-    budget_bytes: int | None,
-    granularity: int,
-    options: dict[str, Any],
+    patch: PatchConfig | None,
+    step: StepSpec,
+    search: _Search,
     known: dict[int, int] | None = None,
 ) -> dict[str, Any]:
-    """One stack's entry of plan_model's answer; `known` receives its tensor-level estimates
-    by length (plan/search.py's known_peaks)."""
+    """One stack's entry of plan_model's answer (`step` of the whole sequence); `known`
+    receives its tensor-level estimates by length (plan/search.py's known_peaks)."""
     known = {} if known is None else known
-    local = seq_len // p
-    per_token = _all_to_all_bytes_per_token(config, p, options["dtype"])
-    overhead = device_overhead(options["device_type"], options["attention_kernel"])
-    est = estimate_step(config, seq_len=local, stack=stack, **options)
-    known[local] = est.peak  # the search starts here: not simulated twice
+    p = step.sequence_parallel_size
+    local = dataclasses.replace(step, seq_len=step.seq_len // p)
+    per_token = _all_to_all_bytes_per_token(config, p, step.dtype)
+    overhead = device_overhead(step.device_type, step.attention_kernel)
+    est = estimate_step(config, local, patch, whole=search.whole)
+    known[local.seq_len] = est.peak  # the search starts here: not simulated twice
     # what does not grow with the sequence: the search's first line runs from it to this step
     fixed = sum(v for k, v in est.breakdown.items() if k not in GROWING)
     # what a full device holds beyond the tensors' peak: the attention buffers' share and the
     # reserve, the held blocks taken back before an allocation fails
-    reserves = {local: (est.full_card_reserve, est.attention)}
+    reserves = {local.seq_len: (est.full_card_reserve, est.attention)}
     if p > 1:
-        extra = int(per_token * local)
+        extra = int(per_token * local.seq_len)
         est = StepEstimate(
             est.peak + extra, {**est.breakdown, "all_to_all": extra}, est.checkpointing,
             est.reserve, est.attention, est.reclaimable,
         )  # fmt: skip
+    entry = _device_entry(est, overhead)
+    entry.update(_host_entry(config, local, patch))
+    if search.budget_bytes is not None:
+        logger.info(
+            "%s: searching the longest sequence within %.1f GiB",
+            stack,
+            search.budget_bytes / 2**30,
+        )
+        entry["max_seq_len"] = p * max_seq_len(
+            config,
+            search.budget_bytes,
+            step=local,
+            patch=patch,
+            granularity=search.granularity,
+            hint=local.seq_len,
+            fixed_bytes=fixed,
+            extra_bytes_per_token=per_token,
+            overhead=overhead,
+            known_peaks=known,
+            known_reserves=reserves,
+            whole=search.whole,
+        )
+    return entry
+
+
+def _device_entry(est: StepEstimate, overhead: DeviceOverhead) -> dict[str, Any]:
+    """A stack's device figures: the estimate's and the overhead's on a full card."""
     # the card's figure when it is full: the held blocks come back (reclaimable_mib below)
     beyond = (est.full_card_reserve, est.attention)
     entry = {**est.as_json(), **overhead.as_json(*beyond)}
@@ -244,61 +267,42 @@ def _plan_stack(
     if overhead.replayed and est.reclaimable:
         # held beyond per_gpu_mib for the side stream's copies while the card has room
         entry["reclaimable_mib"] = round(est.reclaimable / MiB, 1)
-    keys = ("dtype", "optimizer", "engine", "world", "offload_params")
-    host = host_breakdown(config, seq_len=local, stack=stack, **{k: options[k] for k in keys})
-    entry["host_peak_mib"] = entry["host_per_gpu_mib"] = round(sum(host.values()) / MiB, 1)
-    entry["host_breakdown_mib"] = {k: round(v / MiB, 1) for k, v in host.items()}
-    entry["host_per_node_mib"] = round(min(p, GPUS_PER_NODE) * sum(host.values()) / MiB, 1)
-    if budget_bytes is not None:
-        logger.info(
-            "%s: searching the longest sequence within %.1f GiB", stack, budget_bytes / 2**30
-        )
-        entry["max_seq_len"] = p * max_seq_len(
-            config,
-            budget_bytes,
-            stack=stack,
-            granularity=granularity,
-            hint=local,
-            fixed_bytes=fixed,
-            extra_bytes_per_token=per_token,
-            overhead=overhead,
-            known_peaks=known,
-            known_reserves=reserves,
-            **options,
-        )
     return entry
 
 
-def host_breakdown(
-    config: Any,
-    *,
-    seq_len: int,
-    stack: str,
-    dtype: torch.dtype,
-    optimizer: str,
-    engine: str = "ddp",
-    world: int = 1,
-    offload_params: bool = False,
-) -> dict[str, int]:
-    """Host bytes of one GPU's step at `seq_len` local tokens, by what they hold (module
-    docstring, "host"): "checkpoints" (offloaded layer inputs), "params", "grads",
-    "optimizer"."""
+def _host_entry(config: Any, local: StepSpec, patch: PatchConfig | None) -> dict[str, Any]:
+    """A stack's host figures for one GPU's `local` step, and for one node's GPUs."""
+    host = host_breakdown(config, local, patch)
+    total = sum(host.values())
+    p = local.sequence_parallel_size
+    return {
+        "host_peak_mib": round(total / MiB, 1),
+        "host_per_gpu_mib": round(total / MiB, 1),
+        "host_breakdown_mib": {k: round(v / MiB, 1) for k, v in host.items()},
+        "host_per_node_mib": round(min(p, GPUS_PER_NODE) * total / MiB, 1),
+    }
+
+
+def host_breakdown(config: Any, step: StepSpec, patch: PatchConfig | None) -> dict[str, int]:
+    """Host bytes of one GPU's `step` (`step.seq_len` local tokens) with `patch`'s features,
+    by what they hold (module docstring, "host"): "checkpoints" (offloaded layer inputs),
+    "params", "grads", "optimizer"."""
     text = config.get_text_config()
-    elem = torch.empty((), dtype=dtype).element_size()
+    elem = torch.empty((), dtype=step.dtype).element_size()
     out = {"checkpoints": 0, "params": 0, "grads": 0, "optimizer": 0}
-    if stack_option(stack, "activation_offloading"):
+    if patch is not None and patch.activation_offloading:
         out["checkpoints"] = offload_bytes(
-            int(text.num_hidden_layers), seq_len, int(text.hidden_size), elem
+            int(text.num_hidden_layers), step.seq_len, int(text.hidden_size), elem
         )
-    if engine != "ddp":
+    if step.engine != "ddp":
         counts = param_counts(config)
         held = engine_memory(
-            engine, counts, world=world, elem=elem, optimizer=optimizer,
-            offload_params=offload_params,
+            step.engine, counts, world=step.world, elem=elem, optimizer=step.optimizer,
+            offload_params=step.offload_params,
         )  # fmt: skip
         for k, v in held.host.items():
             out[k] += v
-    elif optimizer == "cpu-offload":
+    elif step.optimizer == "cpu-offload":
         out["optimizer"] = 2 * param_counts(config).total * elem
     return out
 

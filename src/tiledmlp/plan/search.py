@@ -6,9 +6,12 @@ it is the upper bound).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
+from tiledmlp.config.patch import PatchConfig
+from tiledmlp.config.plan import StepSpec
 from tiledmlp.plan.device_overhead import DeviceOverhead
 from tiledmlp.plan.estimate import estimate_step
 
@@ -21,7 +24,8 @@ def max_seq_len(
     config: Any,
     budget_bytes: int,
     *,
-    stack: str,
+    step: StepSpec,
+    patch: PatchConfig | None,
     granularity: int = 1024,
     upper: int = 1 << 24,
     hint: int | None = None,
@@ -33,8 +37,9 @@ def max_seq_len(
     known_reserves: dict[int, tuple[int, int]] | None = None,
     **options: Any,
 ) -> int:
-    """The longest sequence (a multiple of `granularity`, at most `upper`) whose step fits
-    `budget_bytes` with `stack`; 0 when not even `granularity` tokens fit.
+    """The longest sequence (a multiple of `granularity`, at most `upper`) whose `step` fits
+    `budget_bytes` with `patch`'s features (None: untiled); 0 when not even `granularity`
+    tokens fit. `options`: estimate_step's (`whole`).
 
     The step less the allocator's reserve grows with the sequence, nearly affinely (exactly
     between tile-count changes); the reserve does not follow it (it moves by a few hundred MiB
@@ -74,7 +79,8 @@ def max_seq_len(
         """The step's tensor peak, and beyond the tensors on a full card the allocator's
         reserve (less the blocks it takes back before it fails) and the attention buffers'
         share; one allocator replay, a full card's (what decides whether it fits)."""
-        est = estimate_step(config, seq_len=tokens, stack=stack, full_card=True, **options)
+        at = dataclasses.replace(step, seq_len=tokens)
+        est = estimate_step(config, at, patch, full_card=True, **options)
         return est.peak, (est.full_card_reserve, est.attention)
 
     def known(tokens: int) -> bool:

@@ -7,7 +7,8 @@ reports. The map, in the order a step goes through it:
 
 What a fake step is
     fake_step.py        a model cut to a few decoder layers, built under FakeTensorMode, the
-                        stack applied, one step run: forward, loss, backward, optimizer step
+                        features (a PatchConfig) applied, one step (config/plan.py's
+                        StepSpec) run: forward, loss, backward, optimizer step
     fast_fake.py        the planner's FakeTensorMode (faster dispatch-cache keys; stacked
                         experts on fake tensors)
     fake_memory.py      storages counted as they appear and die (a TorchDispatchMode)

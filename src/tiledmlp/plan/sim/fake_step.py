@@ -1,6 +1,6 @@
 """One training step of a model cut to a few layers, on fake tensors, tracked by segment.
 
-The model is built under FakeTensorMode (nothing is allocated), the stack applied
+The model is built under FakeTensorMode (nothing is allocated), the features applied
 (apply_stack.py), and one step run: forward, loss, backward, optimizer step. The tracker closes
 a segment when the gradient of layer L-2's input forms and when layer 2's does (Segments).
 
@@ -11,6 +11,7 @@ parameters, buffers and optimizer states that exist before it; host buffers are 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import Any
@@ -18,6 +19,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from tiledmlp.config.patch import PatchConfig
+from tiledmlp.config.plan import StepSpec
+from tiledmlp.config.values import parse_attention_kernel
 from tiledmlp.ops.tiling.assumed import assume_device
 from tiledmlp.patching.features.activation_offloading import enable_checkpointing, offloader_of
 from tiledmlp.plan.apply_stack import apply_stack, build_model, decoder_layers_of
@@ -48,20 +52,21 @@ class FakeStep:
     states: list[torch.Tensor]
 
 
-def prepare(config: Any, layers: int, stack: str, dtype: torch.dtype, checkpointing: bool,
-             optimizer: str, num_tiles: int | str,
-             attention_kernel: str = "cudnn") -> FakeStep:  # fmt: skip
-    """The model cut to `layers`, tiled as `stack` says (its attention by head groups where
-    `attention_kernel` is "by_heads"); AdamW's states created as after a first step."""
-    model = build_model(config, dtype, layers)
-    if stack != "untiled":
+def prepare(config: Any, layers: int, patch: PatchConfig | None, step: StepSpec) -> FakeStep:
+    """The model cut to `layers`, with `patch`'s features (None: untiled; its attention by head
+    groups where `step.attention_kernel` is "by_heads"), checkpointed as `step` says; AdamW's
+    states created as after a first step."""
+    model = build_model(config, step.dtype, layers)
+    if patch is not None:
         hidden = config.get_text_config().hidden_size
-        apply_stack(model, hidden, num_tiles, stack, attention_kernel)
-    if checkpointing:
+        if step.attention_kernel == "by_heads":
+            patch = dataclasses.replace(patch, attention_kernel=parse_attention_kernel("by_heads"))
+        apply_stack(model, hidden, patch)
+    if step.checkpointing:
         enable_checkpointing(model)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = None
-    if optimizer == "adamw":
+    if step.optimizer == "adamw":
         opt = torch.optim.AdamW(params, lr=1e-5, foreach=True)
         for p in params:
             p.grad = torch.zeros_like(p)
@@ -75,58 +80,48 @@ def simulate(
     config: Any,
     layers: int,
     *,
-    seq_len: int,
-    stack: str,
-    dtype: torch.dtype,
-    checkpointing: bool,
-    optimizer: str,
-    num_tiles: int | str,
-    device_type: str = "cuda",
-    sharded: bool = False,
-    sequence_parallel_size: int = 1,
+    step: StepSpec,
+    patch: PatchConfig | None,
     cut_tiles: bool = False,
-    expandable_segments: bool = True,
     deeper_too: bool = False,
     build_from: int = 0,
     full_card: bool = False,
-    attention_kernel: str = "cudnn",
 ) -> Any:
-    """One step of the model cut to `layers` decoder layers, on fake tensors; the tile policy
-    resolves as on `device_type`. `sharded`: the parameters are not counted (and their
-    gradients leave once accumulated): a sharding engine's own memory is added by the caller.
+    """One `step` of the model cut to `layers` decoder layers with `patch`'s features (None:
+    untiled), on fake tensors; the tile policy resolves as on `step.device_type`. Under a
+    sharding engine (`step.sharded`) the parameters are not counted (and their gradients
+    leave once accumulated): the engine's own memory is added by the caller, and so is its
+    optimizer (give "none"). `step.checkpointing` is taken as it is (estimate_step turns it on
+    for activation offloading).
     `cut_tiles`: the tile loops' repeated tiles run once (periodic_tiles.py): the same peaks,
     breakdowns and allocator reserve (replayed on the whole loops' trace, rebuilt).
-    `expandable_segments`: the caching allocator's setting the reserve is replayed with
+    `step.expandable_segments`: the caching allocator's setting the reserve is replayed with
     (caching_allocator.py). `deeper_too`: also the step of `layers` + 1 layers, as a pair
     (Segments of each): built from this step's record where it shows it (deeper.py), else
     simulated. `build_from` (between 4 and `layers`): simulate that many layers and build the
     step of `layers` from its record (deeper.py), or simulate it where the record does not
     show it. `full_card`: only the reserve of a card with no room left (the held blocks taken
     back: caching_allocator.py, HOLD) is replayed; the Segments then have nothing reclaimable.
-    `attention_kernel`: the kernel whose backward buffers a GPU's attention calls get
+    `step.attention_kernel`: the kernel whose backward buffers a GPU's attention calls get
     (plan/device_overhead.py, Note [Attention backward buffers])."""
-    options: dict[str, Any] = {
-        "seq_len": seq_len, "stack": stack, "dtype": dtype, "checkpointing": checkpointing,
-        "optimizer": optimizer, "num_tiles": num_tiles, "device_type": device_type,
-        "sharded": sharded, "sequence_parallel_size": sequence_parallel_size,
-        "cut_tiles": cut_tiles, "attention_kernel": attention_kernel,
-    }  # fmt: skip
+    run = functools.partial(_run, config, step=step, patch=patch, cut_tiles=cut_tiles)
+    held_of = functools.partial(_held_of, config, step=step)
     finish = functools.partial(
-        _finish, checkpointing=checkpointing, cut_tiles=cut_tiles, expandable=expandable_segments,
-        full_card=full_card,
+        _finish, checkpointing=step.checkpointing, cut_tiles=cut_tiles,
+        expandable=step.expandable_segments, full_card=full_card,
     )  # fmt: skip
     if MARKED <= build_from < layers and not deeper_too:
-        built = deeper(_run(config, build_from, **options)[0], layers - build_from)
+        built = deeper(run(build_from)[0], layers - build_from)
         if built is not None:
-            return finish(built, _held_of(config, layers, **options))
-    record, held = _run(config, layers, **options)
+            return finish(built, held_of(layers))
+    record, held = run(layers)
     if not deeper_too:
         return finish(record, held)
     ahead = deeper(record)
     if ahead is None:
-        more, more_held = _run(config, layers + 1, **options)
+        more, more_held = run(layers + 1)
     else:
-        more, more_held = ahead, _held_of(config, layers + 1, **options)
+        more, more_held = ahead, held_of(layers + 1)
     # the two allocator replays side by side where a CPU is idle (forked.py)
     return beside(lambda: finish(record, held), lambda: finish(more, more_held))
 
@@ -160,53 +155,41 @@ def _workspaces(device_type: str) -> tuple[int, ...]:
 _HELD: dict[tuple[Any, ...], tuple[_Held, int]] = {}
 
 
-def _held_of(config: Any, layers: int, *, dtype: torch.dtype, optimizer: str,
-             num_tiles: int | str, device_type: str, sharded: bool, seq_len: int,
-             **_: Any) -> _Held:  # fmt: skip
+def _held_of(config: Any, layers: int, *, step: StepSpec) -> _Held:
     """_held of the model cut to `layers`, built (not run) on fake tensors. The stack is not
     applied: patching changes no parameter, buffer or optimizer state (its probes are most of
     the cost of building a deep model)."""
-    key = (config.to_json_string(), layers, dtype, optimizer, str(num_tiles), device_type, sharded)
+    device_type = step.device_type
+    key = (config.to_json_string(), layers, step.dtype, step.optimizer, str(step.num_tiles),
+           device_type, step.sharded)  # fmt: skip
     if key not in _HELD:
         with fake_mode(), assume_device(device_type):
-            step = prepare(config, layers, "untiled", dtype, False, optimizer, num_tiles)
-            one = _held(step, torch.zeros(1, 1, dtype=torch.long), sharded, device_type)
+            bare = dataclasses.replace(step, checkpointing=False)
+            built = prepare(config, layers, None, bare)
+            one = _held(built, torch.zeros(1, 1, dtype=torch.long), step.sharded, device_type)
         # the ids' request: the last before the optimizer states' and the workspaces'
-        _HELD[key] = (one, len(one.start) - len(step.states) - len(_workspaces(device_type)) - 1)
+        _HELD[key] = (one, len(one.start) - len(built.states) - len(_workspaces(device_type)) - 1)
     one, at = _HELD[key]
-    ids = seq_len * torch.empty((), dtype=torch.long).element_size()
+    ids = step.seq_len * torch.empty((), dtype=torch.long).element_size()
     start = [*one.start[:at], ids, *one.start[at + 1 :]]
     return _Held({**one.fixed, "weights": one.fixed["weights"] - one.start[at] + ids}, start)
 
 
 def _run(
-    config: Any,
-    layers: int,
-    *,
-    seq_len: int,
-    stack: str,
-    dtype: torch.dtype,
-    checkpointing: bool,
-    optimizer: str,
-    num_tiles: int | str,
-    device_type: str,
-    sharded: bool,
-    sequence_parallel_size: int,
-    cut_tiles: bool,
-    attention_kernel: str = "cudnn",
+    config: Any, layers: int, *, step: StepSpec, patch: PatchConfig | None, cut_tiles: bool
 ) -> tuple[StepRecord, _Held]:
     """The step run on fake tensors (simulate): its record and what existed before it."""
+    device_type, sharded = step.device_type, step.sharded
     with fake_mode(), assume_device(device_type):
-        step = prepare(config, layers, stack, dtype, checkpointing, optimizer, num_tiles,
-                       attention_kernel)  # fmt: skip
-        model = step.model
-        if sequence_parallel_size > 1:
-            register_exchanged(sequence_parallel_size, model)
-        ids = torch.zeros(1, seq_len, dtype=torch.long)
+        built = prepare(config, layers, patch, step)
+        model = built.model
+        if step.sequence_parallel_size > 1:
+            register_exchanged(step.sequence_parallel_size, model)
+        ids = torch.zeros(1, step.seq_len, dtype=torch.long)
         # on a GPU, the attention backward's own buffers at their calls (device_overhead.py)
         tracker = PhaseTracker(
-            [*model.parameters(), *model.buffers(), *step.states, ids],
-            device_overhead(device_type, attention_kernel).buffers,
+            [*model.parameters(), *model.buffers(), *built.states, ids],
+            device_overhead(device_type, step.attention_kernel).buffers,
         )
         offloader = offloader_of(model)
         if offloader is not None and device_type != "cpu":
@@ -214,7 +197,7 @@ def _run(
             offloader.side_stream_use = tracker.defer
         grads: set[int | None] = set()
         if sharded:  # the engine takes each gradient into its partition once accumulated
-            for p in step.params:
+            for p in built.params:
                 p.register_post_accumulate_grad_hook(functools.partial(_hand_over, tracker, grads))
         decoder_layers = decoder_layers_of(model)
         # The gradient of layer i's input is formed when layer i's backward ends.
@@ -223,7 +206,7 @@ def _run(
         watch = _watch_layers(decoder_layers, tracker, marks)
         periodic = PeriodicTiles(tracker)
         with tracker, periodic if cut_tiles else contextlib.nullcontext():
-            _step(model, ids, step.opt, tracker)
+            _step(model, ids, built.opt, tracker)
         for h in watch.hooks:
             h.remove()
         if marks and len(tracker.segments) != 3:
@@ -231,12 +214,20 @@ def _run(
                 f"{type(model).__name__}: could not follow its decoder layers' backward "
                 f"(saw {len(tracker.segments) - 1} of 2 marks); this model cannot be planned yet"
             )
-        grads |= {tracker.serial(p.grad) for p in step.params if p.grad is not None}
-        held = _held(step, ids, sharded, device_type)
+        grads |= {tracker.serial(p.grad) for p in built.params if p.grad is not None}
+        held = _held(built, ids, sharded, device_type)
+    return _record(tracker, periodic, watch, grads, len(decoder_layers)), held
+
+
+def _record(
+    tracker: PhaseTracker, periodic: PeriodicTiles, watch: _Watch, grads: set[int | None],
+    layers: int,
+) -> StepRecord:  # fmt: skip
+    """The record of the step `tracker` followed (_run), with what its hooks saw."""
     changes = {phase: (where, n) for where, n, phase in tracker.phase_changes}
     loss_at, backward_at = changes.get("loss", (0, 0)), changes.get("backward", (0, 0))
     ends = watch.backward_ends
-    record = StepRecord(
+    return StepRecord(
         # as the step left it: the model's release after it is no part of it
         trace=tracker.trace[: tracker.marks[-1]],
         phase_of=tracker.phase_of,
@@ -250,9 +241,8 @@ def _run(
         forward_starts=watch.forward_starts,
         forward_end=loss_at[0],
         backward_start=backward_at[0] + backward_at[1],
-        backward_ends=[ends.get(i, -1) for i in range(len(decoder_layers))],
+        backward_ends=[ends.get(i, -1) for i in range(layers)],
     )
-    return record, held
 
 
 def _finish(

@@ -1,0 +1,77 @@
+"""StepSpec: the training step the planner estimates, as one frozen, checked object.
+
+What the planner is asked about a step beside the model's config and the features applied (a
+PatchConfig, or None for the untiled model): the sequence, the dtype, checkpointing, the
+optimizer, the tile policy of the named stacks, the device, the sharding engine, sequence
+parallelism and the allocator's setting. The planner's entry points (plan/estimate.py's
+estimate_step, plan/model.py's plan_model, plan/sim/fake_step.py's simulate) take it whole.
+
+Invariant: a StepSpec that constructs has a known optimizer and positive counts; what the
+engine can combine is checked by the planner (plan/engines.py), which knows the engines.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tiledmlp.ops.tiling.policy import TilePolicy
+from tiledmlp.ops.tiling.values import check_int
+
+__all__ = ["OPTIMIZERS", "StepSpec"]
+
+OPTIMIZERS = ("none", "adamw", "cpu-offload")
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepSpec:
+    """One training step to plan, on one GPU.
+
+    Attributes:
+        seq_len: tokens of the step's one sequence on this GPU (plan_model: the whole
+            sequence, split over `sequence_parallel_size` GPUs).
+        dtype: the weights' and activations' dtype.
+        checkpointing: the model's own non-reentrant gradient checkpointing (activation
+            offloading turns it on by itself).
+        optimizer: "none", "adamw" (torch.optim.AdamW, states on the device) or "cpu-offload"
+            (states and update on the host).
+        num_tiles: the tile policy the named stacks get (config/stacks.py: stack_patch) and
+            one layer's plan uses: a positive int, "auto", "arctic", "target:<GB>" or a
+            TilePolicy.
+        device_type: the device whose tile rules and overheads are planned ("cuda", "cpu").
+        engine: "ddp" (parameters, gradients and optimizer states whole on every GPU), "zero3"
+            or "fsdp2" (sharded over `world` GPUs; plan/engines.py).
+        world: the GPUs a sharding engine shards over.
+        offload_params: the engine keeps its parameter and gradient shards on the host.
+        sequence_parallel_size: P > 1: Ulysses sequence parallelism over P GPUs.
+        expandable_segments: the CUDA caching allocator's setting the step runs with.
+        attention_kernel: the kernel whose backward buffers a GPU's attention calls get
+            ("cudnn", SDPA's choice on Hopper; ops/attention/buffers.py).
+    """
+
+    seq_len: int
+    dtype: torch.dtype = torch.bfloat16
+    checkpointing: bool = False
+    optimizer: str = "none"
+    num_tiles: int | str | TilePolicy = "auto"
+    device_type: str = "cuda"
+    engine: str = "ddp"
+    world: int = 1
+    offload_params: bool = False
+    sequence_parallel_size: int = 1
+    expandable_segments: bool = True
+    attention_kernel: str = "cudnn"
+
+    def __post_init__(self) -> None:
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(
+                f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}"
+            )
+        check_int("world", self.world)
+        check_int("sequence_parallel_size", self.sequence_parallel_size)
+
+    @property
+    def sharded(self) -> bool:
+        """Whether an engine shards the parameters, gradients and optimizer states."""
+        return self.engine != "ddp"
