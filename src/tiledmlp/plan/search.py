@@ -63,99 +63,138 @@ def max_seq_len(
     `known_reserves` ({tokens: (estimate_step(...).full_card_reserve, .attention)}) does the
     same for what a full device holds beyond the tensors.
     """
-    cache: dict[int, int] = {}  # granule -> the step's bytes
-    smooth: dict[int, int] = {}  # granule -> the step's bytes less the allocator's reserve
-    tensors = {} if known_peaks is None else known_peaks
-    # the replayed allocator reserve (device_overhead.py)
-    reserves: dict[int, tuple[int, int]] = {} if known_reserves is None else known_reserves
-    replayed = overhead is not None and overhead.replayed
+    search = _Search(
+        config, budget_bytes, step, patch, granularity, options,
+        extra_bytes_per_token=extra_bytes_per_token, extra_bytes=extra_bytes, overhead=overhead,
+        tensors={} if known_peaks is None else known_peaks,
+        reserves={} if known_reserves is None else known_reserves,
+        limit=max(1, upper // granularity),
+    )  # fmt: skip
+    start = min(search.limit, (hint or 0) // granularity)
+    if start >= 1 and fixed_bytes is not None and start * granularity in search.tensors:
+        search.anchor = (0, search.step_bytes(fixed_bytes, 0, 0, 0))
+    else:
+        if not search.try_(1):
+            return 0
+        start = min(search.limit, max(2, start))  # a second length for the first line
+    if start > 1:
+        search.try_(start)
+    return search.converge() * granularity
 
-    def step_bytes(tensor_bytes: float, tokens: int, attention: int, reserve: int) -> int:
+
+@dataclasses.dataclass
+class _Search:
+    """max_seq_len's state: the lengths estimated, in granules, and the bracket they make
+    (`lo` the longest known to fit, 0 for none; `hi` the shortest known not to)."""
+
+    config: Any
+    budget_bytes: int
+    step: StepSpec
+    patch: PatchConfig | None
+    granularity: int
+    options: dict[str, Any]
+    extra_bytes_per_token: float
+    extra_bytes: int
+    overhead: DeviceOverhead | None
+    tensors: dict[int, int]  # tokens -> the step's tensor peak (the caller's known_peaks)
+    reserves: dict[int, tuple[int, int]]  # tokens -> (full card's reserve, attention's share)
+    limit: int
+    anchor: tuple[int, float] | None = None  # a point of the first line not estimated
+    cache: dict[int, int] = dataclasses.field(default_factory=dict)  # granule -> step's bytes
+    smooth: dict[int, int] = dataclasses.field(default_factory=dict)  # the same less reserve
+    seen: list[int] = dataclasses.field(default_factory=list)  # granules estimated, in order
+    lo: int = 0
+    hi: int = 0
+
+    def __post_init__(self) -> None:
+        self.hi = self.limit + 1
+
+    @property
+    def replayed(self) -> bool:
+        """Whether the allocator is replayed (device_overhead.py)."""
+        return self.overhead is not None and self.overhead.replayed
+
+    def step_bytes(self, tensor_bytes: float, tokens: int, attention: int, reserve: int) -> int:
         """The step's bytes from its tensors' (what the simulation does not see added)."""
-        step = int(tensor_bytes) + int(extra_bytes_per_token * tokens) + extra_bytes
-        return step + (0 if overhead is None else overhead.total(reserve, attention))
+        total = int(tensor_bytes) + int(self.extra_bytes_per_token * tokens) + self.extra_bytes
+        return total + (0 if self.overhead is None else self.overhead.total(reserve, attention))
 
-    def simulated(tokens: int) -> tuple[int, tuple[int, int]]:
+    def simulated(self, tokens: int) -> tuple[int, tuple[int, int]]:
         """The step's tensor peak, and beyond the tensors on a full card the allocator's
         reserve (less the blocks it takes back before it fails) and the attention buffers'
         share; one allocator replay, a full card's (what decides whether it fits)."""
-        at = dataclasses.replace(step, seq_len=tokens)
-        est = estimate_step(config, at, patch, full_card=True, **options)
+        at = dataclasses.replace(self.step, seq_len=tokens)
+        est = estimate_step(self.config, at, self.patch, full_card=True, **self.options)
         return est.peak, (est.full_card_reserve, est.attention)
 
-    def known(tokens: int) -> bool:
-        return tokens in tensors and (not replayed or tokens in reserves)
+    def known(self, tokens: int) -> bool:
+        return tokens in self.tensors and (not self.replayed or tokens in self.reserves)
 
-    def peak(n: int) -> int:
+    def peak(self, n: int) -> int:
         """The step at granule n."""
-        if n not in cache:
-            tokens = n * granularity
-            if not known(tokens):
-                tensors[tokens], reserves[tokens] = simulated(tokens)
-            reserve, attention = reserves.get(tokens, (0, 0))
-            smooth[n] = step_bytes(tensors[tokens], tokens, attention, 0)
-            cache[n] = step_bytes(tensors[tokens], tokens, attention, reserve)
-            logger.info("  %s tokens: %.1f GiB", f"{tokens:,}", cache[n] / 2**30)
-        return cache[n]
+        if n not in self.cache:
+            tokens = n * self.granularity
+            if not self.known(tokens):
+                self.tensors[tokens], self.reserves[tokens] = self.simulated(tokens)
+            reserve, attention = self.reserves.get(tokens, (0, 0))
+            self.smooth[n] = self.step_bytes(self.tensors[tokens], tokens, attention, 0)
+            self.cache[n] = self.step_bytes(self.tensors[tokens], tokens, attention, reserve)
+            logger.info("  %s tokens: %.1f GiB", f"{tokens:,}", self.cache[n] / 2**30)
+        return self.cache[n]
 
-    limit = max(1, upper // granularity)
-    lo, hi = 0, limit + 1  # the longest known to fit (0: none), the shortest known not to
-    seen: list[int] = []  # granules estimated, in order
-
-    def try_(n: int) -> bool:
-        nonlocal lo, hi
-        seen.append(n)
-        fits = peak(n) <= budget_bytes
+    def try_(self, n: int) -> bool:
+        """Estimates granule n and narrows the bracket; whether it fits."""
+        self.seen.append(n)
+        fits = self.peak(n) <= self.budget_bytes
         if fits:
-            lo = max(lo, n)
+            self.lo = max(self.lo, n)
         else:
-            hi = min(hi, n)
+            self.hi = min(self.hi, n)
         return fits
 
-    start = min(limit, (hint or 0) // granularity)
-    anchor: tuple[int, float] | None = None  # a point of the first line not estimated
-    if start >= 1 and fixed_bytes is not None and start * granularity in tensors:
-        anchor = (0, step_bytes(fixed_bytes, 0, 0, 0))
-    else:
-        if not try_(1):
-            return 0
-        start = min(limit, max(2, start))  # a second length for the first line
-    if start > 1:
-        try_(start)
-
-    def at(n: int, sure: bool) -> float:
+    def at(self, n: int, sure: bool) -> float:
         """The step at granule n as a line through it sees it: through two estimates (`sure`)
         less the allocator's reserve, else whole (the anchor's at the anchor)."""
-        if anchor is not None and n == anchor[0]:
-            return anchor[1]
-        whole = peak(n)  # estimated where it is not yet
-        return smooth[n] if sure else whole
+        if self.anchor is not None and n == self.anchor[0]:
+            return self.anchor[1]
+        whole = self.peak(n)  # estimated where it is not yet
+        return self.smooth[n] if sure else whole
 
-    slow = 0  # guesses in a row that did not halve a bracket
-    while hi - lo > 1:
-        width = hi - lo
-        halve = slow >= 2 and hi <= limit  # the line converges slowly here: bisect
-        sure = False  # whether the guess comes from a line through two estimates
+    def guess(self, halve: bool) -> tuple[int, bool, float]:
+        """The next granule to estimate, whether it comes from a line through two estimates,
+        and that line's slope (max_seq_len's docstring)."""
+        lo, hi = self.lo, self.hi
         if halve:
-            guess = (lo + hi) // 2
-        else:
-            a, b = _line(seen, anchor)
-            sure = anchor is None or a != anchor[0]
-            slope = (at(b, sure) - at(a, sure)) / (b - a)
-            if slope <= 0:  # no growth seen: double (or halve the bracket)
-                guess = min(limit, 2 * lo) if hi > limit else (lo + hi) // 2
-                sure = False
-            else:
-                # through two estimates: the reserve of the length estimated last beside the
-                # line (it does not follow it); from the anchor, the reserve grows along the
-                # line from none at no tokens
-                noise = peak(seen[-1]) - smooth[seen[-1]] if sure else 0
-                guess = a + int((budget_bytes - noise - at(a, sure)) // slope)
-        guess = min(max(guess, lo + 1), hi - 1)
-        if try_(guess) and guess + 1 < hi and sure and budget_bytes - peak(guess) < slope:
-            try_(guess + 1)  # within a granule of the budget: one more should not fit
-        slow = slow + 1 if hi <= limit and hi - lo > width // 2 else 0
-    return lo * granularity
+            return (lo + hi) // 2, False, 0.0
+        a, b = _line(self.seen, self.anchor)
+        sure = self.anchor is None or a != self.anchor[0]
+        slope = (self.at(b, sure) - self.at(a, sure)) / (b - a)
+        if slope <= 0:  # no growth seen: double (or halve the bracket)
+            return (min(self.limit, 2 * lo) if hi > self.limit else (lo + hi) // 2), False, slope
+        # through two estimates: the reserve of the length estimated last beside the line (it
+        # does not follow it); from the anchor, the reserve grows along the line from none at
+        # no tokens
+        last = self.seen[-1]
+        noise = self.peak(last) - self.smooth[last] if sure else 0
+        return a + int((self.budget_bytes - noise - self.at(a, sure)) // slope), sure, slope
+
+    def converge(self) -> int:
+        """Estimates lengths until the bracket closes; the longest that fits, in granules."""
+        slow = 0  # guesses in a row that did not halve a bracket
+        while self.hi - self.lo > 1:
+            width = self.hi - self.lo
+            halve = slow >= 2 and self.hi <= self.limit  # the line converges slowly: bisect
+            guess, sure, slope = self.guess(halve)
+            guess = min(max(guess, self.lo + 1), self.hi - 1)
+            if (
+                self.try_(guess)
+                and guess + 1 < self.hi
+                and sure
+                and self.budget_bytes - self.peak(guess) < slope
+            ):
+                self.try_(guess + 1)  # within a granule of the budget: one more should not fit
+            slow = slow + 1 if self.hi <= self.limit and self.hi - self.lo > width // 2 else 0
+        return self.lo
 
 
 def _line(seen: list[int], anchor: tuple[int, float] | None) -> tuple[int, int]:
