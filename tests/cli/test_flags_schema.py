@@ -107,8 +107,8 @@ def test_plans_flags_are_its_requests_schema() -> None:
 
     flags = _flags(_commands()["plan"])
     schema = _schema(PlanArgs)
-    # one flag per field of PlanArgs, and --attention-kernel (cli/plan_kernels.py's)
-    assert set(flags) == set(schema) | {"--attention-kernel"}, set(flags) ^ set(schema)
+    # one flag per field of PlanArgs
+    assert set(flags) == set(schema), set(flags) ^ set(schema)
     for name, (field, spec, key) in schema.items():
         action = flags[name]
         assert action.dest == field.name and action.help == (spec.help or key.help), name

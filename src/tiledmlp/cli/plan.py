@@ -17,7 +17,6 @@ from tiledmlp.cli.device_memory import GPUS
 from tiledmlp.cli.flags import add_config_flags
 from tiledmlp.cli.output import StderrHandler, show
 from tiledmlp.cli.plan_args import PlanArgs
-from tiledmlp.cli.plan_kernels import add_flag as add_attention_kernel_flag
 from tiledmlp.cli.plan_kernels import plan_with_kernels
 from tiledmlp.cli.plan_report import show_text
 from tiledmlp.ops.tiling.values import check_positive_number
@@ -45,8 +44,8 @@ def add_parser(sub: Any) -> None:
     )
     groups = ("what to plan", "tiling", "the whole training step (with --model)", "output")
     where = {title: pl.add_argument_group(title) for title in groups}
-    # every flag from PlanArgs' schema; --attention-kernel is cli/plan_kernels.py's
-    add_config_flags(where, PlanArgs, after={"expandable_segments": add_attention_kernel_flag})
+    # every flag from PlanArgs' schema
+    add_config_flags(where, PlanArgs)
 
 
 def _progress_on_stderr() -> None:

@@ -24,6 +24,7 @@ from tiledmlp.cli.device_memory import GPUS
 from tiledmlp.cli.flags import schema_key
 from tiledmlp.config.patch import PatchConfig
 from tiledmlp.config.schema import Key, option
+from tiledmlp.ops.attention.buffers import KERNEL_NAMES
 from tiledmlp.ops.tiling.policy import TilePolicy
 
 __all__ = ["PlanArgs"]
@@ -241,7 +242,14 @@ class PlanArgs:
         "reserve beyond the tensors depends on it (default: true)",
         keys=(_key("expandable_segments", _argtype(_true_false), "true|false", kind="bool"),),
     )
-    attention_kernel: str = "auto"  # its flag is cli/plan_kernels.py's
+    attention_kernel: str = option(
+        default="auto",
+        group=_WHOLE,
+        help="the attention kernel whose buffers the step is planned with: auto (cuDNN, "
+        "SDPA's choice on Hopper, unless another kernel (by_heads: the attention by head "
+        "groups) fits a longer sequence within --memory-gb), or one kernel (default: auto)",
+        keys=(_key("attention_kernel", _text, choices=("auto", *KERNEL_NAMES)),),
+    )
     measure: bool = option(
         default=False,
         group=_WHOLE,

@@ -23,28 +23,15 @@ from typing import Any
 
 from tiledmlp.cli.common import UsageError
 from tiledmlp.ops.attention.buffers import (
-    KERNEL_NAMES,
     AttentionShape,
     backward_buffer_bytes,
     unusable,
     usable_kernels,
 )
 
-__all__ = ["add_flag", "plan_with_kernels"]
+__all__ = ["plan_with_kernels"]
 
 _GRANULE = 2 * 2**20  # smaller by less than one large-pool block: no longer sequence fits
-
-
-def add_flag(group: Any) -> None:
-    """Adds --attention-kernel to `tiledmlp plan`'s whole-step flags."""
-    group.add_argument(
-        "--attention-kernel",
-        choices=("auto", *KERNEL_NAMES),
-        default="auto",
-        help="the attention kernel whose buffers the step is planned with: auto (cuDNN, "
-        "SDPA's choice on Hopper, unless another kernel (by_heads: the attention by head "
-        "groups) fits a longer sequence within --memory-gb), or one kernel (default: auto)",
-    )
 
 
 def _shape(config: Any, tokens: int, itemsize: int) -> AttentionShape:
