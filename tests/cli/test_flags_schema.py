@@ -1,7 +1,8 @@
 """Each command's flags are the schema's (config/schema.py): `train` and `check` have one flag
 per key of TrainOptions and PatchConfig, with the schema's help, metavar and choices; `plan`,
 `bench` and `swift-plugin` spell the tiling and sequence-parallel options only through the
-schema's keys and parsers; the command line reference's train table is the generated one."""
+schema's keys and parsers; the command line reference's train and plan tables are the
+generated ones."""
 
 from __future__ import annotations
 
@@ -141,13 +142,14 @@ def test_plan_parses_the_tile_policy_once_and_settles_the_budget_into_it() -> No
         parser.parse_args(["plan", "--num-tiles", "many"])
 
 
-def test_the_references_train_table_is_generated_from_the_schema() -> None:
+@pytest.mark.parametrize("command", ["train", "plan"])
+def test_the_references_flag_tables_are_generated_from_the_schema(command: str) -> None:
     reference = Path(__file__).resolve().parents[2] / "docs" / "reference" / "cli.md"
     text = reference.read_text()
-    start = text.index("<!-- train flags: generated from the schema")
+    start = text.index(f"<!-- {command} flags: generated from the schema")
     start = text.index("\n", start) + 1
-    table = text[start : text.index("<!-- end of train flags -->", start)]
-    assert table == flag_tables(_commands()["train"]), (
-        "docs/reference/cli.md's train tables differ from the schema: paste "
-        "tiledmlp.cli.flags.flag_tables(<the train parser>) between its markers"
+    table = text[start : text.index(f"<!-- end of {command} flags -->", start)]
+    assert table == flag_tables(_commands()[command]), (
+        f"docs/reference/cli.md's {command} tables differ from the schema: paste "
+        f"tiledmlp.cli.flags.flag_tables(<the {command} parser>) between its markers"
     )

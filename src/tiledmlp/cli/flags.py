@@ -223,4 +223,6 @@ def _spelled(action: argparse.Action) -> str:
     if action.nargs == 0:
         return name
     metavar = action.metavar if isinstance(action.metavar, str) else None
+    if metavar is None and action.choices:  # the choices, as --help shows them
+        metavar = "|".join(str(c) for c in action.choices)
     return (f"{name} {metavar}" if metavar else name).replace("|", "\\|")
