@@ -22,6 +22,12 @@ from torch import nn
 
 from tiledmlp.models.mlps import FusedGatedMLP, GatedMLP, PlainMLP
 
+# Test modules import each other by their names, unique across tests/ (pyproject's pythonpath
+# holds tests/ only): every folder of tests/ is on sys.path, after what is there, in this process
+# and in the fresh processes run_interpreted starts.
+TEST_FOLDERS = sorted({str(p.parent) for p in Path(__file__).resolve().parent.rglob("test_*.py")})
+sys.path.extend(folder for folder in TEST_FOLDERS if folder not in sys.path)
+
 
 @pytest.fixture(autouse=True, scope="session")
 def _plan_cache(tmp_path_factory: pytest.TempPathFactory) -> Any:
@@ -356,7 +362,7 @@ def run_interpreted(module: str, function: str) -> Any:
         f"import {module} as t; print('RESULT ' + json.dumps(t.{function}()))"
     )
     proc = subprocess.run(
-        [sys.executable, "-c", code, str(tests), str(path.parent)],
+        [sys.executable, "-c", code, str(tests), str(path.parent), *TEST_FOLDERS],
         env=env,
         capture_output=True,
         text=True,

@@ -7,7 +7,8 @@ Invariant: importing the package imports nothing else (no torch: `tiledmlp plan`
 question asked before without it); the first public name read from it (`tiledmlp.patch_model`,
 `from tiledmlp import patch_model`) or sub-package read as an attribute (`tiledmlp.patching`)
 imports the integrations, which register the engines' checks with the patching layer, and then
-the module that defines the name (PEP 562).
+the module that defines the name (PEP 562). A process that imports only deep modules gets the
+same registrations when a registry is first asked and found empty (ops/tiling/deferred.py).
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from __future__ import annotations
 import importlib
 import importlib.util
 from typing import TYPE_CHECKING, Any
+
+from tiledmlp.ops.tiling.deferred import defer
 
 if TYPE_CHECKING:  # the names below, for type checkers and editors
     from tiledmlp.config import PatchConfig, TiledMLPConfig, TilePolicy
@@ -54,6 +57,16 @@ _HOMES = {
     "check": "tiledmlp.patching.check",
     "CheckResult": "tiledmlp.patching.check_result",
 }
+
+
+def _register() -> None:
+    """What importing the package used to do: the integrations register the engines' checks
+    and backends, the patching layer sequence parallelism's attention backend."""
+    importlib.import_module("tiledmlp.integrations")
+    importlib.import_module("tiledmlp.patching")
+
+
+defer(_register)  # run where a registry is first asked and found empty (ops/tiling/deferred.py)
 
 
 def __getattr__(name: str) -> Any:

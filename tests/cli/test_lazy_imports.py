@@ -92,13 +92,17 @@ def test_a_misspelt_command_still_gets_the_closest_one(capsys: pytest.CaptureFix
     assert "did you mean 'plan'?" in err and err.count("\n") == 1, err
 
 
-def test_a_tiled_call_under_a_process_group_without_the_engines_is_refused() -> None:
-    # only the patching layer is imported (no public name of the package): no engine registered
+def test_a_deep_import_gets_the_engines_on_first_need_and_none_is_refused() -> None:
+    # only the patching layer is imported (no public name of the package): the first tiled call
+    # under a process group loads the integrations (ops/tiling/deferred.py) and runs with them;
+    # with nothing left to load, the same call is refused in one line
     code = (
-        "import os, torch, torch.distributed as dist\n"
+        "import os, sys, torch, torch.distributed as dist\n"
         "from torch import nn\n"
         "from tiledmlp.patching import patch_model\n"
-        "os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT='0')\n"
+        "from tiledmlp.patching import engine_registry\n"
+        "from tiledmlp.ops.tiling import deferred\n"
+        "assert 'tiledmlp.integrations' not in sys.modules\n"
         "store = dist.HashStore()\n"
         "dist.init_process_group('gloo', store=store, rank=0, world_size=1)\n"
         "class MLP(nn.Module):\n"
@@ -113,14 +117,16 @@ def test_a_tiled_call_under_a_process_group_without_the_engines_is_refused() -> 
         "model = nn.ModuleDict({'mlp': MLP()})\n"
         "patch_model(model, num_tiles=2, hidden_size=8)\n"
         "x = torch.randn(1, 6, 8)\n"
+        "model['mlp'](x).sum().backward()\n"
+        "assert 'tiledmlp.integrations' in sys.modules and engine_registry._CHECKS\n"
+        "assert not deferred._LOADERS\n"
+        "engine_registry._CHECKS.clear(); engine_registry._BACKENDS.clear()\n"
         "try:\n"
         "    model['mlp'](x)\n"
         "except RuntimeError as e:\n"
         "    assert 'engines' in str(e) and 'from tiledmlp import patch_model' in str(e), e\n"
         "else:\n"
         "    raise AssertionError('ran without the engines')\n"
-        "import tiledmlp.integrations\n"
-        "model['mlp'](x).sum().backward()\n"
         "dist.destroy_process_group()\n"
     )
     res = _python(code)

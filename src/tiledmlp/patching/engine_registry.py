@@ -4,8 +4,9 @@ call under torch.distributed, and providers of a parameter backend (ops/tiling/b
 Invariant: with no process group initialised nothing runs and the default backend is used; the
 patching layer never imports an engine itself. The engines register when tiledmlp.integrations
 is imported, which reading any public name of the package (`from tiledmlp import patch_model`)
-does; a tiled call under an initialised process group before that is refused, never run without
-the engine's backend.
+does, and which a tiled call under an initialised process group asks for where none has
+registered yet (ops/tiling/deferred.py); if still none has, the call is refused, never run
+without the engine's backend.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tiledmlp.ops.tiling.backend import ParamBackend
+from tiledmlp.ops.tiling.deferred import load_deferred
 
 __all__ = ["backend_for", "register_backend", "register_check", "run_checks"]
 
@@ -33,6 +35,8 @@ def _engines_registered() -> None:
     """Raises where no engine has registered (module docstring): under ZeRO-3 a tiled call
     hands its gradients to the engine through the engine's backend, and under FSDP the engine's
     check refuses what it cannot run; neither may be skipped silently."""
+    if not _CHECKS and not _BACKENDS:
+        load_deferred()  # the integrations, where only a deep module was imported
     if not _CHECKS and not _BACKENDS:
         raise RuntimeError(
             "a tiled call runs under torch.distributed, but the engines' integrations are not "

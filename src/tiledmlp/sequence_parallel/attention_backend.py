@@ -4,7 +4,8 @@ Sequence parallelism wraps the attention function a decoder calls by name (its c
 attention implementation). Naming a new function, finding the model's own function by name and
 finding a model's text decoder config are the model library's business: the library's layer
 (Hugging Face transformers: patching/hf_attention.py) registers an `AttentionBackend` with
-`use_attention_backend` when tiledmlp is imported, and this package only calls it.
+`use_attention_backend` when it is imported (the package facade defers that import until a
+backend is first asked for: ops/tiling/deferred.py), and this package only calls it.
 
 Invariant: nothing here imports a model library; the backend is asked for the original
 attention function on every call (a function registered later is found).
@@ -15,6 +16,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+from tiledmlp.ops.tiling.deferred import load_deferred
 
 __all__ = ["AttentionBackend", "attention_backend", "use_attention_backend"]
 
@@ -51,6 +54,8 @@ def attention_backend() -> AttentionBackend:
     Raises:
         RuntimeError: none is registered (importing tiledmlp registers Hugging Face's).
     """
+    if not _BACKEND:
+        load_deferred()  # the patching layer registers Hugging Face's (ops/tiling/deferred.py)
     if not _BACKEND:
         raise RuntimeError(
             "tiledmlp: sequence parallelism has no attention backend; import tiledmlp (which "
