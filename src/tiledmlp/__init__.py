@@ -17,7 +17,7 @@ import importlib
 import importlib.util
 from typing import TYPE_CHECKING, Any
 
-from tiledmlp.ops.tiling.deferred import defer
+from tiledmlp.ops.tiling.deferred import defer, load_deferred
 
 if TYPE_CHECKING:  # the names below, for type checkers and editors
     from tiledmlp.config import PatchConfig, TiledMLPConfig, TilePolicy
@@ -75,9 +75,9 @@ def __getattr__(name: str) -> Any:
     if home is None:  # a sub-package read as an attribute (`tiledmlp.patching.tile_counts`)
         if name.startswith("_") or importlib.util.find_spec(f"tiledmlp.{name}") is None:
             raise AttributeError(f"module 'tiledmlp' has no attribute {name!r}")
-        importlib.import_module("tiledmlp.integrations")
+        load_deferred()
         return importlib.import_module(f"tiledmlp.{name}")
-    importlib.import_module("tiledmlp.integrations")  # registers the engines' checks
+    load_deferred()  # _register: the engines' checks, SP's attention backend
     value = getattr(importlib.import_module(home), name)
     globals()[name] = value
     return value
