@@ -17,7 +17,7 @@ from tiledmlp.plan.estimate import estimate_step
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["max_seq_len"]
+__all__ = ["fits", "max_seq_len"]
 
 
 def max_seq_len(
@@ -80,6 +80,34 @@ def max_seq_len(
     if start > 1:
         search.try_(start)
     return search.converge() * granularity
+
+
+def fits(
+    config: Any,
+    budget_bytes: int,
+    tokens: int,
+    *,
+    step: StepSpec,
+    patch: PatchConfig | None,
+    extra_bytes_per_token: float = 0.0,
+    extra_bytes: int = 0,
+    overhead: DeviceOverhead | None = None,
+    known_peaks: dict[int, int] | None = None,
+    known_reserves: dict[int, tuple[int, int]] | None = None,
+    **options: Any,
+) -> bool:
+    """Whether `step` of `tokens` tokens fits `budget_bytes` as max_seq_len counts a length (the
+    same estimate, the same bytes beyond it; the arguments are max_seq_len's). The estimate
+    goes into `known_peaks` and `known_reserves`, so that a search given them does not make it
+    again."""
+    search = _Search(
+        config, budget_bytes, step, patch, tokens, options,
+        extra_bytes_per_token=extra_bytes_per_token, extra_bytes=extra_bytes, overhead=overhead,
+        tensors={} if known_peaks is None else known_peaks,
+        reserves={} if known_reserves is None else known_reserves,
+        limit=1,
+    )  # fmt: skip
+    return search.try_(1)
 
 
 @dataclasses.dataclass
