@@ -14,6 +14,7 @@ from tiledmlp.config.patch import PatchConfig
 from tiledmlp.config.plan import StepSpec
 from tiledmlp.plan.device_overhead import DeviceOverhead
 from tiledmlp.plan.estimate import estimate_step
+from tiledmlp.plan.forked import speculate
 
 logger = logging.getLogger(__name__)
 
@@ -170,6 +171,21 @@ class _Search:
             logger.info("  %s tokens: %.1f GiB", f"{tokens:,}", self.cache[n] / 2**30)
         return self.cache[n]
 
+    def prefetch(self, n: int, then: int) -> None:
+        """Estimates granule n, and granule `then` (the one likely estimated next) beside it
+        where a CPU is idle (forked.py: speculate); the answer does not depend on it (an
+        estimate made early is the same estimate)."""
+        ahead = then * self.granularity
+        if then in self.cache or not n < then < self.hi or self.known(ahead):
+            return
+        tokens = n * self.granularity
+        if self.known(tokens):
+            return
+        now, later = speculate(lambda: self.simulated(tokens), lambda: self.simulated(ahead))
+        self.tensors[tokens], self.reserves[tokens] = now
+        if later is not None:
+            self.tensors[ahead], self.reserves[ahead] = later
+
     def try_(self, n: int) -> bool:
         """Estimates granule n and narrows the bracket; whether it fits."""
         self.seen.append(n)
@@ -214,6 +230,9 @@ class _Search:
             halve = slow >= 2 and self.hi <= self.limit  # the line converges slowly: bisect
             guess, sure, slope = self.guess(halve)
             guess = min(max(guess, self.lo + 1), self.hi - 1)
+            # next: one granule more where the line puts the budget here and it fits; the upper
+            # half's middle where the bracket is halved
+            self.prefetch(guess, guess + 1 if sure else (guess + self.hi) // 2)
             if (
                 self.try_(guess)
                 and guess + 1 < self.hi
