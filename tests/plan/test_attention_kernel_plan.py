@@ -80,16 +80,23 @@ def test_auto_plans_flash_where_cudnn_fits_a_shorter_sequence() -> None:
     mha = planned(8)
     by_kernel = mha["max_seq_len_by_kernel"]
     assert isinstance(by_kernel, dict)
+    no_longer = mha.get("kernels_no_longer", [])
+    assert isinstance(no_longer, list)
     # by_heads only where its groups hold less than cuDNN at cuDNN's longest sequence (here
-    # the launch rule keeps few groups on 8 heads)
+    # the launch rule keeps few groups on 8 heads); each planned kernel either fits longer
+    # than cuDNN (searched) or not one granule more
     grouped = _smaller("by_heads", by_kernel["cudnn"], 8)
-    assert set(by_kernel) == {"cudnn", "flash", "efficient"} | ({"by_heads"} if grouped else set())
+    planned_kernels = {"cudnn", "flash", "efficient"} | ({"by_heads"} if grouped else set())
+    assert set(by_kernel) | set(no_longer) == planned_kernels
+    assert not set(by_kernel) & set(no_longer)
     assert by_kernel["flash"] > by_kernel["cudnn"]
+    assert all(n > by_kernel["cudnn"] for k, n in by_kernel.items() if k != "cudnn")
     # the longest wins; of equal ones the faster (the order of KERNEL_NAMES)
     best = max(by_kernel, key=lambda k: by_kernel[k])
     assert mha["attention_kernel"] == best and mha["max_seq_len"] == by_kernel[best]
     gqa = planned(2)
     assert "flash" not in gqa.get("max_seq_len_by_kernel", {})  # flash holds no less
+    assert "flash" not in gqa.get("kernels_no_longer", [])  # nor was it planned
 
 
 def _smaller(kernel: str, tokens: int, kv_heads: int) -> bool:
@@ -135,3 +142,42 @@ def test_by_heads_lifts_the_stack_whose_peak_is_an_attention_backward() -> None:
     assert norms.attention > 2 * 2**30  # cuDNN's whole workspace is 4.0 GiB here
     assert grouped.attention == 0 and grouped.peak == norms.peak
     assert grouped.peak + grouped.reserve < norms.peak + norms.attention + norms.reserve
+
+
+def test_auto_takes_another_kernel_only_past_cudnns_longest() -> None:
+    from tiledmlp.cli.plan_kernels import _best
+
+    cudnn = {"max_seq_len": 10240, "peak_mib": 1.0}
+    flash = {"max_seq_len": 12288, "peak_mib": 2.0}
+    efficient = {"max_seq_len": 12288, "peak_mib": 3.0}
+    none = {"max_seq_len": None, "search_above": 10240}
+    got = _best(cudnn, {"flash": flash, "efficient": efficient, "by_heads": none})
+    # the longest wins, of equal ones the first; the one that fits no granule more is named
+    assert got["attention_kernel"] == "flash" and got["peak_mib"] == 2.0
+    assert got["max_seq_len_by_kernel"] == {"cudnn": 10240, "flash": 12288, "efficient": 12288}
+    assert got["kernels_no_longer"] == ["by_heads"]
+    alone = _best(cudnn, {"by_heads": none})
+    assert alone == {**cudnn, "attention_kernel": "cudnn", "kernels_no_longer": ["by_heads"]}
+
+
+def test_a_search_above_a_length_plans_a_stack_only_where_one_granule_more_fits() -> None:
+    """The tiny preset's tiled_mlp on a CUDA plan, searched within the budget its 8,192-token
+    step needs: above 4,096 tokens it plans the stack and finds the same longest sequence as
+    the whole search; above that longest it estimates one granule more and plans nothing."""
+    from tiledmlp.config.plan import StepSpec
+    from tiledmlp.plan.layer import load_config
+    from tiledmlp.plan.model import plan_model
+
+    config = load_config("tiny")
+    step = StepSpec(seq_len=8192)
+    first = plan_model(config, step, stacks=("tiled_mlp",))["tiled_mlp"]
+    budget = int(first["per_gpu_mib"] * 2**20)
+    whole = plan_model(config, step, stacks=("tiled_mlp",), budget_bytes=budget)["tiled_mlp"]
+    longest = whole["max_seq_len"]
+    assert longest >= 8192
+    above = plan_model(config, step, stacks=("tiled_mlp",), budget_bytes=budget,
+                       search_above={"tiled_mlp": 4096})["tiled_mlp"]  # fmt: skip
+    assert above == whole
+    past = plan_model(config, step, stacks=("tiled_mlp",), budget_bytes=budget,
+                      search_above={"tiled_mlp": longest})["tiled_mlp"]  # fmt: skip
+    assert past == {"max_seq_len": None, "search_above": longest}

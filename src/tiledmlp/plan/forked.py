@@ -7,7 +7,8 @@ come back in the jobs' order.
 
 Inside a job, `beside` runs two independent computations at once where a CPU has gone idle (the
 other jobs done: a long stack's search would otherwise run alone): the second in a process forked
-from the job's.
+from the job's; `speculate` does the same for work that may be needed next (a search's next
+length), and skips it where no CPU is idle.
 
 Invariant: the answer is that of running the jobs one after another in this process; an exception
 raised by a job is raised here (the jobs not yet started are cancelled).
@@ -25,7 +26,7 @@ from typing import Any, TypeVar
 
 import torch
 
-__all__ = ["available_cpus", "beside", "default_processes", "run_jobs"]
+__all__ = ["available_cpus", "beside", "default_processes", "run_jobs", "speculate"]
 
 T = TypeVar("T")
 U = TypeVar("U")
@@ -88,15 +89,37 @@ def beside(first: Callable[[], T], second: Callable[[], U]) -> tuple[T, U]:
     Raises:
         Whatever `first` or `second` raised (`first`'s when both did).
     """
+    if not _take_idle_cpu():
+        return first(), second()
+    return _forked(first, second)
+
+
+def speculate(first: Callable[[], T], second: Callable[[], U]) -> tuple[T, U | None]:
+    """(first(), second()) where a CPU is idle (as `beside`: `second` in a forked process),
+    else (first(), None) without running `second`: for work that only may be needed next."""
+    if not _take_idle_cpu():
+        return first(), None
+    return _forked(first, second)
+
+
+def _take_idle_cpu() -> bool:
+    """Whether a CPU is idle inside a job of run_jobs; if so it is counted as computing (the
+    caller's fork releases it in _forked)."""
     busy = _busy
     if busy is None:
-        return first(), second()
+        return False
     with busy.get_lock():
         idle = busy.value < _workers
         if idle:
             busy.value += 1
-    if not idle:
-        return first(), second()
+    return idle
+
+
+def _forked(first: Callable[[], T], second: Callable[[], U]) -> tuple[T, U]:
+    """(first(), second()), `second` in a process forked from this one on the CPU
+    _take_idle_cpu took."""
+    busy = _busy
+    assert busy is not None  # _take_idle_cpu took a CPU
     read, write = os.pipe()
     pid = os.fork()
     if pid == 0:  # the forked process: `second`, its result or its error down the pipe

@@ -79,7 +79,7 @@ from tiledmlp.plan.device_overhead import DeviceOverhead, device_overhead
 from tiledmlp.plan.engines import ENGINES, GPUS_PER_NODE, check_engine, engine_memory
 from tiledmlp.plan.estimate import OPTIMIZERS, estimate_step, param_counts
 from tiledmlp.plan.forked import default_processes, run_jobs
-from tiledmlp.plan.search import max_seq_len
+from tiledmlp.plan.search import fits, max_seq_len
 from tiledmlp.plan.sim.segments import CATEGORIES, GROWING, StepEstimate
 from tiledmlp.sequence_parallel.attention import kv_repeat
 from tiledmlp.sequence_parallel.sizes import check_sequence_divisible
@@ -101,6 +101,7 @@ __all__ = [
 ]
 
 MiB = 2**20
+_UPPER = 1 << 24  # max_seq_len's longest length (tokens of one GPU)
 
 
 def plan_model(
@@ -112,6 +113,7 @@ def plan_model(
     granularity: int = 1024,
     known_peaks: dict[str, dict[int, int]] | None = None,
     processes: int | None = 1,
+    search_above: dict[str, int] | None = None,
 ) -> dict[str, Any]:
     """Every named stack's peak MiB and breakdown for `step`; with a budget, each stack's
     longest sequence that fits ("max_seq_len", a multiple of `granularity`). Each stack is
@@ -128,7 +130,11 @@ def plan_model(
     (plan/forked.py: forked, one stack each at a time; the answer is the same); None: one per
     available CPU where that is safe. `step.attention_kernel`: the kernel whose backward
     buffers a GPU's attention calls get (the CLI's "auto" plans each kernel:
-    cli/plan_kernels.py).
+    cli/plan_kernels.py). `search_above` ({stack: whole-sequence tokens}, with a budget): the
+    stacks named there are searched only above that length, a multiple of P x `granularity`:
+    one granule more is estimated first, and where it does not fit the stack's entry is only
+    {"max_seq_len": None, "search_above": tokens} (nothing else planned); where it fits, the
+    stack is planned as always and its search starts there ("max_seq_len" above the length).
 
     "peak_mib" is tensor-level; "device_overhead_mib" is what the process holds on the device
     beside the tensors (plan/device_overhead.py, per term in "device_overhead_breakdown_mib";
@@ -150,8 +156,10 @@ def plan_model(
     check_engine(step.engine, offload_params=step.offload_params, optimizer=step.optimizer)
     patches = {stack: stack_patch(stack, step.num_tiles) for stack in stacks}
     search = _Search(budget_bytes, granularity, _whole(step))
+    above = {} if search_above is None or budget_bytes is None else search_above
     jobs = [
-        (config, stack, patches[stack], i, len(stacks), dataclasses.replace(step, world=p), search,
+        (config, stack, patches[stack], i, len(stacks), dataclasses.replace(step, world=p),
+         dataclasses.replace(search, above=above.get(stack)),
          {} if known_peaks is None else known_peaks.get(stack, {}))
         for i, stack in enumerate(stacks, 1)
     ]  # fmt: skip
@@ -179,12 +187,14 @@ def _whole(step: StepSpec) -> bool:
 
 @dataclass(frozen=True)
 class _Search:
-    """How plan_model searches each stack's longest sequence: within `budget_bytes` (None: no
-    search), in multiples of `granularity` tokens, with estimate_step's `whole`."""
+    """How plan_model searches a stack's longest sequence: within `budget_bytes` (None: no
+    search), in multiples of `granularity` tokens, with estimate_step's `whole`; only above
+    `above` whole-sequence tokens where given (plan_model's `search_above`)."""
 
     budget_bytes: int | None
     granularity: int
     whole: bool
+    above: int | None = None
 
 
 def _stack_job(
@@ -200,7 +210,10 @@ def _stack_job(
     """plan_model's job for one stack (the `i`-th of `n`), in this process or a forked one
     (forked.py): its entry, and `known` with its tensor-level estimates by length added."""
     p = step.sequence_parallel_size
-    logger.info("%s (%d of %d): one step at %s tokens", stack, i, n, f"{step.seq_len // p:,}")
+    if search.above is None or search.budget_bytes is None:
+        logger.info("%s (%d of %d): one step at %s tokens", stack, i, n, f"{step.seq_len // p:,}")
+    else:
+        logger.info("%s (%d of %d): above %s tokens", stack, i, n, f"{search.above:,}")
     entry = _plan_stack(config, stack, patch, step, search, known)
     return entry, known
 
@@ -220,13 +233,24 @@ def _plan_stack(
     local = dataclasses.replace(step, seq_len=step.seq_len // p)
     per_token = _all_to_all_bytes_per_token(config, p, step.dtype)
     overhead = device_overhead(step.device_type, step.attention_kernel)
+    # what a full device holds beyond the tensors' peak, by length: the attention buffers'
+    # share and the reserve, the held blocks taken back before an allocation fails
+    reserves: dict[int, tuple[int, int]] = {}
+    searching = dict(
+        step=local, patch=patch, extra_bytes_per_token=per_token, overhead=overhead,
+        known_peaks=known, known_reserves=reserves, whole=search.whole,
+    )  # fmt: skip
+    start = local.seq_len  # the search's first length: the planned one, estimated below
+    if search.budget_bytes is not None and search.above is not None:
+        start = search.above // p + search.granularity  # one granule above: estimated first
+        if start > _UPPER or not fits(config, search.budget_bytes, start, **searching):  # type: ignore[arg-type]
+            logger.info("%s: %s tokens do not fit", stack, f"{p * start:,}")
+            return {"max_seq_len": None, "search_above": search.above}
     est = estimate_step(config, local, patch, whole=search.whole)
-    known[local.seq_len] = est.peak  # the search starts here: not simulated twice
-    # what does not grow with the sequence: the search's first line runs from it to this step
+    known[local.seq_len] = est.peak  # the search may estimate it: not simulated twice
+    reserves[local.seq_len] = (est.full_card_reserve, est.attention)
+    # what does not grow with the sequence: the search's first line runs from it to `start`
     fixed = sum(v for k, v in est.breakdown.items() if k not in GROWING)
-    # what a full device holds beyond the tensors' peak: the attention buffers' share and the
-    # reserve, the held blocks taken back before an allocation fails
-    reserves = {local.seq_len: (est.full_card_reserve, est.attention)}
     if p > 1:
         extra = int(per_token * local.seq_len)
         est = StepEstimate(
@@ -244,16 +268,10 @@ def _plan_stack(
         entry["max_seq_len"] = p * max_seq_len(
             config,
             search.budget_bytes,
-            step=local,
-            patch=patch,
             granularity=search.granularity,
-            hint=local.seq_len,
+            hint=start,
             fixed_bytes=fixed,
-            extra_bytes_per_token=per_token,
-            overhead=overhead,
-            known_peaks=known,
-            known_reserves=reserves,
-            whole=search.whole,
+            **searching,  # type: ignore[arg-type]
         )
     return entry
 

@@ -14,10 +14,11 @@ from tiledmlp.config.patch import PatchConfig
 from tiledmlp.config.plan import StepSpec
 from tiledmlp.plan.device_overhead import DeviceOverhead
 from tiledmlp.plan.estimate import estimate_step
+from tiledmlp.plan.forked import speculate
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["max_seq_len"]
+__all__ = ["fits", "max_seq_len"]
 
 
 def max_seq_len(
@@ -82,6 +83,34 @@ def max_seq_len(
     return search.converge() * granularity
 
 
+def fits(
+    config: Any,
+    budget_bytes: int,
+    tokens: int,
+    *,
+    step: StepSpec,
+    patch: PatchConfig | None,
+    extra_bytes_per_token: float = 0.0,
+    extra_bytes: int = 0,
+    overhead: DeviceOverhead | None = None,
+    known_peaks: dict[int, int] | None = None,
+    known_reserves: dict[int, tuple[int, int]] | None = None,
+    **options: Any,
+) -> bool:
+    """Whether `step` of `tokens` tokens fits `budget_bytes` as max_seq_len counts a length (the
+    same estimate, the same bytes beyond it; the arguments are max_seq_len's). The estimate
+    goes into `known_peaks` and `known_reserves`, so that a search given them does not make it
+    again."""
+    search = _Search(
+        config, budget_bytes, step, patch, tokens, options,
+        extra_bytes_per_token=extra_bytes_per_token, extra_bytes=extra_bytes, overhead=overhead,
+        tensors={} if known_peaks is None else known_peaks,
+        reserves={} if known_reserves is None else known_reserves,
+        limit=1,
+    )  # fmt: skip
+    return search.try_(1)
+
+
 @dataclasses.dataclass
 class _Search:
     """max_seq_len's state: the lengths estimated, in granules, and the bracket they make
@@ -142,6 +171,21 @@ class _Search:
             logger.info("  %s tokens: %.1f GiB", f"{tokens:,}", self.cache[n] / 2**30)
         return self.cache[n]
 
+    def prefetch(self, n: int, then: int) -> None:
+        """Estimates granule n, and granule `then` (the one likely estimated next) beside it
+        where a CPU is idle (forked.py: speculate); the answer does not depend on it (an
+        estimate made early is the same estimate)."""
+        ahead = then * self.granularity
+        if then in self.cache or not n < then < self.hi or self.known(ahead):
+            return
+        tokens = n * self.granularity
+        if self.known(tokens):
+            return
+        now, later = speculate(lambda: self.simulated(tokens), lambda: self.simulated(ahead))
+        self.tensors[tokens], self.reserves[tokens] = now
+        if later is not None:
+            self.tensors[ahead], self.reserves[ahead] = later
+
     def try_(self, n: int) -> bool:
         """Estimates granule n and narrows the bracket; whether it fits."""
         self.seen.append(n)
@@ -186,6 +230,9 @@ class _Search:
             halve = slow >= 2 and self.hi <= self.limit  # the line converges slowly: bisect
             guess, sure, slope = self.guess(halve)
             guess = min(max(guess, self.lo + 1), self.hi - 1)
+            # next: one granule more where the line puts the budget here and it fits; the upper
+            # half's middle where the bracket is halved
+            self.prefetch(guess, guess + 1 if sure else (guess + self.hi) // 2)
             if (
                 self.try_(guess)
                 and guess + 1 < self.hi
