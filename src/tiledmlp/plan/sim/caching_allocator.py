@@ -49,9 +49,10 @@ rounded live bytes.
 
 from __future__ import annotations
 
-import bisect
+from bisect import bisect_left, insort
 from collections.abc import Iterable
 from dataclasses import dataclass
+from operator import itemgetter
 
 __all__ = ["FREE", "HOLD", "PAGE", "CachingAllocator", "reserve_beyond_peak"]
 
@@ -88,7 +89,8 @@ def segment_size(size: int) -> int:
 
 @dataclass(eq=False, slots=True)
 class _Block:
-    """A piece of one segment; `prev` and `next` are its neighbours in that segment."""
+    """A piece of one segment; `prev` and `next` are its neighbours in that segment. `req`:
+    while taken, the bytes its holder requested (0 once held for another stream)."""
 
     addr: int
     size: int
@@ -96,6 +98,7 @@ class _Block:
     free: bool = True
     prev: _Block | None = None
     next: _Block | None = None
+    req: int = 0
 
 
 class CachingAllocator:
@@ -120,91 +123,126 @@ class CachingAllocator:
         self.reserved = 0
         self.live = 0
         self.peak = 0
-        self._free: dict[bool, list[tuple[int, int]]] = {True: [], False: []}  # (size, addr)
-        self._blocks: dict[int, _Block] = {}  # free blocks by address
-        self._held: dict[int, tuple[_Block, int]] = {}  # key -> (its block, bytes requested)
+        # each pool's free blocks as (size, addr, block), sorted: best fit is a bisection (no
+        # two free blocks of a pool share an address, so the block itself is never compared)
+        self._free: list[list[tuple[int, int, _Block]]] = [[], []]  # [large, small]
+        self._held: dict[int, _Block] = {}  # key -> its block
         self._top = 0  # the next segment's address
         # with expandable segments: each pool's segment, the last block of its mapped range
-        self._last: dict[bool, _Block | None] = {True: None, False: None}
+        self._last: list[_Block | None] = [None, None]  # [large, small]
 
     def malloc(self, key: int, nbytes: int) -> None:
         """Serves `nbytes` for `key` (which must not hold a block)."""
-        if key in self._held:
-            raise ValueError(f"key {key} already holds a block; free it first")
-        self.live += nbytes
-        if self.live > self.peak:
-            self.peak = self.live
-        if nbytes == 0:
-            self._held[key] = (_Block(-1, 0, True, free=False), 0)
-            return
-        size = round_size(nbytes)
-        small = size <= SMALL_SIZE
-        pool = self._free[small]
-        i = bisect.bisect_left(pool, (size, -1))
-        if self.expandable and i + 1 < len(pool) and pool[i][1] == self._end_addr(small):
-            i += 1  # the free end of the mapped range is kept for requests nothing else fits
-        if i < len(pool):
-            block = self._blocks.pop(pool.pop(i)[1])
-        elif self.expandable:
-            block = self._extend(size, small)
-        else:
-            block = _Block(self._top, segment_size(size), small)
-            self._top += block.size
-            self.reserved += block.size
-        rest = block.size - size
-        if rest >= MIN_BLOCK if small or self.expandable else rest > SMALL_SIZE:
-            tail = _Block(block.addr + size, rest, small, prev=block, next=block.next)
-            if block.next is not None:
-                block.next.prev = tail
-            elif self.expandable:
-                self._last[small] = tail
-            block.next, block.size = tail, size
-            self._insert(tail)
-        block.free = False
-        self._held[key] = (block, nbytes)
+        if nbytes < 0:
+            raise ValueError(f"a request takes at least 0 bytes, got {nbytes} for key {key}")
+        self.run(((key, nbytes),))
 
     def hold(self, key: int) -> None:
         """`key`'s bytes are no longer allocated; its block stays taken until `free(key)`
         (returned at once without `holds`)."""
-        if not self.holds:
-            self.free(key)
-            self._returned.add(key)
-            return
-        block, nbytes = self._held[key]
-        self.live -= nbytes
-        self._held[key] = (block, 0)
+        self.run(((key, HOLD),))
 
     def free(self, key: int) -> None:
         """Returns `key`'s block to its pool, merged with the free blocks beside it."""
-        if key in self._returned:  # returned at its hold
-            self._returned.discard(key)
-            return
-        block, nbytes = self._held.pop(key)
-        self.live -= nbytes
-        if block.size == 0:
-            return
-        block.free = True
-        last = self._last[block.small]
-        for side in (block.prev, block.next):
-            if side is not None and side.free:
-                self._remove(side)
-                if side is block.prev:
-                    side.size += block.size
-                    side.next = block.next
-                    if block.next is not None:
-                        block.next.prev = side
-                    if last is block:
-                        last = side
-                    block = side
+        self.run(((key, FREE),))
+
+    def run(self, events: Iterable[tuple[int, int]]) -> None:
+        """Replays trace events in order: (key, nbytes) serves nbytes for key (malloc), (key,
+        FREE) returns its block (free), (key, HOLD) releases its bytes (hold). One loop with
+        the allocator's fields in local names: see Note [One loop]."""
+        held, pools, last_of, returned = self._held, self._free, self._last, self._returned
+        expandable, holds, live, peak = self.expandable, self.holds, self.live, self.peak
+        try:
+            for key, nbytes in events:
+                if nbytes > 0:  # malloc
+                    if key in held:
+                        raise ValueError(f"key {key} already holds a block; free it first")
+                    live += nbytes
+                    if live > peak:
+                        peak = live
+                    size = -(-nbytes // MIN_BLOCK) * MIN_BLOCK  # round_size
+                    small = size <= SMALL_SIZE
+                    pool = pools[small]
+                    i = bisect_left(pool, (size,))  # before every (size, addr, block): addr >= 0
+                    n = len(pool)
+                    if expandable and i + 1 < n and pool[i][2] is last_of[small]:
+                        i += 1  # the free end of the mapped range: for requests nothing else fits
+                    block = pool.pop(i)[2] if i < n else self._new_block(size, small)
+                    rest = block.size - size
+                    if rest >= MIN_BLOCK if small or expandable else rest > SMALL_SIZE:
+                        after = block.next
+                        tail = _Block(block.addr + size, rest, small, True, block, after)
+                        if after is not None:
+                            after.prev = tail
+                        elif expandable:
+                            last_of[small] = tail
+                        block.next, block.size = tail, size
+                        insort(pool, (rest, tail.addr, tail))
+                    block.free = False
+                    block.req = nbytes
+                    held[key] = block
+                elif nbytes == FREE or nbytes == HOLD:
+                    if nbytes == HOLD and holds:  # the block stays taken until its FREE
+                        block = held[key]
+                        live -= block.req
+                        block.req = 0
+                        continue
+                    if returned and key in returned:  # returned at its hold (and held again)
+                        if nbytes == FREE:
+                            returned.discard(key)
+                        continue
+                    if nbytes == HOLD:  # without holds: returned now, its FREE does nothing
+                        returned.add(key)
+                    block = held.pop(key)
+                    live -= block.req
+                    if not block.size:
+                        continue
+                    block.free = True  # back to its pool, merged with the free blocks beside it
+                    small = block.small
+                    pool = pools[small]
+                    side = block.prev
+                    if side is not None and side.free:  # merged into the free block before it
+                        del pool[bisect_left(pool, (side.size, side.addr))]
+                        side.size += block.size
+                        side.next = after = block.next
+                        if after is not None:
+                            after.prev = side
+                        elif expandable and last_of[small] is block:
+                            last_of[small] = side
+                        block = side
+                    side = block.next
+                    if side is not None and side.free:  # the free block after it merged into it
+                        del pool[bisect_left(pool, (side.size, side.addr))]
+                        block.size += side.size
+                        block.next = after = side.next
+                        if after is not None:
+                            after.prev = block
+                        elif expandable and last_of[small] is side:
+                            last_of[small] = block
+                    insort(pool, (block.size, block.addr, block))
                 else:
-                    block.size += side.size
-                    block.next = side.next
-                    if side.next is not None:
-                        side.next.prev = block
-                    if last is side:
-                        last = block
-        self._last[block.small] = last
-        self._insert(block)
+                    self._other(key, nbytes)
+        finally:
+            self.live, self.peak = live, peak
+
+    def _other(self, key: int, nbytes: int) -> None:
+        """A zero-byte request (it takes nothing), or an event that is none of the trace's."""
+        if nbytes != 0:
+            raise ValueError(f"a trace event (key, nbytes) has nbytes >= 0, FREE or HOLD; got "
+                             f"({key}, {nbytes})")  # fmt: skip
+        if key in self._held:
+            raise ValueError(f"key {key} already holds a block; free it first")
+        self._held[key] = _Block(-1, 0, True, False)  # takes nothing
+
+    def _new_block(self, size: int, small: bool) -> _Block:
+        """A request no free block serves: a new segment, or with expandable segments the
+        pool's segment extended."""
+        if self.expandable:
+            return self._extend(size, small)
+        block = _Block(self._top, segment_size(size), small)
+        self._top += block.size
+        self.reserved += block.size
+        return block
 
     def release_unused(self) -> int:
         """`torch.cuda.empty_cache()` without expandable segments: every segment no block of
@@ -212,16 +250,15 @@ class CachingAllocator:
         released."""
         if self.expandable:
             raise ValueError("releasing the pages of expandable segments is not modelled")
-        whole = [b for b in self._blocks.values() if b.prev is None and b.next is None]
+        whole = [b for pool in self._free for _, _, b in pool if b.prev is None and b.next is None]
         for block in whole:
             self._remove(block)
             self.reserved -= block.size
         return sum(b.size for b in whole)
 
-    def _end_addr(self, small: bool) -> int | None:
-        """The address of the free block at the end of the pool's mapped range, if it is free."""
-        last = self._last[small]
-        return last.addr if last is not None and last.free else None
+    def free_blocks(self) -> tuple[tuple[tuple[int, int], ...], ...]:
+        """Each pool's free blocks as (size, addr), in best-fit order (large pool first)."""
+        return tuple(tuple(map(_SIZE_ADDR, pool)) for pool in self._free)
 
     def _extend(self, size: int, small: bool) -> _Block:
         """With expandable segments: a block of at least `size` bytes at the end of the pool's
@@ -243,14 +280,12 @@ class CachingAllocator:
         self._last[small] = block
         return block
 
-    def _insert(self, block: _Block) -> None:
-        bisect.insort(self._free[block.small], (block.size, block.addr))
-        self._blocks[block.addr] = block
-
     def _remove(self, block: _Block) -> None:
         pool = self._free[block.small]
-        del pool[bisect.bisect_left(pool, (block.size, block.addr))]
-        del self._blocks[block.addr]
+        del pool[bisect_left(pool, (block.size, block.addr))]
+
+
+_SIZE_ADDR = itemgetter(0, 1)
 
 
 def reserve_beyond_peak(
@@ -275,11 +310,5 @@ def reserve_beyond_peak(
     alloc = CachingAllocator(expandable, holds)
     for i, nbytes in enumerate(before):
         alloc.malloc(-1 - i, nbytes)
-    for key, nbytes in trace:
-        if nbytes == FREE:
-            alloc.free(key)
-        elif nbytes == HOLD:
-            alloc.hold(key)
-        else:
-            alloc.malloc(key, nbytes)
+    alloc.run(trace)
     return alloc.reserved - alloc.peak

@@ -38,14 +38,16 @@ have recorded run whole. A loop inside another's tile runs whole.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from itertools import repeat
+from operator import add, attrgetter, itemgetter
 from typing import Any
 
 import torch
 
 from tiledmlp.ops.tiling.tiles import TilePlan
-from tiledmlp.plan.sim.caching_allocator import FREE, HOLD, CachingAllocator
+from tiledmlp.plan.sim.caching_allocator import FREE, HOLD, CachingAllocator, _Block
 from tiledmlp.plan.sim.phase_tracker import PhaseTracker
 
 __all__ = ["PeriodicTiles", "Repeat", "cut_peak_bytes", "replayed_reserve", "whole_trace"]
@@ -203,7 +205,7 @@ def whole_trace(trace: list[tuple[int, int]], repeats: list[Repeat]) -> Iterator
     (module docstring): (key, bytes) and (key, FREE) events; a skipped tile's new storages get
     keys from 2**40 on (serials and the caller's keys for tensors before the step stay below)."""
     events: list[tuple[int, int]] = []
-    _rebuild(trace, repeats, events.append, None)
+    _rebuild(trace, repeats, events.extend, None)
     return iter(events)
 
 
@@ -224,81 +226,117 @@ def replayed_reserve(
     alloc = CachingAllocator(expandable, holds)
     for i, nbytes in enumerate(before):
         alloc.malloc(-1 - i, nbytes)
-
-    def run(event: tuple[int, int]) -> None:
-        key, nbytes = event
-        if nbytes == FREE:
-            alloc.free(key)
-        elif nbytes == HOLD:
-            alloc.hold(key)
-        else:
-            alloc.malloc(key, nbytes)
-
-    _rebuild(trace, repeats, run, alloc)
+    _rebuild(trace, repeats, alloc.run, alloc)
     return alloc.reserved - alloc.peak
 
 
 def _state(alloc: CachingAllocator, tiles: _Tiles, copy: int, back: int) -> tuple[Any, ...]:
     """The allocator's state after `copy` (the caching allocator's own fields, read only),
-    with the loop's live storages named by their place in the pattern (d tiles back, offset)."""
-    held = []
+    with the loop's storages named by their place in the pattern (d tiles back, offset): per
+    place, its block's address and size, or (-2, -1) once freed (no block has those: a block
+    takes an address >= 0, a zero-byte request's takes -1 and size 0). Flat tuples of ints,
+    cheap to hash."""
+    get = alloc._held.get
+    blocks: list[_Block] = []
     for d in range(back + 1):
-        for offset in range(tiles.rep.new):
-            entry = alloc._held.get(tiles.key(copy - d, offset))
-            if entry is not None:
-                held.append((d, offset, entry[0].addr, entry[0].size))
-    last = tuple(None if b is None else (b.addr, b.size, b.free) for b in alloc._last.values())
-    free = tuple(tuple(pool) for pool in alloc._free.values())
-    return alloc.reserved, alloc.live, alloc._top, last, free, tuple(held)
+        blocks += map(get, tiles.keys(copy - d), repeat(_FREED))
+    last = tuple(None if b is None else (b.addr, b.size, b.free) for b in alloc._last)
+    free = [tuple(map(f, pool)) for pool in alloc._free for f in (_SIZE, _ADDR)]
+    held = (tuple(map(_BLOCK_ADDR, blocks)), tuple(map(_BLOCK_SIZE, blocks)))
+    return alloc.reserved, alloc.live, alloc._top, last, *free, *held
+
+
+_FREED = _Block(-2, -1, True, False)  # what _state reads for a storage freed
+_SIZE, _ADDR = itemgetter(0), itemgetter(1)  # of a free list's (size, addr, block)
+_BLOCK_ADDR, _BLOCK_SIZE = attrgetter("addr"), attrgetter("size")
 
 
 def _rebuild(
     trace: list[tuple[int, int]],
     repeats: list[Repeat],
-    emit: Callable[[tuple[int, int]], None],
+    emit: Callable[[Iterable[tuple[int, int]]], None],
     alloc: CachingAllocator | None,
 ) -> None:
-    """Emits the whole trace (whole_trace); with `alloc` (which the emitted events drive),
-    leaves out whole cycles of the allocator's states (replayed_reserve)."""
+    """Emits the whole trace (whole_trace), a list of events at a time; with `alloc` (which the
+    emitted events drive), leaves out whole cycles of the allocator's states
+    (replayed_reserve)."""
     alias: dict[int, int] = {}  # a recorded serial -> its key in the whole trace
-    fresh = iter(range(1 << 40, 1 << 62))
+    fresh = [1 << 40]  # the next skipped tile's first key
     pos = 0
     for rep in repeats:
-        for event in _renamed(trace[pos : rep.end], alias):
-            emit(event)
+        emit(_renamed(trace[pos : rep.end], alias))
         window = trace[rep.begin : rep.end]
         released = {(r % rep.new, -(r // rep.new)) for r in (
             s - rep.first for s, b in window if b == FREE)}  # fmt: skip
         back = max((e for _, e in released), default=0)
         tiles = _Tiles(rep, alias)
-        copies = rep.times  # how many copies run (fewer once the allocator's states cycle)
-        seen = {} if alloc is None else {_state(alloc, tiles, 0, back): 0}
-        c = 0
-        while c < copies:
-            c += 1
-            keys: list[int] = []
-            tiles.copies.append(keys)
-            for serial, nbytes in window:
-                if nbytes == FREE:
-                    r = serial - rep.first
-                    emit((tiles.key(c + r // rep.new, r % rep.new), FREE))
-                else:
-                    keys.append(next(fresh))
-                    emit((keys[-1], nbytes))
-            if alloc is not None and copies == rep.times:
-                state = _state(alloc, tiles, c, back)
-                if state in seen:  # the states cycle: whole cycles change nothing
-                    period = c - seen[state]
-                    copies -= (copies - c) // period * period
-                seen[state] = c
+        copies = _copies(window, tiles, back, emit, alloc, fresh)
         # a storage of the tile d before the repeated one that the pattern releases e > d
         # tiles on is, after the loop, that of the last copy's tile d before it
         for offset, e in released:
             for d in range(e):
                 alias[rep.first - d * rep.new + offset] = tiles.key(copies - d, offset)
         pos = rep.end
-    for event in _renamed(trace[pos:], alias):
-        emit(event)
+    emit(_renamed(trace[pos:], alias))
+
+
+def _copies(
+    window: list[tuple[int, int]],
+    tiles: _Tiles,
+    back: int,
+    emit: Callable[[Iterable[tuple[int, int]]], None],
+    alloc: CachingAllocator | None,
+    fresh: list[int],
+) -> int:
+    """Emits the skipped tiles' copies of `window`, each a list of events; with `alloc`, fewer
+    once the allocator's states cycle (_rebuild). Returns how many copies ran."""
+    rep = tiles.rep
+    # per event: (True, nbytes, 0) for a new storage, (False, tiles back, offset) for a release
+    pattern = [
+        (False, *divmod(s - rep.first, rep.new)) if b == FREE else (True, b, 0) for s, b in window
+    ]
+    made = sum(new for new, _, _ in pattern)  # storages each copy creates
+    # a copy's keys are consecutive from its first (the next copy's follow): with one key per
+    # storage of the pattern, each event's key is the copy's first plus a constant once the
+    # tiles it releases from are copies too (see Note [Keys of a copy])
+    rel = [made * a + b if not new else 0 for new, a, b in pattern]
+    rel = _numbered(rel, [new for new, _, _ in pattern]) if made == rep.new else []
+    nbytes = [b for _, b in window]
+    copies = rep.times  # how many copies run (fewer once the allocator's states cycle)
+    seen = {} if alloc is None else {_state(alloc, tiles, 0, back): 0}
+    key, keys = tiles.key, tiles.copies
+    c = 0
+    while c < copies:
+        c += 1
+        first = fresh[0]
+        fresh[0] += made
+        keys.append(range(first, first + made))
+        events: Iterable[tuple[int, int]]
+        if rel and c > back:
+            events = zip(map(add, rel, repeat(first)), nbytes)
+        else:
+            j = iter(keys[c])  # the copy's new storages, in order
+            events = [
+                (next(j), a) if new else (keys[c + a][b] if c + a > 0 else key(c + a, b), FREE)
+                for new, a, b in pattern
+            ]
+        emit(events)
+        if alloc is not None and copies == rep.times:
+            state = _state(alloc, tiles, c, back)
+            if state in seen:  # the states cycle: whole cycles change nothing
+                period = c - seen[state]
+                copies -= (copies - c) // period * period
+            seen[state] = c
+    return copies
+
+
+def _numbered(rel: list[int], new: list[bool]) -> list[int]:
+    """`rel` with the pattern's new storages numbered in order (0, 1, ...)."""
+    j = 0
+    for i, is_new in enumerate(new):
+        if is_new:
+            rel[i], j = j, j + 1
+    return rel
 
 
 class _Tiles:
@@ -308,7 +346,7 @@ class _Tiles:
     def __init__(self, rep: Repeat, alias: dict[int, int]) -> None:
         self.rep = rep
         self.alias = alias
-        self.copies: list[list[int]] = [[]]  # copies[c]: the c-th skipped tile's keys
+        self.copies: list[Sequence[int]] = [[]]  # copies[c]: the c-th skipped tile's keys
 
     def key(self, tile: int, offset: int) -> int:
         if tile > 0:
@@ -316,10 +354,17 @@ class _Tiles:
         serial = self.rep.first + tile * self.rep.new + offset
         return self.alias.get(serial, serial)
 
+    def keys(self, tile: int) -> Sequence[int]:
+        """The tile's keys by offset: the pattern's `new` storages."""
+        if tile > 0:
+            keys = self.copies[tile]  # each copy creates the pattern's storages, in order
+            return keys if len(keys) == self.rep.new else [keys[o] for o in range(self.rep.new)]
+        first = self.rep.first + tile * self.rep.new
+        alias = self.alias
+        return [alias.get(s, s) for s in range(first, first + self.rep.new)]
 
-def _renamed(events: Iterable[tuple[int, int]], alias: dict[int, int]) -> Iterator[tuple[int, int]]:
+
+def _renamed(events: list[tuple[int, int]], alias: dict[int, int]) -> list[tuple[int, int]]:
     if not alias:
-        yield from events
-        return
-    for serial, nbytes in events:
-        yield alias.get(serial, serial), nbytes
+        return events
+    return [(alias.get(serial, serial), nbytes) for serial, nbytes in events]
