@@ -51,7 +51,6 @@ from __future__ import annotations
 
 from bisect import bisect_left, insort
 from collections.abc import Iterable
-from dataclasses import dataclass
 from operator import itemgetter
 
 __all__ = ["FREE", "HOLD", "PAGE", "CachingAllocator", "reserve_beyond_peak"]
@@ -87,18 +86,21 @@ def segment_size(size: int) -> int:
     return -(-size // ROUND_LARGE) * ROUND_LARGE
 
 
-@dataclass(eq=False, slots=True)
-class _Block:
-    """A piece of one segment; `prev` and `next` are its neighbours in that segment. `req`:
-    while taken, the bytes its holder requested (0 once held for another stream)."""
+# A block, a piece of one segment: [size, addr, small, free, prev, next, req]: its bytes,
+# its address, whether it is in the small pool, whether it is free, its neighbours in its
+# segment (None at the segment's ends) and, while taken, the bytes its holder requested (0
+# once held for another stream). A list: see Note [Blocks as lists].
+_SIZE, _ADDR, _SMALL, _IS_FREE, _PREV, _NEXT, _REQ = range(7)
+_Block = list
 
-    addr: int
-    size: int
-    small: bool
-    free: bool = True
-    prev: _Block | None = None
-    next: _Block | None = None
-    req: int = 0
+# Note [Blocks as lists]
+# The replay serves hundreds of thousands of requests in Python, so a block is the cheapest
+# object that orders itself: a list that opens with its size and address. A pool's free list
+# holds its free blocks themselves, sorted: best fit is a bisection for [size] (shorter, so
+# before every block of that size), and a block is found again by bisecting for itself. No two
+# free blocks of a pool share an address, so comparing two reads no further than their
+# addresses (a block compared with itself matches item by item, by identity, and is not less).
+# A block's size and address change only while it is out of its pool's list.
 
 
 class CachingAllocator:
@@ -123,9 +125,7 @@ class CachingAllocator:
         self.reserved = 0
         self.live = 0
         self.peak = 0
-        # each pool's free blocks as (size, addr, block), sorted: best fit is a bisection (no
-        # two free blocks of a pool share an address, so the block itself is never compared)
-        self._free: list[list[tuple[int, int, _Block]]] = [[], []]  # [large, small]
+        self._free: list[list[_Block]] = [[], []]  # [large, small]: free blocks, sorted
         self._held: dict[int, _Block] = {}  # key -> its block
         self._top = 0  # the next segment's address
         # with expandable segments: each pool's segment, the last block of its mapped range
@@ -148,10 +148,10 @@ class CachingAllocator:
 
     def run(self, events: Iterable[tuple[int, int]]) -> None:
         """Replays trace events in order: (key, nbytes) serves nbytes for key (malloc), (key,
-        FREE) returns its block (free), (key, HOLD) releases its bytes (hold). One loop with
-        the allocator's fields in local names: see Note [One loop]."""
+        FREE) returns its block to its pool merged with the free blocks beside it (free), (key,
+        HOLD) releases its bytes (hold). One loop, the allocator's fields in local names."""
         held, pools, last_of, returned = self._held, self._free, self._last, self._returned
-        expandable, holds, live, peak = self.expandable, self.holds, self.live, self.peak
+        expandable, live, peak = self.expandable, self.live, self.peak
         try:
             for key, nbytes in events:
                 if nbytes > 0:  # malloc
@@ -160,88 +160,94 @@ class CachingAllocator:
                     live += nbytes
                     if live > peak:
                         peak = live
-                    size = -(-nbytes // MIN_BLOCK) * MIN_BLOCK  # round_size
+                    size = (nbytes + MIN_BLOCK - 1) & -MIN_BLOCK  # round_size: 512 a power of 2
                     small = size <= SMALL_SIZE
                     pool = pools[small]
-                    i = bisect_left(pool, (size,))  # before every (size, addr, block): addr >= 0
+                    i = bisect_left(pool, [size])  # the smallest block large enough
                     n = len(pool)
-                    if expandable and i + 1 < n and pool[i][2] is last_of[small]:
+                    if expandable and i + 1 < n and pool[i] is last_of[small]:
                         i += 1  # the free end of the mapped range: for requests nothing else fits
-                    block = pool.pop(i)[2] if i < n else self._new_block(size, small)
-                    rest = block.size - size
+                    block = pool.pop(i) if i < n else self._new(size, small)
+                    rest = block[_SIZE] - size
                     if rest >= MIN_BLOCK if small or expandable else rest > SMALL_SIZE:
-                        after = block.next
-                        tail = _Block(block.addr + size, rest, small, True, block, after)
+                        after = block[_NEXT]
+                        tail = [rest, block[_ADDR] + size, small, True, block, after, 0]
                         if after is not None:
-                            after.prev = tail
+                            after[_PREV] = tail
                         elif expandable:
                             last_of[small] = tail
-                        block.next, block.size = tail, size
-                        insort(pool, (rest, tail.addr, tail))
-                    block.free = False
-                    block.req = nbytes
+                        block[_NEXT] = tail
+                        block[_SIZE] = size
+                        insort(pool, tail)
+                    block[_IS_FREE] = False
+                    block[_REQ] = nbytes
                     held[key] = block
-                elif nbytes == FREE or nbytes == HOLD:
-                    if nbytes == HOLD and holds:  # the block stays taken until its FREE
-                        block = held[key]
-                        live -= block.req
-                        block.req = 0
-                        continue
-                    if returned and key in returned:  # returned at its hold (and held again)
-                        if nbytes == FREE:
-                            returned.discard(key)
-                        continue
-                    if nbytes == HOLD:  # without holds: returned now, its FREE does nothing
-                        returned.add(key)
+                elif nbytes == FREE and (not returned or key not in returned):  # free
                     block = held.pop(key)
-                    live -= block.req
-                    if not block.size:
+                    live -= block[_REQ]
+                    if not block[_SIZE]:
                         continue
-                    block.free = True  # back to its pool, merged with the free blocks beside it
-                    small = block.small
+                    block[_IS_FREE] = True
+                    small = block[_SMALL]
                     pool = pools[small]
-                    side = block.prev
-                    if side is not None and side.free:  # merged into the free block before it
-                        del pool[bisect_left(pool, (side.size, side.addr))]
-                        side.size += block.size
-                        side.next = after = block.next
+                    side = block[_PREV]
+                    if side is not None and side[_IS_FREE]:  # merged into the free block before
+                        del pool[bisect_left(pool, side)]
+                        side[_SIZE] += block[_SIZE]
+                        side[_NEXT] = after = block[_NEXT]
                         if after is not None:
-                            after.prev = side
-                        elif expandable and last_of[small] is block:
+                            after[_PREV] = side
+                        elif last_of[small] is block:
                             last_of[small] = side
                         block = side
-                    side = block.next
-                    if side is not None and side.free:  # the free block after it merged into it
-                        del pool[bisect_left(pool, (side.size, side.addr))]
-                        block.size += side.size
-                        block.next = after = side.next
+                    side = block[_NEXT]
+                    if side is not None and side[_IS_FREE]:  # the free block after merged in
+                        del pool[bisect_left(pool, side)]
+                        block[_SIZE] += side[_SIZE]
+                        block[_NEXT] = after = side[_NEXT]
                         if after is not None:
-                            after.prev = block
-                        elif expandable and last_of[small] is side:
+                            after[_PREV] = block
+                        elif last_of[small] is side:
                             last_of[small] = block
-                    insort(pool, (block.size, block.addr, block))
+                    insort(pool, block)
                 else:
+                    self.live, self.peak = live, peak
                     self._other(key, nbytes)
+                    live = self.live
         finally:
             self.live, self.peak = live, peak
 
     def _other(self, key: int, nbytes: int) -> None:
-        """A zero-byte request (it takes nothing), or an event that is none of the trace's."""
-        if nbytes != 0:
+        """The rarer events: a zero-byte request (it takes nothing), a hold, the free of a
+        block returned at its hold."""
+        held, returned = self._held, self._returned
+        if nbytes == 0:
+            if key in held:
+                raise ValueError(f"key {key} already holds a block; free it first")
+            held[key] = [0, -1, True, False, None, None, 0]
+        elif nbytes == HOLD and self.holds:  # the block stays taken until its FREE
+            block = held[key]
+            self.live -= block[_REQ]
+            block[_REQ] = 0
+        elif nbytes == HOLD:  # returned now (unless it was at an earlier hold): its FREE waits
+            if key not in returned:
+                self.run(((key, FREE),))
+                returned.add(key)
+        elif nbytes == FREE:  # returned at its hold
+            returned.discard(key)
+        else:
             raise ValueError(f"a trace event (key, nbytes) has nbytes >= 0, FREE or HOLD; got "
                              f"({key}, {nbytes})")  # fmt: skip
-        if key in self._held:
-            raise ValueError(f"key {key} already holds a block; free it first")
-        self._held[key] = _Block(-1, 0, True, False)  # takes nothing
 
-    def _new_block(self, size: int, small: bool) -> _Block:
+    def _new(self, size: int, small: bool) -> _Block:
         """A request no free block serves: a new segment, or with expandable segments the
         pool's segment extended."""
         if self.expandable:
             return self._extend(size, small)
-        block = _Block(self._top, segment_size(size), small)
-        self._top += block.size
-        self.reserved += block.size
+        taken = segment_size(size)
+        block = [taken, self._top, small, True, None, None, 0]
+        self._top += taken
+        self.reserved += taken
         return block
 
     def release_unused(self) -> int:
@@ -250,42 +256,43 @@ class CachingAllocator:
         released."""
         if self.expandable:
             raise ValueError("releasing the pages of expandable segments is not modelled")
-        whole = [b for pool in self._free for _, _, b in pool if b.prev is None and b.next is None]
+        whole = [b for pool in self._free for b in pool if b[_PREV] is None and b[_NEXT] is None]
         for block in whole:
             self._remove(block)
-            self.reserved -= block.size
-        return sum(b.size for b in whole)
+            self.reserved -= block[_SIZE]
+        return sum(b[_SIZE] for b in whole)
 
-    def free_blocks(self) -> tuple[tuple[tuple[int, int], ...], ...]:
-        """Each pool's free blocks as (size, addr), in best-fit order (large pool first)."""
-        return tuple(tuple(map(_SIZE_ADDR, pool)) for pool in self._free)
+    def free_blocks(self) -> tuple[tuple[int, ...], ...]:
+        """Each pool's free blocks in best-fit order (large pool first): their sizes, then
+        their addresses."""
+        return tuple(tuple(map(f, pool)) for pool in self._free for f in (_GET_SIZE, _GET_ADDR))
 
     def _extend(self, size: int, small: bool) -> _Block:
         """With expandable segments: a block of at least `size` bytes at the end of the pool's
         segment, made of its free end block (if any) and the whole pages mapped after it."""
         last = self._last[small]
-        grow = last if last is not None and last.free else None
-        need = size - (grow.size if grow is not None else 0)
+        grow = last if last is not None and last[_IS_FREE] else None
+        need = size - (grow[_SIZE] if grow is not None else 0)
         mapped = -(-need // PAGE[small]) * PAGE[small]
         self.reserved += mapped
         if grow is not None:
             self._remove(grow)
-            grow.size += mapped
+            grow[_SIZE] += mapped
             return grow
         # each pool's segment has its own address range: a block never neighbours another pool's
-        addr = last.addr + last.size if last is not None else (0 if small else 1 << 60)
-        block = _Block(addr, mapped, small, prev=last)
+        addr = last[_ADDR] + last[_SIZE] if last is not None else (0 if small else 1 << 60)
+        block = [mapped, addr, small, True, last, None, 0]
         if last is not None:
-            last.next = block
+            last[_NEXT] = block
         self._last[small] = block
         return block
 
     def _remove(self, block: _Block) -> None:
-        pool = self._free[block.small]
-        del pool[bisect_left(pool, (block.size, block.addr))]
+        pool = self._free[block[_SMALL]]
+        del pool[bisect_left(pool, block)]
 
 
-_SIZE_ADDR = itemgetter(0, 1)
+_GET_SIZE, _GET_ADDR = itemgetter(_SIZE), itemgetter(_ADDR)
 
 
 def reserve_beyond_peak(

@@ -41,13 +41,23 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import repeat
-from operator import add, attrgetter, itemgetter
+from operator import add
 from typing import Any
 
 import torch
 
 from tiledmlp.ops.tiling.tiles import TilePlan
-from tiledmlp.plan.sim.caching_allocator import FREE, HOLD, CachingAllocator, _Block
+from tiledmlp.plan.sim.caching_allocator import (
+    _ADDR,
+    _GET_ADDR,
+    _GET_SIZE,
+    _IS_FREE,
+    _SIZE,
+    FREE,
+    HOLD,
+    CachingAllocator,
+    _Block,
+)
 from tiledmlp.plan.sim.phase_tracker import PhaseTracker
 
 __all__ = ["PeriodicTiles", "Repeat", "cut_peak_bytes", "replayed_reserve", "whole_trace"]
@@ -240,15 +250,12 @@ def _state(alloc: CachingAllocator, tiles: _Tiles, copy: int, back: int) -> tupl
     blocks: list[_Block] = []
     for d in range(back + 1):
         blocks += map(get, tiles.keys(copy - d), repeat(_FREED))
-    last = tuple(None if b is None else (b.addr, b.size, b.free) for b in alloc._last)
-    free = [tuple(map(f, pool)) for pool in alloc._free for f in (_SIZE, _ADDR)]
-    held = (tuple(map(_BLOCK_ADDR, blocks)), tuple(map(_BLOCK_SIZE, blocks)))
-    return alloc.reserved, alloc.live, alloc._top, last, *free, *held
+    last = [None if b is None else (b[_ADDR], b[_SIZE], b[_IS_FREE]) for b in alloc._last]
+    held = (tuple(map(_GET_ADDR, blocks)), tuple(map(_GET_SIZE, blocks)))
+    return alloc.reserved, alloc.live, alloc._top, *last, *alloc.free_blocks(), *held
 
 
-_FREED = _Block(-2, -1, True, False)  # what _state reads for a storage freed
-_SIZE, _ADDR = itemgetter(0), itemgetter(1)  # of a free list's (size, addr, block)
-_BLOCK_ADDR, _BLOCK_SIZE = attrgetter("addr"), attrgetter("size")
+_FREED = [-1, -2, True, False, None, None, 0]  # what _state reads for a storage freed
 
 
 def _rebuild(
@@ -272,10 +279,12 @@ def _rebuild(
         tiles = _Tiles(rep, alias)
         copies = _copies(window, tiles, back, emit, alloc, fresh)
         # a storage of the tile d before the repeated one that the pattern releases e > d
-        # tiles on is, after the loop, that of the last copy's tile d before it
-        for offset, e in released:
-            for d in range(e):
-                alias[rep.first - d * rep.new + offset] = tiles.key(copies - d, offset)
+        # tiles on is, after the loop, that of the last copy's tile d before it (all read
+        # before any is renamed: with fewer copies than e, that tile is a recorded one)
+        alias.update({
+            rep.first - d * rep.new + offset: tiles.key(copies - d, offset)
+            for offset, e in released for d in range(e)
+        })  # fmt: skip
         pos = rep.end
     emit(_renamed(trace[pos:], alias))
 
