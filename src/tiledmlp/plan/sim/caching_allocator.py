@@ -265,7 +265,7 @@ class CachingAllocator:
     def free_blocks(self) -> tuple[tuple[int, ...], ...]:
         """Each pool's free blocks in best-fit order (large pool first): their sizes, then
         their addresses."""
-        return tuple(tuple(map(f, pool)) for pool in self._free for f in (_GET_SIZE, _GET_ADDR))
+        return tuple([tuple(map(f, pool)) for pool in self._free for f in (_GET_SIZE, _GET_ADDR)])
 
     def _extend(self, size: int, small: bool) -> _Block:
         """With expandable segments: a block of at least `size` bytes at the end of the pool's

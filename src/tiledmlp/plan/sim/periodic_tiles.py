@@ -264,8 +264,8 @@ def _rebuild(
     emit: Callable[[Iterable[tuple[int, int]]], None],
     alloc: CachingAllocator | None,
 ) -> None:
-    """Emits the whole trace (whole_trace), a list of events at a time; with `alloc` (which the
-    emitted events drive), leaves out whole cycles of the allocator's states
+    """Emits the whole trace (whole_trace), a stretch of events at a time; with `alloc` (which
+    the emitted events drive), leaves out whole cycles of the allocator's states
     (replayed_reserve)."""
     alias: dict[int, int] = {}  # a recorded serial -> its key in the whole trace
     fresh = [1 << 40]  # the next skipped tile's first key
@@ -297,19 +297,15 @@ def _copies(
     alloc: CachingAllocator | None,
     fresh: list[int],
 ) -> int:
-    """Emits the skipped tiles' copies of `window`, each a list of events; with `alloc`, fewer
-    once the allocator's states cycle (_rebuild). Returns how many copies ran."""
+    """Emits the skipped tiles' copies of `window`, a copy's events at a time; with `alloc`,
+    fewer once the allocator's states cycle (_rebuild). Returns how many copies ran."""
     rep = tiles.rep
     # per event: (True, nbytes, 0) for a new storage, (False, tiles back, offset) for a release
     pattern = [
         (False, *divmod(s - rep.first, rep.new)) if b == FREE else (True, b, 0) for s, b in window
     ]
     made = sum(new for new, _, _ in pattern)  # storages each copy creates
-    # a copy's keys are consecutive from its first (the next copy's follow): with one key per
-    # storage of the pattern, each event's key is the copy's first plus a constant once the
-    # tiles it releases from are copies too (see Note [Keys of a copy])
-    rel = [made * a + b if not new else 0 for new, a, b in pattern]
-    rel = _numbered(rel, [new for new, _, _ in pattern]) if made == rep.new else []
+    offsets = _offsets(pattern, made) if made == rep.new else None  # Note [Keys of a copy]
     nbytes = [b for _, b in window]
     copies = rep.times  # how many copies run (fewer once the allocator's states cycle)
     seen = {} if alloc is None else {_state(alloc, tiles, 0, back): 0}
@@ -321,8 +317,8 @@ def _copies(
         fresh[0] += made
         keys.append(range(first, first + made))
         events: Iterable[tuple[int, int]]
-        if rel and c > back:
-            events = zip(map(add, rel, repeat(first)), nbytes)
+        if offsets is not None and c > back:
+            events = zip(map(add, offsets, repeat(first)), nbytes)
         else:
             j = iter(keys[c])  # the copy's new storages, in order
             events = [
@@ -339,13 +335,23 @@ def _copies(
     return copies
 
 
-def _numbered(rel: list[int], new: list[bool]) -> list[int]:
-    """`rel` with the pattern's new storages numbered in order (0, 1, ...)."""
-    j = 0
-    for i, is_new in enumerate(new):
-        if is_new:
-            rel[i], j = j, j + 1
-    return rel
+# Note [Keys of a copy]
+# Copy c's new storages take consecutive keys from its first, F(c), and copy c + 1's follow:
+# F(c + 1) = F(c) + made. With one new storage per serial of the pattern (made == new: the
+# tracker gives each storage a serial, in order), the storage of offset b of the tile a <= 0
+# tiles from copy c is, when that tile is a copy, F(c + a) + b = F(c) + made * a + b, and
+# copy c's j-th new storage is F(c) + j: once every tile the pattern releases from is a copy
+# (c > back), each event's key is F(c) plus the same offset in every copy. Earlier copies
+# release recorded storages too, named through `_Tiles.key`.
+
+
+def _offsets(pattern: list[tuple[bool, int, int]], made: int) -> list[int]:
+    """Each event's key less its copy's first key (Note [Keys of a copy])."""
+    offsets, j = [], 0
+    for new, a, b in pattern:
+        offsets.append(j if new else made * a + b)
+        j += new
+    return offsets
 
 
 class _Tiles:
@@ -373,7 +379,8 @@ class _Tiles:
         return [alias.get(s, s) for s in range(first, first + self.rep.new)]
 
 
-def _renamed(events: list[tuple[int, int]], alias: dict[int, int]) -> list[tuple[int, int]]:
-    if not alias:
+def _renamed(events: list[tuple[int, int]], alias: dict[int, int]) -> Iterable[tuple[int, int]]:
+    if not alias or not events:
         return events
-    return [(alias.get(serial, serial), nbytes) for serial, nbytes in events]
+    serials, nbytes = zip(*events)
+    return zip(map(alias.get, serials, serials), nbytes)
