@@ -56,7 +56,6 @@ from tiledmlp.plan.sim.caching_allocator import (
     FREE,
     HOLD,
     CachingAllocator,
-    _Block,
 )
 from tiledmlp.plan.sim.phase_tracker import PhaseTracker
 
@@ -240,19 +239,17 @@ def replayed_reserve(
     return alloc.reserved - alloc.peak
 
 
-def _state(alloc: CachingAllocator, tiles: _Tiles, copy: int, back: int) -> tuple[Any, ...]:
-    """The allocator's state after `copy` (the caching allocator's own fields, read only),
-    with the loop's storages named by their place in the pattern (d tiles back, offset): per
-    place, its block's address and size, or (-2, -1) once freed (no block has those: a block
-    takes an address >= 0, a zero-byte request's takes -1 and size 0). Flat tuples of ints,
-    cheap to hash."""
-    get = alloc._held.get
-    blocks: list[_Block] = []
-    for d in range(back + 1):
-        blocks += map(get, tiles.keys(copy - d), repeat(_FREED))
+def _state(alloc: CachingAllocator, keys: Iterable[int], freed: int) -> tuple[Any, ...]:
+    """The allocator's state after a copy (the caching allocator's own fields, read only),
+    with the loop's storages named by their place in the pattern (`_Places`: their `keys` in
+    order, then `freed` places known to be freed): per place, its block's address and size, or
+    (-2, -1) once freed (no block has those: a block takes an address >= 0, a zero-byte
+    request's takes -1 and size 0). Flat tuples of ints, cheap to hash."""
+    blocks = list(map(alloc._held.get, keys, repeat(_FREED)))
     last = [None if b is None else (b[_ADDR], b[_SIZE], b[_IS_FREE]) for b in alloc._last]
-    held = (tuple(map(_GET_ADDR, blocks)), tuple(map(_GET_SIZE, blocks)))
-    return alloc.reserved, alloc.live, alloc._top, *last, *alloc.free_blocks(), *held
+    addrs = tuple(map(_GET_ADDR, blocks)) + (_FREED[_ADDR],) * freed
+    sizes = tuple(map(_GET_SIZE, blocks)) + (_FREED[_SIZE],) * freed
+    return alloc.reserved, alloc.live, alloc._top, *last, *alloc.free_blocks(), addrs, sizes
 
 
 _FREED = [-1, -2, True, False, None, None, 0]  # what _state reads for a storage freed
@@ -307,8 +304,9 @@ def _copies(
     made = sum(new for new, _, _ in pattern)  # storages each copy creates
     offsets = _offsets(pattern, made) if made == rep.new else None  # Note [Keys of a copy]
     nbytes = [b for _, b in window]
+    places = _Places(pattern, tiles, back)
     copies = rep.times  # how many copies run (fewer once the allocator's states cycle)
-    seen = {} if alloc is None else {_state(alloc, tiles, 0, back): 0}
+    seen = {} if alloc is None else {_state(alloc, *places.keys(0, None)): 0}
     key, keys = tiles.key, tiles.copies
     c = 0
     while c < copies:
@@ -327,7 +325,8 @@ def _copies(
             ]
         emit(events)
         if alloc is not None and copies == rep.times:
-            state = _state(alloc, tiles, c, back)
+            known = offsets is not None and c > back and HOLD not in nbytes
+            state = _state(alloc, *places.keys(c, first if known else None))
             if state in seen:  # the states cycle: whole cycles change nothing
                 period = c - seen[state]
                 copies -= (copies - c) // period * period
@@ -352,6 +351,42 @@ def _offsets(pattern: list[tuple[bool, int, int]], made: int) -> list[int]:
         offsets.append(j if new else made * a + b)
         j += new
     return offsets
+
+
+# Note [Released places]
+# Past the first copies (c > back), with one key per storage of the pattern (Note [Keys of a
+# copy]) and no hold in it, every tile from copy c - back to c is a copy, and the storage at
+# place (d, o) has key F(c - d) + o, which nothing but the pattern names: it releases that
+# storage in copy c - d + e (e its release distance), so at copy c's end it is freed exactly
+# where e <= d, and _state reads (-2, -1) there without looking. Earlier copies name recorded
+# storages, whose releases the record made: there every place is looked up. Both read the
+# places in the same order, so their states compare as if each place were looked up.
+
+
+class _Places:
+    """The places (d tiles back, offset) of the loop's storages that a state names: first
+    those alive at a later copy's end, then those the pattern has released by then."""
+
+    def __init__(self, pattern: list[tuple[bool, int, int]], tiles: _Tiles, back: int) -> None:
+        new = tiles.rep.new
+        distance: dict[int, int] = {}  # offset -> the tiles on its storage is released
+        for is_new, a, b in pattern:
+            if not is_new:
+                distance[b] = min(-a, distance.get(b, -a))
+        every = [(d, o) for d in range(back + 1) for o in range(new)]
+        alive = [(d, o) for d, o in every if distance.get(o, back + 1) > d]
+        self.places = alive + [(d, o) for d, o in every if distance.get(o, back + 1) <= d]
+        self.freed = len(self.places) - len(alive)
+        self.offsets = [o - d * new for d, o in alive]  # keys less the copy's first
+        self.tiles, self.back = tiles, back
+
+    def keys(self, copy: int, first: int | None) -> tuple[Iterable[int], int]:
+        """The keys to look up at `copy`'s end and the places known freed after them: with
+        `first` (the copy's first key), those of Note [Released places]; else every place's."""
+        if first is not None:
+            return map(add, self.offsets, repeat(first)), self.freed
+        tiles = [self.tiles.keys(copy - d) for d in range(self.back + 1)]
+        return [tiles[d][o] for d, o in self.places], 0
 
 
 class _Tiles:
