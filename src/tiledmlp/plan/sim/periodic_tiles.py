@@ -304,7 +304,7 @@ def _copies(
     made = sum(new for new, _, _ in pattern)  # storages each copy creates
     offsets = _offsets(pattern, made) if made == rep.new else None  # Note [Keys of a copy]
     nbytes = [b for _, b in window]
-    places = _Places(pattern, tiles, back)
+    places, no_hold = _Places(pattern, tiles, back), HOLD not in nbytes
     copies = rep.times  # how many copies run (fewer once the allocator's states cycle)
     seen = {} if alloc is None else {_state(alloc, *places.keys(0, None)): 0}
     key, keys = tiles.key, tiles.copies
@@ -325,7 +325,7 @@ def _copies(
             ]
         emit(events)
         if alloc is not None and copies == rep.times:
-            known = offsets is not None and c > back and HOLD not in nbytes
+            known = offsets is not None and c > back and no_hold
             state = _state(alloc, *places.keys(c, first if known else None))
             if state in seen:  # the states cycle: whole cycles change nothing
                 period = c - seen[state]
