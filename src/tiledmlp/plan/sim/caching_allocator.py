@@ -49,9 +49,9 @@ rounded live bytes.
 
 from __future__ import annotations
 
-import bisect
+from bisect import bisect_left, insort
 from collections.abc import Iterable
-from dataclasses import dataclass
+from operator import itemgetter
 
 __all__ = ["FREE", "HOLD", "PAGE", "CachingAllocator", "reserve_beyond_peak"]
 
@@ -86,16 +86,21 @@ def segment_size(size: int) -> int:
     return -(-size // ROUND_LARGE) * ROUND_LARGE
 
 
-@dataclass(eq=False, slots=True)
-class _Block:
-    """A piece of one segment; `prev` and `next` are its neighbours in that segment."""
+# A block, a piece of one segment: [size, addr, small, free, prev, next, req]: its bytes,
+# its address, whether it is in the small pool, whether it is free, its neighbours in its
+# segment (None at the segment's ends) and, while taken, the bytes its holder requested (0
+# once held for another stream). A list: see Note [Blocks as lists].
+_SIZE, _ADDR, _SMALL, _IS_FREE, _PREV, _NEXT, _REQ = range(7)
+_Block = list
 
-    addr: int
-    size: int
-    small: bool
-    free: bool = True
-    prev: _Block | None = None
-    next: _Block | None = None
+# Note [Blocks as lists]
+# The replay serves hundreds of thousands of requests in Python, so a block is the cheapest
+# object that orders itself: a list that opens with its size and address. A pool's free list
+# holds its free blocks themselves, sorted: best fit is a bisection for [size] (shorter, so
+# before every block of that size), and a block is found again by bisecting for itself. No two
+# free blocks of a pool share an address, so comparing two reads no further than their
+# addresses (a block compared with itself matches item by item, by identity, and is not less).
+# A block's size and address change only while it is out of its pool's list.
 
 
 class CachingAllocator:
@@ -120,91 +125,130 @@ class CachingAllocator:
         self.reserved = 0
         self.live = 0
         self.peak = 0
-        self._free: dict[bool, list[tuple[int, int]]] = {True: [], False: []}  # (size, addr)
-        self._blocks: dict[int, _Block] = {}  # free blocks by address
-        self._held: dict[int, tuple[_Block, int]] = {}  # key -> (its block, bytes requested)
+        self._free: list[list[_Block]] = [[], []]  # [large, small]: free blocks, sorted
+        self._held: dict[int, _Block] = {}  # key -> its block
         self._top = 0  # the next segment's address
         # with expandable segments: each pool's segment, the last block of its mapped range
-        self._last: dict[bool, _Block | None] = {True: None, False: None}
+        self._last: list[_Block | None] = [None, None]  # [large, small]
 
     def malloc(self, key: int, nbytes: int) -> None:
         """Serves `nbytes` for `key` (which must not hold a block)."""
-        if key in self._held:
-            raise ValueError(f"key {key} already holds a block; free it first")
-        self.live += nbytes
-        if self.live > self.peak:
-            self.peak = self.live
-        if nbytes == 0:
-            self._held[key] = (_Block(-1, 0, True, free=False), 0)
-            return
-        size = round_size(nbytes)
-        small = size <= SMALL_SIZE
-        pool = self._free[small]
-        i = bisect.bisect_left(pool, (size, -1))
-        if self.expandable and i + 1 < len(pool) and pool[i][1] == self._end_addr(small):
-            i += 1  # the free end of the mapped range is kept for requests nothing else fits
-        if i < len(pool):
-            block = self._blocks.pop(pool.pop(i)[1])
-        elif self.expandable:
-            block = self._extend(size, small)
-        else:
-            block = _Block(self._top, segment_size(size), small)
-            self._top += block.size
-            self.reserved += block.size
-        rest = block.size - size
-        if rest >= MIN_BLOCK if small or self.expandable else rest > SMALL_SIZE:
-            tail = _Block(block.addr + size, rest, small, prev=block, next=block.next)
-            if block.next is not None:
-                block.next.prev = tail
-            elif self.expandable:
-                self._last[small] = tail
-            block.next, block.size = tail, size
-            self._insert(tail)
-        block.free = False
-        self._held[key] = (block, nbytes)
+        if nbytes < 0:
+            raise ValueError(f"a request takes at least 0 bytes, got {nbytes} for key {key}")
+        self.run(((key, nbytes),))
 
     def hold(self, key: int) -> None:
         """`key`'s bytes are no longer allocated; its block stays taken until `free(key)`
         (returned at once without `holds`)."""
-        if not self.holds:
-            self.free(key)
-            self._returned.add(key)
-            return
-        block, nbytes = self._held[key]
-        self.live -= nbytes
-        self._held[key] = (block, 0)
+        self.run(((key, HOLD),))
 
     def free(self, key: int) -> None:
         """Returns `key`'s block to its pool, merged with the free blocks beside it."""
-        if key in self._returned:  # returned at its hold
-            self._returned.discard(key)
-            return
-        block, nbytes = self._held.pop(key)
-        self.live -= nbytes
-        if block.size == 0:
-            return
-        block.free = True
-        last = self._last[block.small]
-        for side in (block.prev, block.next):
-            if side is not None and side.free:
-                self._remove(side)
-                if side is block.prev:
-                    side.size += block.size
-                    side.next = block.next
-                    if block.next is not None:
-                        block.next.prev = side
-                    if last is block:
-                        last = side
-                    block = side
+        self.run(((key, FREE),))
+
+    def run(self, events: Iterable[tuple[int, int]]) -> None:
+        """Replays trace events in order: (key, nbytes) serves nbytes for key (malloc), (key,
+        FREE) returns its block to its pool merged with the free blocks beside it (free), (key,
+        HOLD) releases its bytes (hold). One loop, the allocator's fields in local names."""
+        held, pools, last_of, returned = self._held, self._free, self._last, self._returned
+        expandable, live, peak = self.expandable, self.live, self.peak
+        try:
+            for key, nbytes in events:
+                if nbytes > 0:  # malloc
+                    if key in held:
+                        raise ValueError(f"key {key} already holds a block; free it first")
+                    live += nbytes
+                    if live > peak:
+                        peak = live
+                    size = (nbytes + MIN_BLOCK - 1) & -MIN_BLOCK  # round_size: 512 a power of 2
+                    small = size <= SMALL_SIZE
+                    pool = pools[small]
+                    i = bisect_left(pool, [size])  # the smallest block large enough
+                    n = len(pool)
+                    if expandable and i + 1 < n and pool[i] is last_of[small]:
+                        i += 1  # the free end of the mapped range: for requests nothing else fits
+                    block = pool.pop(i) if i < n else self._new(size, small)
+                    rest = block[_SIZE] - size
+                    if rest >= MIN_BLOCK if small or expandable else rest > SMALL_SIZE:
+                        after = block[_NEXT]
+                        tail = [rest, block[_ADDR] + size, small, True, block, after, 0]
+                        if after is not None:
+                            after[_PREV] = tail
+                        elif expandable:
+                            last_of[small] = tail
+                        block[_NEXT] = tail
+                        block[_SIZE] = size
+                        insort(pool, tail)
+                    block[_IS_FREE] = False
+                    block[_REQ] = nbytes
+                    held[key] = block
+                elif nbytes == FREE and (not returned or key not in returned):  # free
+                    block = held.pop(key)
+                    live -= block[_REQ]
+                    if not block[_SIZE]:
+                        continue
+                    block[_IS_FREE] = True
+                    small = block[_SMALL]
+                    pool = pools[small]
+                    side = block[_PREV]
+                    if side is not None and side[_IS_FREE]:  # merged into the free block before
+                        del pool[bisect_left(pool, side)]
+                        side[_SIZE] += block[_SIZE]
+                        side[_NEXT] = after = block[_NEXT]
+                        if after is not None:
+                            after[_PREV] = side
+                        elif last_of[small] is block:
+                            last_of[small] = side
+                        block = side
+                    side = block[_NEXT]
+                    if side is not None and side[_IS_FREE]:  # the free block after merged in
+                        del pool[bisect_left(pool, side)]
+                        block[_SIZE] += side[_SIZE]
+                        block[_NEXT] = after = side[_NEXT]
+                        if after is not None:
+                            after[_PREV] = block
+                        elif last_of[small] is side:
+                            last_of[small] = block
+                    insort(pool, block)
                 else:
-                    block.size += side.size
-                    block.next = side.next
-                    if side.next is not None:
-                        side.next.prev = block
-                    if last is side:
-                        last = block
-        self._last[block.small] = last
-        self._insert(block)
+                    self.live, self.peak = live, peak
+                    self._other(key, nbytes)
+                    live = self.live
+        finally:
+            self.live, self.peak = live, peak
+
+    def _other(self, key: int, nbytes: int) -> None:
+        """The rarer events: a zero-byte request (it takes nothing), a hold, the free of a
+        block returned at its hold."""
+        held, returned = self._held, self._returned
+        if nbytes == 0:
+            if key in held:
+                raise ValueError(f"key {key} already holds a block; free it first")
+            held[key] = [0, -1, True, False, None, None, 0]
+        elif nbytes == HOLD and self.holds:  # the block stays taken until its FREE
+            block = held[key]
+            self.live -= block[_REQ]
+            block[_REQ] = 0
+        elif nbytes == HOLD:  # returned now (unless it was at an earlier hold): its FREE waits
+            if key not in returned:
+                self.run(((key, FREE),))
+                returned.add(key)
+        elif nbytes == FREE:  # returned at its hold
+            returned.discard(key)
+        else:
+            raise ValueError(f"a trace event (key, nbytes) has nbytes >= 0, FREE or HOLD; got "
+                             f"({key}, {nbytes})")  # fmt: skip
+
+    def _new(self, size: int, small: bool) -> _Block:
+        """A request no free block serves: a new segment, or with expandable segments the
+        pool's segment extended."""
+        if self.expandable:
+            return self._extend(size, small)
+        taken = segment_size(size)
+        block = [taken, self._top, small, True, None, None, 0]
+        self._top += taken
+        self.reserved += taken
+        return block
 
     def release_unused(self) -> int:
         """`torch.cuda.empty_cache()` without expandable segments: every segment no block of
@@ -212,45 +256,43 @@ class CachingAllocator:
         released."""
         if self.expandable:
             raise ValueError("releasing the pages of expandable segments is not modelled")
-        whole = [b for b in self._blocks.values() if b.prev is None and b.next is None]
+        whole = [b for pool in self._free for b in pool if b[_PREV] is None and b[_NEXT] is None]
         for block in whole:
             self._remove(block)
-            self.reserved -= block.size
-        return sum(b.size for b in whole)
+            self.reserved -= block[_SIZE]
+        return sum(b[_SIZE] for b in whole)
 
-    def _end_addr(self, small: bool) -> int | None:
-        """The address of the free block at the end of the pool's mapped range, if it is free."""
-        last = self._last[small]
-        return last.addr if last is not None and last.free else None
+    def free_blocks(self) -> tuple[tuple[int, ...], ...]:
+        """Each pool's free blocks in best-fit order (large pool first): their sizes, then
+        their addresses."""
+        return tuple([tuple(map(f, pool)) for pool in self._free for f in (_GET_SIZE, _GET_ADDR)])
 
     def _extend(self, size: int, small: bool) -> _Block:
         """With expandable segments: a block of at least `size` bytes at the end of the pool's
         segment, made of its free end block (if any) and the whole pages mapped after it."""
         last = self._last[small]
-        grow = last if last is not None and last.free else None
-        need = size - (grow.size if grow is not None else 0)
+        grow = last if last is not None and last[_IS_FREE] else None
+        need = size - (grow[_SIZE] if grow is not None else 0)
         mapped = -(-need // PAGE[small]) * PAGE[small]
         self.reserved += mapped
         if grow is not None:
             self._remove(grow)
-            grow.size += mapped
+            grow[_SIZE] += mapped
             return grow
         # each pool's segment has its own address range: a block never neighbours another pool's
-        addr = last.addr + last.size if last is not None else (0 if small else 1 << 60)
-        block = _Block(addr, mapped, small, prev=last)
+        addr = last[_ADDR] + last[_SIZE] if last is not None else (0 if small else 1 << 60)
+        block = [mapped, addr, small, True, last, None, 0]
         if last is not None:
-            last.next = block
+            last[_NEXT] = block
         self._last[small] = block
         return block
 
-    def _insert(self, block: _Block) -> None:
-        bisect.insort(self._free[block.small], (block.size, block.addr))
-        self._blocks[block.addr] = block
-
     def _remove(self, block: _Block) -> None:
-        pool = self._free[block.small]
-        del pool[bisect.bisect_left(pool, (block.size, block.addr))]
-        del self._blocks[block.addr]
+        pool = self._free[block[_SMALL]]
+        del pool[bisect_left(pool, block)]
+
+
+_GET_SIZE, _GET_ADDR = itemgetter(_SIZE), itemgetter(_ADDR)
 
 
 def reserve_beyond_peak(
@@ -275,11 +317,5 @@ def reserve_beyond_peak(
     alloc = CachingAllocator(expandable, holds)
     for i, nbytes in enumerate(before):
         alloc.malloc(-1 - i, nbytes)
-    for key, nbytes in trace:
-        if nbytes == FREE:
-            alloc.free(key)
-        elif nbytes == HOLD:
-            alloc.hold(key)
-        else:
-            alloc.malloc(key, nbytes)
+    alloc.run(trace)
     return alloc.reserved - alloc.peak

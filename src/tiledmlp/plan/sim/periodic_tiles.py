@@ -38,14 +38,25 @@ have recorded run whole. A loop inside another's tile runs whole.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from itertools import repeat
+from operator import add
 from typing import Any
 
 import torch
 
 from tiledmlp.ops.tiling.tiles import TilePlan
-from tiledmlp.plan.sim.caching_allocator import FREE, HOLD, CachingAllocator
+from tiledmlp.plan.sim.caching_allocator import (
+    _ADDR,
+    _GET_ADDR,
+    _GET_SIZE,
+    _IS_FREE,
+    _SIZE,
+    FREE,
+    HOLD,
+    CachingAllocator,
+)
 from tiledmlp.plan.sim.phase_tracker import PhaseTracker
 
 __all__ = ["PeriodicTiles", "Repeat", "cut_peak_bytes", "replayed_reserve", "whole_trace"]
@@ -203,7 +214,7 @@ def whole_trace(trace: list[tuple[int, int]], repeats: list[Repeat]) -> Iterator
     (module docstring): (key, bytes) and (key, FREE) events; a skipped tile's new storages get
     keys from 2**40 on (serials and the caller's keys for tensors before the step stay below)."""
     events: list[tuple[int, int]] = []
-    _rebuild(trace, repeats, events.append, None)
+    _rebuild(trace, repeats, events.extend, None)
     return iter(events)
 
 
@@ -224,81 +235,158 @@ def replayed_reserve(
     alloc = CachingAllocator(expandable, holds)
     for i, nbytes in enumerate(before):
         alloc.malloc(-1 - i, nbytes)
-
-    def run(event: tuple[int, int]) -> None:
-        key, nbytes = event
-        if nbytes == FREE:
-            alloc.free(key)
-        elif nbytes == HOLD:
-            alloc.hold(key)
-        else:
-            alloc.malloc(key, nbytes)
-
-    _rebuild(trace, repeats, run, alloc)
+    _rebuild(trace, repeats, alloc.run, alloc)
     return alloc.reserved - alloc.peak
 
 
-def _state(alloc: CachingAllocator, tiles: _Tiles, copy: int, back: int) -> tuple[Any, ...]:
-    """The allocator's state after `copy` (the caching allocator's own fields, read only),
-    with the loop's live storages named by their place in the pattern (d tiles back, offset)."""
-    held = []
-    for d in range(back + 1):
-        for offset in range(tiles.rep.new):
-            entry = alloc._held.get(tiles.key(copy - d, offset))
-            if entry is not None:
-                held.append((d, offset, entry[0].addr, entry[0].size))
-    last = tuple(None if b is None else (b.addr, b.size, b.free) for b in alloc._last.values())
-    free = tuple(tuple(pool) for pool in alloc._free.values())
-    return alloc.reserved, alloc.live, alloc._top, last, free, tuple(held)
+def _state(alloc: CachingAllocator, keys: Iterable[int], freed: int) -> tuple[Any, ...]:
+    """The allocator's state after a copy (the caching allocator's own fields, read only),
+    with the loop's storages named by their place in the pattern (`_Places`: their `keys` in
+    order, then `freed` places known to be freed): per place, its block's address and size, or
+    (-2, -1) once freed (no block has those: a block takes an address >= 0, a zero-byte
+    request's takes -1 and size 0). Flat tuples of ints, cheap to hash."""
+    blocks = list(map(alloc._held.get, keys, repeat(_FREED)))
+    last = [None if b is None else (b[_ADDR], b[_SIZE], b[_IS_FREE]) for b in alloc._last]
+    addrs = tuple(map(_GET_ADDR, blocks)) + (_FREED[_ADDR],) * freed
+    sizes = tuple(map(_GET_SIZE, blocks)) + (_FREED[_SIZE],) * freed
+    return alloc.reserved, alloc.live, alloc._top, *last, *alloc.free_blocks(), addrs, sizes
+
+
+_FREED = [-1, -2, True, False, None, None, 0]  # what _state reads for a storage freed
 
 
 def _rebuild(
     trace: list[tuple[int, int]],
     repeats: list[Repeat],
-    emit: Callable[[tuple[int, int]], None],
+    emit: Callable[[Iterable[tuple[int, int]]], None],
     alloc: CachingAllocator | None,
 ) -> None:
-    """Emits the whole trace (whole_trace); with `alloc` (which the emitted events drive),
-    leaves out whole cycles of the allocator's states (replayed_reserve)."""
+    """Emits the whole trace (whole_trace), a stretch of events at a time; with `alloc` (which
+    the emitted events drive), leaves out whole cycles of the allocator's states
+    (replayed_reserve)."""
     alias: dict[int, int] = {}  # a recorded serial -> its key in the whole trace
-    fresh = iter(range(1 << 40, 1 << 62))
+    fresh = [1 << 40]  # the next skipped tile's first key
     pos = 0
     for rep in repeats:
-        for event in _renamed(trace[pos : rep.end], alias):
-            emit(event)
+        emit(_renamed(trace[pos : rep.end], alias))
         window = trace[rep.begin : rep.end]
         released = {(r % rep.new, -(r // rep.new)) for r in (
             s - rep.first for s, b in window if b == FREE)}  # fmt: skip
         back = max((e for _, e in released), default=0)
         tiles = _Tiles(rep, alias)
-        copies = rep.times  # how many copies run (fewer once the allocator's states cycle)
-        seen = {} if alloc is None else {_state(alloc, tiles, 0, back): 0}
-        c = 0
-        while c < copies:
-            c += 1
-            keys: list[int] = []
-            tiles.copies.append(keys)
-            for serial, nbytes in window:
-                if nbytes == FREE:
-                    r = serial - rep.first
-                    emit((tiles.key(c + r // rep.new, r % rep.new), FREE))
-                else:
-                    keys.append(next(fresh))
-                    emit((keys[-1], nbytes))
-            if alloc is not None and copies == rep.times:
-                state = _state(alloc, tiles, c, back)
-                if state in seen:  # the states cycle: whole cycles change nothing
-                    period = c - seen[state]
-                    copies -= (copies - c) // period * period
-                seen[state] = c
+        copies = _copies(window, tiles, back, emit, alloc, fresh)
         # a storage of the tile d before the repeated one that the pattern releases e > d
-        # tiles on is, after the loop, that of the last copy's tile d before it
-        for offset, e in released:
-            for d in range(e):
-                alias[rep.first - d * rep.new + offset] = tiles.key(copies - d, offset)
+        # tiles on is, after the loop, that of the last copy's tile d before it (all read
+        # before any is renamed: with fewer copies than e, that tile is a recorded one)
+        alias.update({
+            rep.first - d * rep.new + offset: tiles.key(copies - d, offset)
+            for offset, e in released for d in range(e)
+        })  # fmt: skip
         pos = rep.end
-    for event in _renamed(trace[pos:], alias):
-        emit(event)
+    emit(_renamed(trace[pos:], alias))
+
+
+def _copies(
+    window: list[tuple[int, int]],
+    tiles: _Tiles,
+    back: int,
+    emit: Callable[[Iterable[tuple[int, int]]], None],
+    alloc: CachingAllocator | None,
+    fresh: list[int],
+) -> int:
+    """Emits the skipped tiles' copies of `window`, a copy's events at a time; with `alloc`,
+    fewer once the allocator's states cycle (_rebuild). Returns how many copies ran."""
+    rep = tiles.rep
+    # per event: (True, nbytes, 0) for a new storage, (False, tiles back, offset) for a release
+    pattern = [
+        (False, *divmod(s - rep.first, rep.new)) if b == FREE else (True, b, 0) for s, b in window
+    ]
+    made = sum(new for new, _, _ in pattern)  # storages each copy creates
+    offsets = _offsets(pattern, made) if made == rep.new else None  # Note [Keys of a copy]
+    nbytes = [b for _, b in window]
+    places, no_hold = _Places(pattern, tiles, back), HOLD not in nbytes
+    copies = rep.times  # how many copies run (fewer once the allocator's states cycle)
+    seen = {} if alloc is None else {_state(alloc, *places.keys(0, None)): 0}
+    key, keys = tiles.key, tiles.copies
+    c = 0
+    while c < copies:
+        c += 1
+        first = fresh[0]
+        fresh[0] += made
+        keys.append(range(first, first + made))
+        events: Iterable[tuple[int, int]]
+        if offsets is not None and c > back:
+            events = zip(map(add, offsets, repeat(first)), nbytes)
+        else:
+            j = iter(keys[c])  # the copy's new storages, in order
+            events = [
+                (next(j), a) if new else (keys[c + a][b] if c + a > 0 else key(c + a, b), FREE)
+                for new, a, b in pattern
+            ]
+        emit(events)
+        if alloc is not None and copies == rep.times:
+            known = offsets is not None and c > back and no_hold
+            state = _state(alloc, *places.keys(c, first if known else None))
+            if state in seen:  # the states cycle: whole cycles change nothing
+                period = c - seen[state]
+                copies -= (copies - c) // period * period
+            seen[state] = c
+    return copies
+
+
+# Note [Keys of a copy]
+# Copy c's new storages take consecutive keys from its first, F(c), and copy c + 1's follow:
+# F(c + 1) = F(c) + made. With one new storage per serial of the pattern (made == new: the
+# tracker gives each storage a serial, in order), the storage of offset b of the tile a <= 0
+# tiles from copy c is, when that tile is a copy, F(c + a) + b = F(c) + made * a + b, and
+# copy c's j-th new storage is F(c) + j: once every tile the pattern releases from is a copy
+# (c > back), each event's key is F(c) plus the same offset in every copy. Earlier copies
+# release recorded storages too, named through `_Tiles.key`.
+
+
+def _offsets(pattern: list[tuple[bool, int, int]], made: int) -> list[int]:
+    """Each event's key less its copy's first key (Note [Keys of a copy])."""
+    offsets, j = [], 0
+    for new, a, b in pattern:
+        offsets.append(j if new else made * a + b)
+        j += new
+    return offsets
+
+
+# Note [Released places]
+# Past the first copies (c > back), with one key per storage of the pattern (Note [Keys of a
+# copy]) and no hold in it, every tile from copy c - back to c is a copy, and the storage at
+# place (d, o) has key F(c - d) + o, which nothing but the pattern names: it releases that
+# storage in copy c - d + e (e its release distance), so at copy c's end it is freed exactly
+# where e <= d, and _state reads (-2, -1) there without looking. Earlier copies name recorded
+# storages, whose releases the record made: there every place is looked up. Both read the
+# places in the same order, so their states compare as if each place were looked up.
+
+
+class _Places:
+    """The places (d tiles back, offset) of the loop's storages that a state names: first
+    those alive at a later copy's end, then those the pattern has released by then."""
+
+    def __init__(self, pattern: list[tuple[bool, int, int]], tiles: _Tiles, back: int) -> None:
+        new = tiles.rep.new
+        distance: dict[int, int] = {}  # offset -> the tiles on its storage is released
+        for is_new, a, b in pattern:
+            if not is_new:
+                distance[b] = min(-a, distance.get(b, -a))
+        every = [(d, o) for d in range(back + 1) for o in range(new)]
+        alive = [(d, o) for d, o in every if distance.get(o, back + 1) > d]
+        self.places = alive + [(d, o) for d, o in every if distance.get(o, back + 1) <= d]
+        self.freed = len(self.places) - len(alive)
+        self.offsets = [o - d * new for d, o in alive]  # keys less the copy's first
+        self.tiles, self.back = tiles, back
+
+    def keys(self, copy: int, first: int | None) -> tuple[Iterable[int], int]:
+        """The keys to look up at `copy`'s end and the places known freed after them: with
+        `first` (the copy's first key), those of Note [Released places]; else every place's."""
+        if first is not None:
+            return map(add, self.offsets, repeat(first)), self.freed
+        tiles = [self.tiles.keys(copy - d) for d in range(self.back + 1)]
+        return [tiles[d][o] for d, o in self.places], 0
 
 
 class _Tiles:
@@ -308,7 +396,7 @@ class _Tiles:
     def __init__(self, rep: Repeat, alias: dict[int, int]) -> None:
         self.rep = rep
         self.alias = alias
-        self.copies: list[list[int]] = [[]]  # copies[c]: the c-th skipped tile's keys
+        self.copies: list[Sequence[int]] = [[]]  # copies[c]: the c-th skipped tile's keys
 
     def key(self, tile: int, offset: int) -> int:
         if tile > 0:
@@ -316,10 +404,18 @@ class _Tiles:
         serial = self.rep.first + tile * self.rep.new + offset
         return self.alias.get(serial, serial)
 
+    def keys(self, tile: int) -> Sequence[int]:
+        """The tile's keys by offset: the pattern's `new` storages."""
+        if tile > 0:
+            keys = self.copies[tile]  # each copy creates the pattern's storages, in order
+            return keys if len(keys) == self.rep.new else [keys[o] for o in range(self.rep.new)]
+        first = self.rep.first + tile * self.rep.new
+        alias = self.alias
+        return [alias.get(s, s) for s in range(first, first + self.rep.new)]
 
-def _renamed(events: Iterable[tuple[int, int]], alias: dict[int, int]) -> Iterator[tuple[int, int]]:
-    if not alias:
-        yield from events
-        return
-    for serial, nbytes in events:
-        yield alias.get(serial, serial), nbytes
+
+def _renamed(events: list[tuple[int, int]], alias: dict[int, int]) -> Iterable[tuple[int, int]]:
+    if not alias or not events:
+        return events
+    serials, nbytes = zip(*events)
+    return zip(map(alias.get, serials, serials), nbytes)
