@@ -46,9 +46,9 @@ def estimate_step(
     (simulated) and 6 (built from the 5 layers' record where it shows them, plan/sim/deeper.py;
     else simulated) and extrapolated to the model's depth; `exact=True` runs every layer
     instead (what the tests compare the extrapolation with); `whole=True` counts every layer
-    too, the layers beyond 4 built from the 4 layers' record where it shows them, else (and
-    under activation offloading: _build_from) those beyond 5 from the 5 layers' (deeper.py:
-    the same figures as `exact`, at the cost of one or two short simulations). Under a sharding engine (`step.engine` "zero3", "fsdp2") over
+    too, the layers beyond 4 built from the 4 layers' record where it shows them, else those
+    beyond 5 from the 5 layers' (deeper.py: the same figures as `exact`, at the cost of one or
+    two short simulations). Under a sharding engine (`step.engine` "zero3", "fsdp2") over
     `step.world` GPUs, the parameters, gradients and optimizer states are the engine's
     (plan/engines.py) instead of whole ones. With
     `step.sequence_parallel_size` P > 1, `step.seq_len` is one GPU's share and its attention
@@ -74,20 +74,10 @@ def estimate_step(
         simulate, config, step=simulated, patch=patch, cut_tiles=True, full_card=full_card
     )
     depth = int(config.get_text_config().num_hidden_layers)
-    if whole and not exact:
-        run = functools.partial(run, build_from=_build_from(patch))
+    if whole and not exact:  # built from 4 layers' record where it shows them, else 5's
+        run = functools.partial(run, build_from=(MARKED, SHORT))
     est = _simulated(run, depth, exact or whole)
     return _with_engine(config, step, est) if step.sharded else est
-
-
-def _build_from(patch: PatchConfig | None) -> tuple[int, ...]:
-    """The short steps the whole depth is built from (fake_step.simulate's `build_from`), in
-    the order tried: 4 layers, else 5 (deeper.py refuses a record whose layers L-2 and L-3 are
-    unlike). Under activation offloading each layer's forward sends to the host the input the
-    layer before it saved (ops/offloading/saved_inputs.py), a storage the layer two before it
-    made; layer 1's is the embeddings' output, no layer's, so layer 1 is unlike layer 2 and 4
-    layers' record is refused: 5 layers only."""
-    return (SHORT,) if patch is not None and patch.activation_offloading else (MARKED, SHORT)
 
 
 def _with_engine(config: Any, step: StepSpec, est: StepEstimate) -> StepEstimate:
