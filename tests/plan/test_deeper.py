@@ -122,6 +122,20 @@ def test_whole_depth_estimate_simulates_4_layers_else_5() -> None:
         assert layers == [4, 5]
 
 
+def test_whole_depth_with_adamw_on_the_device_is_simulated() -> None:
+    import transformers as tr
+
+    config = tr.LlamaConfig(**{**TINY, "num_hidden_layers": 7})
+    step = _step("tiled_mlp_loss", optimizer="adamw")
+    patch = stack_patch("tiled_mlp_loss", 4)
+    with pytest.MonkeyPatch.context() as m:
+        layers = _counted_runs(m)
+        whole = estimate_step(config, step, patch, whole=True)
+    # its foreach requests cover every layer: every short record refused (deeper.py), none run
+    assert layers == [7]
+    assert whole == estimate_step(config, step, patch, exact=True)
+
+
 def test_full_card_estimate_is_the_estimate_without_what_a_card_takes_back() -> None:
     import transformers as tr
 

@@ -75,7 +75,9 @@ def estimate_step(
     )
     depth = int(config.get_text_config().num_hidden_layers)
     if whole and not exact:  # built from 4 layers' record where it shows them, else 5's
-        run = functools.partial(run, build_from=(MARKED, SHORT))
+        # (AdamW stepping on the device: refused, deeper.py; the whole depth simulated)
+        shorts = () if simulated.optimizer == "adamw" else (MARKED, SHORT)
+        run = functools.partial(run, build_from=shorts)
     est = _simulated(run, depth, exact or whole)
     return _with_engine(config, step, est) if step.sharded else est
 
