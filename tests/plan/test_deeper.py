@@ -122,6 +122,32 @@ def test_whole_depth_estimate_simulates_4_layers_else_5() -> None:
         assert layers == [4, 5]
 
 
+@pytest.mark.parametrize(
+    ("types", "shorts"),
+    [
+        (["sliding_attention"] * 8, (4, 5)),
+        # a hybrid whose fourth layer is another kind: 4 layers' record would repeat layer 2's
+        # kind where the model has it, and end on the other kind: 5 layers' record only
+        (["linear_attention"] * 3 + ["full_attention"], (5,)),
+        (["sliding_attention"] * 2 + ["full_attention"] * 6, (4, 5)),
+    ],
+)
+def test_whole_depth_from_4_layers_only_where_the_layer_types_repeat_so(
+    types: list[str], shorts: tuple[int, ...]
+) -> None:
+    import transformers as tr
+
+    from tiledmlp.plan import estimate
+
+    depth = 8
+    layer_types = (types * depth)[:depth]
+    config = tr.AutoConfig.for_model(
+        "gemma3_text", **{**TINY, "num_hidden_layers": depth, "layer_types": layer_types}
+    )
+    assert estimate._shorts(config, _step("untiled"), depth) == shorts
+    assert estimate._shorts(config, _step("untiled", optimizer="adamw"), depth) == ()
+
+
 def test_whole_depth_with_adamw_on_the_device_is_simulated() -> None:
     import transformers as tr
 

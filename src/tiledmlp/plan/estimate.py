@@ -46,11 +46,12 @@ def estimate_step(
     (simulated) and 6 (built from the 5 layers' record where it shows them, plan/sim/deeper.py;
     else simulated) and extrapolated to the model's depth; `exact=True` runs every layer
     instead (what the tests compare the extrapolation with); `whole=True` counts every layer
-    too, the layers beyond 4 built from the 4 layers' record where it shows them, else those
-    beyond 5 from the 5 layers' (deeper.py: the same figures as `exact`, at the cost of one or
-    two short simulations). Under a sharding engine (`step.engine` "zero3", "fsdp2") over
-    `step.world` GPUs, the parameters, gradients and optimizer states are the engine's
-    (plan/engines.py) instead of whole ones. With
+    too, the layers beyond 4 built from the 4 layers' record where it shows them and the
+    model's layer types allow it (_shorts), else those beyond 5 from the 5 layers' (deeper.py:
+    the same figures as `exact` where the layer types beyond the record repeat as the built
+    step's do, at the cost of one or two short simulations). Under a sharding engine
+    (`step.engine` "zero3", "fsdp2") over `step.world` GPUs, the parameters, gradients and
+    optimizer states are the engine's (plan/engines.py) instead of whole ones. With
     `step.sequence_parallel_size` P > 1, `step.seq_len` is one GPU's share and its attention
     runs on the whole sequence's shapes (plan/sim/exchange.py). `step.expandable_segments`:
     the CUDA caching allocator's setting whose reserve the estimate carries
@@ -74,12 +75,25 @@ def estimate_step(
         simulate, config, step=simulated, patch=patch, cut_tiles=True, full_card=full_card
     )
     depth = int(config.get_text_config().num_hidden_layers)
-    if whole and not exact:  # built from 4 layers' record where it shows them, else 5's
-        # (AdamW stepping on the device: refused, deeper.py; the whole depth simulated)
-        shorts = () if simulated.optimizer == "adamw" else (MARKED, SHORT)
-        run = functools.partial(run, build_from=shorts)
+    if whole and not exact:
+        run = functools.partial(run, build_from=_shorts(config, simulated, depth))
     est = _simulated(run, depth, exact or whole)
     return _with_engine(config, step, est) if step.sharded else est
+
+
+def _shorts(config: Any, step: StepSpec, depth: int) -> tuple[int, ...]:
+    """The short steps the whole depth is built from (simulate's `build_from`), in the order
+    tried: 4 layers where the step built from them (deeper.py: layer 2 repeated, layer 3 last)
+    has the model's layer types (`layer_types`: deeper.py sees only the recorded layers), then
+    5; none where AdamW steps on the device (deeper.py refuses every such record)."""
+    if step.optimizer == "adamw":
+        return ()
+    types = getattr(config.get_text_config(), "layer_types", None)
+    if isinstance(types, list) and depth > MARKED:
+        built = [*types[: MARKED - 1], *[types[MARKED - 2]] * (depth - MARKED), types[MARKED - 1]]
+        if built != types[:depth]:
+            return (SHORT,)
+    return (MARKED, SHORT)
 
 
 def _with_engine(config: Any, step: StepSpec, est: StepEstimate) -> StepEstimate:
