@@ -1,6 +1,7 @@
 """plan/sim/deeper.py: the record of one or more decoder layers more, built from a simulated step's
 record, gives what simulating that step gives (peaks, breakdowns, allocator reserve), stack by
-stack, and so does a whole depth built from 5 layers;
+stack, and so does a whole depth built from 4 layers (from 5 where the 4 layers' record is
+refused);
 step_record.segment_peaks reads a tracker's own segments back; deeper refuses records it cannot
 extend."""
 
@@ -72,6 +73,93 @@ def test_whole_depth_built_is_the_whole_depth_simulated(stack: str) -> None:
     built = estimate_step(config, step, patch, whole=True)
     assert built == estimate_step(config, step, patch, exact=True)
     assert built.reserve > 0  # the whole depth's trace replayed without expandable segments
+
+
+def _counted_runs(m: pytest.MonkeyPatch) -> list[int]:
+    """The layer counts of the fake steps run from now on (fake_step._run, spied on)."""
+    layers: list[int] = []
+    run = fake_step._run
+
+    def counted(config: Any, n: int, **options: Any) -> Any:
+        layers.append(n)
+        return run(config, n, **options)
+
+    m.setattr(fake_step, "_run", counted)
+    return layers
+
+
+# tiled_mlp_loss_offload: layer 2's forward releases a storage layer 0 made (the offloader sends
+# layer 1's saved input to the host once layer 2 saves its own); layer 1's counterpart is the
+# embeddings' output, no layer's, and layer 1 is alike without it (deeper.py, Note [Alike windows])
+@pytest.mark.parametrize("stack", ["untiled", "tiled_mlp_loss_offload"])
+def test_whole_depth_built_from_4_layers_is_built_from_5_and_simulated(stack: str) -> None:
+    import transformers as tr
+
+    config = tr.LlamaConfig(**{**TINY, "num_hidden_layers": 7})
+    options = _options(stack, checkpointing=True)
+    # the 4 layers' record shows its middle layers (layers 2 and 1 alike): nothing simulated
+    assert deeper(fake_step._run(config, 4, **options)[0], 3) is not None
+    from_4 = fake_step.simulate(config, 7, build_from=(4,), **options)
+    assert from_4 == fake_step.simulate(config, 7, build_from=(5,), **options)
+    assert from_4 == fake_step.simulate(config, 7, **options)
+
+
+def test_whole_depth_estimate_simulates_4_layers_else_5() -> None:
+    import transformers as tr
+
+    config = tr.LlamaConfig(**{**TINY, "num_hidden_layers": 7})
+    step, patch = _step("tiled_mlp_loss"), stack_patch("tiled_mlp_loss", 4)
+    exact = estimate_step(config, step, patch, exact=True)
+    build = fake_step.deeper
+    with pytest.MonkeyPatch.context() as m:
+        layers = _counted_runs(m)
+        assert estimate_step(config, step, patch, whole=True) == exact
+        assert layers == [4]
+        # the 4 layers' record refused: built from the 5 layers' instead, the same estimate
+        m.setattr(fake_step, "deeper", lambda r, more: None if more == 3 else build(r, more))
+        layers.clear()
+        assert estimate_step(config, step, patch, whole=True) == exact
+        assert layers == [4, 5]
+
+
+@pytest.mark.parametrize(
+    ("types", "shorts"),
+    [
+        (["sliding_attention"] * 8, (4, 5)),
+        # a hybrid whose fourth layer is another kind: 4 layers' record would repeat layer 2's
+        # kind where the model has it, and end on the other kind: 5 layers' record only
+        (["linear_attention"] * 3 + ["full_attention"], (5,)),
+        (["sliding_attention"] * 2 + ["full_attention"] * 6, (4, 5)),
+    ],
+)
+def test_whole_depth_from_4_layers_only_where_the_layer_types_repeat_so(
+    types: list[str], shorts: tuple[int, ...]
+) -> None:
+    import transformers as tr
+
+    from tiledmlp.plan import estimate
+
+    depth = 8
+    layer_types = (types * depth)[:depth]
+    config = tr.AutoConfig.for_model(
+        "gemma3_text", **{**TINY, "num_hidden_layers": depth, "layer_types": layer_types}
+    )
+    assert estimate._shorts(config, _step("untiled"), depth) == shorts
+    assert estimate._shorts(config, _step("untiled", optimizer="adamw"), depth) == ()
+
+
+def test_whole_depth_with_adamw_on_the_device_is_simulated() -> None:
+    import transformers as tr
+
+    config = tr.LlamaConfig(**{**TINY, "num_hidden_layers": 7})
+    step = _step("tiled_mlp_loss", optimizer="adamw")
+    patch = stack_patch("tiled_mlp_loss", 4)
+    with pytest.MonkeyPatch.context() as m:
+        layers = _counted_runs(m)
+        whole = estimate_step(config, step, patch, whole=True)
+    # its foreach requests cover every layer: every short record refused (deeper.py), none run
+    assert layers == [7]
+    assert whole == estimate_step(config, step, patch, exact=True)
 
 
 def test_full_card_estimate_is_the_estimate_without_what_a_card_takes_back() -> None:

@@ -52,9 +52,10 @@ allocator's own rules (c10/cuda/CUDACachingAllocator.cpp: 512-byte rounding, the
 and 20 MiB large segments, best fit, splitting, merging; plan/sim/caching_allocator.py) replayed
 on the step's allocation trace, every storage's creation and release in order, which the
 simulation records (plan/sim/phase_tracker.py): the segments' total minus the step's tensor peak,
-over every layer of the model (the first five simulated, the rest built from their record,
-plan/sim/deeper.py; with AdamW stepping on the device, whose requests are not per layer, the
-larger of the 5- and 6-layer steps', plan/estimate.py). With `expandable_segments:True` (the
+over every layer of the model (the first four simulated, the rest built from their record;
+five where four do not show the middle layers: plan/estimate.py, plan/sim/deeper.py; with
+AdamW stepping on the device, whose requests are not per layer, the larger of the 5- and
+6-layer steps', plan/estimate.py). With `expandable_segments:True` (the
 same file, Note [Expandable Segments]) each pool has one segment that grows by mapping pages
 (20 MiB for the large pool) at its end when no free block is large enough; a freed block
 still serves only requests no larger than itself, so the mapped range fragments as well: a

@@ -20,7 +20,7 @@ from tiledmlp.config.patch import PatchConfig
 from tiledmlp.config.plan import OPTIMIZERS, StepSpec
 from tiledmlp.plan.apply_stack import build_model, decoder_layers_of
 from tiledmlp.plan.engines import ParamCounts, check_engine, engine_memory
-from tiledmlp.plan.sim.fake_step import simulate
+from tiledmlp.plan.sim.fake_step import MARKED, simulate
 from tiledmlp.plan.sim.segments import SHORT, Segments, StepEstimate, extrapolate, larger
 
 __all__ = ["OPTIMIZERS", "estimate_step", "param_counts"]
@@ -46,10 +46,12 @@ def estimate_step(
     (simulated) and 6 (built from the 5 layers' record where it shows them, plan/sim/deeper.py;
     else simulated) and extrapolated to the model's depth; `exact=True` runs every layer
     instead (what the tests compare the extrapolation with); `whole=True` counts every layer
-    too, the layers beyond 5 built from the 5 layers' record where it shows them (deeper.py:
-    the same figures as `exact`, at the cost of one short simulation). Under a sharding
-    engine (`step.engine` "zero3", "fsdp2") over `step.world` GPUs, the parameters, gradients
-    and optimizer states are the engine's (plan/engines.py) instead of whole ones. With
+    too, the layers beyond 4 built from the 4 layers' record where it shows them and the
+    model's layer types allow it (_shorts), else those beyond 5 from the 5 layers' (deeper.py:
+    the same figures as `exact` where the layer types beyond the record repeat as the built
+    step's do, at the cost of one or two short simulations). Under a sharding engine
+    (`step.engine` "zero3", "fsdp2") over `step.world` GPUs, the parameters, gradients and
+    optimizer states are the engine's (plan/engines.py) instead of whole ones. With
     `step.sequence_parallel_size` P > 1, `step.seq_len` is one GPU's share and its attention
     runs on the whole sequence's shapes (plan/sim/exchange.py). `step.expandable_segments`:
     the CUDA caching allocator's setting whose reserve the estimate carries
@@ -74,9 +76,24 @@ def estimate_step(
     )
     depth = int(config.get_text_config().num_hidden_layers)
     if whole and not exact:
-        run = functools.partial(run, build_from=SHORT)
+        run = functools.partial(run, build_from=_shorts(config, simulated, depth))
     est = _simulated(run, depth, exact or whole)
     return _with_engine(config, step, est) if step.sharded else est
+
+
+def _shorts(config: Any, step: StepSpec, depth: int) -> tuple[int, ...]:
+    """The short steps the whole depth is built from (simulate's `build_from`), in the order
+    tried: 4 layers where the step built from them (deeper.py: layer 2 repeated, layer 3 last)
+    has the model's layer types (`layer_types`: deeper.py sees only the recorded layers), then
+    5; none where AdamW steps on the device (deeper.py refuses every such record)."""
+    if step.optimizer == "adamw":
+        return ()
+    types = getattr(config.get_text_config(), "layer_types", None)
+    if isinstance(types, list) and depth > MARKED:
+        built = [*types[: MARKED - 1], *[types[MARKED - 2]] * (depth - MARKED), types[MARKED - 1]]
+        if built != types[:depth]:
+            return (SHORT,)
+    return (MARKED, SHORT)
 
 
 def _with_engine(config: Any, step: StepSpec, est: StepEstimate) -> StepEstimate:

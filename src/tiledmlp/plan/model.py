@@ -178,10 +178,10 @@ def _whole(step: StepSpec) -> bool:
     """Whether estimate_step counts every layer (`whole`) for `step`: see Note [Whole depth]."""
     # Note [Whole depth]: on a GPU the allocator's reserve is the whole depth's trace replayed
     # (it follows no line in the depth: plan/device_overhead.py, Note [Allocator reserve]):
-    # every layer counted, those beyond the first five built from their record
-    # (plan/sim/deeper.py), unless AdamW steps on the device (its requests are not per layer:
-    # the line through 5 and 6 layers then); on the CPU there is no reserve, and the peaks
-    # follow the line exactly.
+    # every layer counted, those beyond the first four built from their record (the first
+    # five's where four do not show the middle layers: plan/estimate.py, plan/sim/deeper.py),
+    # unless AdamW steps on the device (its requests are not per layer: the line through 5 and
+    # 6 layers then); on the CPU there is no reserve, and the peaks follow the line exactly.
     return step.device_type != "cpu" and not (step.optimizer == "adamw" and step.engine == "ddp")
 
 

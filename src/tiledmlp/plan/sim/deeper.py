@@ -13,7 +13,8 @@ step. The held blocks released at each phase change are those of the deeper step
 
 It refuses (None) wherever the record does not show this: fewer than four layers, the two
 middle layers' windows unlike (their events, with each release named relative to the layer
-doing it), a release outside the layers of a storage of the copied layer, a tile window or a
+doing it; layer L-3 lacking only the releases of storages of layers before the first, which it
+cannot name, is alike), a release outside the layers of a storage of the copied layer, a tile window or a
 phase change inside a layer's window across its bounds, a release that would name no storage,
 or an optimizer step on the device (its foreach operations request memory for every layer's
 parameters at once).
@@ -94,7 +95,11 @@ def _first_serial_from(r: StepRecord, index: int) -> int:
 # L-2 does what layer L-3 does: the same events in the same order, each creation of the same
 # kind (phase, bytes, a buffer, a gradient, a layer input) and each release naming the storage
 # that plays the same part (_Place: relative to the releasing layer; _Outside: a storage of no
-# layer, by serial), with the same tile windows at the same places. A phase change or a tile
+# layer, by serial), with the same tile windows at the same places. Layer L-2 may release a
+# storage of a layer as far back as layer L-3's place has none (an offloader that sends each
+# layer's saved input to the host once the next layer saves its own releases, in layer i's
+# forward, a storage made by layer i-2; layer 1's counterpart is the embeddings' output, no
+# layer's): layer L-3 is alike where it does all the rest (_as_seen_from). A phase change or a tile
 # window that crosses a window's bounds, or an optimizer step on the device, breaks the layers'
 # likeness: refused.
 
@@ -146,14 +151,16 @@ class _TileWindow:
     times: Any
 
 
+# a window's events and tile windows, named relative to it (_signature)
+_Signature = tuple[tuple[_Release | _Creation, ...], tuple[_TileWindow, ...]]
+
+
 def _owners(wins: list[_Window]) -> dict[int, _Window]:
     """Each serial created in a layer's window -> that window."""
     return {s: w for w in wins for s in range(w.first, w.stop)}
 
 
-def _signature(
-    r: StepRecord, w: _Window, owner: dict[int, _Window]
-) -> tuple[tuple[_Release | _Creation, ...], tuple[_TileWindow, ...]]:
+def _signature(r: StepRecord, w: _Window, owner: dict[int, _Window]) -> _Signature:
     """The events and tile windows of window `w`, each named relative to it (Note [Alike
     windows]): what must match between two alike layers."""
 
@@ -176,6 +183,32 @@ def _signature(
         if w.begin <= rep.begin and rep.end <= w.end
     )  # fmt: skip
     return events, tiles
+
+
+def _as_seen_from(sig: _Signature, layer: int) -> _Signature | None:
+    """A window's signature (_signature) as layer `layer`'s place would show it: without the
+    releases of storages of layers before the first (Note [Alike windows]), the tile windows
+    moved back over them; None where one falls inside a tile window."""
+    events, tiles = sig
+    unseen = [
+        i
+        for i, e in enumerate(events)
+        if isinstance(e, _Release)
+        and isinstance(e.names, _Place)
+        and layer + e.names.layers_away < 0
+    ]
+    if not unseen:
+        return sig
+    if any(t.begin <= i < t.end for i in unseen for t in tiles):
+        return None
+
+    def moved(index: int) -> int:
+        return index - sum(i < index for i in unseen)
+
+    kept = tuple(e for i, e in enumerate(events) if i not in set(unseen))
+    return kept, tuple(
+        dataclasses.replace(t, begin=moved(t.begin), end=moved(t.end)) for t in tiles
+    )
 
 
 def _crosses(r: StepRecord, wins: list[_Window]) -> bool:
@@ -268,7 +301,8 @@ def _layout(r: StepRecord, more: int) -> _Layout | None:
     owner = _owners(wins)
     copied = layers - 2  # the middle layer repeated; layer copied - 1 is like it
     for kind in ("F", "B"):
-        if _signature(r, win[kind, copied], owner) != _signature(r, win[kind, copied - 1], owner):
+        seen = _as_seen_from(_signature(r, win[kind, copied], owner), copied - 1)
+        if seen != _signature(r, win[kind, copied - 1], owner):
             return None
     total = layers + more
     source = [min(j, copied) if j <= copied + more else j - more for j in range(total)]

@@ -36,7 +36,7 @@ from tiledmlp.plan.sim.phase_tracker import PhaseTracker
 from tiledmlp.plan.sim.segments import CATEGORIES, Segments, StepEstimate
 from tiledmlp.plan.sim.step_record import StepRecord, segment_peaks
 
-__all__ = ["FakeStep", "prepare", "simulate"]
+__all__ = ["MARKED", "FakeStep", "prepare", "simulate"]
 
 MARKED = 4  # the fewest layers whose step is cut in three segments (Segments)
 
@@ -84,7 +84,7 @@ def simulate(
     patch: PatchConfig | None,
     cut_tiles: bool = False,
     deeper_too: bool = False,
-    build_from: int = 0,
+    build_from: tuple[int, ...] = (),
     full_card: bool = False,
 ) -> Any:
     """One `step` of the model cut to `layers` decoder layers with `patch`'s features (None:
@@ -98,10 +98,11 @@ def simulate(
     `step.expandable_segments`: the caching allocator's setting the reserve is replayed with
     (caching_allocator.py). `deeper_too`: also the step of `layers` + 1 layers, as a pair
     (Segments of each): built from this step's record where it shows it (deeper.py), else
-    simulated. `build_from` (between 4 and `layers`): simulate that many layers and build the
-    step of `layers` from its record (deeper.py), or simulate it where the record does not
-    show it. `full_card`: only the reserve of a card with no room left (the held blocks taken
-    back: caching_allocator.py, HOLD) is replayed; the Segments then have nothing reclaimable.
+    simulated. `build_from` (layer counts from MARKED up, below `layers`): simulate the first
+    one's layers and build the step of `layers` from its record (deeper.py); where the record
+    does not show it, the next one's; where none does, simulate the step. `full_card`: only
+    the reserve of a card with no room left (the held blocks taken back: caching_allocator.py,
+    HOLD) is replayed; the Segments then have nothing reclaimable.
     `step.attention_kernel`: the kernel whose backward buffers a GPU's attention calls get
     (plan/device_overhead.py, Note [Attention backward buffers])."""
     run = functools.partial(_run, config, step=step, patch=patch, cut_tiles=cut_tiles)
@@ -110,8 +111,8 @@ def simulate(
         _finish, checkpointing=step.checkpointing, cut_tiles=cut_tiles,
         expandable=step.expandable_segments, full_card=full_card,
     )  # fmt: skip
-    if MARKED <= build_from < layers and not deeper_too:
-        built = deeper(run(build_from)[0], layers - build_from)
+    for short in build_from if not deeper_too else ():
+        built = deeper(run(short)[0], layers - short) if MARKED <= short < layers else None
         if built is not None:
             return finish(built, held_of(layers))
     record, held = run(layers)
