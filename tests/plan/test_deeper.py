@@ -7,6 +7,7 @@ extend."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -127,9 +128,13 @@ def test_whole_depth_estimate_simulates_4_layers_else_5() -> None:
     [
         (["sliding_attention"] * 8, (4, 5)),
         # a hybrid whose fourth layer is another kind: 4 layers' record would repeat layer 2's
-        # kind where the model has it, and end on the other kind: 5 layers' record only
-        (["linear_attention"] * 3 + ["full_attention"], (5,)),
+        # kind where the model has it, and end on the other kind; so would 5 layers' (its
+        # fourth repeated): every layer simulated
+        (["linear_attention"] * 3 + ["full_attention"], ()),
         (["sliding_attention"] * 2 + ["full_attention"] * 6, (4, 5)),
+        # Gemma 3's five sliding-window layers to one global: neither record shows the global
+        (["sliding_attention"] * 5 + ["full_attention"], ()),
+        (["sliding_attention"] * 3 + ["full_attention"] * 5, (5,)),
     ],
 )
 def test_whole_depth_from_4_layers_only_where_the_layer_types_repeat_so(
@@ -146,6 +151,24 @@ def test_whole_depth_from_4_layers_only_where_the_layer_types_repeat_so(
     )
     assert estimate._shorts(config, _step("untiled"), depth) == shorts
     assert estimate._shorts(config, _step("untiled", optimizer="adamw"), depth) == ()
+
+
+def test_whole_depth_of_gemma3s_pattern_is_every_layer_s() -> None:
+    """Five sliding-window layers to one global, 8 layers, the window shorter than the
+    sequence: a step built from 4 or 5 recorded layers would repeat a sliding-window layer
+    where the model has its global one (built so, the peak came out 2 MiB too high)."""
+    import transformers as tr
+
+    types = (["sliding_attention"] * 5 + ["full_attention"]) * 2
+    config = tr.AutoConfig.for_model(
+        "gemma3_text",
+        **{**TINY, "num_hidden_layers": 8, "layer_types": types[:8], "sliding_window": 256},
+    )
+    step = dataclasses.replace(_step("tiled_mlp_loss"), seq_len=1024)
+    patch = stack_patch("tiled_mlp_loss", 4)
+    assert estimate_step(config, step, patch, whole=True) == estimate_step(
+        config, step, patch, exact=True
+    )
 
 
 def test_whole_depth_with_adamw_on_the_device_is_simulated() -> None:

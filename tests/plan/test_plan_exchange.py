@@ -49,3 +49,28 @@ def test_fewer_key_value_heads_than_gpus_are_repeated() -> None:
     fn(None, q, k, v, None)
     ((sq, sk, _),) = seen
     assert sq.shape == (1, 2, 24, 5) and sk.shape == (1, 1, 24, 5)  # 2 heads x 2 = 4 = P
+
+
+def test_sliding_window_layers_under_sequence_parallelism_are_refused_in_one_line() -> None:
+    """Sequence parallelism masks sliding-window layers with a whole-sequence mask of its own,
+    which the simulation does not model: refused where the window is shorter than the whole
+    sequence, planned where it is not."""
+    import transformers as tr
+
+    from tiledmlp.config.plan import StepSpec
+    from tiledmlp.config.stacks import stack_patch
+    from tiledmlp.plan.estimate import estimate_step
+
+    config = tr.AutoConfig.for_model(
+        "gemma3_text", hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=256,
+        sliding_window=256, layer_types=["sliding_attention"] * 3 + ["full_attention"],
+    )  # fmt: skip
+    patch = stack_patch("tiled_mlp", 4)
+
+    def local(tokens: int) -> StepSpec:  # one GPU's share of a sequence over 2 GPUs
+        return StepSpec(seq_len=tokens, sequence_parallel_size=2, world=2)
+
+    with pytest.raises(ValueError, match=r"window 256\) cannot be planned under sequence para"):
+        estimate_step(config, local(512), patch, exact=True)
+    assert estimate_step(config, local(128), patch, exact=True).peak > 0  # 256: the window

@@ -48,8 +48,9 @@ def estimate_step(
     instead (what the tests compare the extrapolation with); `whole=True` counts every layer
     too, the layers beyond 4 built from the 4 layers' record where it shows them and the
     model's layer types allow it (_shorts), else those beyond 5 from the 5 layers' (deeper.py:
-    the same figures as `exact` where the layer types beyond the record repeat as the built
-    step's do, at the cost of one or two short simulations). Under a sharding engine
+    the same figures as `exact`, at the cost of one or two short simulations), else every
+    layer simulated (a model whose layer types do not repeat as a built step's would, such
+    as Gemma 3's five sliding-window layers to one global). Under a sharding engine
     (`step.engine` "zero3", "fsdp2") over `step.world` GPUs, the parameters, gradients and
     optimizer states are the engine's (plan/engines.py) instead of whole ones. With
     `step.sequence_parallel_size` P > 1, `step.seq_len` is one GPU's share and its attention
@@ -83,17 +84,23 @@ def estimate_step(
 
 def _shorts(config: Any, step: StepSpec, depth: int) -> tuple[int, ...]:
     """The short steps the whole depth is built from (simulate's `build_from`), in the order
-    tried: 4 layers where the step built from them (deeper.py: layer 2 repeated, layer 3 last)
-    has the model's layer types (`layer_types`: deeper.py sees only the recorded layers), then
-    5; none where AdamW steps on the device (deeper.py refuses every such record)."""
+    tried: 4 layers, then 5, each only where the step built from it (deeper.py: its
+    second-to-last layer repeated, its last layer last) has the model's layer types
+    (`layer_types`: deeper.py sees only the recorded layers); none where AdamW steps on the
+    device (deeper.py refuses every such record). With none, every layer is simulated."""
     if step.optimizer == "adamw":
         return ()
     types = getattr(config.get_text_config(), "layer_types", None)
-    if isinstance(types, list) and depth > MARKED:
-        built = [*types[: MARKED - 1], *[types[MARKED - 2]] * (depth - MARKED), types[MARKED - 1]]
-        if built != types[:depth]:
-            return (SHORT,)
-    return (MARKED, SHORT)
+    return tuple(n for n in (MARKED, SHORT) if _built_alike(types, n, depth))
+
+
+def _built_alike(types: Any, layers: int, depth: int) -> bool:
+    """Whether a step of `depth` layers built from `layers` recorded ones (deeper.py) has the
+    layer types `types` (a model's `layer_types`; None: all alike)."""
+    if not isinstance(types, list) or depth <= layers:
+        return True
+    built = [*types[: layers - 1], *[types[layers - 2]] * (depth - layers), types[layers - 1]]
+    return built == types[:depth]
 
 
 def _with_engine(config: Any, step: StepSpec, est: StepEstimate) -> StepEstimate:

@@ -179,7 +179,8 @@ def _whole(step: StepSpec) -> bool:
     # Note [Whole depth]: on a GPU the allocator's reserve is the whole depth's trace replayed
     # (it follows no line in the depth: plan/device_overhead.py, Note [Allocator reserve]):
     # every layer counted, those beyond the first four built from their record (the first
-    # five's where four do not show the middle layers: plan/estimate.py, plan/sim/deeper.py),
+    # five's where four do not show the middle layers, every layer simulated where the layer
+    # types do not repeat as a built step's: plan/estimate.py, plan/sim/deeper.py),
     # unless AdamW steps on the device (its requests are not per layer: the line through 5 and
     # 6 layers then); on the CPU there is no reserve, and the peaks follow the line exactly.
     return step.device_type != "cpu" and not (step.optimizer == "adamw" and step.engine == "ddp")

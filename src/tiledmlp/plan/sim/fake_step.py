@@ -185,6 +185,7 @@ def _run(
         built = prepare(config, layers, patch, step)
         model = built.model
         if step.sequence_parallel_size > 1:
+            _refuse_window_under_sp(model, step.seq_len * step.sequence_parallel_size)
             register_exchanged(step.sequence_parallel_size, model)
         ids = torch.zeros(1, step.seq_len, dtype=torch.long)
         # on a GPU, the attention backward's own buffers at their calls (device_overhead.py)
@@ -396,6 +397,28 @@ def _categorise(
     return StepEstimate(
         sum(fixed.values()) + peak, breakdown, checkpointing, reserve[0], attention, reserve[1]
     )
+
+
+def _sliding_window(model: Any) -> int | None:
+    """The window of the model's sliding-window layers, None where it has none."""
+    cfg = model.config.get_text_config()
+    types, size = getattr(cfg, "layer_types", None), getattr(cfg, "sliding_window", None)
+    if not isinstance(types, list) or not isinstance(size, int):
+        return None
+    return size if "sliding_attention" in types else None
+
+
+def _refuse_window_under_sp(model: Any, whole: int) -> None:
+    """Sequence parallelism gives sliding-window layers a mask of the whole sequence built in
+    its attention (sequence_parallel/masks.py), which the simulation does not model: refused
+    where the window is shorter than the whole sequence of `whole` tokens."""
+    size = _sliding_window(model)
+    if size is not None and size < whole:
+        raise ValueError(
+            f"{type(model).__name__}: its sliding-window layers (window {size:,}) cannot be "
+            f"planned under sequence parallelism yet at {whole:,} tokens; plan them with "
+            "sequence parallel size 1, or a sequence no longer than the window"
+        )
 
 
 def _window_masks(model: Any, seq_len: int, window: dict[str, torch.Tensor]) -> list[Any]:
