@@ -171,6 +171,21 @@ def test_whole_depth_of_gemma3s_pattern_is_every_layer_s() -> None:
     )
 
 
+def test_cpu_estimate_of_gemma3s_pattern_is_every_layer_s() -> None:
+    """The same model planned for the CPU (the line through 5 and 6 layers): the layers past
+    the fifth do not repeat its fourth, so every layer is simulated instead."""
+    import transformers as tr
+
+    types = (["sliding_attention"] * 5 + ["full_attention"]) * 2
+    config = tr.AutoConfig.for_model(
+        "gemma3_text",
+        **{**TINY, "num_hidden_layers": 8, "layer_types": types[:8], "sliding_window": 256},
+    )
+    step = dataclasses.replace(_step("tiled_mlp_loss"), seq_len=1024, device_type="cpu")
+    patch = stack_patch("tiled_mlp_loss", 4)
+    assert estimate_step(config, step, patch) == estimate_step(config, step, patch, exact=True)
+
+
 def test_whole_depth_with_adamw_on_the_device_is_simulated() -> None:
     import transformers as tr
 

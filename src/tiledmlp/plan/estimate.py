@@ -44,7 +44,9 @@ def estimate_step(
     second-to-last layer's backward and the peak from the start of the second layer's backward
     on (the middle layers lie on a line between the two). Both are measured with 5 layers
     (simulated) and 6 (built from the 5 layers' record where it shows them, plan/sim/deeper.py;
-    else simulated) and extrapolated to the model's depth; `exact=True` runs every layer
+    else simulated) and extrapolated to the model's depth (every layer simulated instead where
+    the model's `layer_types` past the fifth layer do not repeat its fourth, as Gemma 3's five
+    sliding-window layers to one global); `exact=True` runs every layer
     instead (what the tests compare the extrapolation with); `whole=True` counts every layer
     too, the layers beyond 4 built from the 4 layers' record where it shows them and the
     model's layer types allow it (_shorts), else those beyond 5 from the 5 layers' (deeper.py:
@@ -78,7 +80,9 @@ def estimate_step(
     depth = int(config.get_text_config().num_hidden_layers)
     if whole and not exact:
         run = functools.partial(run, build_from=_shorts(config, simulated, depth))
-    est = _simulated(run, depth, exact or whole)
+    # the line through 5 and 6 layers holds where the layers past the fifth repeat its fourth
+    types = getattr(config.get_text_config(), "layer_types", None)
+    est = _simulated(run, depth, exact or whole or not _built_alike(types, SHORT, depth))
     return _with_engine(config, step, est) if step.sharded else est
 
 
