@@ -175,11 +175,11 @@ class _Search:
         """Estimates granule n, and granule `then` (the one likely estimated next) beside it
         where a CPU is idle (forked.py: speculate); the answer does not depend on it (an
         estimate made early is the same estimate)."""
-        ahead = then * self.granularity
-        if then in self.cache or not n < then < self.hi or self.known(ahead):
-            return
-        tokens = n * self.granularity
-        if self.known(tokens):
+        tokens, ahead = n * self.granularity, then * self.granularity
+        # only inside a closed bracket: a length far beyond the current one may take far
+        # longer, and the current estimate waits for it
+        inside = self.hi <= self.limit and n < then < self.hi
+        if not inside or self.known(ahead) or self.known(tokens):
             return
         now, later = speculate(lambda: self.simulated(tokens), lambda: self.simulated(ahead))
         self.tensors[tokens], self.reserves[tokens] = now
