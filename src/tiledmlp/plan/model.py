@@ -79,7 +79,7 @@ from tiledmlp.plan.device_overhead import DeviceOverhead, device_overhead
 from tiledmlp.plan.engines import ENGINES, GPUS_PER_NODE, check_engine, engine_memory
 from tiledmlp.plan.estimate import OPTIMIZERS, estimate_step, param_counts
 from tiledmlp.plan.forked import default_processes, run_jobs
-from tiledmlp.plan.search import fits, max_seq_len
+from tiledmlp.plan.search import UPPER, fits, max_seq_len
 from tiledmlp.plan.sim.segments import CATEGORIES, GROWING, StepEstimate
 from tiledmlp.sequence_parallel.attention import kv_repeat
 from tiledmlp.sequence_parallel.sizes import check_sequence_divisible
@@ -101,7 +101,6 @@ __all__ = [
 ]
 
 MiB = 2**20
-_UPPER = 1 << 24  # max_seq_len's longest length (tokens of one GPU)
 
 
 def plan_model(
@@ -190,7 +189,8 @@ def _whole(step: StepSpec) -> bool:
 class _Search:
     """How plan_model searches a stack's longest sequence: within `budget_bytes` (None: no
     search), in multiples of `granularity` tokens, with estimate_step's `whole`; only above
-    `above` whole-sequence tokens where given (plan_model's `search_above`)."""
+    `above` whole-sequence tokens where given (plan_model's `search_above`; only with a
+    budget)."""
 
     budget_bytes: int | None
     granularity: int
@@ -211,7 +211,7 @@ def _stack_job(
     """plan_model's job for one stack (the `i`-th of `n`), in this process or a forked one
     (forked.py): its entry, and `known` with its tensor-level estimates by length added."""
     p = step.sequence_parallel_size
-    if search.above is None or search.budget_bytes is None:
+    if search.above is None:
         logger.info("%s (%d of %d): one step at %s tokens", stack, i, n, f"{step.seq_len // p:,}")
     else:
         logger.info("%s (%d of %d): above %s tokens", stack, i, n, f"{search.above:,}")
@@ -242,9 +242,9 @@ def _plan_stack(
         known_peaks=known, known_reserves=reserves, whole=search.whole,
     )  # fmt: skip
     start = local.seq_len  # the search's first length: the planned one, estimated below
-    if search.budget_bytes is not None and search.above is not None:
+    if search.above is not None and search.budget_bytes is not None:
         start = search.above // p + search.granularity  # one granule above: estimated first
-        if start > _UPPER or not fits(config, search.budget_bytes, start, **searching):  # type: ignore[arg-type]
+        if start > UPPER or not fits(config, search.budget_bytes, start, **searching):  # type: ignore[arg-type]
             logger.info("%s: %s tokens do not fit", stack, f"{p * start:,}")
             return {"max_seq_len": None, "search_above": search.above}
     est = estimate_step(config, local, patch, whole=search.whole)

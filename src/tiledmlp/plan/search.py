@@ -18,7 +18,9 @@ from tiledmlp.plan.forked import speculate
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["fits", "max_seq_len"]
+__all__ = ["UPPER", "fits", "max_seq_len"]
+
+UPPER = 1 << 24  # the longest length max_seq_len answers by default (tokens)
 
 
 def max_seq_len(
@@ -28,7 +30,7 @@ def max_seq_len(
     step: StepSpec,
     patch: PatchConfig | None,
     granularity: int = 1024,
-    upper: int = 1 << 24,
+    upper: int = UPPER,
     hint: int | None = None,
     fixed_bytes: int | None = None,
     extra_bytes_per_token: float = 0.0,

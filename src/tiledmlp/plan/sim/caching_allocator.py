@@ -51,7 +51,9 @@ from __future__ import annotations
 
 from bisect import bisect_left, insort
 from collections.abc import Iterable
+from itertools import repeat
 from operator import itemgetter
+from typing import Any
 
 __all__ = ["FREE", "HOLD", "PAGE", "CachingAllocator", "reserve_beyond_peak"]
 
@@ -267,6 +269,18 @@ class CachingAllocator:
         their addresses."""
         return tuple([tuple(map(f, pool)) for pool in self._free for f in (_GET_SIZE, _GET_ADDR)])
 
+    def state(self, keys: Iterable[int], freed: int) -> tuple[Any, ...]:
+        """The allocator's whole state as flat tuples of ints (cheap to hash and compare): its
+        totals, each pool's last block, its free blocks, and the address and size of the block
+        each of `keys` holds, in order, then of `freed` more known to be freed: (-2, -1) for a
+        key holding none (no block has those: a block takes an address >= 0, a zero-byte
+        request's takes -1 and size 0)."""
+        blocks = list(map(self._held.get, keys, repeat(_NONE)))
+        last = [None if b is None else (b[_ADDR], b[_SIZE], b[_IS_FREE]) for b in self._last]
+        addrs = tuple(map(_GET_ADDR, blocks)) + (_NONE[_ADDR],) * freed
+        sizes = tuple(map(_GET_SIZE, blocks)) + (_NONE[_SIZE],) * freed
+        return self.reserved, self.live, self._top, *last, *self.free_blocks(), addrs, sizes
+
     def _extend(self, size: int, small: bool) -> _Block:
         """With expandable segments: a block of at least `size` bytes at the end of the pool's
         segment, made of its free end block (if any) and the whole pages mapped after it."""
@@ -293,6 +307,7 @@ class CachingAllocator:
 
 
 _GET_SIZE, _GET_ADDR = itemgetter(_SIZE), itemgetter(_ADDR)
+_NONE = [-1, -2, True, False, None, None, 0]  # what `state` reads for a key holding no block
 
 
 def reserve_beyond_peak(

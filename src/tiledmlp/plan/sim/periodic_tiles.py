@@ -47,16 +47,7 @@ from typing import Any
 import torch
 
 from tiledmlp.ops.tiling.tiles import TilePlan
-from tiledmlp.plan.sim.caching_allocator import (
-    _ADDR,
-    _GET_ADDR,
-    _GET_SIZE,
-    _IS_FREE,
-    _SIZE,
-    FREE,
-    HOLD,
-    CachingAllocator,
-)
+from tiledmlp.plan.sim.caching_allocator import FREE, HOLD, CachingAllocator
 from tiledmlp.plan.sim.phase_tracker import PhaseTracker
 
 __all__ = ["PeriodicTiles", "Repeat", "cut_peak_bytes", "replayed_reserve", "whole_trace"]
@@ -239,22 +230,6 @@ def replayed_reserve(
     return alloc.reserved - alloc.peak
 
 
-def _state(alloc: CachingAllocator, keys: Iterable[int], freed: int) -> tuple[Any, ...]:
-    """The allocator's state after a copy (the caching allocator's own fields, read only),
-    with the loop's storages named by their place in the pattern (`_Places`: their `keys` in
-    order, then `freed` places known to be freed): per place, its block's address and size, or
-    (-2, -1) once freed (no block has those: a block takes an address >= 0, a zero-byte
-    request's takes -1 and size 0). Flat tuples of ints, cheap to hash."""
-    blocks = list(map(alloc._held.get, keys, repeat(_FREED)))
-    last = [None if b is None else (b[_ADDR], b[_SIZE], b[_IS_FREE]) for b in alloc._last]
-    addrs = tuple(map(_GET_ADDR, blocks)) + (_FREED[_ADDR],) * freed
-    sizes = tuple(map(_GET_SIZE, blocks)) + (_FREED[_SIZE],) * freed
-    return alloc.reserved, alloc.live, alloc._top, *last, *alloc.free_blocks(), addrs, sizes
-
-
-_FREED = [-1, -2, True, False, None, None, 0]  # what _state reads for a storage freed
-
-
 def _rebuild(
     trace: list[tuple[int, int]],
     repeats: list[Repeat],
@@ -306,7 +281,7 @@ def _copies(
     nbytes = [b for _, b in window]
     places, no_hold = _Places(pattern, tiles, back), HOLD not in nbytes
     copies = rep.times  # how many copies run (fewer once the allocator's states cycle)
-    seen = {} if alloc is None else {_state(alloc, *places.keys(0, None)): 0}
+    seen = {} if alloc is None else {alloc.state(*places.keys(0, None)): 0}
     key, keys = tiles.key, tiles.copies
     c = 0
     while c < copies:
@@ -326,7 +301,7 @@ def _copies(
         emit(events)
         if alloc is not None and copies == rep.times:
             known = offsets is not None and c > back and no_hold
-            state = _state(alloc, *places.keys(c, first if known else None))
+            state = alloc.state(*places.keys(c, first if known else None))
             if state in seen:  # the states cycle: whole cycles change nothing
                 period = c - seen[state]
                 copies -= (copies - c) // period * period
@@ -358,9 +333,10 @@ def _offsets(pattern: list[tuple[bool, int, int]], made: int) -> list[int]:
 # copy]) and no hold in it, every tile from copy c - back to c is a copy, and the storage at
 # place (d, o) has key F(c - d) + o, which nothing but the pattern names: it releases that
 # storage in copy c - d + e (e its release distance), so at copy c's end it is freed exactly
-# where e <= d, and _state reads (-2, -1) there without looking. Earlier copies name recorded
-# storages, whose releases the record made: there every place is looked up. Both read the
-# places in the same order, so their states compare as if each place were looked up.
+# where e <= d, and the state reads (-2, -1) there without looking (CachingAllocator.state).
+# Earlier copies name recorded storages, whose releases the record made: there every place is
+# looked up. Both read the places in the same order, so their states compare as if each place
+# were looked up.
 
 
 class _Places:
