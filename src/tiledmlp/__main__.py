@@ -1,7 +1,5 @@
 """`python -m tiledmlp` runs the command-line interface."""
 
-import sys
+from tiledmlp.cli import console
 
-from tiledmlp.cli import main
-
-sys.exit(main())
+console()

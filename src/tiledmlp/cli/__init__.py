@@ -25,9 +25,10 @@ from typing import Any, NoReturn
 
 from tiledmlp.allocator import prefer_expandable_segments
 from tiledmlp.cli.common import UsageError
+from tiledmlp.cli.leave import leave
 from tiledmlp.cli.output import results_only
 
-__all__ = ["main"]
+__all__ = ["console", "main"]
 
 logger = logging.getLogger("tiledmlp")
 # subcommand -> its module (imported when the command line names it, or for the full help)
@@ -165,7 +166,7 @@ def _collective_error(e: Exception) -> bool:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the `tiledmlp` console command."""
+    """Runs the command line `argv` (default: sys.argv[1:]) and returns its exit status."""
     words = normalise_argv(sys.argv[1:] if argv is None else argv)
     parser = _build_parser(_asked(words))
     try:
@@ -208,5 +209,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
 
 
+def console() -> NoReturn:
+    """The `tiledmlp` command and `python -m tiledmlp`: main() on sys.argv, then exit with its
+    status (cli/leave.py: a process a distributed launcher started skips the interpreter's
+    teardown, where gloo's threads can abort it after a successful run)."""
+    leave(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    console()

@@ -304,3 +304,29 @@ def test_random_stand_ins_are_drawn_for_mlps_only(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr(probe.StandIns, "__init__", logging_init)
     patch_model(tiny_causal_lm("llama"))
     assert drawn and set(drawn) == {"LlamaMLP"}, drawn
+
+
+def test_what_was_recognised_dies_with_the_module() -> None:
+    # An engine's parameters may refer back to the whole model (DeepSpeed ZeRO-3's carry its
+    # optimizer): what recognise() keeps must not hold the module alive through them.
+    import gc
+    import weakref
+
+    mlp = OrderedGatedMLP(8, 16)
+    assert recognise(mlp) is not None
+    mlp.down_proj.weight.owner = mlp  # type: ignore[attr-defined]  # as an engine's would
+    gone = weakref.ref(mlp)
+    del mlp
+    gc.collect()
+    assert gone() is None
+
+
+def test_a_copy_of_a_recognised_module_is_recognised_with_its_own_children() -> None:
+    mlp = OrderedGatedMLP(8, 16)
+    original = recognise(mlp)
+    twin = copy.deepcopy(mlp)
+    found = recognise(twin)
+    assert original is not None and found is not None
+    assert found.down is twin.down_proj and original.down is mlp.down_proj
+    # and with the engine's hooks ignored, a copy made after recognition is not taken as known
+    assert recognise(copy.deepcopy(mlp), ignore_hooks=True) is None

@@ -16,7 +16,6 @@ rounding), with the module's own activation object.
 from __future__ import annotations
 
 import logging
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
@@ -106,9 +105,27 @@ class MLPStructure:
         return self.down(h)
 
 
-_cache: weakref.WeakKeyDictionary[nn.Module, tuple[tuple[Any, ...], MLPStructure | None]] = (
-    weakref.WeakKeyDictionary()
-)
+# What recognise() found for a module is kept on the module (in its __dict__, not as a registered
+# attribute), so it dies with the module. A table weakly keyed by the module would keep it alive:
+# the structure refers to the module's children, and an engine's parameters refer back to the
+# whole model (DeepSpeed ZeRO-3's carry its optimizer).
+_REMEMBERED = "_tiledmlp_recognised"
+
+
+class _Remembered:
+    """The signature recognise() saw and its answer. A copy or a pickle of the module starts
+    without it (it names the original's children), so a copy is recognised afresh."""
+
+    __slots__ = ("signature", "structure")
+
+    def __init__(
+        self, signature: tuple[Any, ...] | None = None, structure: MLPStructure | None = None
+    ) -> None:
+        self.signature = signature
+        self.structure = structure
+
+    def __reduce__(self) -> tuple[type[_Remembered], tuple[()]]:
+        return (_Remembered, ())
 
 
 def recognise(
@@ -131,18 +148,20 @@ def recognise(
     the training mode change (e.g. a LoRA adapter was injected after the first call).
     """
     children, training, hooked = _signature(mlp)
-    cached = _cache.get(mlp)
+    found = mlp.__dict__.get(_REMEMBERED)
+    cached = found if isinstance(found, _Remembered) else _Remembered()
+    known = cached.signature
     if ignore_hooks:
         # Reuse what was recognised before the engine wrapped the model, whatever the mode.
-        if cached is not None and cached[0][0] == children:
-            return cached[1]
+        if known is not None and known[0] == children:
+            return cached.structure
         logger.debug("%s: not recognised before the engine wrapped it", type(mlp).__name__)
         return None
     signature = (children, training, hooked)
-    if cached is not None and cached[0] == signature:
-        return cached[1]
+    if known == signature:
+        return cached.structure
     structure = _recognise_uncached(mlp, children, call if call is not None else mlp, ignore_hooks)
-    _cache[mlp] = (signature, structure)
+    mlp.__dict__[_REMEMBERED] = _Remembered(signature, structure)
     logger.debug(
         "%s: %s path", type(mlp).__name__, structure.kind.value if structure else "generic"
     )

@@ -1,0 +1,46 @@
+"""Ending a command's process when a distributed launcher started it.
+
+Training engines keep references to their process groups after `destroy_process_group()`
+(DeepSpeed ZeRO-3 in every parameter and in module globals), so gloo's backend objects are
+destroyed only during the interpreter's finalization, where their worker threads can abort the
+process ("terminate called without an active exception", exit status -6) after a run that
+succeeded and wrote its results. Under a launcher the command therefore ends as the interpreter
+would end it, less that finalization: other non-daemon threads joined, the atexit handlers run
+(logging's flush among them), stdout and stderr flushed, then `os._exit` with the command's
+status. Outside a launcher the process exits normally.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import sys
+import threading
+from typing import NoReturn
+
+__all__ = ["leave", "under_launcher"]
+
+# set by torchrun, the deepspeed launcher and accelerate launch for every process they start
+_LAUNCHER_ENV = "WORLD_SIZE"
+
+
+def under_launcher() -> bool:
+    """Whether a distributed launcher started this process."""
+    return _LAUNCHER_ENV in os.environ
+
+
+def leave(status: int) -> NoReturn:
+    """Exits with `status`; under a launcher, without the interpreter's finalization."""
+    if not under_launcher():
+        sys.exit(status)
+    current = threading.current_thread()
+    for thread in threading.enumerate():
+        if thread is not current and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        # closed, or a broken pipe: nothing more can be written
+        with contextlib.suppress(OSError, ValueError):
+            stream.flush()
+    os._exit(status)
