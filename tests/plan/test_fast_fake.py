@@ -24,11 +24,15 @@ def _args(mode: FakeTensorMode) -> list[Any]:
         x = torch.empty(6, 8, dtype=torch.bfloat16)
         w = torch.empty(8, 4, requires_grad=True)
         image = torch.empty(2, 3, 4, 5).to(memory_format=torch.channels_last)
+        # every rank the memory format is keyed for: channels-last layouts have 4 or 5 dims
+        volume = torch.empty(2, 3, 4, 5, 6).to(memory_format=torch.channels_last_3d)
+        ranks = [torch.empty(()), torch.empty(2, 3, 4).transpose(0, 2), torch.empty(2, 3, 4, 5),
+                 volume, volume[:, :, 1:3], torch.empty(2, 3, 4, 5)[..., ::2]]  # fmt: skip
         with torch.inference_mode():
             frozen = torch.empty(3)
         z = torch.empty(2, dtype=torch.complex64).conj()
         return [
-            x, x.t(), x[2:5], x[:, ::2], w, image, frozen, z, torch.empty(0),
+            x, x.t(), x[2:5], x[:, ::2], w, image, frozen, z, torch.empty(0), *ranks,
             1, 2.5, True, None, "mean", torch.float32, torch.device("cpu"), torch.strided,
             [3, 4], (x, [w, 7]), torch.Size([2, 3]), {"dim": 1, "out": x}, slice(1, 2),
         ]  # fmt: skip

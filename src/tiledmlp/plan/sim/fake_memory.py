@@ -36,7 +36,8 @@ class StorageTracker(TorchDispatchMode):
         self.live = 0
         self.peak = 0
         self._refs: dict[int, list[int]] = {}  # storage key -> [nbytes, live tensor count]
-        self._watchers: dict[int, weakref.ref[torch.Tensor]] = {}  # kept until their tensor dies
+        # id of a weak reference -> (it, its storage's key), kept until its tensor dies
+        self._watchers: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
         for t in known:
             self._refs[self._key(t)] = [0, 1 << 30]  # counted by the caller; never released
 
@@ -59,22 +60,30 @@ class StorageTracker(TorchDispatchMode):
         if entry is None:
             nbytes = t.untyped_storage().nbytes()
             self._refs[key] = entry = [nbytes, 0]
+            self._created(key, nbytes)
             self.live += nbytes
-            self.peak = max(self.peak, self.live)
+            if self.live > self.peak:
+                self.peak = self.live
         entry[1] += 1
         # a plain weak reference with a callback (kept until it fires): the release happens
         # when the tensor dies, as with weakref.finalize, at a fraction of its cost per op
         # (by the reference's id: references to one tensor compare equal)
-        watchers = self._watchers
+        ref = weakref.ref(t, self._on_death)
+        self._watchers[id(ref)] = (ref, key)
 
-        def release(ref: weakref.ref[torch.Tensor], key: int = key) -> None:
-            del watchers[id(ref)]
-            self._release(key)
+    def _created(self, key: int, nbytes: int) -> None:
+        """A storage of `nbytes` first seen under `key` (subclasses record it)."""
 
-        ref = weakref.ref(t, release)
-        watchers[id(ref)] = ref
+    def _on_death(self, ref: weakref.ref[torch.Tensor]) -> None:
+        self._release(self._watchers.pop(id(ref))[1])
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        return self._dispatch(func, args, kwargs)
+
+    def _dispatch(self, func: Any, args: Any, kwargs: Any) -> Any:
+        """The op run and its outputs tracked. A plain method: subclasses call it directly, not
+        through `__torch_dispatch__`, which TorchDispatchMode wraps in a guard against dynamo
+        (a cost per op and per wrapped call)."""
         if func is _DEVICE:  # a `.device` query (most dispatches on fake tensors): no storage
             t = args[0]
             if isinstance(t, FakeTensor) and not t.fake_mode.in_kernel_invocation:

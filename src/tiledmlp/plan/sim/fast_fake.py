@@ -42,9 +42,12 @@ def _flatten_tensor(result: list[object], t: torch.Tensor) -> None:
     """TensorMetadata(t)._flatten_into(result, ...) for a dense strided tensor with concrete
     sizes: its fields in order, the shape and stride as tuples are (type, length, then type and
     value per element)."""
-    suggested = suggest_memory_format(t)
-    memory_format = suggested if t.is_contiguous(memory_format=suggested) else None
     shape, stride = t.shape, t.stride()
+    if len(shape) in (4, 5):
+        suggested = suggest_memory_format(t)
+        memory_format = suggested if t.is_contiguous(memory_format=suggested) else None
+    else:  # suggest_memory_format's answer for any other rank: a channels-last layout has 4 or 5
+        memory_format = torch.contiguous_format if t.is_contiguous() else None
     result.append(t.dtype)
     result.append(torch.Size)
     result.append(f"length_{len(shape)}")

@@ -27,7 +27,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
 from tiledmlp.plan.sim.caching_allocator import FREE, HOLD
-from tiledmlp.plan.sim.fake_memory import StorageTracker
+from tiledmlp.plan.sim.fake_memory import _DEVICE, StorageTracker
 
 __all__ = ["KernelBuffers", "PhaseTracker"]
 
@@ -107,8 +107,8 @@ class PhaseTracker(StorageTracker):
         self._buffer_peak = self.live
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = super().__torch_dispatch__(func, types, args, kwargs)
-        if self._workspace is None:
+        out = self._dispatch(func, args, kwargs)
+        if self._workspace is None or func is _DEVICE:
             return out
         named = self._buffered.get(func)
         if named is None:
@@ -128,16 +128,16 @@ class PhaseTracker(StorageTracker):
         # a fake tensor's device read directly: `.device` would be one more dispatched op
         if (t.fake_device if isinstance(t, FakeTensor) else t.device).type == "meta":
             return
-        key = self._key(t)
-        if key not in self._refs:
-            nbytes = t.untyped_storage().nbytes()
-            self._serial[key] = len(self.phase_of)
-            self.trace.append((len(self.phase_of), nbytes))
-            self.phase_of.append(self.phase)
-            self.bytes_of.append(nbytes)
         super()._track(t)
         if self.live > self._peak:
             self._peak, self._at_peak = self.live, self._alive()
+
+    def _created(self, key: int, nbytes: int) -> None:
+        serial = len(self.phase_of)
+        self._serial[key] = serial
+        self.trace.append((serial, nbytes))
+        self.phase_of.append(self._phase)
+        self.bytes_of.append(nbytes)
 
     def _release(self, key: int) -> None:
         super()._release(key)
