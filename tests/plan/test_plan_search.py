@@ -115,3 +115,91 @@ def test_a_reserve_off_the_line_still_gives_a_verified_answer(monkeypatch, seed:
                              known_peaks={}, known_reserves={})  # fmt: skip
     n = got // G
     assert n >= 1 and step(n) <= budget and (n == LIMIT or step(n + 1) > budget)
+
+
+def _search_on_card(
+    monkeypatch: pytest.MonkeyPatch,
+    tensors: Callable[[int], int],
+    reserve: Callable[[int], int],
+    budget: int,
+    hint: int,
+) -> tuple[int, list[int], Callable[[int], int]]:
+    """max_seq_len on a card whose allocator reserve (its own replay) is reserve(tokens) beside
+    the tensors' peak tensors(tokens): the answer, the lengths estimated, and the step's bytes
+    by granule as the search counts them."""
+    from tiledmlp.plan.device_overhead import device_overhead
+
+    overhead, calls = device_overhead("cuda"), []
+
+    def estimate(_config: Any, step: StepSpec, _patch: Any, **options: Any) -> Any:
+        assert options["full_card"]  # one replay: a full card's
+        calls.append(step.seq_len)
+        return StepEstimate(tensors(step.seq_len), {}, False, reserve=reserve(step.seq_len))
+
+    def step(n: int) -> int:
+        return tensors(n * G) + overhead.total(reserve(n * G), 0)
+
+    monkeypatch.setattr(search, "estimate_step", estimate)
+    got = search.max_seq_len(None, budget, step=StepSpec(seq_len=G), patch=None, granularity=G,
+                             hint=hint, fixed_bytes=tensors(0), overhead=overhead,
+                             known_peaks={hint: tensors(hint)},
+                             known_reserves={hint: (reserve(hint), 0)})  # fmt: skip
+    return got, calls, step
+
+
+def _jittered(seed: int) -> tuple[Callable[[int], int], Callable[[int], int]]:
+    """A long model's step near a card's budget: the tensors grow by 1/15 GiB a granule, the
+    allocator's reserve moves at random within a GiB from one granule to the next (so lengths
+    about 15 granules apart may fit or not: the step is not monotone there)."""
+    rng = random.Random(seed)
+    moves = [rng.randint(GiB // 4, 5 * GiB // 4) for _ in range(64)]
+    base = rng.randint(25 * GiB, 35 * GiB)
+
+    def tensors(tokens: int) -> int:
+        return base + tokens * (GiB // 15) // G
+
+    def reserve(tokens: int) -> int:
+        return moves[(tokens // G) % len(moves)]
+
+    return tensors, reserve
+
+
+@pytest.mark.parametrize("hint", [131072, 1 << 20])
+def test_a_non_monotone_step_closes_on_the_first_adjacent_pair(monkeypatch, hint: int) -> None:
+    """Near the budget a length may fit whose next granule does not, several times over: each
+    answer is such a pair (verified: it fits, one granule more does not), reached in a few
+    estimates (Note [Adjacent pair] in search.py), also from a planned length that does not
+    fit."""
+    budget, counts = int(79.2 * GiB), []
+    for seed in range(30):
+        tensors, reserve = _jittered(seed)
+        got, calls, step = _search_on_card(monkeypatch, tensors, reserve, budget, hint)
+        n = got // G
+        assert n >= 1 and step(n) <= budget and step(n + 1) > budget, (seed, calls)
+        assert len(calls) == len(set(calls)) and hint not in calls
+        counts.append(len(calls))
+    # the search that checked only one granule more, and halved from no tokens after two
+    # guesses above the answer: at most 11 and 10 estimates, on average 5.3 and 4.6
+    assert max(counts) <= 9, sorted(counts)
+    assert sum(counts) / len(counts) <= (5.25 if hint < 1 << 20 else 4.2), sorted(counts)
+
+
+def test_the_search_stays_logarithmic_where_lengths_fit_at_random(monkeypatch) -> None:
+    """Over a wide stretch where each length fits or not at random (the worst a reserve could
+    do), the bisection fallback still closes the bracket in O(log) estimates."""
+    budget, rng = int(79.2 * GiB), random.Random(0)
+    coin = {n: rng.random() < 0.5 for n in range(1 << 15)}
+
+    def tensors(tokens: int) -> int:  # from 2048 to 6144 granules: fits or not at random
+        n = tokens // G
+        if n < 2048:
+            return 20 * GiB + n * GiB // 100
+        if n >= 6144:
+            return 200 * GiB
+        return budget - GiB // 2 + (0 if coin[n] else GiB)
+
+    got, calls, step = _search_on_card(monkeypatch, tensors, lambda _t: 0, budget, 131072)
+    n = got // G
+    assert step(n) <= budget and step(n + 1) > budget
+    assert len(calls) == len(set(calls))
+    assert len(calls) <= 2 * 12 + 4, calls  # 12 halvings of 4096 granules, a few guesses more

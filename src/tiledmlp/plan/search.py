@@ -45,16 +45,21 @@ def max_seq_len(
     tokens fit. `options`: estimate_step's (`whole`).
 
     The step less the allocator's reserve grows with the sequence, nearly affinely (exactly
-    between tile-count changes); the reserve does not follow it (it moves by a few hundred MiB
-    from one granule to the next). So each length estimated is where the line through the two
-    lengths estimated last, of the step less the reserve, puts the budget less the reserve of
-    the length estimated last; right after a length that fits within one granule's growth of
-    the budget by that line, the next granule; where two guesses in a row do not halve the
-    bracket, the next one does. `hint` (tokens) is a length already planned; `fixed_bytes`,
-    the part of its tensor-level peak that does not grow with the sequence (weights,
-    gradients, optimizer states), gives the first line without estimating a short length: the
-    whole step's, from those bytes at no tokens through the planned length (without it the
-    first line starts at one granule, estimated).
+    between tile-count changes); the reserve does not follow it (it moves by up to a GiB from
+    one granule to the next), so near the budget the step is not monotone in the length, and
+    any length that fits whose next granule does not is an answer (Note [Adjacent pair]).
+    Each length estimated is where the line through the latest length estimated and the latest
+    before it that is not its neighbour, of the step less the reserve, puts the budget less
+    the reserve of the length estimated last. Where such a length comes within the line's
+    growth over one granule of the budget, its neighbour on the budget's side (one granule
+    more where it fits, one less where it does not) is estimated next. Where two estimates in
+    a row do not halve the bracket (three while no length is known to fit; a guess that came
+    within that granule's growth not counted), the next one does, and after it one line's
+    guess only, unless that halves the bracket: the search stays logarithmic. `hint` (tokens) is a length already planned; `fixed_bytes`, the part of its
+    tensor-level peak that does not grow with the sequence (weights, gradients, optimizer
+    states), gives the first line without estimating a short length: the whole step's, from
+    those bytes at no tokens through the planned length (without it the first line starts at
+    one granule, estimated).
     Every answer is verified: it fits and one more granule does not (or it is the upper bound).
     `extra_bytes_per_token` and `extra_bytes` add memory the simulation does not see (the
     all-to-all's buffers; a measured correction, plan/measured.py);
@@ -178,9 +183,9 @@ class _Search:
         where a CPU is idle (forked.py: speculate); the answer does not depend on it (an
         estimate made early is the same estimate)."""
         tokens, ahead = n * self.granularity, then * self.granularity
-        # only inside a closed bracket: a length far beyond the current one may take far
-        # longer, and the current estimate waits for it
-        inside = self.hi <= self.limit and n < then < self.hi
+        # only inside a closed bracket, or the next granule: a length far beyond the current
+        # one may take far longer, and the current estimate waits for it
+        inside = n < then < self.hi and (self.hi <= self.limit or then == n + 1)
         if not inside or self.known(ahead) or self.known(tokens):
             return
         now, later = speculate(lambda: self.simulated(tokens), lambda: self.simulated(ahead))
@@ -224,32 +229,55 @@ class _Search:
         noise = self.peak(last) - self.smooth[last] if sure else 0
         return a + int((self.budget_bytes - noise - self.at(a, sure)) // slope), sure, slope
 
+    def slower(self, slow: int, width: int) -> int:
+        """`slow` (estimates in a row that did not halve a closed bracket) after the estimate
+        that left the bracket of `width` as it is now."""
+        return slow + 1 if self.hi <= self.limit and self.hi - self.lo > width // 2 else 0
+
     def converge(self) -> int:
         """Estimates lengths until the bracket closes; the longest that fits, in granules."""
-        slow = 0  # guesses in a row that did not halve a bracket
+        slow = 0
         while self.hi - self.lo > 1:
             width = self.hi - self.lo
-            halve = slow >= 2 and self.hi <= self.limit  # the line converges slowly: bisect
+            # the line converges slowly: bisect (later while no length is known to fit, where
+            # the middle lies far below the lines' guesses)
+            halve = slow >= (2 if self.lo >= 1 else 3) and self.hi <= self.limit
             guess, sure, slope = self.guess(halve)
             guess = min(max(guess, self.lo + 1), self.hi - 1)
             # next: one granule more where the line puts the budget here and it fits; the upper
             # half's middle where the bracket is halved
             self.prefetch(guess, guess + 1 if sure else (guess + self.hi) // 2)
-            if (
-                self.try_(guess)
-                and guess + 1 < self.hi
-                and sure
-                and self.budget_bytes - self.peak(guess) < slope
-            ):
-                self.try_(guess + 1)  # within a granule of the budget: one more should not fit
-            slow = slow + 1 if self.hi <= self.limit and self.hi - self.lo > width // 2 else 0
+            beside = guess + 1 if self.try_(guess) else guess - 1  # Note [Adjacent pair]
+            near = abs(self.budget_bytes - self.peak(guess)) < slope  # within a granule's growth
+            # after a bisection one line's guess more, unless it halves the bracket; a guess
+            # the line put at the budget is not slow (its bracket's other end may lie far)
+            slow = 1 if halve else slow if sure and near else self.slower(slow, width)
+            if sure and near and self.lo < beside < self.hi:
+                width = self.hi - self.lo
+                self.try_(beside)
+                slow = self.slower(slow, width)
         return self.lo
 
 
+# Note [Adjacent pair]: near the budget the allocator's reserve moves the step by more than one
+# granule's growth, up or down, so several lengths may fit whose next granule does not. Each is
+# verified by two estimates and is an answer alike: the search stops at the first such pair it
+# estimates rather than walking on through the reserve's moves. A length whose step is within
+# a granule's growth of the budget is the likeliest place for one, so its neighbour on the
+# budget's side is estimated at once (where it does not fit, as where it fits); and where the
+# planned length does not fit, two lines' guesses just above the answer do not send the search
+# halving down from no tokens (a third guess first).
+
+
 def _line(seen: list[int], anchor: tuple[int, float] | None) -> tuple[int, int]:
-    """The two latest granules estimated (the anchor and the one where only one is; no
-    granule is estimated twice)."""
-    if len(seen) >= 2:
-        return min(seen[-2:]), max(seen[-2:])
+    """The latest granule estimated and the latest before it that is not its neighbour (a
+    neighbour's slope is one granule's, where a tile-count change or a rounding weighs most);
+    the two latest where none is; the anchor and the one granule where only one is estimated
+    (no granule is estimated twice)."""
+    last = seen[-1]
+    apart = [n for n in seen[:-1] if abs(n - last) > 1]
+    if apart or len(seen) >= 2:
+        other = apart[-1] if apart else seen[-2]
+        return min(other, last), max(other, last)
     assert anchor is not None  # one granule estimated: the first line's other point
-    return anchor[0], seen[-1]
+    return anchor[0], last
