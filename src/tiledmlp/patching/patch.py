@@ -22,6 +22,7 @@ from typing import Any
 from torch import nn
 
 from tiledmlp.config.patch import PatchConfig
+from tiledmlp.ops.mlp.structure import forget
 from tiledmlp.patching.features import FEATURES, Found
 from tiledmlp.patching.features.tiled_modules import reset_tile_counts, tile_counts, tiled_forward
 from tiledmlp.patching.probe_cache import probes_released
@@ -149,7 +150,10 @@ def unpatch_model(model: nn.Module) -> list[str]:
     blocked = [why for feature in FEATURES for why in feature.blocked(model)]
     if blocked:
         raise RuntimeError(f"unpatch_model: {blocked[0]}")
-    return [name for feature in reversed(FEATURES) for name in feature.remove(model)]
+    restored = [name for feature in reversed(FEATURES) for name in feature.remove(model)]
+    for module in model.modules():
+        forget(module)  # what recognising the MLPs kept on them
+    return restored
 
 
 def _config(config: PatchConfig | None, options: dict[str, Any]) -> PatchConfig:

@@ -26,7 +26,7 @@ from torch import nn
 
 from tiledmlp.ops.tiling.probe import StandIns, absent
 
-__all__ = ["MLPKind", "MLPStructure", "recognise"]
+__all__ = ["MLPKind", "MLPStructure", "forget", "recognise"]
 
 logger = logging.getLogger(__name__)
 
@@ -166,6 +166,11 @@ def recognise(
         "%s: %s path", type(mlp).__name__, structure.kind.value if structure else "generic"
     )
     return structure
+
+
+def forget(module: nn.Module) -> None:
+    """Drops what recognise() kept on `module` (unpatch_model leaves no attribute behind)."""
+    module.__dict__.pop(_REMEMBERED, None)
 
 
 def _signature(mlp: nn.Module) -> tuple[tuple[int, ...], bool, bool]:
