@@ -26,9 +26,9 @@ print("not reached")
 
 @pytest.mark.parametrize("launched", [True, False])
 def test_leave_keeps_what_a_normal_exit_does(launched: bool) -> None:
-    env = {k: v for k, v in os.environ.items() if k != "WORLD_SIZE"}
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
     if launched:
-        env["WORLD_SIZE"] = "2"
+        env.update(RANK="0", WORLD_SIZE="2")
     res = subprocess.run(
         [sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=60
     )
@@ -39,7 +39,7 @@ def test_leave_keeps_what_a_normal_exit_does(launched: bool) -> None:
 
 
 def test_the_command_under_a_launcher_prints_and_exits_with_its_status() -> None:
-    env = {**os.environ, "WORLD_SIZE": "1"}
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1"}
     ok = subprocess.run([sys.executable, "-m", "tiledmlp", "--version"], capture_output=True,
                         text=True, env=env, timeout=120)  # fmt: skip
     assert ok.returncode == 0 and ok.stdout.startswith("tiledmlp "), ok.stderr

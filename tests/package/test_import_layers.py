@@ -8,6 +8,7 @@ The map (lowest first; see the README's layout section):
     config, models, process_memory     typed configuration; built-in models; process memory;
     allocator                          the CUDA allocator setting of the entry points
     extras                             the install command of an optional extra
+    launcher                           whether a distributed launcher started the process
     module, patching                   TiledMLP; finding and patching MLPs of a model
     integrations                       engines and frameworks
     plan | bench | train               siblings: they share what lies below, never each other
@@ -41,6 +42,7 @@ LAYERS = {
     "process_memory": 2,
     "allocator": 2,
     "extras": 2,
+    "launcher": 2,
     "module": 3,
     "patching": 3,
     "integrations": 4,

@@ -19,20 +19,14 @@ import sys
 import threading
 from typing import NoReturn
 
-__all__ = ["leave", "under_launcher"]
+from tiledmlp.launcher import launched
 
-# set by torchrun, the deepspeed launcher and accelerate launch for every process they start
-_LAUNCHER_ENV = "WORLD_SIZE"
-
-
-def under_launcher() -> bool:
-    """Whether a distributed launcher started this process."""
-    return _LAUNCHER_ENV in os.environ
+__all__ = ["leave"]
 
 
 def leave(status: int) -> NoReturn:
     """Exits with `status`; under a launcher, without the interpreter's finalization."""
-    if not under_launcher():
+    if not launched():
         sys.exit(status)
     current = threading.current_thread()
     for thread in threading.enumerate():

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tiledmlp.launcher import launched
 from tiledmlp.models.presets import default_learning_rate
 from tiledmlp.sequence_parallel.sizes import check_world_divisible
 from tiledmlp.train.options import TrainOptions
@@ -53,10 +54,10 @@ class Launch:
 def check_launch(opts: TrainOptions) -> Launch:
     """The launch, checked against the launcher and the device before any work; on CUDA, this
     rank's device is selected and its peak memory statistics reset."""
-    launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
-    world = int(os.environ.get("WORLD_SIZE", "1")) if launched else 1
+    under_launcher = launched()
+    world = int(os.environ.get("WORLD_SIZE", "1")) if under_launcher else 1
     engine = opts.resolved_engine(world)
-    if engine != "single" and not launched:
+    if engine != "single" and not under_launcher:
         raise ValueError(
             f"--engine {engine} needs a launcher: torchrun --nproc_per_node N -m tiledmlp train ..."
         )
