@@ -99,6 +99,38 @@ def test_auto_plans_flash_where_cudnn_fits_a_shorter_sequence() -> None:
     assert "flash" not in gqa.get("kernels_no_longer", [])  # nor was it planned
 
 
+@pytest.mark.slow
+def test_each_stacks_other_kernels_are_planned_in_its_own_job() -> None:
+    """plan_model's auto_kernel, in two processes, gives each stack what planning every stack
+    with cuDNN and then each other kernel above cuDNN's longest gives (what `auto` did in two
+    rounds): 8 query heads of 256 on 1.5 GiB, two stacks."""
+    from transformers import LlamaConfig
+
+    from tiledmlp.config.plan import StepSpec
+    from tiledmlp.plan.kernel_choice import best_entry, kernels_to_try
+    from tiledmlp.plan.model import plan_model
+
+    config = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                         num_attention_heads=8, num_key_value_heads=8, head_dim=256,
+                         vocab_size=1000)  # fmt: skip
+    step = StepSpec(seq_len=4096, checkpointing=True)
+    stacks = ("tiled_mlp", "tiled_mlp_loss_offload")
+    options = {"budget_bytes": int(1.5 * 2**30), "stacks": stacks}
+    together = plan_model(config, step, auto_kernel=True, processes=2, **options)
+    cudnn = plan_model(config, step, **options)
+    tried = 0
+    for stack in stacks:
+        longest = cudnn[stack]["max_seq_len"]
+        others = {
+            k: plan_model(config, dataclasses.replace(step, attention_kernel=k),
+                          search_above={stack: longest}, **{**options, "stacks": (stack,)})[stack]
+            for k in kernels_to_try(config, longest, step)
+        }  # fmt: skip
+        tried += len(others)
+        assert together[stack] == best_entry(cudnn[stack], others)
+    assert tried >= 4  # flash and the memory-efficient kernel hold less than cuDNN here
+
+
 def _smaller(kernel: str, tokens: int, kv_heads: int) -> bool:
     shape = AttentionShape(1, 8, kv_heads, tokens, 256)
     granule = 2 * 2**20
@@ -145,7 +177,7 @@ def test_by_heads_lifts_the_stack_whose_peak_is_an_attention_backward() -> None:
 
 
 def test_auto_takes_another_kernel_only_past_cudnns_longest() -> None:
-    from tiledmlp.cli.plan_kernels import _best
+    from tiledmlp.plan.kernel_choice import best_entry as _best
 
     cudnn = {"max_seq_len": 10240, "peak_mib": 1.0}
     flash = {"max_seq_len": 12288, "peak_mib": 2.0}

@@ -79,6 +79,7 @@ from tiledmlp.plan.device_overhead import DeviceOverhead, device_overhead
 from tiledmlp.plan.engines import ENGINES, GPUS_PER_NODE, check_engine, engine_memory
 from tiledmlp.plan.estimate import OPTIMIZERS, estimate_step, param_counts
 from tiledmlp.plan.forked import default_processes, run_jobs
+from tiledmlp.plan.kernel_choice import best_entry, kernels_to_try
 from tiledmlp.plan.search import UPPER, fits, max_seq_len
 from tiledmlp.plan.sim.segments import CATEGORIES, GROWING, StepEstimate
 from tiledmlp.sequence_parallel.attention import kv_repeat
@@ -113,6 +114,7 @@ def plan_model(
     known_peaks: dict[str, dict[int, int]] | None = None,
     processes: int | None = 1,
     search_above: dict[str, int] | None = None,
+    auto_kernel: bool = False,
 ) -> dict[str, Any]:
     """Every named stack's peak MiB and breakdown for `step`; with a budget, each stack's
     longest sequence that fits ("max_seq_len", a multiple of `granularity`). Each stack is
@@ -134,6 +136,11 @@ def plan_model(
     one granule more is estimated first, and where it does not fit the stack's entry is only
     {"max_seq_len": None, "search_above": tokens} (nothing else planned); where it fits, the
     stack is planned as always and its search starts there ("max_seq_len" above the length).
+    `auto_kernel` (with a budget, on a GPU): after each stack's plan with
+    `step.attention_kernel` (cuDNN's), in the same job, the kernels with smaller buffers at its
+    longest sequence are planned above it and the longest kept (plan/kernel_choice.py: the
+    entry then carries "attention_kernel", and "max_seq_len_by_kernel" and
+    "kernels_no_longer" where another kernel was tried).
 
     "peak_mib" is tensor-level; "device_overhead_mib" is what the process holds on the device
     beside the tensors (plan/device_overhead.py, per term in "device_overhead_breakdown_mib";
@@ -154,7 +161,8 @@ def plan_model(
     check_sequence_divisible(step.seq_len, p, seq_name="seq_len")
     check_engine(step.engine, offload_params=step.offload_params, optimizer=step.optimizer)
     patches = {stack: stack_patch(stack, step.num_tiles) for stack in stacks}
-    search = _Search(budget_bytes, granularity, _whole(step))
+    auto = auto_kernel and budget_bytes is not None and step.device_type == "cuda"
+    search = _Search(budget_bytes, granularity, _whole(step), auto_kernel=auto)
     above = {} if search_above is None or budget_bytes is None else search_above
     jobs = [
         (config, stack, patches[stack], i, len(stacks), dataclasses.replace(step, world=p),
@@ -190,12 +198,13 @@ class _Search:
     """How plan_model searches a stack's longest sequence: within `budget_bytes` (None: no
     search), in multiples of `granularity` tokens, with estimate_step's `whole`; only above
     `above` whole-sequence tokens where given (plan_model's `search_above`; only with a
-    budget)."""
+    budget); then with the other kernels auto may take where `auto_kernel` (plan_model's)."""
 
     budget_bytes: int | None
     granularity: int
     whole: bool
     above: int | None = None
+    auto_kernel: bool = False
 
 
 def _stack_job(
@@ -216,7 +225,32 @@ def _stack_job(
     else:
         logger.info("%s (%d of %d): above %s tokens", stack, i, n, f"{search.above:,}")
     entry = _plan_stack(config, stack, patch, step, search, known)
+    if search.auto_kernel:
+        entry = _with_other_kernels(config, stack, patch, step, search, entry)
     return entry, known
+
+
+def _with_other_kernels(
+    config: Any,
+    stack: str,
+    patch: PatchConfig | None,
+    step: StepSpec,
+    search: _Search,
+    entry: dict[str, Any],
+) -> dict[str, Any]:
+    """`entry` (the stack planned with cuDNN's buffers) or, where another kernel fits a longer
+    sequence, that kernel's entry (plan/kernel_choice.py); each kernel tried is planned above
+    cuDNN's longest, with its own estimates."""
+    longest = entry.get("max_seq_len")
+    others: dict[str, dict[str, Any]] = {}
+    for kernel in kernels_to_try(config, longest, step):
+        logger.info("%s: with the %s attention kernel, above %s tokens", stack, kernel,
+                    f"{longest:,}")  # fmt: skip
+        other = dataclasses.replace(step, attention_kernel=kernel)
+        others[kernel] = _plan_stack(
+            config, stack, patch, other, dataclasses.replace(search, above=longest), {}
+        )
+    return best_entry(entry, others)
 
 
 def _plan_stack(
