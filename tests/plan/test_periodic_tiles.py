@@ -168,3 +168,58 @@ def test_a_tile_is_skipped_only_after_a_steady_tile_of_its_size() -> None:
             ran = _loop(plan, leak=True)  # every tile leaves memory behind: never a period
         assert len(ran) == 10 and not periodic.cut
     assert list(plan.bounds()) == [(10 * i, 10 * i + 10) for i in range(10)]  # restored
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "groups"), [(16, 4, 16), (8, 8, 8), (8, 8, 2)])
+def test_attention_by_heads_runs_its_repeated_units_once(
+    heads: int, kv_heads: int, groups: int
+) -> None:
+    """The attention core by heads walks its backward's groups by unit (one key/value head's
+    groups, or one group) as a tile loop: on fake tensors the cut op gives the whole op's peak
+    and trace (rebuilt) and calls the kernel's backward fewer times (the forward, whose groups
+    each keep their state, runs whole)."""
+    from tiledmlp.ops.attention.heads import causal_attention_by_heads
+    from tiledmlp.ops.attention.kernels import FLASH_CPU
+
+    calls: list[str] = []
+
+    def step() -> None:
+        q = torch.empty(1, heads, 256, 16, dtype=torch.bfloat16, requires_grad=True)
+        k = torch.empty(1, kv_heads, 256, 16, dtype=torch.bfloat16, requires_grad=True)
+        v = torch.empty_like(k, requires_grad=True)
+        out = causal_attention_by_heads(q, k, v, 0.25, groups, FLASH_CPU)
+        out.backward(torch.empty_like(out))
+
+    real_forward, real_backward = FLASH_CPU.forward, FLASH_CPU.backward
+
+    def counted(name: str, fn: Any) -> Any:
+        def call(*args: Any) -> Any:
+            calls.append(name)
+            return fn(*args)
+
+        return call
+
+    with FakeTensorMode():
+        FLASH_CPU.forward = counted("forward", real_forward)  # type: ignore[method-assign]
+        FLASH_CPU.backward = counted("backward", real_backward)  # type: ignore[method-assign]
+        try:
+            tracker = PhaseTracker([])
+            with tracker, PeriodicTiles(tracker) as periodic:
+                step()
+            cut_calls, calls[:] = list(calls), []
+            whole = PhaseTracker([])
+            with whole:
+                step()
+        finally:
+            del FLASH_CPU.forward, FLASH_CPU.backward
+    assert calls == ["forward"] * groups + ["backward"] * groups
+    assert cut_calls.count("forward") == groups
+    if min(groups, kv_heads) > 2:  # units after the second repeat it
+        assert periodic.cut and cut_calls.count("backward") < groups
+    else:
+        assert cut_calls == calls
+    assert tracker.peak == whole.peak
+    assert _canonical(whole_trace(tracker.trace, periodic.repeats)) == _canonical(whole.trace)
+    for expandable in (False, True):
+        replayed = replayed_reserve([300], tracker.trace, periodic.repeats, expandable=expandable)
+        assert replayed == reserve_beyond_peak([300], whole.trace, expandable=expandable)

@@ -20,7 +20,11 @@ number of groups: the fewest whose kernel buffers stay a small share of the atte
 tensors, within the launch rule (See Note [Head groups]). Per group the op adds no copy of k or
 v (each call gets views: a head slice, and for the memory-efficient kernel a stride-0 expand),
 one copy of the group's output into the whole output, and one of dq, dk and dv each into the
-whole gradients.
+whole gradients. The backward walks the groups by unit (one key/value head's groups, or one
+group where it holds whole key/value heads) as a tile loop (TilePlan.bounds): every unit runs
+the same code on the same shapes and leaves the live bytes as it found them, so the planner's
+fake tensors run the repeated units once (plan/sim/periodic_tiles.py). The forward keeps each
+group's state for the backward (the live bytes grow from one group to the next): a plain loop.
 
 Invariant: the output and the gradients of q, k and v equal those of
 scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True) up to the
@@ -31,6 +35,7 @@ else: masks, dropout, unequal query and key lengths, devices without a fused ker
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -40,6 +45,7 @@ from tiledmlp.ops.attention.kernels import (
     KernelState,
     default_kernel,
 )
+from tiledmlp.ops.tiling.tiles import TilePlan
 
 __all__ = [
     "BUFFER_FLOOR",
@@ -267,35 +273,55 @@ class CausalAttentionByHeads(torch.autograd.Function):
         kernel: FusedKernel = ctx.kernel
         dout = dout.contiguous()
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        slices = _slices(q.shape[1], k.shape[1], ctx.groups)
+        units = _units(q.shape[1], k.shape[1], ctx.groups)
         wide = k.dtype in (torch.float32, torch.float64)
-        acc: list[torch.Tensor] = []  # dk, dv of the key/value head being summed
-        at = 0
-        for i, (hq, hkv) in enumerate(slices):
-            state = KernelState(tuple(flat[at : at + ctx.counts[i]]), ctx.rest[i])
-            at += ctx.counts[i]
-            gq, gk, gv = kernel.backward(
-                dout[:, :, hq].transpose(1, 2), q[:, hq], k[:, hkv], v[:, hkv],
-                out[:, :, hq].transpose(1, 2), state, ctx.scale,
-            )  # fmt: skip
-            dq[:, hq].copy_(gq)
-            del gq
-            first = i == 0 or slices[i - 1][1] != hkv
-            last = i == len(slices) - 1 or slices[i + 1][1] != hkv
-            if first and last:  # the group has its key/value heads to itself
-                dk[:, hkv].copy_(gk)
-                dv[:, hkv].copy_(gv)
-            elif first:
-                acc = [gk, gv] if wide or gk.dtype == torch.float32 else [gk.float(), gv.float()]
-            else:
-                acc[0].add_(gk)
-                acc[1].add_(gv)
-                if last:
-                    dk[:, hkv].copy_(acc[0])
-                    dv[:, hkv].copy_(acc[1])
-                    acc = []
-            del gk, gv
+        at = [0]  # each group's first saved state tensor
+        for count in ctx.counts:
+            at.append(at[-1] + count)
+        for start, _ in _unit_tiles(units):
+            unit = units[start]
+            acc: list[torch.Tensor] = []  # dk, dv of the unit's key/value head, summed
+            for j, (hq, hkv) in enumerate(unit):
+                i = start * len(unit) + j
+                state = KernelState(tuple(flat[at[i] : at[i + 1]]), ctx.rest[i])
+                gq, gk, gv = kernel.backward(
+                    dout[:, :, hq].transpose(1, 2), q[:, hq], k[:, hkv], v[:, hkv],
+                    out[:, :, hq].transpose(1, 2), state, ctx.scale,
+                )  # fmt: skip
+                del state
+                dq[:, hq].copy_(gq)
+                del gq
+                if len(unit) == 1:  # the group has its key/value heads to itself
+                    dk[:, hkv].copy_(gk)
+                    dv[:, hkv].copy_(gv)
+                elif j == 0:
+                    acc = (
+                        [gk, gv] if wide or gk.dtype == torch.float32 else [gk.float(), gv.float()]
+                    )
+                else:
+                    acc[0].add_(gk)
+                    acc[1].add_(gv)
+                    if j == len(unit) - 1:
+                        dk[:, hkv].copy_(acc[0])
+                        dv[:, hkv].copy_(acc[1])
+                        acc = []
+                del gk, gv
         return dq, dk, dv, None, None, None
+
+
+def _units(heads: int, kv_heads: int, groups: int) -> list[list[tuple[slice, slice]]]:
+    """The groups (_slices) by unit, all units alike: the groups inside one key/value head
+    together (more groups than key/value heads), else each group alone."""
+    slices = _slices(heads, kv_heads, groups)
+    per = max(1, groups // kv_heads)
+    return [slices[i : i + per] for i in range(0, groups, per)]
+
+
+def _unit_tiles(units: list[list[tuple[slice, slice]]]) -> Iterator[tuple[int, int]]:
+    """The units walked as a tile loop (one unit a tile: TilePlan.bounds), the way every tiled
+    op walks its tiles: the planner's fake tensors run repeated units once
+    (plan/sim/periodic_tiles.py)."""
+    return TilePlan((1,) * len(units)).bounds()
 
 
 def causal_attention_by_heads(
