@@ -130,7 +130,7 @@ def plan_model(
     step (plan/search.py). `processes`: how many processes the stacks are planned in
     (plan/forked.py: forked, one stack each at a time; the answer is the same); None: one per
     available CPU where that is safe. `step.attention_kernel`: the kernel whose backward
-    buffers a GPU's attention calls get (the CLI's "auto" plans each kernel:
+    buffers a GPU's attention calls get (the CLI's "auto": `auto_kernel` below,
     cli/plan_kernels.py). `search_above` ({stack: whole-sequence tokens}, with a budget): the
     stacks named there are searched only above that length, a multiple of P x `granularity`:
     one granule more is estimated first, and where it does not fit the stack's entry is only
