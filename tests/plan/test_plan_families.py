@@ -1,6 +1,6 @@
 """The whole-model planner on the decoder families beyond Llama's shape (Gemma 3's four norms
-and sliding-window layers, Qwen3.5's hybrid of linear- and full-attention layers, Qwen3-MoE's
-routed experts): its
+and sliding-window layers, Mistral's window on every layer, Qwen3.5's hybrid of linear- and
+full-attention layers, Qwen3-MoE's routed experts): its
 fake-tensor estimate of one training step against the tensor-level peak of the same step on
 real tensors, for every stack, with the tolerance the Llama comparison uses."""
 
@@ -45,8 +45,11 @@ FAMILIES: dict[str, dict[str, Any]] = {
     # 4 experts of which each token takes 2 (the routing does not change the step's memory:
     # transformers' experts run every token's top-k pairs in one grouped matmul)
     "qwen3_moe": {"moe_intermediate_size": 64, "num_experts": 4, "num_experts_per_tok": 2},
+    # no layer_types: every layer takes the window (transformers' sliding-window mask for the
+    # whole model, as for Mixtral, Phi-3, Starcoder2), shorter than the sequence
+    "mistral": {"sliding_window": 256},
 }
-SEQ = {"gemma3_text": 1024, "qwen3_5_text": 512, "qwen3_moe": 1024}
+SEQ = {"gemma3_text": 1024, "qwen3_5_text": 512, "qwen3_moe": 1024, "mistral": 1024}
 # As the Llama comparison's (tests/plan/test_plan_model.py): measured here -0.02% to -0.75%.
 # The linear-attention layer's estimate runs high, growing with the length (+0.7% at 256
 # tokens, +1.0% at 512, +1.3% at 1024, untiled): the same operators and sizes on fake and
@@ -55,7 +58,7 @@ SEQ = {"gemma3_text": 1024, "qwen3_5_text": 512, "qwen3_moe": 1024}
 # with tiled layers at 512 and 2048 tokens (-1.5%, -0.8% with layers); at 1024 tokens with tiled
 # layers by 0.40 MiB (-3.1%), the same for every seed tried (0-3), so not the routing: not yet
 # traced; the bound holds it there.
-TOLERANCE = {"gemma3_text": 0.01, "qwen3_5_text": 0.015, "qwen3_moe": 0.035}
+TOLERANCE = {"gemma3_text": 0.01, "qwen3_5_text": 0.015, "qwen3_moe": 0.035, "mistral": 0.01}
 TILES = 4
 
 
@@ -114,7 +117,7 @@ def _real_peaks(model_type: str) -> dict[str, int]:
 @pytest.mark.parametrize(
     "model_type",
     # the reference gated delta rule's real step takes ~5-10 s on the CPU
-    ["gemma3_text", "qwen3_moe", pytest.param("qwen3_5_text", marks=pytest.mark.slow)],
+    ["gemma3_text", "qwen3_moe", "mistral", pytest.param("qwen3_5_text", marks=pytest.mark.slow)],
 )
 def test_estimate_matches_the_real_tensor_level_peak(model_type: str, stack: str) -> None:
     # the real step runs in a fresh process (_real_peaks): what earlier tests left in this one
@@ -154,3 +157,29 @@ def test_cli_plans_every_stack_of_a_saved_config(model_type: str, tmp_path: Path
     assert all(entry["peak_mib"] > 0 for entry in out["model"].values())
     # one layer's figures are planned for dense MLPs; the experts' layer has none
     assert (out["layer_regular_mib"] is None) == (model_type == "qwen3_moe")
+
+
+@pytest.mark.parametrize(
+    ("model_type", "fields", "expected"),
+    [
+        ("mistral", {"sliding_window": 256}, (256, [True, True])),
+        ("mistral", {"sliding_window": None}, None),
+        ("gemma3_text", FAMILIES["gemma3_text"], (256, [True, False])),
+        ("qwen2", {"sliding_window": 256, "use_sliding_window": False}, None),
+        ("qwen2", {"sliding_window": 256, "use_sliding_window": True, "max_window_layers": 1},
+         (256, [False, True])),
+    ],
+)  # fmt: skip
+def test_the_sliding_window_is_read_as_transformers_builds_its_masks(
+    model_type: str, fields: dict[str, Any], expected: Any
+) -> None:
+    """Per layer by `layer_types` where the config has them, else every layer where
+    `sliding_window` is set; none where the config turns it off."""
+    import transformers as tr
+
+    from tiledmlp.plan.sim.fake_step import _sliding_window
+
+    config = tr.AutoConfig.for_model(model_type, **{**SMALL, **fields})
+    with torch.device("meta"):
+        model = tr.AutoModelForCausalLM.from_config(config)
+    assert _sliding_window(model) == expected

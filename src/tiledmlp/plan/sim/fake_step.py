@@ -399,20 +399,31 @@ def _categorise(
     )
 
 
-def _sliding_window(model: Any) -> int | None:
-    """The window of the model's sliding-window layers, None where it has none."""
+def _sliding_window(model: Any) -> tuple[int, list[bool]] | None:
+    """The window of the model's sliding-window layers and, per decoder layer, whether it
+    takes it; None where it has none. As transformers builds the masks: per layer by the
+    config's `layer_types` where it has them (Gemma 2 and 3, GPT-OSS, ...), else every layer
+    where `sliding_window` is set (Mistral, Mixtral, Phi-3, Starcoder2, Qwen3-MoE, ...:
+    create_sliding_window_causal_mask for the whole model)."""
     cfg = model.config.get_text_config()
-    types, size = getattr(cfg, "layer_types", None), getattr(cfg, "sliding_window", None)
-    if not isinstance(types, list) or not isinstance(size, int):
+    size = getattr(cfg, "sliding_window", None)
+    if not isinstance(size, int) or getattr(cfg, "use_sliding_window", None) is False:
         return None
-    return size if "sliding_attention" in types else None
+    types = getattr(cfg, "layer_types", None)
+    layers = len(decoder_layers_of(model))
+    if isinstance(types, list):
+        takes = [kind == "sliding_attention" for kind in types[:layers]]
+    else:
+        takes = [True] * layers
+    return (size, takes) if any(takes) else None
 
 
 def _refuse_window_under_sp(model: Any, whole: int) -> None:
     """Sequence parallelism gives sliding-window layers a mask of the whole sequence built in
     its attention (sequence_parallel/masks.py), which the simulation does not model: refused
     where the window is shorter than the whole sequence of `whole` tokens."""
-    size = _sliding_window(model)
+    window = _sliding_window(model)
+    size = None if window is None else window[0]
     if size is not None and size < whole:
         raise ValueError(
             f"{type(model).__name__}: its sliding-window layers (window {size:,}) cannot be "
@@ -427,9 +438,8 @@ def _window_masks(model: Any, seq_len: int, window: dict[str, torch.Tensor]) -> 
     shorter than the window (transformers' masking utilities: causal attention alone cannot
     express it), after the embeddings and before the first layer; the layers' checkpoints or
     saved tensors keep it through the backward, the recomputed layers get it again."""
-    cfg = model.config.get_text_config()
-    types, size = getattr(cfg, "layer_types", None), getattr(cfg, "sliding_window", None)
-    if not isinstance(types, list) or not isinstance(size, int) or seq_len < size:
+    found = _sliding_window(model)
+    if found is None or seq_len < found[0]:
         return []
     layers = decoder_layers_of(model)
 
@@ -444,8 +454,8 @@ def _window_masks(model: Any, seq_len: int, window: dict[str, torch.Tensor]) -> 
     hooks = [layers[0].register_forward_pre_hook(build, prepend=True)]
     hooks += [
         layer.register_forward_pre_hook(give, with_kwargs=True)
-        for layer, kind in zip(layers, types)
-        if kind == "sliding_attention"
+        for layer, takes in zip(layers, found[1])
+        if takes
     ]
     return hooks
 
