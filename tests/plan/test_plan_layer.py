@@ -139,11 +139,18 @@ def test_load_config_sources(tmp_path: Path) -> None:
     (tmp_path / "bad.json").write_text("{not json")
     (tmp_path / "untyped.json").write_text('{"hidden_size": 64}')
     (tmp_path / "unknown.json").write_text('{"model_type": "no-such-family"}')
+    # a padding token past the vocabulary (torch's embedding refuses it deep in the build); -1,
+    # as LLaMA-1's config has, counts from the end and is taken
+    padded = {"model_type": "llama", "vocab_size": 512, "hidden_size": 64}
+    (tmp_path / "pad.json").write_text(json.dumps({**padded, "pad_token_id": 32000}))
+    (tmp_path / "pad_end.json").write_text(json.dumps({**padded, "pad_token_id": -1}))
+    assert load_config(str(tmp_path / "pad_end.json")).pad_token_id == -1
     for path, message in (
         (tmp_path / "missing", "neither a preset"),
         (tmp_path / "bad.json", "JSON"),
         (tmp_path / "untyped.json", "model_type"),
         (tmp_path / "unknown.json", "not known"),
+        (tmp_path / "pad.json", "pad_token_id 32000 is not a token of the vocabulary"),
     ):
         with pytest.raises(ValueError, match=message):
             load_config(str(path))

@@ -109,3 +109,21 @@ def test_a_model_trained_at_another_length_is_noted(tmp_path: Path) -> None:
     )
     assert "trained on 1024-token sequences" in (seq_len_note(str(checkpoint), 2048) or "")
     assert seq_len_note("tiny", 2048) is None  # a preset is trained from scratch
+
+
+def test_a_config_whose_padding_token_lies_past_its_vocabulary_is_refused_in_one_line(
+    tmp_path: Path,
+) -> None:
+    """torch's embedding would assert deep inside the build; the run says which field."""
+    import torch
+
+    config = tmp_path / "config.json"
+    fields = {"model_type": "llama", "vocab_size": 512, "hidden_size": 64,
+              "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 2}  # fmt: skip
+    config.write_text(json.dumps({**fields, "pad_token_id": 32000}))
+    with pytest.raises(ValueError) as info:
+        model_source.load_model(str(config), "float32", 64, 0, torch.device("cpu"))
+    assert str(info.value) == (
+        f"--model {config}: pad_token_id 32000 is not a token of the vocabulary (vocab_size "
+        "512); set pad_token_id below vocab_size, or null"
+    )

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["build_causal_lm", "config_from_dir", "has_weights", "llama_config"]
+__all__ = ["build_causal_lm", "buildable", "config_from_dir", "has_weights", "llama_config"]
 
 # What transformers' from_pretrained loads weights from (a folder with none of these holds a
 # configuration only).
@@ -30,6 +30,20 @@ def llama_config(**fields: Any) -> Any:
     import transformers
 
     return transformers.LlamaConfig(**{**fields, "use_cache": False})
+
+
+def buildable(config: Any) -> str | None:
+    """Why a model of `config` cannot be built, in one line, or None: a field the model's layers
+    would refuse deep inside the build (the padding token past the vocabulary: torch's
+    embedding asserts "Padding_idx must be within num_embeddings"; -1 counts from the end)."""
+    text = config.get_text_config()
+    pad, vocab = getattr(text, "pad_token_id", None), getattr(text, "vocab_size", None)
+    if isinstance(pad, int) and isinstance(vocab, int) and not -vocab <= pad < vocab:
+        return (
+            f"pad_token_id {pad} is not a token of the vocabulary (vocab_size {vocab}); set "
+            "pad_token_id below vocab_size, or null"
+        )
+    return None
 
 
 def build_causal_lm(

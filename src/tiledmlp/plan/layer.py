@@ -72,6 +72,7 @@ def load_config(name_or_path: str) -> Any:
     """
     import transformers
 
+    from tiledmlp.models.build import buildable
     from tiledmlp.models.presets import PRESETS, closest_preset
 
     if name_or_path in PRESETS:
@@ -101,9 +102,13 @@ def load_config(name_or_path: str) -> Any:
             f"{transformers.__version__}; upgrade transformers or fix the config"
         )
     try:
-        return transformers.AutoConfig.for_model(model_type, **fields)
+        config = transformers.AutoConfig.for_model(model_type, **fields)
     except (ValueError, TypeError, KeyError) as e:
         raise ValueError(f"{file}: cannot build a {model_type!r} config: {e}") from None
+    why = buildable(config)
+    if why is not None:
+        raise ValueError(f"{file}: {why}")
+    return config
 
 
 def mlp_shape(config: Any) -> tuple[int, int]:

@@ -277,12 +277,15 @@ def _from_config_file(path: Path, seed: int, build_on: torch.device | None) -> t
     tokenizer of its folder (the byte tokenizer where it has none and the vocabulary holds it)."""
     import transformers
 
-    from tiledmlp.models.build import build_causal_lm
+    from tiledmlp.models.build import build_causal_lm, buildable
 
     try:
         config = transformers.AutoConfig.from_pretrained(str(path))
     except Exception as e:  # an unknown model_type, a bad field
         raise ValueError(f"--model {path}: not a usable configuration ({_first_line(e)})") from None
+    why = buildable(config)
+    if why is not None:
+        raise ValueError(f"--model {path}: {why}")
     try:
         tokenizer = transformers.AutoTokenizer.from_pretrained(str(path.parent))
     except Exception:  # no tokenizer files next to it
