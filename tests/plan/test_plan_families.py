@@ -48,8 +48,18 @@ FAMILIES: dict[str, dict[str, Any]] = {
     # no layer_types: every layer takes the window (transformers' sliding-window mask for the
     # whole model, as for Mixtral, Phi-3, Starcoder2), shorter than the sequence
     "mistral": {"sliding_window": 256},
+    # chunked-attention layers (a (seq, seq) mask once the sequence reaches the chunk) beside a
+    # full one; its routed feed-forward (a shared expert beside stacked ones) is planned untiled
+    # only (test_llama4_is_planned_untiled_and_its_tiled_stacks_refused_in_one_line)
+    "llama4_text": {
+        "attention_chunk_size": 256,
+        "num_local_experts": 2,
+        "interleave_moe_layer_step": 1,
+        "intermediate_size_mlp": 512,
+    },
 }
-SEQ = {"gemma3_text": 1024, "qwen3_5_text": 512, "qwen3_moe": 1024, "mistral": 1024}
+SEQ = {"gemma3_text": 1024, "qwen3_5_text": 512, "qwen3_moe": 1024, "mistral": 1024,
+       "llama4_text": 1024}  # fmt: skip
 # As the Llama comparison's (tests/plan/test_plan_model.py): measured here -0.02% to -0.75%.
 # The linear-attention layer's estimate runs high, growing with the length (+0.7% at 256
 # tokens, +1.0% at 512, +1.3% at 1024, untiled): the same operators and sizes on fake and
@@ -58,7 +68,8 @@ SEQ = {"gemma3_text": 1024, "qwen3_5_text": 512, "qwen3_moe": 1024, "mistral": 1
 # with tiled layers at 512 and 2048 tokens (-1.5%, -0.8% with layers); at 1024 tokens with tiled
 # layers by 0.40 MiB (-3.1%), the same for every seed tried (0-3), so not the routing: not yet
 # traced; the bound holds it there.
-TOLERANCE = {"gemma3_text": 0.01, "qwen3_5_text": 0.015, "qwen3_moe": 0.035, "mistral": 0.01}
+TOLERANCE = {"gemma3_text": 0.01, "qwen3_5_text": 0.015, "qwen3_moe": 0.035, "mistral": 0.01,
+             "llama4_text": 0.01}  # fmt: skip
 TILES = 4
 
 
@@ -97,15 +108,16 @@ def _real_peak(model_type: str, stack: str) -> int:
 
 
 @functools.cache
-def _real_peaks(model_type: str) -> dict[str, int]:
-    """_real_peak of every stack, measured in one fresh process per family."""
+def _real_peaks(model_type: str, stacks: str = ",".join(STACKS)) -> dict[str, int]:
+    """_real_peak of every stack (or of `stacks`, comma-separated), measured in one fresh
+    process per family."""
     code = (
-        "import json, sys; sys.path[:0] = sys.argv[2:]; import test_plan_families as t; "
-        "print(json.dumps({s: t._real_peak(sys.argv[1], s) for s in t.STACKS}))"
+        "import json, sys; sys.path[:0] = sys.argv[3:]; import test_plan_families as t; "
+        "print(json.dumps({s: t._real_peak(sys.argv[1], s) for s in sys.argv[2].split(',')}))"
     )
     here = Path(__file__).resolve().parent
     res = subprocess.run(
-        [sys.executable, "-c", code, model_type, str(here), str(here.parent)],
+        [sys.executable, "-c", code, model_type, stacks, str(here), str(here.parent)],
         capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     assert res.returncode == 0, res.stderr[-3000:]
@@ -159,6 +171,21 @@ def test_cli_plans_every_stack_of_a_saved_config(model_type: str, tmp_path: Path
     assert (out["layer_regular_mib"] is None) == (model_type == "qwen3_moe")
 
 
+def test_llama4_is_planned_untiled_and_its_tiled_stacks_refused_in_one_line() -> None:
+    """Llama 4's text model (chunked-attention layers): the untiled step within 1% of the real
+    CPU peak; the stacks that tile its routed feed-forward refuse it in one line."""
+    step = StepSpec(
+        seq_len=SEQ["llama4_text"], dtype=torch.float32, checkpointing=True, optimizer="adamw",
+        device_type="cpu",
+    )  # fmt: skip
+    config = _config("llama4_text")
+    est = estimate_step(config, step, None)
+    real = _real_peaks("llama4_text", "untiled")["untiled"]
+    assert abs(est.peak - real) / real <= TOLERANCE["llama4_text"], (est.peak / MiB, real / MiB)
+    with pytest.raises(ValueError, match=r"no MLP at \.mlp to plan"):
+        estimate_step(config, step, stack_patch("tiled_mlp", TILES))
+
+
 @pytest.mark.parametrize(
     ("model_type", "fields", "expected"),
     [
@@ -166,6 +193,9 @@ def test_cli_plans_every_stack_of_a_saved_config(model_type: str, tmp_path: Path
         ("mistral", {"sliding_window": None}, None),
         ("gemma3_text", FAMILIES["gemma3_text"], (256, [True, False])),
         ("qwen2", {"sliding_window": 256, "use_sliding_window": False}, None),
+        ("llama4_text", {"attention_chunk_size": 256, "layer_types": ["chunked_attention",
+                                                                     "full_attention"]},
+         (256, [True, False])),
         ("qwen2", {"sliding_window": 256, "use_sliding_window": True, "max_window_layers": 1},
          (256, [False, True])),
     ],

@@ -66,12 +66,24 @@ def _called(patch: PatchConfig) -> str:
     return "this patch configuration" if name is None else f"the {name} stack"
 
 
+def decoder_of(model: Any) -> nn.Module:
+    """The decoder of a causal LM (the module holding its .layers): at .<base_model_prefix>,
+    else at .model (a text model whose prefix names its multimodal parent's part, as Llama
+    4's)."""
+    for name in dict.fromkeys((model.base_model_prefix, "model")):
+        decoder = getattr(model, name, None)
+        if isinstance(decoder, nn.Module) and isinstance(
+            getattr(decoder, "layers", None), nn.ModuleList
+        ):
+            return decoder
+    raise ValueError(
+        f"{type(model).__name__}: no decoder layers at .{model.base_model_prefix}.layers; "
+        "this model cannot be planned as a whole yet"
+    )
+
+
 def decoder_layers_of(model: Any) -> nn.ModuleList:
-    decoder = getattr(model, model.base_model_prefix)
-    layers = getattr(decoder, "layers", None)
-    if not isinstance(layers, nn.ModuleList):
-        raise ValueError(
-            f"{type(model).__name__}: no decoder layers at .{model.base_model_prefix}.layers; "
-            "this model cannot be planned as a whole yet"
-        )
+    """The decoder layers of a causal LM (decoder_of's .layers)."""
+    layers = decoder_of(model).layers
+    assert isinstance(layers, nn.ModuleList)  # decoder_of checked it
     return layers

@@ -24,7 +24,7 @@ from tiledmlp.config.plan import StepSpec
 from tiledmlp.config.values import parse_attention_kernel
 from tiledmlp.ops.tiling.assumed import assume_device
 from tiledmlp.patching.features.activation_offloading import enable_checkpointing, offloader_of
-from tiledmlp.plan.apply_stack import apply_stack, build_model, decoder_layers_of
+from tiledmlp.plan.apply_stack import apply_stack, build_model, decoder_layers_of, decoder_of
 from tiledmlp.plan.device_overhead import CUBLAS_WORKSPACES, device_overhead
 from tiledmlp.plan.forked import beside
 from tiledmlp.plan.sim.caching_allocator import HOLD, reserve_beyond_peak
@@ -344,7 +344,7 @@ def _step(
     loss, or the tiled loss patched on it), each phase named on the tracker; the last segment
     closed."""
     seq_len = ids.shape[1]
-    decoder = getattr(model, model.base_model_prefix)
+    decoder = decoder_of(model)
     # A prepared 4-D mask (one stored byte) stops the model from building a (seq, seq) one
     # it cannot prove unnecessary on fake tensors; the layers then get none (_without_mask).
     causal = torch.ones((), dtype=torch.bool).expand(1, 1, seq_len, seq_len)
@@ -400,21 +400,25 @@ def _categorise(
 
 
 def _sliding_window(model: Any) -> tuple[int, list[bool]] | None:
-    """The window of the model's sliding-window layers and, per decoder layer, whether it
-    takes it; None where it has none. As transformers builds the masks: per layer by the
-    config's `layer_types` where it has them (Gemma 2 and 3, GPT-OSS, ...), else every layer
-    where `sliding_window` is set (Mistral, Mixtral, Phi-3, Starcoder2, Qwen3-MoE, ...:
-    create_sliding_window_causal_mask for the whole model)."""
+    """The window of the model's sliding-window (or chunked) layers and, per decoder layer,
+    whether it takes it; None where it has none. As transformers builds the masks: per layer by
+    the config's `layer_types` where it has them ("sliding_attention": Gemma 2 and 3, GPT-OSS,
+    ...; "chunked_attention" with `attention_chunk_size`: Llama 4), else every layer where
+    `sliding_window` is set (Mistral, Mixtral, Phi-3, Starcoder2, Qwen3-MoE, ...:
+    create_sliding_window_causal_mask for the whole model). Either mask is (seq, seq) once the
+    sequence reaches the window."""
     cfg = model.config.get_text_config()
-    size = getattr(cfg, "sliding_window", None)
-    if not isinstance(size, int) or getattr(cfg, "use_sliding_window", None) is False:
-        return None
     types = getattr(cfg, "layer_types", None)
+    size = getattr(cfg, "sliding_window", None)
+    if getattr(cfg, "use_sliding_window", None) is False:
+        size = None
+    kind = "sliding_attention"
+    if isinstance(types, list) and "chunked_attention" in types:
+        size, kind = getattr(cfg, "attention_chunk_size", None), "chunked_attention"
+    if not isinstance(size, int):
+        return None
     layers = len(decoder_layers_of(model))
-    if isinstance(types, list):
-        takes = [kind == "sliding_attention" for kind in types[:layers]]
-    else:
-        takes = [True] * layers
+    takes = [t == kind for t in types[:layers]] if isinstance(types, list) else [True] * layers
     return (size, takes) if any(takes) else None
 
 
