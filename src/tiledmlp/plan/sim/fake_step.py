@@ -357,10 +357,12 @@ def _step(
     finally:
         for h in hooks:
             h.remove()
+        # the model's forward has returned: its mask lives on only where the layers' saved
+        # tensors or checkpoints keep it, as the real model's local does
+        window.clear()
     tracker.phase = "backward"
     loss.backward()
     del loss
-    window.clear()
     if opt is not None:
         tracker.phase = "optimizer"
         opt.step()
