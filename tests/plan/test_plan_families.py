@@ -135,7 +135,7 @@ def _real_peaks(
 @pytest.mark.parametrize(
     "model_type",
     # the reference gated delta rule's real step takes ~5-10 s on the CPU
-    ["gemma3_text", "qwen3_moe", "mistral", pytest.param("qwen3_5_text", marks=pytest.mark.slow)],
+    ["gemma3_text", "qwen3_moe", pytest.param("qwen3_5_text", marks=pytest.mark.slow)],
 )
 def test_estimate_matches_the_real_tensor_level_peak(model_type: str, stack: str) -> None:
     # the real step runs in a fresh process (_real_peaks): what earlier tests left in this one
@@ -177,18 +177,22 @@ def test_cli_plans_every_stack_of_a_saved_config(model_type: str, tmp_path: Path
     assert (out["layer_regular_mib"] is None) == (model_type == "qwen3_moe")
 
 
-@pytest.mark.parametrize("model_type", ["mistral", "gemma3_text"])
-def test_the_window_mask_lives_as_long_as_the_real_step_keeps_it(model_type: str) -> None:
-    """Without checkpointing nothing keeps the sliding-window mask past the forward (the
-    model's local), and the estimate does not either: the real CPU peak within a kilobyte
-    (measured: one byte, the simulation's prepared mask), untiled and with tiled MLPs (it
-    counted the (seq, seq) mask, 1 MiB here, through the backward)."""
-    step = StepSpec(seq_len=SEQ[model_type], dtype=torch.float32, optimizer="adamw",
-                    device_type="cpu")  # fmt: skip
-    real = _real_peaks(model_type, "untiled,tiled_mlp", checkpointing=False)
-    for stack in ("untiled", "tiled_mlp"):
-        est = estimate_step(_config(model_type), step, stack_patch(stack, TILES))
-        assert abs(est.peak - real[stack]) < 1024, (stack, est.peak / MiB, real[stack] / MiB)
+@pytest.mark.parametrize("checkpointing", [True, False])
+def test_a_window_on_every_layer_gets_the_mask_the_real_step_builds(checkpointing: bool) -> None:
+    """Mistral's window on every layer (no layer_types), shorter than the sequence: the
+    (seq, seq) mask each layer gets, kept by the checkpoints (without it planned 17.6% low
+    untiled, 24.3% with tiled layers) and, without checkpointing, by nothing once the forward
+    has returned (it counted the mask, 1 MiB here, through the backward): the real CPU peak
+    within the family's tolerance, and without checkpointing within a kilobyte (measured: one
+    byte, the simulation's prepared mask)."""
+    step = StepSpec(seq_len=SEQ["mistral"], dtype=torch.float32, checkpointing=checkpointing,
+                    optimizer="adamw", device_type="cpu")  # fmt: skip
+    stacks = ("untiled", "tiled_layer") if checkpointing else ("untiled", "tiled_mlp")
+    real = _real_peaks("mistral", ",".join(stacks), checkpointing=checkpointing)
+    for stack in stacks:
+        est = estimate_step(_config("mistral"), step, stack_patch(stack, TILES))
+        bound = TOLERANCE["mistral"] * real[stack] if checkpointing else 1024
+        assert abs(est.peak - real[stack]) < bound, (stack, est.peak / MiB, real[stack] / MiB)
 
 
 def test_llama4_is_planned_untiled_and_its_tiled_stacks_refused_in_one_line() -> None:
