@@ -21,7 +21,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from tiledmlp.ops.attention.buffers import AttentionShape, backward_buffer_bytes, usable_kernels
+from tiledmlp.ops.attention.buffers import (
+    AttentionShape,
+    backward_buffer_bytes,
+    config_heads,
+    usable_kernels,
+)
 
 if TYPE_CHECKING:  # no torch for a plan answered from the cache (cli/plan_kernels.py)
     from tiledmlp.config.plan import StepSpec
@@ -33,10 +38,7 @@ _GRANULE = 2 * 2**20  # smaller by less than one large-pool block: no longer seq
 
 def attention_shape(config: Any, tokens: int, itemsize: int) -> AttentionShape:
     """The shape of one attention call of `config`'s model on `tokens` tokens (batch 1)."""
-    text = config.get_text_config()
-    heads = int(text.num_attention_heads)
-    kv = int(getattr(text, "num_key_value_heads", None) or heads)
-    head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // heads)
+    heads, kv, head_dim = config_heads(config)
     return AttentionShape(1, heads, kv, tokens, head_dim, itemsize)
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 __all__ = [
     "KERNEL_NAMES",
@@ -29,11 +30,24 @@ __all__ = [
     "AttentionShape",
     "KernelChoice",
     "backward_buffer_bytes",
+    "config_heads",
     "forward_state_bytes",
     "kernel_for",
     "unusable",
     "usable_kernels",
 ]
+
+
+def config_heads(config: Any) -> tuple[int, int, int]:
+    """(query heads, key/value heads, head size) of a transformers config's text decoder (its
+    key/value heads are its query heads where it names none; its head size the hidden size per
+    head where it names none)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = int(text.num_attention_heads)
+    kv = int(getattr(text, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // heads)
+    return heads, kv, head_dim
+
 
 # Note [Kernel buffers]
 # ~~~~~~~~~~~~~~~~~~~~~

@@ -42,6 +42,7 @@ from tiledmlp.ops.attention.buffers import (
     AttentionShape,
     KernelChoice,
     backward_buffer_bytes,
+    config_heads,
     kernel_for,
     unusable,
     usable_kernels,
@@ -92,14 +93,6 @@ def _backend(name: str) -> Any:
         "efficient": SDPBackend.EFFICIENT_ATTENTION,
         "math": SDPBackend.MATH,
     }[name]
-
-
-def _heads(config: Any) -> tuple[int, int, int]:
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    heads = int(text.num_attention_heads)
-    kv = int(getattr(text, "num_key_value_heads", None) or heads)
-    head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // heads)
-    return heads, kv, head_dim
 
 
 def call_context(
@@ -190,7 +183,7 @@ class AttentionKernel(Feature):
                 "attention_kernel: the model has no config to read its heads from (a "
                 "transformers model is expected)"
             )
-        heads = _heads(model_config)
+        heads = config_heads(model_config)
         choice = config.attention_kernel
         # under sequence parallelism the context alone routes (module docstring); its wrapper
         # takes the model's own implementation, sdpa, not ROUTED_SDPA
