@@ -213,3 +213,32 @@ def test_a_search_above_a_length_plans_a_stack_only_where_one_granule_more_fits(
     past = plan_model(config, step, stacks=("tiled_mlp",), budget_bytes=budget,
                       search_above={"tiled_mlp": longest})["tiled_mlp"]  # fmt: skip
     assert past == {"max_seq_len": None, "search_above": longest}
+
+
+def test_a_stack_of_tiled_layers_is_not_planned_again_by_heads() -> None:
+    """Tiled decoder layers already run their attention by head groups: with the by_heads
+    kernel every estimate is the cuDNN one (two lengths, 8 query heads over 2 key/value
+    heads), so auto does not plan that stack again with it; a stack of untiled layers is."""
+    from transformers import LlamaConfig
+
+    from tiledmlp.config.plan import StepSpec
+    from tiledmlp.config.stacks import stack_patch
+    from tiledmlp.plan.estimate import estimate_step
+    from tiledmlp.plan.kernel_choice import kernels_to_try
+
+    config = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                         num_attention_heads=8, num_key_value_heads=2, head_dim=128,
+                         vocab_size=1000)  # fmt: skip
+    layers, norms = (
+        stack_patch("tiled_layer", "auto"),
+        stack_patch("tiled_mlp_loss_offload_norms", "auto"),
+    )
+    for tokens in (2048, 5120):
+        step = StepSpec(seq_len=tokens, checkpointing=True)
+        cudnn = estimate_step(config, step, layers, whole=True, full_card=True)
+        grouped = estimate_step(config, dataclasses.replace(step, attention_kernel="by_heads"),
+                                layers, whole=True, full_card=True)  # fmt: skip
+        assert grouped == cudnn and cudnn.attention > 0
+    step = StepSpec(seq_len=1 << 20)
+    assert "by_heads" in kernels_to_try(config, 1 << 20, step, norms)
+    assert "by_heads" not in kernels_to_try(config, 1 << 20, step, layers)

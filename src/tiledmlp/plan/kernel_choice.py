@@ -3,7 +3,8 @@
 A stack is first planned with cuDNN's attention buffers (SDPA's choice on Hopper, and the
 fastest). A kernel whose backward buffers at cuDNN's longest sequence are not smaller than
 cuDNN's cannot fit a longer one, so only kernels with smaller buffers there are tried
-(`kernels_to_try`). Longer is what the search itself means by longest (plan/search.py: it fits,
+(`kernels_to_try`), and not by_heads for a stack of tiled decoder layers, whose attention
+already runs by head groups (`kernels_to_try`: the same estimates as cuDNN's). Longer is what the search itself means by longest (plan/search.py: it fits,
 one more granule does not): such a kernel is first estimated one granule past cuDNN's longest,
 and only where that fits is the stack planned with it and searched from there (plan_model's
 `search_above`). `best_entry` keeps the longest; of equal ones the first tried (the faster:
@@ -29,6 +30,7 @@ from tiledmlp.ops.attention.buffers import (
 )
 
 if TYPE_CHECKING:  # no torch for a plan answered from the cache (cli/plan_kernels.py)
+    from tiledmlp.config.patch import PatchConfig
     from tiledmlp.config.plan import StepSpec
 
 __all__ = ["attention_shape", "best_entry", "kernels_to_try"]
@@ -42,11 +44,14 @@ def attention_shape(config: Any, tokens: int, itemsize: int) -> AttentionShape:
     return AttentionShape(1, heads, kv, tokens, head_dim, itemsize)
 
 
-def kernels_to_try(config: Any, longest: int | None, step: StepSpec) -> tuple[str, ...]:
+def kernels_to_try(
+    config: Any, longest: int | None, step: StepSpec, patch: PatchConfig | None = None
+) -> tuple[str, ...]:
     """The kernels other than cuDNN whose backward buffers at cuDNN's longest sequence
     `longest` (whole-sequence tokens; None or 0: none fits, nothing to try) are smaller than
     cuDNN's by more than one large-pool block, fastest first, among those `step`'s device and
-    dtype can run."""
+    dtype can run; without by_heads where `patch` tiles the decoder layers (Note [By heads
+    already])."""
     if not longest:
         return ()
     itemsize = step.dtype.itemsize
@@ -54,11 +59,25 @@ def kernels_to_try(config: Any, longest: int | None, step: StepSpec) -> tuple[st
     cudnn = backward_buffer_bytes("cudnn", shape)
     dtype = str(step.dtype).removeprefix("torch.")
     margin = _GRANULE * step.sequence_parallel_size
+    already = patch is not None and patch.tiled_layers
     return tuple(
         k
         for k in usable_kernels(shape, step.device_type, dtype)
-        if k != "cudnn" and backward_buffer_bytes(k, shape) < cudnn - margin
+        if k != "cudnn"
+        and not (k == "by_heads" and already)
+        and backward_buffer_bytes(k, shape) < cudnn - margin
     )
+
+
+# Note [By heads already]: a tiled decoder layer runs its SDPA attention by head groups
+# whatever the kernel option (patching/features/tiled_layers/blocks.py: layer_math calls the
+# attention inside by_heads()), and a layer it cannot tile is refused, or is a linear-attention
+# layer with no SDPA call (recognise.py: own_mixer). The by_heads option adds the same context
+# around the same calls (its routing of the configs that name sdpa resolves to the same
+# attention by head groups inside it), and the planner gives a by-heads call cuDNN's workspace of its own heads as
+# it gives a cuDNN call (device_overhead.py: AttentionBuffers): every estimate of such a stack
+# with by_heads is its estimate with cuDNN (tests/plan/test_attention_kernel_plan.py), so a
+# search with it cannot fit one granule more.
 
 
 def best_entry(cudnn: dict[str, Any], others: dict[str, dict[str, Any]]) -> dict[str, Any]:

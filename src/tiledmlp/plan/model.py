@@ -243,7 +243,7 @@ def _with_other_kernels(
     cuDNN's longest, with its own estimates."""
     longest = entry.get("max_seq_len")
     others: dict[str, dict[str, Any]] = {}
-    for kernel in kernels_to_try(config, longest, step):
+    for kernel in kernels_to_try(config, longest, step, patch):
         logger.info("%s: with the %s attention kernel, above %s tokens", stack, kernel,
                     f"{longest:,}")  # fmt: skip
         other = dataclasses.replace(step, attention_kernel=kernel)
