@@ -3,7 +3,7 @@ FakeTensorMode does, and a planned step is the same under either."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import torch
@@ -64,3 +64,43 @@ def test_a_planned_step_is_the_same_under_either_mode(monkeypatch: pytest.Monkey
     fast = estimate_step(config, step, patch)
     monkeypatch.setattr(fake_step, "fake_mode", FakeTensorMode)
     assert estimate_step(config, step, patch) == fast
+
+
+class _CrossChecked(PlannerFakeMode):
+    """The planner's mode, each output from a cache hit compared with FakeTensorMode's own."""
+
+    seen: ClassVar[list[str]] = []
+
+    def _get_output_tensor_from_cache_entry(self, state, entry, key, func, args):  # type: ignore[no-untyped-def]
+        fast = super()._get_output_tensor_from_cache_entry(state, entry, key, func, args)
+        want = FakeTensorMode._get_output_tensor_from_cache_entry(
+            self, state, entry, key, func, args
+        )
+        if not isinstance(want, torch.Tensor) or entry.inplace_idx is not None:
+            assert fast is want  # a constant, or an in-place op's argument: FakeTensorMode's
+            return fast
+        assert isinstance(fast, torch.Tensor) and type(fast) is type(want)
+        got_fields = (fast.shape, fast.stride(), fast.storage_offset(), fast.dtype, fast.device,
+                      fast.requires_grad, fast.is_inference(), torch._C._dispatch_keys(fast),
+                      fast.untyped_storage().nbytes(), fast.__dict__)  # fmt: skip
+        want_fields = (want.shape, want.stride(), want.storage_offset(), want.dtype, want.device,
+                       want.requires_grad, want.is_inference(), torch._C._dispatch_keys(want),
+                       want.untyped_storage().nbytes(), want.__dict__)  # fmt: skip
+        assert got_fields == want_fields, func
+        viewed = isinstance(func, torch._ops.OpOverload) and func.is_view
+        shared = fast.untyped_storage()._cdata == want.untyped_storage()._cdata
+        assert shared == viewed, func  # a view on its argument's storage, else a new one
+        self.seen.append("view" if viewed else "new")
+        return fast
+
+
+def test_an_output_from_a_cache_hit_is_fake_tensor_mode_s(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every output a planned step (tiled layers, the loss, offloading, AdamW) takes from the
+    cache is built as FakeTensorMode builds it: the same metadata, dispatch keys and
+    attributes, a view on its argument's storage."""
+    _CrossChecked.seen = []
+    monkeypatch.setattr(fake_step, "fake_mode", _CrossChecked)
+    config = load_config("tiny")
+    step = StepSpec(seq_len=2048, checkpointing=True, optimizer="adamw", device_type="cuda")
+    estimate_step(config, step, stack_patch("tiled_layer", 4), full_card=True)
+    assert _CrossChecked.seen.count("view") > 100 and _CrossChecked.seen.count("new") > 100

@@ -1,4 +1,4 @@
-"""FakeTensorMode whose dispatch-cache keys are built faster for the planner's tensors.
+"""FakeTensorMode whose dispatch-cache keys and hits are served faster for the planner's tensors.
 
 FakeTensorMode caches each op's output metadata under a key made from the op's arguments. Its key
 for a tensor argument is a TensorMetadata flattened field by field through a generic recursion
@@ -7,21 +7,37 @@ for a tensor argument is a TensorMetadata flattened field by field through a gen
 step has (this mode's fake tensors: dense, strided, without symbolic sizes, no constant) and plain
 scalars, and leaves every other argument to FakeTensorMode's own code.
 
-Invariant: a key is element for element the one FakeTensorMode builds (tests/plan/test_fast_fake.py
-compares them); with a torch whose TensorMetadata has other fields than `_FIELDS`, `fake_mode()`
-is FakeTensorMode itself.
+On a hit FakeTensorMode builds the output from the cached metadata through generic code (each
+size checked for a symbolic stub, FakeTensor's constructor checking and normalising every
+argument, each of its five memo fields set through a descriptor); that is about a fifth of a
+planned step. `PlannerFakeMode` builds the same tensor directly where the mode has no shape
+environment (no symbolic sizes) and the output is a new strided tensor or a view: the same meta
+tensor, the view on the same storage, and a FakeTensor whose attributes are those FakeTensor's
+constructor sets (copied from one it built).
+
+Invariant: a key is element for element the one FakeTensorMode builds, and an output from a hit is
+attribute for attribute the one it builds (tests/plan/test_fast_fake.py compares them); with a
+torch whose TensorMetadata has other fields than `_FIELDS`, or whose FakeTensor sets other
+attributes than `_ATTRIBUTES`, `fake_mode()` is FakeTensorMode itself.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib
+import logging
 import sys
 from typing import Any
 
 import torch
 from torch._prims_common import suggest_memory_format
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, TensorMetadata
+from torch._subclasses import fake_tensor
+from torch._subclasses.fake_tensor import (
+    FakeTensor,
+    FakeTensorMode,
+    TensorMetadata,
+    in_kernel_invocation_manager,
+)
 
 __all__ = ["PlannerFakeMode", "fake_mode"]
 
@@ -32,6 +48,15 @@ _FIELDS = (
     "is_sparse", "is_coalesced", "dense_dim", "sparse_dim",
 )  # fmt: skip
 _KNOWN = tuple(f.name for f in dataclasses.fields(TensorMetadata)) == _FIELDS
+
+# the attributes FakeTensor's constructor sets (its memo fields through descriptors, each as three)
+_MEMOS = ("nonzero_memo", "item_memo", "unique_memo", "unique_consecutive_memo", "nested_int_memo")
+_ATTRIBUTES = frozenset(
+    ("_fake_device", "fake_mode", "constant", "pytype", "dispatch_keys", "real_tensor",
+     *(f"_{memo}{end}" for memo in _MEMOS for end in ("", "_vc", "_epoch")))
+)  # fmt: skip
+# those of a tensor built from a cache entry: all None but its device and mode
+_BLANK = dict.fromkeys(_ATTRIBUTES - {"_fake_device", "fake_mode"})
 
 # arguments FakeTensorMode keys as (type, value): the ones this module keys the same way
 _PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout,
@@ -78,7 +103,34 @@ def _flatten_tensor(result: list[object], t: torch.Tensor) -> None:
 
 
 class PlannerFakeMode(FakeTensorMode):
-    """FakeTensorMode with the cache keys of the module docstring."""
+    """FakeTensorMode with the cache keys and hits of the module docstring, entered without
+    Dynamo's guard (see Note [Dispatch without Dynamo's guard])."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False
+
+    def __torch_dispatch__(  # type: ignore[override]
+        self, func: Any, types: Any, args: Any = (), kwargs: Any = None
+    ) -> object:
+        """FakeTensorMode's: the op dispatched on fake tensors (its own check that the mode is
+        not entered twice kept; no call count, which only its tests read)."""
+        if torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None:
+            raise AssertionError(f"FakeTensorMode should not be set when dispatching {func}")
+        return self.dispatch(func, types, args, kwargs or {})
+
+    def dispatch(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> object:
+        """FakeTensorMode.dispatch for an op its cache serves, without the debug log it writes
+        (inside a context that disables dispatch) where debug logging is off; its own code for
+        the rest."""
+        if (
+            func in fake_tensor._DISPATCH_META_HANDLERS
+            or func in fake_tensor._DISPATCH_HANDLE_DIRECTLY
+            or not self.cache_enabled
+            or fake_tensor.log.isEnabledFor(logging.DEBUG)
+        ):
+            return super().dispatch(func, types, args, kwargs or {})
+        return self._cached_dispatch_impl(func, types, args, kwargs or {})
 
     def _prep_args_for_hash(
         self, result: list[object], args: Any, state: Any, id_hashed_objects: list[object]
@@ -107,12 +159,81 @@ class PlannerFakeMode(FakeTensorMode):
             else:  # FakeTensorMode's own key, or its reason not to cache
                 super()._prep_args_for_hash(result, iter((arg,)), state, id_hashed_objects)
 
+    def _get_output_tensor_from_cache_entry(
+        self, state: Any, entry: Any, key: Any, func: Any, args: Any
+    ) -> FakeTensor | None:
+        """FakeTensorMode's output for a cache hit, built directly (module docstring) for a new
+        strided tensor or a view on concrete sizes; FakeTensorMode's own code for the rest (an
+        in-place op's argument, a constant, symbolic sizes, a conjugate or negative view)."""
+        meta = entry.metadata
+        if (
+            entry.inplace_idx is not None
+            or meta is None
+            or self.shape_env is not None
+            or meta.layout is not torch.strided
+            or meta.is_conj
+            or meta.is_neg
+            or meta.device.type == "meta"
+        ):
+            return super()._get_output_tensor_from_cache_entry(state, entry, key, func, args)
+        viewed = isinstance(func, torch._ops.OpOverload) and func.is_view
+        storage = args[entry.view_idx].untyped_storage() if viewed else None
+        with in_kernel_invocation_manager(self):
+            empty = torch.empty_strided(
+                meta.shape, meta.stride, dtype=meta.dtype, device="meta",
+                requires_grad=meta.requires_grad,
+            )  # fmt: skip
+            if storage is not None:  # a view: on the storage of the argument it views
+                empty.set_(storage, meta.storage_offset, meta.shape, meta.stride)
+        return _fake_tensor(self, empty, meta.device)
+
+
+# Note [Dispatch without Dynamo's guard]
+# TorchDispatchMode wraps each subclass's __torch_dispatch__ in Dynamo's disable (so that a
+# torch.compile in progress does not trace into it): a few microseconds an op, on every op of a
+# planned step, twice (the tracker's, then the fake mode's). The planner runs its fake steps
+# outside any compilation, so its modes (this one, phase_tracker.py's tracker) leave it out.
+
+
+def _fake_tensor(mode: FakeTensorMode, elem: torch.Tensor, device: torch.device) -> FakeTensor:
+    """FakeTensor(mode, elem, device) for a meta `elem`, without the constructor's checks of
+    arguments it does not get here: the same subclass, dispatch keys and attributes."""
+    device = FakeTensor._normalize_fake_device(device)
+    out = torch.Tensor._make_subclass(
+        FakeTensor, elem, elem.requires_grad, dispatch_device=True, device_for_backend_keys=device
+    )
+    if not mode._allow_unsafe_data_ptr_access:
+        torch._C._set_throw_on_mutable_data_ptr(out)
+    else:
+        torch._C._set_warn_deprecated_on_mutable_data_ptr(out)
+    attributes = out.__dict__
+    attributes.update(_BLANK)
+    attributes["_fake_device"] = device
+    attributes["fake_mode"] = mode
+    return out  # type: ignore[return-value]
+
+
+_BUILT_ALIKE: list[bool] = []  # whether FakeTensor's constructor sets _ATTRIBUTES (once)
+
+
+def _built_alike() -> bool:
+    """Whether this torch's FakeTensor constructor sets exactly the attributes _fake_tensor
+    sets, all None but the device and the mode (not in FakeTensor's debug mode)."""
+    if not _BUILT_ALIKE:
+        with FakeTensorMode() as mode:
+            t = torch.empty(2)
+        attributes = dict(t.__dict__)
+        same = set(attributes) == _ATTRIBUTES and attributes.pop("fake_mode") is mode
+        attributes.pop("_fake_device", None)
+        _BUILT_ALIKE.append(same and all(v is None for v in attributes.values()))
+    return _BUILT_ALIKE[0]
+
 
 def fake_mode() -> FakeTensorMode:
-    """The planner's fake mode: PlannerFakeMode where this torch's TensorMetadata is the one it
-    knows, else FakeTensorMode."""
+    """The planner's fake mode: PlannerFakeMode where this torch's TensorMetadata and
+    FakeTensor's attributes are the ones it knows, else FakeTensorMode."""
     _experts_on_fake_tensors()
-    return PlannerFakeMode() if _KNOWN else FakeTensorMode()
+    return PlannerFakeMode() if _KNOWN and _built_alike() else FakeTensorMode()
 
 
 def _experts_on_fake_tensors() -> None:

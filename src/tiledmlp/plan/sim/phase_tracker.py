@@ -106,6 +106,10 @@ class PhaseTracker(StorageTracker):
         self._peak, self._at_peak = self.live, self._alive()
         self._buffer_peak = self.live
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False  # the planner's fake steps run outside any compilation (fast_fake.py)
+
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = self._dispatch(func, args, kwargs)
         if self._workspace is None or func is _DEVICE:
