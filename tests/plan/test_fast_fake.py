@@ -79,28 +79,44 @@ class _CrossChecked(PlannerFakeMode):
         if not isinstance(want, torch.Tensor) or entry.inplace_idx is not None:
             assert fast is want  # a constant, or an in-place op's argument: FakeTensorMode's
             return fast
-        assert isinstance(fast, torch.Tensor) and type(fast) is type(want)
-        got_fields = (fast.shape, fast.stride(), fast.storage_offset(), fast.dtype, fast.device,
-                      fast.requires_grad, fast.is_inference(), torch._C._dispatch_keys(fast),
-                      fast.untyped_storage().nbytes(), fast.__dict__)  # fmt: skip
-        want_fields = (want.shape, want.stride(), want.storage_offset(), want.dtype, want.device,
-                       want.requires_grad, want.is_inference(), torch._C._dispatch_keys(want),
-                       want.untyped_storage().nbytes(), want.__dict__)  # fmt: skip
-        assert got_fields == want_fields, func
+        _assert_alike(fast, want, func)
         viewed = isinstance(func, torch._ops.OpOverload) and func.is_view
         shared = fast.untyped_storage()._cdata == want.untyped_storage()._cdata
         assert shared == viewed, func  # a view on its argument's storage, else a new one
         self.seen.append("view" if viewed else "new")
         return fast
 
+    def _unsafe_view(self, x, *rest):  # type: ignore[no-untyped-def]
+        fast = super()._unsafe_view(x, *rest)
+        want = FakeTensorMode.dispatch(self, torch.ops.aten._unsafe_view.default, (), (x, *rest))
+        _assert_alike(fast, want, "_unsafe_view")
+        assert fast.untyped_storage()._cdata == x.untyped_storage()._cdata
+        assert want.untyped_storage()._cdata == x.untyped_storage()._cdata
+        self.seen.append("unsafe view")
+        return fast
+
+
+def _assert_alike(fast: Any, want: Any, func: object) -> None:
+    """The same tensor: metadata, dispatch keys, storage size and FakeTensor's attributes."""
+    assert isinstance(fast, torch.Tensor) and type(fast) is type(want)
+    got_fields = (fast.shape, fast.stride(), fast.storage_offset(), fast.dtype, fast.device,
+                  fast.requires_grad, fast.is_inference(), torch._C._dispatch_keys(fast),
+                  fast.untyped_storage().nbytes(), fast._is_view(), fast.__dict__)  # fmt: skip
+    want_fields = (want.shape, want.stride(), want.storage_offset(), want.dtype, want.device,
+                   want.requires_grad, want.is_inference(), torch._C._dispatch_keys(want),
+                   want.untyped_storage().nbytes(), want._is_view(), want.__dict__)  # fmt: skip
+    assert got_fields == want_fields, func
+
 
 def test_an_output_from_a_cache_hit_is_fake_tensor_mode_s(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every output a planned step (tiled layers, the loss, offloading, AdamW) takes from the
-    cache is built as FakeTensorMode builds it: the same metadata, dispatch keys and
-    attributes, a view on its argument's storage."""
+    cache, and every `_unsafe_view` (which the cache bypasses), is built as FakeTensorMode
+    builds it: the same metadata, dispatch keys and attributes, a view on its argument's
+    storage."""
     _CrossChecked.seen = []
     monkeypatch.setattr(fake_step, "fake_mode", _CrossChecked)
     config = load_config("tiny")
     step = StepSpec(seq_len=2048, checkpointing=True, optimizer="adamw", device_type="cuda")
     estimate_step(config, step, stack_patch("tiled_layer", 4), full_card=True)
-    assert _CrossChecked.seen.count("view") > 100 and _CrossChecked.seen.count("new") > 100
+    seen = _CrossChecked.seen
+    assert seen.count("view") > 100 and seen.count("new") > 100 and seen.count("unsafe view") > 10

@@ -13,7 +13,9 @@ argument, each of its five memo fields set through a descriptor); that is about 
 planned step. `PlannerFakeMode` builds the same tensor directly where the mode has no shape
 environment (no symbolic sizes) and the output is a new strided tensor or a view: the same meta
 tensor, the view on the same storage, and a FakeTensor whose attributes are those FakeTensor's
-constructor sets (copied from one it built).
+constructor sets (copied from one it built). `aten._unsafe_view` (every matmul of a 3-d input
+ends with one), which the cache bypasses, runs its meta kernel directly as FakeTensorMode's
+uncached dispatch does, without that dispatch's generic checks.
 
 Invariant: a key is element for element the one FakeTensorMode builds, and an output from a hit is
 attribute for attribute the one it builds (tests/plan/test_fast_fake.py compares them); with a
@@ -57,6 +59,8 @@ _ATTRIBUTES = frozenset(
 )  # fmt: skip
 # those of a tensor built from a cache entry: all None but its device and mode
 _BLANK = dict.fromkeys(_ATTRIBUTES - {"_fake_device", "fake_mode"})
+
+_UNSAFE_VIEW = torch.ops.aten._unsafe_view.default  # the op FakeTensorMode's cache bypasses most
 
 # arguments FakeTensorMode keys as (type, value): the ones this module keys the same way
 _PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout,
@@ -130,7 +134,29 @@ class PlannerFakeMode(FakeTensorMode):
             or fake_tensor.log.isEnabledFor(logging.DEBUG)
         ):
             return super().dispatch(func, types, args, kwargs or {})
+        if func is _UNSAFE_VIEW and not kwargs and self._plain(args[0]):
+            return self._unsafe_view(*args)
         return self._cached_dispatch_impl(func, types, args, kwargs or {})
+
+    def _plain(self, t: object) -> bool:
+        """Whether `t` is one of this mode's dense strided fake tensors with concrete sizes and
+        no constant (the tensors a planned step has)."""
+        return (
+            type(t) is FakeTensor
+            and t.fake_mode is self
+            and t.constant is None
+            and t.layout is torch.strided
+            and not t._has_symbolic_sizes_strides
+        )
+
+    def _unsafe_view(self, x: FakeTensor, *rest: Any) -> FakeTensor:
+        """aten._unsafe_view on a plain fake tensor as FakeTensorMode's uncached dispatch gives
+        it (the cache bypasses this op: its output shares the input's storage without being a
+        view): the meta kernel run on the input, its output a fake tensor on the input's
+        device."""
+        with in_kernel_invocation_manager(self):
+            out = _UNSAFE_VIEW(x, *rest)
+        return _fake_tensor(self, out, x.fake_device)
 
     def _prep_args_for_hash(
         self, result: list[object], args: Any, state: Any, id_hashed_objects: list[object]
@@ -143,13 +169,7 @@ class PlannerFakeMode(FakeTensorMode):
             result.append(f"length_{len(args)}")
         for arg in args:
             kind = type(arg)
-            if (
-                kind is FakeTensor
-                and arg.fake_mode is self
-                and arg.constant is None
-                and arg.layout is torch.strided
-                and not arg._has_symbolic_sizes_strides
-            ):
+            if kind is FakeTensor and self._plain(arg):
                 _flatten_tensor(result, arg)
             elif kind in _PLAIN:
                 result.append(kind)
