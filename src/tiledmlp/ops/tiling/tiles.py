@@ -28,7 +28,7 @@ class TilePlan:
     sizes: tuple[int, ...]
 
     def __post_init__(self) -> None:
-        if any(s <= 0 for s in self.sizes):
+        if self.sizes and min(self.sizes) <= 0:
             raise ValueError(f"tile sizes must all be positive, got {self.sizes}")
 
     @property
@@ -67,7 +67,7 @@ def split_even(num_tokens: int, num_tiles: int) -> TilePlan:
     if tiles == 0:
         return TilePlan(())
     base, extra = divmod(num_tokens, tiles)
-    return TilePlan(tuple(base + 1 if i < extra else base for i in range(tiles)))
+    return TilePlan((base + 1,) * extra + (base,) * (tiles - extra))
 
 
 def split_by_tile_tokens(num_tokens: int, tile_tokens: int) -> TilePlan:

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from itertools import repeat
+from itertools import groupby, repeat
 from operator import add
 from typing import Any
 
@@ -99,13 +99,15 @@ class PeriodicTiles:
 
     def _bounds(self, plan: TilePlan) -> Iterator[tuple[int, int]]:
         sizes = plan.sizes
-        offsets = [0]
-        for s in sizes:
-            offsets.append(offsets[-1] + s)
-        last = list(range(len(sizes)))  # last[i]: the last tile of i's run of equal sizes
-        for i in range(len(sizes) - 2, -1, -1):
-            if sizes[i] == sizes[i + 1]:
-                last[i] = last[i + 1]
+        # the runs of equal sizes (split_even makes two), each (its first tile, its last, the
+        # offset of its first); a tile's offset and its run's last tile read from its run
+        runs: list[tuple[int, int, int]] = []
+        start = offset = 0
+        for size, run in groupby(sizes):
+            n = len(list(run))
+            runs.append((start, start + n - 1, offset))
+            start, offset = start + n, offset + n * size
+        r = 0  # the run of tile i
         before: tuple[Any, ...] | None = None  # the previous tile's window, in this run
         firsts: list[int] = []  # each tile's first new storage (serial)
         news: list[int] = []  # how many storages each tile created
@@ -114,22 +116,28 @@ class PeriodicTiles:
         try:
             i = 0
             while i < len(sizes):
+                while runs[r][1] < i:
+                    r += 1
+                first_of_run, last_of_run, at = runs[r]
+                lo = at + (i - first_of_run) * sizes[i]
                 t = self.tracker
                 begin = (len(t.trace), t.live, len(t.segments), len(t.phase_of))
-                yield offsets[i], offsets[i + 1]
+                yield lo, lo + sizes[i]
                 window = None if inner else self._window(begin)
                 new = len(t.phase_of) - begin[3]
                 firsts.append(begin[3])
                 news.append(new)
                 if (
                     window is not None
-                    and i < last[i]
+                    and i < last_of_run
                     and (window == before or self._steady(i, sizes, firsts, news, begin[0]))
                 ):
-                    # tiles i + 1 .. last[i] would repeat tile i
-                    self.repeats.append(Repeat(begin[0], len(t.trace), begin[3], new, last[i] - i))
+                    # tiles i + 1 .. last_of_run would repeat tile i
+                    self.repeats.append(
+                        Repeat(begin[0], len(t.trace), begin[3], new, last_of_run - i)
+                    )
                     self.cut = True
-                    i, before = last[i] + 1, None
+                    i, before = last_of_run + 1, None
                     firsts.extend([-1] * (i - len(firsts)))  # skipped: no storages of theirs
                     news.extend([0] * (i - len(news)))
                     continue
