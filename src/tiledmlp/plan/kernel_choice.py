@@ -4,11 +4,11 @@ A stack is first planned with cuDNN's attention buffers (SDPA's choice on Hopper
 fastest). A kernel whose backward buffers at cuDNN's longest sequence are not smaller than
 cuDNN's cannot fit a longer one, so only kernels with smaller buffers there are tried
 (`kernels_to_try`), and not by_heads for a stack of tiled decoder layers, whose attention
-already runs by head groups (`kernels_to_try`: the same estimates as cuDNN's). Longer is what the search itself means by longest (plan/search.py: it fits,
-one more granule does not): such a kernel is first estimated one granule past cuDNN's longest,
-and only where that fits is the stack planned with it and searched from there (plan_model's
-`search_above`). `best_entry` keeps the longest; of equal ones the first tried (the faster:
-usable_kernels' order).
+already runs by head groups (the same estimates as cuDNN's). Longer is what the search itself
+means by longest (plan/search.py: it fits, one more granule does not): such a kernel is first
+estimated one granule past cuDNN's longest, and only where that fits is the stack planned with
+it and searched from there (plan_model's `search_above`). `best_entry` keeps the longest; of
+equal ones the first tried (the faster: usable_kernels' order).
 
 plan_model (plan/model.py) does this inside each stack's job, right after the stack's cuDNN
 plan, so a stack's other kernels are planned while the other stacks' searches still run.
@@ -74,10 +74,10 @@ def kernels_to_try(
 # attention inside by_heads()), and a layer it cannot tile is refused, or is a linear-attention
 # layer with no SDPA call (recognise.py: own_mixer). The by_heads option adds the same context
 # around the same calls (its routing of the configs that name sdpa resolves to the same
-# attention by head groups inside it), and the planner gives a by-heads call cuDNN's workspace of its own heads as
-# it gives a cuDNN call (device_overhead.py: AttentionBuffers): every estimate of such a stack
-# with by_heads is its estimate with cuDNN (tests/plan/test_attention_kernel_plan.py), so a
-# search with it cannot fit one granule more.
+# attention by head groups inside it), and the planner gives a by-heads call cuDNN's workspace
+# of its own heads as it gives a cuDNN call (device_overhead.py: AttentionBuffers): every
+# estimate of such a stack with by_heads is its estimate with cuDNN
+# (tests/plan/test_attention_kernel_plan.py), so a search with it cannot fit one granule more.
 
 
 def best_entry(cudnn: dict[str, Any], others: dict[str, dict[str, Any]]) -> dict[str, Any]:

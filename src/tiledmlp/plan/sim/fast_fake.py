@@ -26,6 +26,7 @@ attributes than `_ATTRIBUTES`, `fake_mode()` is FakeTensorMode itself.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import logging
 import sys
@@ -233,20 +234,16 @@ def _fake_tensor(mode: FakeTensorMode, elem: torch.Tensor, device: torch.device)
     return out  # type: ignore[return-value]
 
 
-_BUILT_ALIKE: list[bool] = []  # whether FakeTensor's constructor sets _ATTRIBUTES (once)
-
-
+@functools.cache
 def _built_alike() -> bool:
     """Whether this torch's FakeTensor constructor sets exactly the attributes _fake_tensor
-    sets, all None but the device and the mode (not in FakeTensor's debug mode)."""
-    if not _BUILT_ALIKE:
-        with FakeTensorMode() as mode:
-            t = torch.empty(2)
-        attributes = dict(t.__dict__)
-        same = set(attributes) == _ATTRIBUTES and attributes.pop("fake_mode") is mode
-        attributes.pop("_fake_device", None)
-        _BUILT_ALIKE.append(same and all(v is None for v in attributes.values()))
-    return _BUILT_ALIKE[0]
+    sets, all None but the device and the mode (not in FakeTensor's debug mode); asked once."""
+    with FakeTensorMode() as mode:
+        t = torch.empty(2)
+    attributes = dict(t.__dict__)
+    same = set(attributes) == _ATTRIBUTES and attributes.pop("fake_mode") is mode
+    attributes.pop("_fake_device", None)
+    return same and all(v is None for v in attributes.values())
 
 
 def fake_mode() -> FakeTensorMode:
