@@ -42,6 +42,12 @@ _COMMANDS = {
 }
 
 
+# the commands whose work is all written when their `run` returns (each prints its answer;
+# `plan` has also renamed its cache file into place and joined its forked planner processes):
+# their process ends without the interpreter's finalization (cli/leave.py)
+_WRITTEN_ON_RETURN = frozenset({"plan", "check", "env"})
+
+
 def _module(command: str) -> ModuleType:
     return importlib.import_module(_COMMANDS[command])
 
@@ -212,8 +218,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 def console() -> NoReturn:
     """The `tiledmlp` command and `python -m tiledmlp`: main() on sys.argv, then exit with its
     status (cli/leave.py: a process a distributed launcher started skips the interpreter's
-    teardown, where gloo's threads can abort it after a successful run)."""
-    leave(main())
+    teardown, where gloo's threads can abort it after a successful run; so does a command of
+    _WRITTEN_ON_RETURN anywhere, that teardown taking about a second)."""
+    asked = _asked(normalise_argv(sys.argv[1:]))
+    written = len(asked) == 1 and asked[0] in _WRITTEN_ON_RETURN
+    leave(main(), finalize=False if written else None)
 
 
 if __name__ == "__main__":
