@@ -95,6 +95,15 @@ class _CrossChecked(PlannerFakeMode):
         self.seen.append("unsafe view")
         return fast
 
+    def _view(self, func, args):  # type: ignore[no-untyped-def]
+        fast = super()._view(func, args)
+        want = FakeTensorMode.dispatch(self, func, (), args, {})
+        _assert_alike(fast, want, func)
+        assert fast.untyped_storage()._cdata == args[0].untyped_storage()._cdata, func
+        assert want.untyped_storage()._cdata == args[0].untyped_storage()._cdata, func
+        self.seen.append(str(func))
+        return fast
+
 
 def _assert_alike(fast: Any, want: Any, func: object) -> None:
     """The same tensor: metadata, dispatch keys, storage size and FakeTensor's attributes."""
@@ -110,13 +119,16 @@ def _assert_alike(fast: Any, want: Any, func: object) -> None:
 
 def test_an_output_from_a_cache_hit_is_fake_tensor_mode_s(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every output a planned step (tiled layers, the loss, offloading, AdamW) takes from the
-    cache, and every `_unsafe_view` (which the cache bypasses), is built as FakeTensorMode
-    builds it: the same metadata, dispatch keys and attributes, a view on its argument's
-    storage."""
+    cache, every `_unsafe_view` (which the cache bypasses) and every view op run on its meta
+    kernel is built as FakeTensorMode builds it: the same metadata, dispatch keys and
+    attributes, a view on its argument's storage."""
     _CrossChecked.seen = []
     monkeypatch.setattr(fake_step, "fake_mode", _CrossChecked)
     config = load_config("tiny")
     step = StepSpec(seq_len=2048, checkpointing=True, optimizer="adamw", device_type="cuda")
     estimate_step(config, step, stack_patch("tiled_layer", 4), full_card=True)
     seen = _CrossChecked.seen
-    assert seen.count("view") > 100 and seen.count("new") > 100 and seen.count("unsafe view") > 10
+    assert seen.count("view") > 10 and seen.count("new") > 100 and seen.count("unsafe view") > 10
+    for op in ("slice.Tensor", "t.default", "transpose.int", "unsqueeze.default",
+               "expand.default", "detach.default"):  # fmt: skip
+        assert seen.count(f"aten.{op}") > 10, op
