@@ -104,6 +104,15 @@ class _CrossChecked(PlannerFakeMode):
         self.seen.append(str(func))
         return fast
 
+    def _computed(self, func, args):  # type: ignore[no-untyped-def]
+        fast = super()._computed(func, args)
+        want = FakeTensorMode._dispatch_impl(self, func, (), args, {})  # uncached: its own
+        _assert_alike(fast, want, func)
+        storages = {a.untyped_storage()._cdata for a in args if isinstance(a, torch.Tensor)}
+        assert fast.untyped_storage()._cdata not in storages, func  # a new tensor
+        self.seen.append(str(func))
+        return fast
+
 
 def _assert_alike(fast: Any, want: Any, func: object) -> None:
     """The same tensor: metadata, dispatch keys, storage size and FakeTensor's attributes."""
@@ -119,16 +128,23 @@ def _assert_alike(fast: Any, want: Any, func: object) -> None:
 
 def test_an_output_from_a_cache_hit_is_fake_tensor_mode_s(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every output a planned step (tiled layers, the loss, offloading, AdamW) takes from the
-    cache, every `_unsafe_view` (which the cache bypasses) and every view op run on its meta
-    kernel is built as FakeTensorMode builds it: the same metadata, dispatch keys and
-    attributes, a view on its argument's storage."""
+    cache, every `_unsafe_view` (which the cache bypasses), and every view, product,
+    elementwise op and reduction run on its meta kernel is built as FakeTensorMode builds it:
+    the same metadata, dispatch keys and attributes; a view on its argument's storage, a new
+    tensor on a new one."""
     _CrossChecked.seen = []
+    FakeTensorMode.cache_clear()  # shared by every mode of the process: each op misses once
     monkeypatch.setattr(fake_step, "fake_mode", _CrossChecked)
     config = load_config("tiny")
     step = StepSpec(seq_len=2048, checkpointing=True, optimizer="adamw", device_type="cuda")
     estimate_step(config, step, stack_patch("tiled_layer", 4), full_card=True)
     seen = _CrossChecked.seen
     assert seen.count("view") > 10 and seen.count("new") > 100 and seen.count("unsafe view") > 10
-    for op in ("slice.Tensor", "t.default", "transpose.int", "unsqueeze.default",
-               "expand.default", "detach.default"):  # fmt: skip
+    every_call = ("slice.Tensor", "t.default", "transpose.int", "unsqueeze.default",
+                  "expand.default", "detach.default", "mm.default")  # fmt: skip
+    at_a_miss = ("mul.Tensor", "add.Tensor", "pow.Tensor_Scalar", "mean.dim", "rsqrt.default",
+                 "neg.default", "silu.default")  # fmt: skip
+    for op in every_call:
         assert seen.count(f"aten.{op}") > 10, op
+    for op in at_a_miss:
+        assert seen.count(f"aten.{op}") > 0, op
