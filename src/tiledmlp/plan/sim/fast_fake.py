@@ -16,8 +16,8 @@ tensor, the view on the same storage, and a FakeTensor whose attributes are thos
 constructor sets (copied from one it built). `aten._unsafe_view` (every matmul of a 3-d input
 ends with one), which the cache bypasses, runs its meta kernel directly as FakeTensorMode's
 uncached dispatch does, without that dispatch's generic checks; so do the view ops a planned step
-calls most (`_VIEWS`: slices, transposes, unsqueezes, expands, detaches; about a third of its
-operations) and the matrix products, which skip the cache's key and its lookup, and the
+calls most (`_VIEWS`: slices, transposes, unsqueezes, expands, detaches, and the strided views
+FakeTensorMode's own view builds; about a third of its operations) and the matrix products, which skip the cache's key and its lookup, and the
 elementwise ops and reductions at a cache miss, which skip FakeTensorMode's Python
 decompositions (Note [Views run directly]).
 
@@ -72,6 +72,7 @@ _aten = torch.ops.aten
 _VIEWS = frozenset((
     _aten.slice.Tensor, _aten.t.default, _aten.transpose.int, _aten.unsqueeze.default,
     _aten.expand.default, _aten.squeeze.dim, _aten.alias.default, _aten.detach.default,
+    _aten.as_strided.default,
 ))  # fmt: skip
 # matrix products, run on their meta kernels at every call (Note [Views run directly])
 _PRODUCTS = frozenset((_aten.mm.default, _aten.bmm.default))
