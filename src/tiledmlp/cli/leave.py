@@ -10,9 +10,9 @@ would end it, less that finalization: other non-daemon threads joined, the atexi
 (logging's flush and multiprocessing's joins among them), stdout and stderr flushed, then
 `os._exit` with the command's status. A command whose work is all written when it returns (see
 cli/__init__.py: `plan`, `check` and `env` print their answers; `plan` has renamed its cache
-file into place) ends the same way outside a launcher too: the finalization of a process that imported torch and
-transformers takes about a second (every module's objects collected one by one), longer than
-some of its answers. Other commands exit normally outside a launcher.
+file into place) ends the same way outside a launcher too: the finalization of a process that
+imported torch and transformers takes about a second (every module's objects collected one by
+one), longer than some of its answers. Other commands exit normally outside a launcher.
 """
 
 from __future__ import annotations

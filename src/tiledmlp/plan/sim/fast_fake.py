@@ -15,17 +15,17 @@ environment (no symbolic sizes) and the output is a new strided tensor or a view
 tensor, the view on the same storage, and a FakeTensor whose attributes are those FakeTensor's
 constructor sets (copied from one it built). `aten._unsafe_view` (every matmul of a 3-d input
 ends with one), which the cache bypasses, runs its meta kernel directly as FakeTensorMode's
-uncached dispatch does, without that dispatch's generic checks; so do the view ops a planned step
-calls most (`_VIEWS`: slices, transposes, unsqueezes, expands, detaches, and the strided views
-FakeTensorMode's own view builds; about a third of its operations) and the matrix products, which skip the cache's key and its lookup, and the
-elementwise ops and reductions at a cache miss, which skip FakeTensorMode's Python
-decompositions (Note [Views run directly]).
+uncached dispatch does, without that dispatch's generic checks. So do the view ops a planned
+step calls most (`_VIEWS`: slices, transposes, unsqueezes, expands, detaches, and the strided
+views FakeTensorMode's own view builds; about a third of its operations) and the matrix
+products, past the cache's key and lookup; and the elementwise ops and reductions at a cache
+miss, past FakeTensorMode's decompositions in Python (Note [Views run directly]).
 
 Invariant: a key is element for element the one FakeTensorMode builds, and an output from a hit
-or a view run directly is attribute for attribute the one it builds (tests/plan/test_fast_fake.py
-compares them); with a
-torch whose TensorMetadata has other fields than `_FIELDS`, or whose FakeTensor sets other
-attributes than `_ATTRIBUTES`, `fake_mode()` is FakeTensorMode itself.
+or from a meta kernel run directly is attribute for attribute the one it builds
+(tests/plan/test_fast_fake.py compares them); with a torch whose TensorMetadata has other fields
+than `_FIELDS`, or whose FakeTensor sets other attributes than `_ATTRIBUTES`, `fake_mode()` is
+FakeTensorMode itself.
 """
 
 from __future__ import annotations
@@ -302,9 +302,10 @@ class PlannerFakeMode(FakeTensorMode):
 # (_COMPUTED) runs its meta kernel only at a cache miss, where FakeTensorMode would decompose
 # it into prims in Python (a slice and a multiplication at a new shape: 0.4 ms instead of 2.0);
 # at a hit the cache is faster than its kernel, which asks the fake tensors' device through
-# Python. The test builds every such output of planned steps both ways. `aten.view` is not among them:
-# FakeTensorMode runs torch._refs' view, which keeps the input's stride on a dimension of size
-# 1 where the C++ kernel recomputes it (the same storage and sizes, another stride).
+# Python. The test builds every such output of planned steps both ways. `aten.view` is not
+# among them: FakeTensorMode runs torch._refs' view, which keeps the input's stride on a
+# dimension of size 1 where the C++ kernel recomputes it (the same storage and sizes, another
+# stride).
 
 
 # Note [Dispatch without Dynamo's guard]
