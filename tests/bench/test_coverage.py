@@ -133,3 +133,19 @@ def test_every_architecture_gives_the_committed_records(request: pytest.FixtureR
     from tiledmlp.bench.coverage_build import causal_lm_types
 
     _rerun_matches_the_records(sorted(causal_lm_types()))
+
+
+def test_a_rerun_compares_the_numbers_its_messages_quote_to_four_digits() -> None:
+    """Another transformers release may move a quoted loss in its last float32 digits (xLSTM's
+    own loss 38.65808868408203 under one, 38.6580924987793 under the next): the same record;
+    a loss that moved in its first four digits, or another reason, is not."""
+    reason = "loss: the model's own loss ({}) differs from the LM-head cross-entropy ({})"
+    record = {"model_type": "xlstm", "status": "exact", "detail": "", "max_loss_diff": 0.0,
+              "untiled": [reason.format(38.65808868408203, 93.62931823730469)]}  # fmt: skip
+    rerun = {**record, "max_loss_diff": 1e-7,
+             "untiled": [reason.format(38.6580924987793, 93.62932586669922)]}  # fmt: skip
+    assert coverage.comparable(rerun) == coverage.comparable(record)
+    moved = {**record, "untiled": [reason.format(38.7, 93.62931823730469)]}
+    assert coverage.comparable(moved) != coverage.comparable(record)
+    other = {**record, "untiled": ["loss: a soft-cap it reads elsewhere"]}
+    assert coverage.comparable(other) != coverage.comparable(record)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import re
 import sys
 import time
 import warnings
@@ -245,8 +246,23 @@ def header() -> dict[str, Any]:
 
 
 def comparable(record: dict[str, Any]) -> dict[str, Any]:
-    """What of a record a rerun must reproduce (the measured differences left out)."""
-    return {k: v for k, v in record.items() if k not in ("max_loss_diff", "max_grad_rel_diff")}
+    """What of a record a rerun must reproduce: the measured differences left out, and the
+    numbers its messages quote (losses a refusal compares) to four significant digits, which
+    the float32 sums of another transformers release may move in the last digits."""
+    out = {k: v for k, v in record.items() if k not in ("max_loss_diff", "max_grad_rel_diff")}
+    if isinstance(out.get("detail"), str):
+        out["detail"] = _rounded(out["detail"])
+    if isinstance(out.get("untiled"), list):
+        out["untiled"] = [_rounded(u) if isinstance(u, str) else u for u in out["untiled"]]
+    return out
+
+
+_DECIMAL = re.compile(r"-?\d+\.\d+(?:[eE][-+]?\d+)?")
+
+
+def _rounded(text: str) -> str:
+    """`text` with every decimal number in it to four significant digits."""
+    return _DECIMAL.sub(lambda m: f"{float(m.group()):.4g}", text)
 
 
 def write_records(records: list[dict[str, Any]], path: Path = RECORDS) -> None:
