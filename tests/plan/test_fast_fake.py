@@ -86,15 +86,6 @@ class _CrossChecked(PlannerFakeMode):
         self.seen.append("view" if viewed else "new")
         return fast
 
-    def _unsafe_view(self, x, *rest):  # type: ignore[no-untyped-def]
-        fast = super()._unsafe_view(x, *rest)
-        want = FakeTensorMode.dispatch(self, torch.ops.aten._unsafe_view.default, (), (x, *rest))
-        _assert_alike(fast, want, "_unsafe_view")
-        assert fast.untyped_storage()._cdata == x.untyped_storage()._cdata
-        assert want.untyped_storage()._cdata == x.untyped_storage()._cdata
-        self.seen.append("unsafe view")
-        return fast
-
     def _view(self, func, args):  # type: ignore[no-untyped-def]
         fast = super()._view(func, args)
         want = FakeTensorMode.dispatch(self, func, (), args, {})
@@ -139,9 +130,10 @@ def test_an_output_from_a_cache_hit_is_fake_tensor_mode_s(monkeypatch: pytest.Mo
     step = StepSpec(seq_len=2048, checkpointing=True, optimizer="adamw", device_type="cuda")
     estimate_step(config, step, stack_patch("tiled_layer", 4), full_card=True)
     seen = _CrossChecked.seen
-    assert seen.count("view") > 10 and seen.count("new") > 100 and seen.count("unsafe view") > 10
+    assert seen.count("view") > 100 and seen.count("new") > 100
     every_call = ("slice.Tensor", "t.default", "transpose.int", "unsqueeze.default",
-                  "expand.default", "detach.default", "mm.default")  # fmt: skip
+                  "expand.default", "detach.default", "_unsafe_view.default",
+                  "mm.default")  # fmt: skip
     # (as_strided: inside FakeTensorMode's own view at a miss)
     at_a_miss = ("mul.Tensor", "add.Tensor", "pow.Tensor_Scalar", "mean.dim", "rsqrt.default",
                  "neg.default", "silu.default", "as_strided.default")  # fmt: skip

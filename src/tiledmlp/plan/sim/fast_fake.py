@@ -13,13 +13,13 @@ argument, each of its five memo fields set through a descriptor); that is about 
 planned step. `PlannerFakeMode` builds the same tensor directly where the mode has no shape
 environment (no symbolic sizes) and the output is a new strided tensor or a view: the same meta
 tensor, the view on the same storage, and a FakeTensor whose attributes are those FakeTensor's
-constructor sets (copied from one it built). `aten._unsafe_view` (every matmul of a 3-d input
-ends with one), which the cache bypasses, runs its meta kernel directly as FakeTensorMode's
-uncached dispatch does, without that dispatch's generic checks. So do the view ops a planned
-step calls most (`_VIEWS`: slices, transposes, unsqueezes, expands, detaches, and the strided
-views FakeTensorMode's own view builds; about a third of its operations) and the matrix
-products, past the cache's key and lookup; and the elementwise ops and reductions at a cache
-miss, past FakeTensorMode's decompositions in Python (Note [Views run directly]).
+constructor sets (copied from one it built). The view ops a planned step calls most (`_VIEWS`:
+slices, transposes, unsqueezes, expands, detaches, the strided views FakeTensorMode's own view
+builds, and `aten._unsafe_view`, which ends every matmul of a 3-d input and which the cache
+bypasses; about a third of its operations) and the matrix products run their meta kernels
+directly, as FakeTensorMode's uncached dispatch ends by doing, past the cache's key and lookup
+and that dispatch's generic checks; so do the elementwise ops and reductions at a cache miss,
+past FakeTensorMode's decompositions in Python (Note [Views run directly]).
 
 Invariant: a key is element for element the one FakeTensorMode builds, and an output from a hit
 or from a meta kernel run directly is attribute for attribute the one it builds
@@ -66,13 +66,12 @@ _ATTRIBUTES = frozenset(
 # those of a tensor built from a cache entry: all None but its device and mode
 _BLANK = dict.fromkeys(_ATTRIBUTES - {"_fake_device", "fake_mode"})
 
-_UNSAFE_VIEW = torch.ops.aten._unsafe_view.default  # the op FakeTensorMode's cache bypasses most
 _aten = torch.ops.aten
 # the view ops a planned step calls most, run on their meta kernels (Note [Views run directly])
 _VIEWS = frozenset((
     _aten.slice.Tensor, _aten.t.default, _aten.transpose.int, _aten.unsqueeze.default,
     _aten.expand.default, _aten.squeeze.dim, _aten.alias.default, _aten.detach.default,
-    _aten.as_strided.default,
+    _aten.as_strided.default, _aten._unsafe_view.default,
 ))  # fmt: skip
 # matrix products, run on their meta kernels at every call (Note [Views run directly])
 _PRODUCTS = frozenset((_aten.mm.default, _aten.bmm.default))
@@ -83,6 +82,8 @@ _COMPUTED = _PRODUCTS | frozenset((
     _aten.div.Scalar, _aten.div.Tensor, _aten.sub.Tensor, _aten.silu.default, _aten.exp.default,
     _aten.sigmoid.default, _aten.tanh.default,
 ))  # fmt: skip
+
+_SIZES = (list, tuple, torch.Size)  # the containers a list of ints arrives in
 
 # arguments FakeTensorMode keys as (type, value): the ones this module keys the same way
 _PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout,
@@ -95,7 +96,7 @@ def _plain_rest(args: Any) -> bool:
         kind = type(a)
         if kind is int or a is None:
             continue
-        if (kind is list or kind is tuple) and all(type(d) is int for d in a):
+        if kind in _SIZES and all(type(d) is int for d in a):
             continue
         return False
     return True
@@ -168,8 +169,6 @@ class PlannerFakeMode(FakeTensorMode):
             or fake_tensor.log.isEnabledFor(logging.DEBUG)
         ):
             return super().dispatch(func, types, args, kwargs or {})
-        if func is _UNSAFE_VIEW and not kwargs and self._plain(args[0]):
-            return self._unsafe_view(*args)
         if func in _VIEWS and not kwargs and self._plain(args[0]) and _plain_rest(args):
             return self._view(func, args)
         if func in _PRODUCTS and not kwargs and self._same_device(args):
@@ -197,7 +196,7 @@ class PlannerFakeMode(FakeTensorMode):
                     device = a.fake_device
                 elif a.fake_device != device:
                     return False
-            elif kind is list or kind is tuple:
+            elif kind in _SIZES:
                 if not all(type(d) is int for d in a):
                     return False
             elif kind not in (int, float, bool, type(None)):
@@ -208,16 +207,19 @@ class PlannerFakeMode(FakeTensorMode):
         """An op of _COMPUTED on plain fake tensors of one device: its meta kernel run on them,
         its output a new fake tensor on their device (Note [Views run directly])."""
         device = next(a for a in args if type(a) is FakeTensor).fake_device
-        with in_kernel_invocation_manager(self):
-            out = func(*args)
-        return _fake_tensor(self, out, device)
+        return self._on_meta(func, args, device)
 
     def _view(self, func: Any, args: Any) -> FakeTensor:
         """A view op of _VIEWS on a plain fake tensor: its meta kernel run on the input, its
         output a fake tensor on the input's device (Note [Views run directly])."""
+        return self._on_meta(func, args, args[0].fake_device)
+
+    def _on_meta(self, func: Any, args: Any, device: torch.device) -> FakeTensor:
+        """`func`'s meta kernel run on the fake tensors of `args`, its output a fake tensor on
+        `device`: where FakeTensorMode's uncached dispatch ends."""
         with in_kernel_invocation_manager(self):
             out = func(*args)
-        return _fake_tensor(self, out, args[0].fake_device)
+        return _fake_tensor(self, out, device)
 
     def _plain(self, t: object) -> bool:
         """Whether `t` is one of this mode's dense strided fake tensors with concrete sizes and
@@ -229,15 +231,6 @@ class PlannerFakeMode(FakeTensorMode):
             and t.layout is torch.strided
             and not t._has_symbolic_sizes_strides
         )
-
-    def _unsafe_view(self, x: FakeTensor, *rest: Any) -> FakeTensor:
-        """aten._unsafe_view on a plain fake tensor as FakeTensorMode's uncached dispatch gives
-        it (the cache bypasses this op: its output shares the input's storage without being a
-        view): the meta kernel run on the input, its output a fake tensor on the input's
-        device."""
-        with in_kernel_invocation_manager(self):
-            out = _UNSAFE_VIEW(x, *rest)
-        return _fake_tensor(self, out, x.fake_device)
 
     def _prep_args_for_hash(
         self, result: list[object], args: Any, state: Any, id_hashed_objects: list[object]
