@@ -127,3 +127,29 @@ def test_an_option_given_again_in_another_spelling_replaces_the_runs(tmp_path: P
     plan, _, notes = _resume({"resume_from_checkpoint": str(ckpt), "tiled_mlp_num_shards": "2"})
     assert plan.build.patch is not None and plan.build.patch.tiles.num_tiles == 2
     assert any("--num-tiles 2: applied on resume (the run had 4)" in n for n in notes), notes
+
+
+def test_the_runs_saving_and_logging_are_kept_and_a_change_is_said(tmp_path: Path) -> None:
+    out = str(tmp_path / "run")
+    first = {"seq_len": "64", "save_steps": "3", "save_total_limit": "2", "logging_steps": "2",
+             "eval_steps": "3", "output_dir": out}  # fmt: skip
+    ckpt = _checkpoint(tmp_path, first, 6)
+    plan, settings, notes = _resume({"resume_from_checkpoint": str(ckpt), "output_dir": out})
+    built = plan.build
+    assert (built.save_steps, built.save_total_limit, built.logging_steps) == (3, 2, 2)
+    assert built.eval_steps == 3 and notes == []
+    assert settings_record(settings, 6)["options"]["save_steps"] == 3
+    plan, _, notes = _resume({"resume_from_checkpoint": str(ckpt), "output_dir": out,
+                              "save_steps": "2", "logging_steps": "2"})  # fmt: skip
+    assert (plan.build.save_steps, plan.build.logging_steps) == (2, 2)
+    assert notes == [
+        "--save-steps 2: applied on resume (the run had 3); it changes what is saved and "
+        "logged, not the losses"
+    ]
+    # without --output-dir there is nowhere to save: the run's --save-steps is not kept, said
+    plan, _, notes = _resume({"resume_from_checkpoint": str(ckpt)})
+    assert plan.build.save_steps is None and plan.build.logging_steps == 2
+    assert notes == [
+        "--save-steps 3 of the run not kept: this command has no --output-dir to save "
+        "checkpoints into"
+    ]

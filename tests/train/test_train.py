@@ -177,6 +177,20 @@ def test_resume_equals_uninterrupted(
 
 
 @pytest.mark.slow
+def test_a_resume_keeps_the_runs_checkpoint_interval(tmp_path: Path) -> None:
+    out = tmp_path / "run_r"
+    summary_here("--seq-len", "64", "--max-steps", "6", "--save-steps", "3",
+                 "--output-dir", str(out))  # fmt: skip
+    shutil.rmtree(out / "checkpoint-6")  # as if the run had stopped after step 3
+    resumed = summary_here("--seq-len", "64", "--max-steps", "6", "--output-dir", str(out),
+                           "--resume-from-checkpoint", str(out / "checkpoint-3"))  # fmt: skip
+    assert resumed["resumed_from_step"] == 3 and resumed["global_step"] == 6
+    # --save-steps 3 is the run's: the resumed run saves at step 6 again
+    assert (out / "checkpoint-6" / "optimizer.pt").is_file()
+    assert json.loads((out / "checkpoint-6" / "trainer_state.json").read_text())["save_steps"] == 3
+
+
+@pytest.mark.slow
 def test_resume_stopping_early_equals_the_planned_run(
     planned_run: tuple[dict, Path], tmp_path: Path
 ) -> None:

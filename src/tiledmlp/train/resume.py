@@ -7,8 +7,9 @@ same way). A resume continues that run: options not given
 again are taken from the checkpoint; an option given again with a different value that would
 change the run's math (the data, the model, the schedule, the batches) is refused in one line;
 one that changes only memory and speed (tiling, checkpointing, offloading, kernels) is applied
-and said in one line; per-invocation options (output, logging, saving, the engine) are this
-command's. A smaller --max-steps stops early (said in one line); a larger one is refused (the
+and said in one line; the saving and logging settings (--save-steps, --save-total-limit,
+--logging-steps, --report-to) are the run's unless given again (a change said in one line);
+per-invocation options (the output directory, the engine) are this command's. A smaller --max-steps stops early (said in one line); a larger one is refused (the
 schedule and the data order end at the planned step).
 
 Invariant: a resumed run's options differ from its checkpoint's only where a line on stderr
@@ -32,10 +33,13 @@ __all__ = ["PER_INVOCATION", "RUN_SETTINGS", "Resume", "given_of", "resume", "se
 RUN_SETTINGS = "tiledmlp_run.json"  # written by train/trainer.py into each checkpoint-N
 # options that belong to one command, not to the run it continues
 PER_INVOCATION = frozenset({
-    "resume_from_checkpoint", "output_dir", "logging_steps", "report_to", "save_steps",
-    "save_total_limit", "ddp_timeout", "engine", "deepspeed", "fsdp", "fsdp_config", "max_steps",
-    "preflight", "memory_gb",
+    "resume_from_checkpoint", "output_dir", "ddp_timeout", "engine", "deepspeed", "fsdp",
+    "fsdp_config", "max_steps", "preflight", "memory_gb",
 })  # fmt: skip
+# what the run saves and logs: kept from the checkpoint, changed (and said) where given again
+_SAVING = frozenset({"save_steps", "save_total_limit", "logging_steps", "report_to"})
+# saving needs somewhere to save: without --output-dir a resume saves no checkpoints
+_NEEDS_OUTPUT = ("save_steps", "save_total_limit")
 # fields (of TrainOptions and of its PatchConfig, whose schema marks them) that change memory
 # and speed, not the losses: applied with a note when they differ
 _SAFE = frozenset({"gradient_checkpointing", *SAME_LOSSES})
@@ -160,6 +164,13 @@ def _merged(
     option that changes the run's math, says each one that changes only memory or speed."""
     recorded = dict(record["options"])
     now = {canonical_key(k): v for k, v in given.items()}
+    if now.get("output_dir") is None:
+        for key in _NEEDS_OUTPUT:
+            if recorded.pop(key, None) is not None and key == "save_steps":
+                say(
+                    f"--save-steps {record['options'][key]} of the run not kept: this command has "
+                    "no --output-dir to save checkpoints into"
+                )
     per_invocation = {k: v for k, v in now.items() if k in PER_INVOCATION}
     original = options_from({**recorded, **per_invocation})
     fields_now = {field_of(k) for k in now}  # a field given again, in whatever spelling
@@ -175,6 +186,13 @@ def _merged(
     for name, before, after in _differences(original, merged):
         last = name.split(".")[-1]
         flag = _FLAGS.get(last, f"--{last.replace('_', '-')}")
+        if last in _SAVING:
+            say(
+                f"{flag} {_shown(after, last, merged)}: applied on resume (the run had "
+                f"{_shown(before, last, original)}); it changes what is saved and logged, "
+                "not the losses"
+            )
+            continue
         if last in _SAFE or (last == "patch" and _same_parallelism(before, after)):
             say(
                 f"{flag} {_shown(after, last, merged)}: applied on resume (the run had "
@@ -221,6 +239,8 @@ _UNSET = {
     "data": "(the Python standard library's source)",
     "data_field": "(text, else messages)",
     "output_dir": "(none)",
+    "save_steps": "never",
+    "save_total_limit": "(all kept)",
 }
 
 
