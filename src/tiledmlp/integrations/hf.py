@@ -70,11 +70,9 @@ def _patch_loaded(model: Any) -> None:
         verdict = check_loaded(model, config, "tiledmlp.enable(check=True)")
         logger.info("tiledmlp.enable: %s", verdict.text())
     try:
-        report = patch_model(model, config)
+        patch_model(model, config)  # logs its report: once per patch in every log
     except ValueError as e:  # a model the switch does not understand still loads
         logger.warning("tiledmlp.enable: %s left unpatched: %s", type(model).__name__, e)
-        return
-    logger.info("tiledmlp.enable: patched %s\n%s", type(model).__name__, report)
 
 
 def _wrap(original: Any) -> Any:
@@ -187,8 +185,7 @@ class TiledMLPCallback(_callback_base()):  # type: ignore[misc]
 
         if model is None or is_patched(model):
             return
-        self.report = patch_model(model, self.config)
-        logger.info("TiledMLPCallback: %s", self.report)
+        self.report = patch_model(model, self.config)  # logs its report
 
     def on_init_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._patch(kwargs.get("model"))

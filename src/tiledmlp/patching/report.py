@@ -30,8 +30,8 @@ class PatchReport:
         config: the tile policy applied.
         loss: with tiled_loss=True, "tiled" when the training loss now runs through
             tiled_cross_entropy ("tiled, except calls with logits_to_keep as ..." naming the
-            forms that run the model's own loss, and why), else the reason it does not; None
-            when not asked.
+            forms frameworks pass that run the model's own loss, and why; the others are in the
+            debug log), else the reason it does not; None when not asked.
         offloading: with activation_offloading=True, what is offloaded; None when not asked.
         sequence_parallel: with sequence_parallel_size, what the attention now runs as (Ulysses
             over P ranks, wrapping the model's own implementation); None when not asked.

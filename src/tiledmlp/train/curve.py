@@ -1,6 +1,7 @@
 """The picture a `tiledmlp train` run leaves: its training loss (and evaluation loss, where it
 evaluated) and its learning rate against the optimizer step, drawn from OUTPUT_DIR/metrics.jsonl
-into OUTPUT_DIR/curve.png when matplotlib is installed (a note naming the install otherwise).
+into OUTPUT_DIR/curve.png where matplotlib is installed, else into OUTPUT_DIR/curve.svg by the
+standard library alone (train/curve_svg.py): every install draws it.
 
 Invariant: the picture is drawn from the metrics file alone (what the run logged, a resumed run's
 steps after the earlier ones'), so it shows what the file holds and nothing else.
@@ -8,16 +9,16 @@ steps after the earlier ones'), so it shows what the file holds and nothing else
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 from typing import Any
 
-from tiledmlp.extras import install_command
+from tiledmlp.train.curve_svg import svg_curve
 
-__all__ = ["CURVE_FILE", "curve_points", "draw_curve"]
+__all__ = ["CURVE_FILE", "CURVE_SVG", "curve_points", "draw_curve"]
 
-CURVE_FILE = "curve.png"
+CURVE_FILE = "curve.png"  # drawn by matplotlib
+CURVE_SVG = "curve.svg"  # drawn without it
 
 
 def curve_points(metrics: Path) -> dict[str, list[tuple[int, float]]]:
@@ -37,23 +38,24 @@ def curve_points(metrics: Path) -> dict[str, list[tuple[int, float]]]:
 
 
 def draw_curve(metrics: Path, title: str) -> tuple[Path | None, str | None]:
-    """Draws metrics.jsonl's curves into curve.png beside it.
+    """Draws metrics.jsonl's curves beside it: curve.png where matplotlib is installed, else
+    curve.svg.
 
     Returns:
-        (the picture's path, None), or (None, why none was drawn): matplotlib is not installed
-        (with the command that installs it), or the file holds no training loss.
+        (the picture's path, None), or (None, why none was drawn): the file was not written or
+        holds no training loss.
     """
-    if importlib.util.find_spec("matplotlib") is None:
-        return None, (
-            f"no curve drawn: matplotlib is not installed ({install_command('bench')}, or pip "
-            "install matplotlib); the losses are in " + str(metrics)
-        )
     if not metrics.is_file():
         return None, f"no curve drawn: {metrics} was not written"
     points = curve_points(metrics)
     if not points["loss"]:
         return None, f"no curve drawn: {metrics} holds no training loss"
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+    except ImportError:  # the default install: the standard library draws it
+        path = metrics.parent / CURVE_SVG
+        path.write_text(svg_curve(points, title), encoding="utf-8")
+        return path, None
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(9, 3.6))

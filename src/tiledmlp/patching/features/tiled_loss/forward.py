@@ -44,6 +44,8 @@ from tiledmlp.patching.bound import BoundForward, bind
 from tiledmlp.patching.detect import text_config
 from tiledmlp.patching.features.tiled_loss.head import (
     ALL,
+    OWN_FAILS,
+    PASSED_FORMS,
     HeadTransform,
     keep_form,
     keeps_positions,
@@ -387,12 +389,18 @@ def loss_patched(model: nn.Module) -> bool:
 
 
 def loss_description(model: nn.Module) -> str | None:
-    """The report's text for a loss-patched model: "tiled", with the logits_to_keep forms whose
-    calls run the model's own loss and why; None when not loss-patched."""
+    """The report's text for a loss-patched model: "tiled", with the logits_to_keep forms that
+    frameworks pass (PASSED_FORMS) whose calls run the model's own loss, and why; None when not
+    loss-patched. Other forms, and forms the model's own forward fails with, are in the debug
+    log (probe.py) and said when a call brings one."""
     state = _causal_lm(model).__dict__.get(_STATE)
     if state is None or not state.active:
         return None
-    own = state.head.unserved
+    own = {
+        form: why
+        for form, why in state.head.unserved.items()
+        if form in PASSED_FORMS and why != OWN_FAILS
+    }
     if not own:
         return "tiled"
     whys = "; ".join(f"{form}: {why}" for form, why in own.items())

@@ -27,6 +27,8 @@ from tiledmlp.patching.detect import text_config
 
 __all__ = [
     "ALL",
+    "OWN_FAILS",
+    "PASSED_FORMS",
     "HeadTransform",
     "keep_probes",
     "router_aux_loss",
@@ -40,6 +42,13 @@ __all__ = [
 
 #: the form of "every position" (logits_to_keep None or 0)
 ALL = "all"
+#: why a form runs the model's own loss when the model's own forward fails with it: the call
+#: fails as it does unpatched (the probe's exception goes to the debug log)
+OWN_FAILS = "the model's own forward fails with it too"
+#: the logits_to_keep forms frameworks pass (transformers' generate and TRL's trainers pass an
+#: int); the tensor forms reach a model only from its caller's own code, so the patch report
+#: leaves them out and a call with one that runs the model's own loss says so when it comes
+PASSED_FORMS = frozenset({"an int"})
 
 
 @dataclass

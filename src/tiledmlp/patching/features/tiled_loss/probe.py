@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import logging
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -24,6 +25,7 @@ from torch import nn
 from tiledmlp.ops.tiling.probe import stand_ins
 from tiledmlp.patching.detect import probing
 from tiledmlp.patching.features.tiled_loss.head import (
+    OWN_FAILS,
     HeadTransform,
     keep_probes,
     keeps_positions,
@@ -31,6 +33,8 @@ from tiledmlp.patching.features.tiled_loss.head import (
 )
 
 __all__ = ["probe"]
+
+logger = logging.getLogger(__name__)
 
 
 def probe(
@@ -168,7 +172,8 @@ def _unserved_forms(
     own: Callable[..., Any], ours: Callable[..., Any], ids: torch.Tensor, rtol: float
 ) -> dict[str, str]:
     """logits_to_keep form -> why the patched loss does not serve it (its loss differs from the
-    model's own, or the model's own forward fails with it)."""
+    model's own, or the model's own forward fails with it: OWN_FAILS, the exception logged at
+    debug level)."""
     out: dict[str, str] = {}
     batch, seq = ids.shape
     gen = torch.Generator(device=ids.device).manual_seed(1)
@@ -181,12 +186,25 @@ def _unserved_forms(
             output, tiled = _both_losses(own, ours, inputs)
             theirs = output.loss
         except Exception as e:  # the model's own forward does not take this form either
-            out[form] = f"the probe failed with it ({type(e).__name__}: {e})"
+            out[form] = OWN_FAILS
+            logger.debug(
+                "tiled loss probe: logits_to_keep as %s runs the model's own loss, whose "
+                "forward fails with it (%s: %s)",
+                form,
+                type(e).__name__,
+                e,
+            )
             continue
         if theirs is None or not torch.allclose(
             tiled.float(), theirs.float(), rtol=rtol, atol=rtol / 10
         ):
             out[form] = "the model keeps other positions than transformers' slice_logits_to_keep"
+            logger.debug(
+                "tiled loss probe: logits_to_keep as %s runs the model's own loss (%s, tiled %s)",
+                form,
+                None if theirs is None else float(theirs),
+                float(tiled),
+            )
     return out
 
 
