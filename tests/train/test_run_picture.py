@@ -1,5 +1,6 @@
 """What a `tiledmlp train` run leaves and says beside its model: the curve of its loss and
-learning rate (train/curve.py), one line of what it read (train/summary.py's data_line), and no
+learning rate (train/curve.py: a PNG with matplotlib, an SVG by the standard library without
+it), one line of what it read (train/summary.py's data_line), and no
 DeepSpeed banner when DeepSpeed is not used."""
 
 from __future__ import annotations
@@ -11,7 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from tiledmlp.train.curve import CURVE_FILE, curve_points, draw_curve
+import xml.etree.ElementTree as ET
+
+from tiledmlp.train.curve import CURVE_FILE, CURVE_SVG, curve_points, draw_curve
+from tiledmlp.train.curve_svg import nice_ticks, svg_curve
 from tiledmlp.train.data import Corpus, open_corpus, pack
 from tiledmlp.train.summary import data_line
 
@@ -50,22 +54,61 @@ def test_no_training_loss_draws_nothing_and_says_why(tmp_path: Path) -> None:
     assert not (tmp_path / CURVE_FILE).exists()
 
 
-def test_without_matplotlib_a_note_names_the_install(
+def test_without_matplotlib_the_curve_is_an_svg(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import importlib.util
-
-    find = importlib.util.find_spec
-    # as when matplotlib is not installed: its spec is not found
-    monkeypatch.setattr(
-        importlib.util, "find_spec", lambda n, *a: None if n == "matplotlib" else find(n, *a)
-    )
+    # as when matplotlib is not installed: importing it fails
+    for name in ("matplotlib", "matplotlib.backends", "matplotlib.backends.backend_agg"):
+        monkeypatch.setitem(sys.modules, name, None)
     metrics = _metrics(tmp_path / "metrics.jsonl")
-    path, note = draw_curve(metrics, "t")
-    assert path is None and note is not None
-    assert note.startswith("no curve drawn: matplotlib is not installed (pip install ")
-    assert "or pip install matplotlib" in note and str(metrics) in note
+    path, note = draw_curve(metrics, "tiny, 64 tokens")
+    assert note is None and path == tmp_path / CURVE_SVG
     assert not (tmp_path / CURVE_FILE).exists()
+    root = ET.fromstring(path.read_text())
+    assert root.tag == "{http://www.w3.org/2000/svg}svg"
+
+
+_SVG = "{http://www.w3.org/2000/svg}"
+
+
+def test_the_svg_has_axes_ticks_labels_and_every_point_inside() -> None:
+    loss = [(s, 10.0 * 0.9**s + 2.0) for s in range(1, 51)]
+    evals = [(s, 10.0 * 0.9**s + 2.5) for s in (10, 20, 30, 40, 50)]
+    lr = [(s, 2e-3 * (1 - s / 50)) for s in range(1, 51)]
+    root = ET.fromstring(svg_curve({"loss": loss, "eval_loss": evals, "learning_rate": lr},
+                                   "tiny & co, 50 steps"))  # fmt: skip
+    texts = [t.text for t in root.iter(_SVG + "text")]
+    assert "tiny & co, 50 steps" in texts  # the title, escaped in the file
+    for label in ("optimizer step", "loss", "learning rate", "training loss", "eval loss"):
+        assert label in texts, texts
+    assert {"0", "10", "20", "30", "40", "50"} <= set(texts)  # the steps' ticks
+    assert "2.0e-03" in texts and "0" in texts  # the learning rate's
+    frames = [r for r in root.iter(_SVG + "rect") if r.get("stroke") == "#333"]
+    lines = list(root.iter(_SVG + "polyline"))
+    assert len(frames) == 2 and len(lines) == 3  # two panels: loss, eval loss; learning rate
+    for frame, polylines in ((frames[0], lines[:2]), (frames[1], lines[2:])):
+        x0, y0 = float(frame.get("x", 0)), float(frame.get("y", 0))
+        x1, y1 = x0 + float(frame.get("width", 0)), y0 + float(frame.get("height", 0))
+        for line in polylines:
+            points = [tuple(map(float, p.split(","))) for p in line.get("points", "").split()]
+            assert points and all(x0 <= x <= x1 and y0 <= y <= y1 for x, y in points)
+    assert len(lines[0].get("points", "").split()) == 50
+
+
+@pytest.mark.parametrize(
+    ("lo", "hi", "integer", "ticks"),
+    [
+        (1, 50, True, [0, 10, 20, 30, 40, 50]),
+        (1, 3, True, [1, 2, 3]),
+        (2.1, 10.4, False, [2, 4, 6, 8, 10, 12]),
+        (0.0, 2e-3, False, [0, 5e-4, 1e-3, 1.5e-3, 2e-3]),
+        (5.0, 5.0, False, [4.4, 4.6, 4.8, 5.0, 5.2, 5.4, 5.6]),  # one value: widened
+    ],
+)
+def test_ticks_are_round_and_hold_the_range(
+    lo: float, hi: float, integer: bool, ticks: list[float]
+) -> None:
+    assert nice_ticks(lo, hi, 6 if integer else 5, integer) == pytest.approx(ticks)
 
 
 def _byte_encode(doc: str) -> list[int]:
@@ -150,6 +193,35 @@ def test_a_run_leaves_its_curve_and_says_what_it_read_without_deepspeeds_banner(
     # DeepSpeed is imported by the Trainer whenever installed; its CPU-accelerator banner is
     # about DeepSpeed's own device choice, not this run
     assert "Setting accelerator to CPU" not in done.stdout + done.stderr
+
+
+@pytest.mark.slow
+def test_a_run_without_matplotlib_draws_its_curve_as_svg_and_ends_with_it(
+    tmp_path: Path,
+) -> None:
+    pytest.importorskip("transformers")
+    out = tmp_path / "run"
+    # the README's install (the hf extra) has no matplotlib: a fresh process where importing
+    # it fails, as there
+    wrapper = (
+        "import sys\n"
+        "for name in ('matplotlib', 'matplotlib.backends', 'matplotlib.backends.backend_agg'):\n"
+        "    sys.modules[name] = None\n"
+        "sys.argv = ['tiledmlp', *sys.argv[1:]]\n"
+        "from tiledmlp.cli import console\n"
+        "console()\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", wrapper, "train", "--seq-len", "64", "--max-steps", "3",
+         "--output-dir", str(out)],
+        capture_output=True, text=True, timeout=600, cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.rstrip().splitlines()[-1] == f"curve: {out / CURVE_SVG}", done.stdout
+    assert not (out / CURVE_FILE).exists()
+    root = ET.fromstring((out / CURVE_SVG).read_text())
+    assert len(list(root.iter(_SVG + "polyline"))) == 2  # the loss and the learning rate
+    assert json.loads((out / "summary.json").read_text())["curve"] == str(out / CURVE_SVG)
 
 
 def test_deepspeeds_cpu_accelerator_warning_is_dropped_and_nothing_else() -> None:

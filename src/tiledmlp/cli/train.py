@@ -158,10 +158,6 @@ def _print_summary(s: dict[str, Any], argv: list[str]) -> None:
         from tiledmlp.train.summary import data_line
 
         show(data_line(data, s["max_steps"]))
-    if s.get("curve") is not None:
-        show(f"curve: {s['curve']}")
-    elif s.get("curve_note") is not None:
-        show(s["curve_note"])
     if s["eval_loss"] is not None:
         show(f"eval loss {s['eval_loss']:.4f}")
     if s["interrupted"]:
@@ -176,6 +172,11 @@ def _print_summary(s: dict[str, Any], argv: list[str]) -> None:
         show(f"saved to {s['output_dir']}")
     else:
         show("nothing saved: add --output-dir DIR to keep the trained model")
+    # the picture last: the line a user looks for once the run ends
+    if s.get("curve") is not None:
+        show(f"curve: {s['curve']}")
+    elif s.get("curve_note") is not None:
+        show(s["curve_note"])
 
 
 def _tiles_text(counts: dict[str, int], what: str) -> str:

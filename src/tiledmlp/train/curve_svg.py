@@ -15,7 +15,7 @@ from xml.sax.saxutils import escape
 __all__ = ["nice_ticks", "svg_curve"]
 
 _WIDTH, _HEIGHT = 900, 360
-_LEFT, _RIGHT, _TOP, _BOTTOM = 64, 16, 40, 48  # a panel's margins (tick labels, axis labels)
+_LEFT, _RIGHT, _TOP, _BOTTOM = 80, 16, 40, 48  # a panel's margins (tick labels, axis labels)
 _COLORS = {"loss": "#1f77b4", "eval_loss": "#d62728", "learning_rate": "#ff7f0e"}
 _FONT = 'font-family="DejaVu Sans, Helvetica, Arial, sans-serif"'
 
@@ -105,8 +105,8 @@ class _Panel:
         mid_x, mid_y = self.x0 + self.width / 2, self.y0 + self.height / 2
         out.append(
             f'<text x="{mid_x:.1f}" y="{_HEIGHT - 10}" text-anchor="middle">optimizer step</text>'
-            f'<text x="{self.x0 - 50:.1f}" y="{mid_y:.1f}" text-anchor="middle" '
-            f'transform="rotate(-90 {self.x0 - 50:.1f} {mid_y:.1f})">{escape(ylabel)}</text>'
+            f'<text x="{self.x0 - 64:.1f}" y="{mid_y:.1f}" text-anchor="middle" '
+            f'transform="rotate(-90 {self.x0 - 64:.1f} {mid_y:.1f})">{escape(ylabel)}</text>'
         )
         return out
 
