@@ -4,7 +4,8 @@ Every (sequence length, variant) pair is one measurement (bench/measure.py): pea
 FLOPs from instrumented steps, then the median time of repeated steps after a warm-up. With
 `isolate` (the default on the CPU) each measurement runs in a fresh process, so that allocator
 caches and thread pools of one never reach the next; the variants of one length run one after
-the other, so drift of the machine hits neighbours alike.
+the other, so drift of the machine hits neighbours alike (the repeats of one variant run
+together, in its process); each record carries the 1-minute load average at its start.
 
 Invariant: one JSON-serialisable record per (sequence length, variant), carrying the environment
 (torch version, device, dtype, shapes, git sha) so results can be compared and re-plotted.
@@ -12,6 +13,7 @@ Invariant: one JSON-serialisable record per (sequence length, variant), carrying
 
 from __future__ import annotations
 
+import os
 import platform
 import subprocess
 from collections.abc import Callable, Sequence
@@ -22,6 +24,7 @@ import torch
 
 from tiledmlp.allocator import allocator_setting
 from tiledmlp.bench.device import device_name
+from tiledmlp.bench.load import machine_load
 from tiledmlp.bench.measure import Job, measure, measure_in_subprocess
 from tiledmlp.bench.variants import Variant
 from tiledmlp.ops.tiling.values import check_int, is_int
@@ -81,6 +84,7 @@ def environment(cfg: BenchConfig) -> dict[str, Any]:
         "device_name": device_name(cfg.device),
         "machine": platform.machine(),
         "threads": torch.get_num_threads(),
+        "cpus": os.cpu_count(),
         "dtype": str(cfg.dtype).removeprefix("torch."),
         "hidden": cfg.hidden,
         "intermediate": cfg.intermediate,
@@ -135,7 +139,12 @@ def run_sweep(
                 repeats=cfg.repeats,
                 warmup=cfg.warmup,
             )
-            record = {**env, **(measure_in_subprocess(job) if cfg.isolate else measure(job))}
+            load = {"load_1min": machine_load()}  # at the start: how busy the machine was
+            record = {
+                **env,
+                **load,
+                **(measure_in_subprocess(job) if cfg.isolate else measure(job)),
+            }
             records.append(record)
             on_record(record)
     return records

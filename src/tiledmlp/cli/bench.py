@@ -151,9 +151,14 @@ def run(args: argparse.Namespace) -> int:
     use_ds, use_liger, ds_ok = _engines(args, cfg.device)
     plot = _note_left_out(args, ds_ok)
     _note_replaced(args.out)
+    from tiledmlp.bench.load import machine_load
+
+    before = machine_load()  # other work only: the sweep has not started
     records = _sweep(args, cfg, use_ds, use_liger)
-    table, written = _write_report(args, cfg, records, plot)
+    load = _load(before, machine_load(), records)
+    table, written = _write_report(args, cfg, records, plot, load)
     show(table, end="")
+    show(load)
     show(f"wrote {', '.join(map(str, written))}")
     return 0
 
@@ -282,8 +287,18 @@ def _sweep(args: argparse.Namespace, cfg: Any, use_ds: bool, use_liger: bool) ->
         return run_sweep(cfg, variants, emit)
 
 
+def _load(before: float | None, after: float | None, records: list[dict]) -> str:
+    """The load line (bench/load.py) of a sweep: the load before and after, the CPUs, the
+    threads the measurements ran."""
+    import os
+
+    from tiledmlp.bench.load import load_line
+
+    return load_line(before, after, os.cpu_count() or 1, int(records[0]["threads"]))
+
+
 def _write_report(
-    args: argparse.Namespace, cfg: Any, records: list[dict], plot: bool
+    args: argparse.Namespace, cfg: Any, records: list[dict], plot: bool, load: str
 ) -> tuple[str, list[Path]]:
     """Writes OUT/bench.md (and the memory snapshot and plot when asked); returns the table and
     the files written."""
@@ -300,7 +315,7 @@ def _write_report(
     table = markdown_table(records)
     (args.out / "bench.md").write_text(
         f"{title}, torch {torch.__version__}"
-        f"{', each measurement in a fresh process' if cfg.isolate else ''}\n\n{table}\n"
+        f"{', each measurement in a fresh process' if cfg.isolate else ''}\n\n{load}\n\n{table}\n"
         "Time, tiled vs regular: the tiled time against regular (slower or faster). Memory, "
         "tiled vs regular: the tiled peak against regular (less or more). MB = 2**20 bytes, tensor-level peak.\n"
     )

@@ -238,8 +238,9 @@ class TrainOptions:
         default=None,
         group="output",
         default_text="nothing is saved",
-        help="save the trained model, its tokenizer, summary.json, metrics.jsonl and curve.png "
-        "(with matplotlib) here, a directory that works as --model",
+        help="save the trained model, its tokenizer, summary.json, metrics.jsonl and the loss "
+        "curve (curve.png with matplotlib, else curve.svg) here, a directory that works as "
+        "--model",
         keys=(_key("output_dir", as_path, "DIR"),),
     )
     save_steps: int | None = option(
