@@ -31,7 +31,7 @@ import threading
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PAGES = ("", "benchmarks/", "guides/long-context/")
+PAGES = ("", "getting-started/", "benchmarks/", "guides/long-context/")
 WIDTH = 1280
 MARK = "site-check-report"
 

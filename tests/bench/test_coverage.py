@@ -32,14 +32,21 @@ def test_a_changed_record_is_caught_and_rewritten(tmp_path: Path) -> None:
     exact = {**row, "status": "exact", "detail": "", "tiled": {"mlp": 2}, "untiled": []}
     records.write_text(f"{json.dumps(head)}\n{json.dumps(exact)}\n")
     page = tmp_path / "page.md"
-    page.write_text("# t\n<!-- coverage-table -->\nold\n<!-- /coverage-table -->\n")
+    page.write_text("# t\n<!-- coverage-popular -->\n<!-- /coverage-popular -->\n"
+                    "<!-- coverage-table -->\nold\n<!-- /coverage-table -->\n")  # fmt: skip
     assert coverage_table.check_page(page.read_text(), records) == [
-        "the support matrix differs from its records"
+        "the popular families' table differs from its records",
+        "the support matrix differs from its records",
     ]
     coverage_table.write_page(page, records)
     text = page.read_text()
     assert coverage_table.check_page(text, records) == []
     assert "| `llama` | LlamaForCausalLM | exact: mlp x2 |  |  |" in text
+    # the popular table first, the same cell; a family without records says so
+    assert text.index("| Llama | `llama` | exact: mlp x2 | not run | not run |") < text.index(
+        "### Architectures that tile (1)"
+    )
+    assert "| Qwen3-MoE | `qwen3_moe` | not run | not run | not run |" in text
     refused = {**row, "status": "refused", "detail": "no MLP"}
     records.write_text(f"{json.dumps(head)}\n{json.dumps(refused)}\n")
     assert coverage_table.check_page(text, records) != []

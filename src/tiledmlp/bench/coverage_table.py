@@ -1,11 +1,13 @@
 """The support matrix of the docs, rendered from the committed records of bench/coverage.py
 (benchmarks/results/coverage/coverage.jsonl), so that the page says only what a run showed.
 
-The page marks the generated part with `<!-- coverage-table -->` ... `<!-- /coverage-table -->`;
+The page opens with the popular families' rows (`<!-- coverage-popular -->` ...
+`<!-- /coverage-popular -->`) and ends with the whole matrix, grouped: architectures that tile,
+refused ones, not buildable ones (`<!-- coverage-table -->` ... `<!-- /coverage-table -->`);
 `python -m tiledmlp.bench.coverage_table` checks it against the records (exit 1 on a
 difference), `--write` rewrites it. tests/bench/test_coverage.py runs the check.
 
-Invariant: the marked part of the page is a pure function of the records file.
+Invariant: the marked parts of the page are a pure function of the records file.
 """
 
 from __future__ import annotations
@@ -18,7 +20,19 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["COLUMNS", "PAGE", "RECORDS", "check_page", "load", "render", "table", "write_page"]
+__all__ = [
+    "COLUMNS",
+    "FAMILIES",
+    "PAGE",
+    "RECORDS",
+    "check_page",
+    "load",
+    "popular",
+    "render",
+    "render_popular",
+    "table",
+    "write_page",
+]
 
 ROOT = Path(__file__).resolve().parents[3]
 RECORDS = ROOT / "benchmarks" / "results" / "coverage" / "coverage.jsonl"
@@ -27,6 +41,9 @@ COLUMNS = ("mlp", "mlp+loss+norms", "mlp+loss+norms+layers")
 
 PAGE = ROOT / "docs" / "supported-models.md"
 _MARK = re.compile(r"(<!-- coverage-table -->\n)(?P<body>.*?)(<!-- /coverage-table -->)", re.S)
+_POPULAR = re.compile(
+    r"(<!-- coverage-popular -->\n)(?P<body>.*?)(<!-- /coverage-popular -->)", re.S
+)
 _ORDER = ("mlp", "norm", "layer", "loss")
 
 
@@ -48,16 +65,73 @@ def _cell(record: dict[str, Any]) -> str:
     )
 
 
-def table(records: list[dict[str, Any]]) -> str:
-    """The matrix: one row per architecture, one column per stack, then what each stack left
-    untiled (or refused, or could not build) and why, one line per reason."""
+#: the families people fine-tune at long context, as the page's first table names them
+FAMILIES = (
+    ("Llama", "llama"),
+    ("Qwen2", "qwen2"),
+    ("Qwen3", "qwen3"),
+    ("Qwen3-MoE", "qwen3_moe"),
+    ("Mistral", "mistral"),
+    ("Gemma 2", "gemma2"),
+    ("Gemma 3", "gemma3_text"),
+    ("Phi-3", "phi3"),
+    ("GPT-OSS", "gpt_oss"),
+    ("DeepSeek-V3", "deepseek_v3"),
+)
+#: the matrix's groups: (heading, which rows), in page order
+_GROUPS = (
+    ("Architectures that tile", "at least one stack exact"),
+    ("Refused, with the reason", "no stack exact, patch_model refused"),
+    ("Not buildable here", "no stack could be built at tiny sizes"),
+)
+
+
+def _by_type(records: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]]:
     by: dict[str, dict[str, dict[str, Any]]] = {}
     for r in records:
         by.setdefault(r["model_type"], {})[r["stack"]] = r
+    return by
+
+
+def _group(row: dict[str, dict[str, Any]]) -> int:
+    """The index in _GROUPS of an architecture's row."""
+    statuses = {r["status"] for r in row.values()}
+    if "exact" in statuses:
+        return 0
+    return 2 if statuses == {"not buildable"} else 1
+
+
+def popular(records: list[dict[str, Any]]) -> str:
+    """The page's first table: the FAMILIES' rows of the matrix, cells as the matrix has them."""
+    by = _by_type(records)
+    head = ["family", "architecture", *COLUMNS]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for family, model_type in FAMILIES:
+        row = by.get(model_type, {})
+        cells = [_cell(row[s]) if s in row else "not run" for s in COLUMNS]
+        lines.append(f"| {family} | `{model_type}` | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def table(records: list[dict[str, Any]]) -> str:
+    """The matrix in its groups (_GROUPS): one row per architecture, one column per stack, each
+    group followed by what its stacks left untiled (or refused, or could not build) and why,
+    one line per reason."""
+    by = _by_type(records)
+    out: list[str] = []
+    for index, (heading, _) in enumerate(_GROUPS):
+        types = [t for t in sorted(by) if _group(by[t]) == index]
+        if types:
+            out.append(f"### {heading} ({len(types)})\n\n" + _rows(by, types))
+    return "\n".join(out)
+
+
+def _rows(by: dict[str, dict[str, dict[str, Any]]], types: list[str]) -> str:
+    """The table of `types` and the reasons under it."""
     head = ["architecture", "class", *COLUMNS]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     notes: list[str] = []
-    for model_type in sorted(by):
+    for model_type in types:
         row = by[model_type]
         first = next(iter(row.values()))
         cells = [_cell(row[s]) if s in row else "" for s in COLUMNS]
@@ -103,17 +177,31 @@ def render(path: Path = RECORDS) -> str:
     return intro + table(records)
 
 
+def render_popular(path: Path = RECORDS) -> str:
+    """The generated first table of the page, from the records file at `path`."""
+    return popular(load(path)[1])
+
+
 def check_page(text: str, path: Path = RECORDS) -> list[str]:
     """One line per marked part of the page that differs from the records (none: it agrees)."""
-    m = _MARK.search(text)
-    if m is None:
-        return ["the page has no <!-- coverage-table --> mark"]
-    return [] if m["body"] == render(path) else ["the support matrix differs from its records"]
+    wrong = []
+    for mark, name, rendered in (
+        (_POPULAR, "coverage-popular", render_popular),
+        (_MARK, "coverage-table", render),
+    ):
+        m = mark.search(text)
+        if m is None:
+            wrong.append(f"the page has no <!-- {name} --> mark")
+        elif m["body"] != rendered(path):
+            what = "popular families' table" if mark is _POPULAR else "support matrix"
+            wrong.append(f"the {what} differs from its records")
+    return wrong
 
 
 def write_page(page: Path = PAGE, path: Path = RECORDS) -> None:
-    """Rewrites the marked part of the page from the records."""
+    """Rewrites the marked parts of the page from the records."""
     text = page.read_text()
+    text = _POPULAR.sub(lambda m: m.group(1) + render_popular(path) + m.group(3), text)
     page.write_text(_MARK.sub(lambda m: m.group(1) + render(path) + m.group(3), text))
 
 
