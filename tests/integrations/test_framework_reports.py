@@ -112,6 +112,4 @@ def test_axolotls_log_shows_one_report_without_internals(
     reports = [m for m in shown if "loss: tiled" in m]
     assert len(reports) == 1 and reports[0].startswith("tiledmlp: tiled 2 MLP(s)"), shown
     assert not any(word in m for m in shown for word in _INTERNALS), shown
-    assert "loss: tiled\n" not in str(plugin.report) and str(plugin.report).endswith(
-        "loss: tiled"
-    )
+    assert "loss: tiled\n" not in str(plugin.report) and str(plugin.report).endswith("loss: tiled")

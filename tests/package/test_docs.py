@@ -285,3 +285,80 @@ def test_no_block_promises_to_write_nothing() -> None:
         if re.search(r"#.*\bwrites nothing\b", code)
     ]
     assert not promising, f"blocks that say they write nothing (the Trainer writes): {promising}"
+
+
+# A time the docs give is a measurement: it names the machine it was taken on (in its
+# paragraph, or earlier in its section, as benchmarks.md's "*Machine: ...*" lines do); on the
+# first-hour pages (README, getting started) its paragraph or footnote also says the load.
+_A_TIME = re.compile(
+    r"(?<![\w.\-/])\d[\d,]*(?:\.\d+)?(?:\s?(?:-|to)\s?\d[\d,]*(?:\.\d+)?)?\s?"
+    r"(?:ms|s|min|minutes?|seconds?|hours?)\b(?![\w/-])"
+)
+_MACHINE = re.compile(r"H100|H200|A100|\bGPU|\bCPU|\bcores?\b|EPYC|\bmachine\b", re.I)
+_LOAD = re.compile(r"\bload\b|\bidle\b|\bbusy\b", re.I)
+# a duration that is a setting, not a measurement ("otherwise wait 30 minutes", a timeout)
+_SETTING = re.compile(r"(timeout|default|wait|every|within|after)\W*(\w+\W+){0,3}$", re.I)
+
+
+def _paragraphs(text: str) -> list[tuple[tuple[str, ...], str]]:
+    """(the headings above it, outermost first; the paragraph's text) for each paragraph of a
+    Markdown page: runs of lines between blank lines, a fenced block whole."""
+    out: list[tuple[tuple[str, ...], str]] = []
+    heads: list[tuple[int, str]] = []
+    lines: list[str] = []
+    fence = False
+    for line in [*text.splitlines(), ""]:
+        if line.startswith("```"):
+            fence = not fence
+        if not fence and line.startswith("#"):
+            level = len(line) - len(line.lstrip("#"))
+            heads = [h for h in heads if h[0] < level] + [(level, line)]
+            continue
+        if line.strip() or fence:
+            lines.append(line)
+        elif lines:
+            out.append((tuple(h for _, h in heads), "\n".join(lines)))
+            lines = []
+    return out
+
+
+def _measured_times(text: str) -> list[str]:
+    return [
+        m.group(0)
+        for m in _A_TIME.finditer(text)
+        if not _SETTING.search(text[max(0, m.start() - 40) : m.start()])
+    ]
+
+
+def test_every_time_in_the_docs_names_its_machine() -> None:
+    bad = []
+    for page in PAGES:
+        seen: dict[tuple[str, ...], str] = {}
+        for heads, para in _paragraphs(page.read_text()):
+            above = " ".join(seen.get(heads[:k], "") for k in range(len(heads) + 1))
+            times = _measured_times(para)
+            if times and not _MACHINE.search(para) and not _MACHINE.search(above + " ".join(heads)):
+                bad.append(f"{page.relative_to(ROOT)}: {times[:3]} in {para[:80]!r}")
+            seen[heads] = seen.get(heads, "") + " " + para
+    assert not bad, "times without the machine they were measured on:\n" + "\n".join(bad)
+
+
+def test_the_first_hours_times_name_machine_and_load() -> None:
+    bad = []
+    for page in (ROOT / "README.md", ROOT / "docs" / "getting-started.md"):
+        paragraphs = [para for _, para in _paragraphs(page.read_text())]
+        footnote = next((p for p in paragraphs if p.startswith("\\*")), "")
+        for para in paragraphs:
+            times = _measured_times(para)
+            said = para + (footnote if re.search(r"\d ?(s|min)\*", para) else "")
+            if times and not (_MACHINE.search(said) and _LOAD.search(said)):
+                bad.append(f"{page.relative_to(ROOT)}: {times[:3]} in {para[:80]!r}")
+    assert not bad, "first-hour times without their machine and load:\n" + "\n".join(bad)
+
+
+def test_the_time_check_finds_a_bare_time() -> None:
+    page = "# A\n\nThe first job takes about 12 seconds.\n\n## B\n\nIt waits 30 minutes.\n"
+    assert [_measured_times(p) for _, p in _paragraphs(page)] == [["12 seconds"], []]
+    assert not _MACHINE.search(page)
+    table = "*Machine: the 2-core CPU.*\n\n| a | b |\n|---|---|\n| x | 9.9 s |\n"
+    assert _measured_times(_paragraphs(table)[1][1]) == ["9.9 s"]

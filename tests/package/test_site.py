@@ -81,7 +81,9 @@ def test_the_sites_css_wraps_a_long_command_and_leaves_a_diagram_alone(tmp_path:
 
 @needs_chromium
 @pytest.mark.slow  # builds the whole site (mkdocs, the API reference included)
-def test_nothing_is_cut_on_the_home_getting_started_benchmarks_and_long_context_pages(tmp_path: Path) -> None:
+def test_nothing_is_cut_on_the_home_getting_started_benchmarks_and_long_context_pages(
+    tmp_path: Path,
+) -> None:
     pytest.importorskip("mkdocs")
     site = tmp_path / "site"
     check_site.build(site)

@@ -8,11 +8,10 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
-
-import xml.etree.ElementTree as ET
 
 from tiledmlp.train.curve import CURVE_FILE, CURVE_SVG, curve_points, draw_curve
 from tiledmlp.train.curve_svg import nice_ticks, svg_curve

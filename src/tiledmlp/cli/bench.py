@@ -36,7 +36,9 @@ def add_parser(sub: Any) -> None:
             "repeated steps, tensor-level peak memory, FLOPs; on the CPU each measurement runs "
             "in a fresh process. Writes bench.jsonl (one record per length and variant), "
             "bench.md (Seq Length | Regular (ms) | Tiled (ms) | Speed (+%%) | Regular (MB) | "
-            "Tiled (MB) | Memory (-%%)) and bench.png (memory and time against length)."
+            "Tiled (MB) | Memory (-%%)) and bench.png (memory and time against length); prints "
+            "and records the machine's load average before and after, and says when other work "
+            "made the machine busy."
         ),
     )
     _add_shape_flags(bench)

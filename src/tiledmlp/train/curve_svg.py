@@ -55,7 +55,7 @@ def _label(value: float, ticks: Sequence[float]) -> str:
 def _digits(step: float) -> int:
     """Decimals that show a multiple of `step` exactly (2.5 needs one more than 2 or 5)."""
     digits = max(0, -math.floor(math.log10(step) + 1e-9))
-    return digits + (1 if round(step / 10 ** -digits, 6) % 1 else 0)
+    return digits + (1 if round(step / 10**-digits, 6) % 1 else 0)
 
 
 class _Panel:
@@ -113,9 +113,7 @@ class _Panel:
     def line(self, points: Points, color: str, dashed: bool = False, dots: bool = False) -> str:
         coords = " ".join(f"{self.px(x):.1f},{self.py(y):.1f}" for x, y in points)
         dash = ' stroke-dasharray="5,4"' if dashed else ""
-        out = (
-            f'<polyline points="{coords}" fill="none" stroke="{color}" stroke-width="1.8"{dash}/>'
-        )
+        out = f'<polyline points="{coords}" fill="none" stroke="{color}" stroke-width="1.8"{dash}/>'
         if dots:
             out += "".join(
                 f'<circle cx="{self.px(x):.1f}" cy="{self.py(y):.1f}" r="3" fill="{color}"/>'
