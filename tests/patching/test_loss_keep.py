@@ -188,3 +188,32 @@ def test_a_model_that_slices_otherwise_keeps_its_own_loss_for_that_form(
                 model(input_ids=ids, labels=ids[:, :4], logits_to_keep=index)
     told = [r.getMessage() for r in caplog.records if "own loss" in r.getMessage()]
     assert len(told) == 1 and "a 2-D index tensor" in told[0] and "fails with it too" in told[0]
+
+
+def test_a_form_frameworks_pass_that_runs_the_models_own_loss_is_in_the_report() -> None:
+    import transformers as tr
+
+    class FirstPositions(tr.LlamaForCausalLM):
+        """Keeps the FIRST k positions for an int (transformers keeps the last k)."""
+
+        def forward(self, input_ids=None, labels=None, logits_to_keep=0, **kwargs):
+            num_items = kwargs.pop("num_items_in_batch", None)
+            hidden = self.model(input_ids=input_ids, **kwargs).last_hidden_state
+            if isinstance(logits_to_keep, int) and logits_to_keep > 0:
+                hidden = hidden[:, :logits_to_keep, :]
+            logits = self.lm_head(hidden)
+            loss = None
+            if labels is not None:
+                loss = self.loss_function(
+                    logits=logits, labels=labels, vocab_size=VOCAB, num_items_in_batch=num_items
+                )
+            return tr.modeling_outputs.CausalLMOutputWithPast(loss=loss, logits=logits)
+
+    ref = tiny_causal_lm("llama")
+    model = FirstPositions(ref.config)
+    model.load_state_dict(ref.state_dict())
+    report = patch_model(model.train(), tiled_loss=True, num_tiles=2)
+    assert report.loss == (
+        "tiled, except calls with logits_to_keep as an int: the model keeps other positions "
+        "than transformers' slice_logits_to_keep (these run the model's own loss)"
+    )

@@ -45,10 +45,11 @@ ALL = "all"
 #: why a form runs the model's own loss when the model's own forward fails with it: the call
 #: fails as it does unpatched (the probe's exception goes to the debug log)
 OWN_FAILS = "the model's own forward fails with it too"
-#: the logits_to_keep forms frameworks pass (transformers' generate and TRL's trainers pass an
-#: int); the tensor forms reach a model only from its caller's own code, so the patch report
-#: leaves them out and a call with one that runs the model's own loss says so when it comes
-PASSED_FORMS = frozenset({"an int"})
+#: the logits_to_keep forms frameworks pass with labels (transformers' generate and TRL's
+#: trainers an int; ms-swift an int, or a 1-D bool mask at batch size 1); the other forms reach
+#: a model only from its caller's own code, so the patch report leaves them out and a call with
+#: one that runs the model's own loss says so when it comes
+PASSED_FORMS = frozenset({"an int", "a 1-D bool tensor"})
 
 
 @dataclass
