@@ -13,12 +13,12 @@ import logging
 from typing import Any
 
 from tiledmlp.cli.common import UsageError
-from tiledmlp.cli.device_memory import GPUS
 from tiledmlp.cli.flags import add_config_flags
 from tiledmlp.cli.output import StderrHandler, show
-from tiledmlp.cli.plan_args import PlanArgs
+from tiledmlp.cli.plan_args import PlanArgs, feature_keys
 from tiledmlp.cli.plan_kernels import plan_with_kernels
 from tiledmlp.cli.plan_report import show_text
+from tiledmlp.config.gpus import GPUS
 from tiledmlp.ops.tiling.values import check_positive_number
 
 __all__ = ["add_parser", "run"]
@@ -46,6 +46,13 @@ def add_parser(sub: Any) -> None:
     where = {title: pl.add_argument_group(title) for title in groups}
     # every flag from PlanArgs' schema
     add_config_flags(where, PlanArgs)
+    # tiledmlp train's feature flags: they name the run's stack, planned alone
+    run = pl.add_argument_group("the run's features (tiledmlp train's flags; with --model)")
+    for key in feature_keys():
+        run.add_argument(f"--{key.replace('_', '-')}", dest=f"feature_{key}", nargs="?",
+                         const="true", metavar="true|false", default=None,
+                         help="as tiledmlp train: plan the stack these flags turn on "
+                         "(over train's defaults, the tiled MLPs and the tiled loss)")  # fmt: skip
 
 
 def _progress_on_stderr() -> None:
@@ -80,9 +87,10 @@ def run(parsed: argparse.Namespace) -> int:
         result["model_name"] = args.model
     line = None
     if args.model is not None:
+        from tiledmlp.cli.plan_advice import replanner
         from tiledmlp.cli.plan_bottom_line import bottom_line
 
-        line = bottom_line(args, result["model"])
+        line = bottom_line(args, result["model"], replanner())
     if args.json:
         show(json.dumps(result if line is None else {**result, "bottom_line": line}))
         return 0
@@ -105,15 +113,14 @@ _NOT_ASKED = ("json", "verbose", "command", "argv", "gpu")  # flags that do not 
 def _cache_key(args: PlanArgs) -> str | None:
     """The plan's cache key: the model's configuration as written and every flag that changes
     the answer; None when the model's configuration cannot be read (load_config says why)."""
-    from tiledmlp.models.presets import PRESETS
-    from tiledmlp.plan.cache import cache_key, config_fields
+    from tiledmlp.plan.cache import cache_key
 
-    if args.model is None:
-        fields: dict[str, Any] | None = {"mlp": True}
-    else:
-        fields = config_fields(args.model, PRESETS)
-    if fields is None:
-        return None
+    fields: dict[str, Any] | None = {"mlp": True}
+    if args.model is not None:
+        model = _model_request(args)
+        if model is None:
+            return None
+        fields = model.fields
     options = {k: v for k, v in sorted(args.asked().items()) if k not in _NOT_ASKED}
     options.pop("model", None)  # the configuration, not the name, decides the answer
     return cache_key("plan", fields, options)
@@ -148,10 +155,8 @@ def _check_flags(args: PlanArgs) -> None:
             check_positive_number(flag, value)
     whole = (
         ("--gradient-checkpointing", args.gradient_checkpointing),
-        (
-            "--optimizer",
-            args.optimizer != "none",
-        ),
+        ("--optimizer", args.optimizer != "adamw" and not args.offload_params),
+        ("the feature flags", args.run_stack is not None),
         ("--memory-gb", args.memory_gb is not None),
         ("--sequence-parallel-size", args.sequence_parallel_size != 1),
         ("--engine", args.engine != "ddp"),
@@ -206,7 +211,7 @@ def _shape(args: PlanArgs) -> tuple[Any, int, int]:
         hidden = 4096 if args.hidden is None else args.hidden
         intermediate = 14336 if args.intermediate is None else args.intermediate
     else:
-        from tiledmlp.plan.layer import load_config, mlp_shape
+        from tiledmlp.plan.layer import mlp_shape
 
         given = [f for f, v in (("--hidden", args.hidden), ("--intermediate", args.intermediate))
                  if v is not None]  # fmt: skip
@@ -215,28 +220,16 @@ def _shape(args: PlanArgs) -> tuple[Any, int, int]:
                 f"give --model or {' and '.join(given)}, not both: with --model the MLP shape "
                 "comes from the model's config"
             )
-        config = load_config(args.model)
+        config = model_config_of(args)
         hidden, intermediate = mlp_shape(config)
     return config, hidden, intermediate
 
 
 def _plan_model(args: PlanArgs, config: Any, dtype: Any) -> dict[str, Any]:
     """The decoder layer's and the whole model's figures (the keys --model adds to the JSON)."""
-    from tiledmlp.config.plan import StepSpec
     from tiledmlp.plan.layer import RoutedExperts, plan_layer
 
-    step = StepSpec(
-        seq_len=args.seq_len,
-        dtype=dtype,
-        checkpointing=args.gradient_checkpointing,
-        optimizer=args.optimizer,
-        num_tiles=args.num_tiles,
-        device_type=args.device,
-        sequence_parallel_size=args.sequence_parallel_size,
-        engine=args.engine,
-        offload_params=args.offload_params,
-        expandable_segments=args.expandable_segments,
-    )
+    step = step_of(args)
     try:
         layer = plan_layer(config, step)
     except RoutedExperts:  # one layer's figures are for dense MLPs; the step plans the experts
@@ -254,12 +247,11 @@ def _plan_model(args: PlanArgs, config: Any, dtype: Any) -> dict[str, Any]:
     )
     if args.measure:  # the estimates by length go on to the measurement's fit
         planner: Any = functools.partial(plan_model, known_peaks=known_peaks)
-    else:  # each stack from the cache where an earlier plan of this model made it
-        from tiledmlp.models.presets import PRESETS
-        from tiledmlp.plan.cache import config_fields
+    else:  # each stack from the cache where an earlier plan or pre-flight of this model made it
         from tiledmlp.plan.cached import plan_stacks
 
-        planner = functools.partial(plan_stacks, fields=config_fields(str(args.model), PRESETS))
+        model = _model_request(args)
+        planner = functools.partial(plan_stacks, fields=None if model is None else model.fields)
     # the attention kernel's buffers: --attention-kernel (cli/plan_kernels.py)
     request: Any = args  # read by attribute, as the flags are named
     stacks = plan_with_kernels(planner, config, request, dtype.itemsize, options)
@@ -287,3 +279,71 @@ def _plan_model(args: PlanArgs, config: Any, dtype: Any) -> dict[str, Any]:
         layer_tiled_mib=layer["tiled_mib"],
         layer_saving=layer["saving"],
     )
+
+
+def _model_request(args: PlanArgs) -> Any:
+    """The model `tiledmlp train --model` trains at --seq-len (train/step_request.py), or None."""
+    from tiledmlp.train.step_request import model_request
+
+    return model_request(str(args.model), args.seq_len)
+
+
+def run_options(args: PlanArgs) -> Any:
+    """The TrainOptions of `tiledmlp train` with plan's flags that matter to memory."""
+    from tiledmlp.train.options import options_from
+
+    values: dict[str, Any] = {
+        "model": args.model,
+        "seq_len": args.seq_len,
+        "dtype": args.dtype,
+        "gradient_checkpointing": args.gradient_checkpointing,
+        "num_tiles": str(args.num_tiles),
+        "preflight": False,
+    }
+    if args.sequence_parallel_size > 1:
+        values["sequence_parallel_size"] = args.sequence_parallel_size
+    try:
+        return options_from(values)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+
+
+def step_of(args: PlanArgs) -> Any:
+    """The StepSpec that `tiledmlp train`'s pre-flight plans for the same flags: the request
+    train/step_request.py builds from them, placed as plan's flags say."""
+    import dataclasses
+
+    from tiledmlp.train.step_request import Placement, Unplanned, step_request
+
+    where = Placement(
+        device_type=args.device,
+        engine=args.engine,
+        optimizer=args.optimizer,
+        offload_params=args.offload_params,
+        expandable_segments=args.expandable_segments,
+    )
+    opts = run_options(args)
+    try:
+        step = step_request(opts, where).step
+    except Unplanned as e:
+        raise UsageError(str(e)) from None
+    # the tile policy as plan was given it (train parses the same text into the same policy)
+    return dataclasses.replace(step, num_tiles=args.num_tiles)
+
+
+def model_config_of(args: PlanArgs) -> Any:
+    """The transformers config of --model: a preset as `tiledmlp train` builds it (its byte
+    tokenizer's vocabulary), a config.json as written.
+
+    Raises:
+        ValueError: neither a preset nor a readable config (load_config's one line).
+    """
+    from tiledmlp.plan.layer import load_config
+
+    config = load_config(str(args.model))  # refuses a name that is neither, in one line
+    model = _model_request(args)
+    if model is not None and model.preset is not None:  # the model train builds
+        from tiledmlp.models.build import llama_config
+
+        return llama_config(**model.preset)
+    return config

@@ -20,10 +20,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from tiledmlp.cli.common import DTYPE_CHOICES, UsageError, dtype_name, positive_int
-from tiledmlp.cli.device_memory import GPUS
 from tiledmlp.cli.flags import schema_key
+from tiledmlp.config.gpus import GPUS
 from tiledmlp.config.patch import PatchConfig
-from tiledmlp.config.schema import Key, option
+from tiledmlp.config.schema import Key, keys_of, option
 from tiledmlp.ops.attention.buffers import KERNEL_NAMES
 from tiledmlp.ops.tiling.policy import TilePolicy
 
@@ -138,9 +138,9 @@ class PlanArgs:
         keys=(_key("seq_len", _POSITIVE, kind="int"),),
     )
     dtype: str = option(  # the torch dtype's name, once `of` has read the spelling
-        default="bfloat16",
+        default="float32",
         group=_WHAT,
-        help="dtype (default: bfloat16)",
+        help="dtype of the weights and activations (default: float32, as tiledmlp train)",
         keys=(_key("dtype", _text, choices=DTYPE_CHOICES),),
     )
     num_tiles: TilePolicy = option(  # noqa: RUF009 (option() returns a dataclasses.field)
@@ -173,15 +173,16 @@ class PlanArgs:
         default=False,
         group=_WHOLE,
         help="the model's own non-reentrant checkpointing for every stack (default: only the "
-        "offloading stacks, which need it)",
-        keys=(_flag("gradient_checkpointing"),),
+        "offloading stacks, which need it, as tiledmlp train requires)",
+        keys=(_key("gradient_checkpointing", _argtype(_true_false), "true|false", kind="bool"),),
     )
-    optimizer: str = option(
-        default="none",
+    optimizer: str = option(  # None on the command line: train's, by the engine
+        default=None,
         group=_WHOLE,
-        help="optimizer state counted on the device: none (not counted), adamw (two states per "
-        "parameter, in its dtype), cpu-offload (states on the host, gradients on the device) "
-        "(default: none)",
+        help="the optimizer's state: adamw (AdamW's two states per parameter on the device, "
+        "as tiledmlp train steps), cpu-offload (states and update on the host, as a ZeRO-3 or "
+        "FSDP2 run that offloads them), none (a forward and backward only: no optimizer "
+        "state) (default: as tiledmlp train: adamw, cpu-offload with --offload-params)",
         keys=(_key("optimizer", _text, choices=("none", "adamw", "cpu-offload")),),
     )
     memory_gb: float | None = option(
@@ -276,6 +277,7 @@ class PlanArgs:
     json: bool = option(
         default=False, group="output", help="print one JSON object", keys=(_flag("json"),)
     )
+    run_stack: str | None = None  # the stack tiledmlp train's feature flags name, if given
 
     @classmethod
     def of(cls, args: argparse.Namespace) -> PlanArgs:
@@ -290,6 +292,16 @@ class PlanArgs:
         values["dtype"] = dtype_name(args.dtype)
         values["num_tiles"] = _tiles(args.num_tiles, args.tile_budget_gb)
         values["tile_budget_gb"] = None  # one policy: num_tiles
+        if values.get("optimizer") is None:  # train's: AdamW, on the host with the params
+            values["optimizer"] = "cpu-offload" if args.offload_params else "adamw"
+        values["run_stack"] = _run_stack(args)
+        if values["run_stack"] is not None:
+            if values.get("stacks") not in (None, (values["run_stack"],)):
+                raise UsageError(
+                    f"the feature flags name the stack {values['run_stack']}; --stacks "
+                    f"{','.join(values['stacks'])} names others: give one"
+                )
+            values["stacks"] = (values["run_stack"],)
         if values.get("measure_lengths") is None:
             cpu = args.device == "cpu"
             values["measure_lengths"] = (512, 1024, 2048) if cpu else (8192, 16384, 32768)
@@ -310,3 +322,42 @@ def _tiles(num_tiles: TilePolicy, budget: TilePolicy | None) -> TilePolicy:
             f"(--tile-budget-gb GB is --num-tiles target:GB)"
         )
     return budget
+
+
+def feature_keys() -> dict[str, str]:
+    """tiledmlp train's feature flags that `plan` takes (a key -> PatchConfig's field): they
+    name the run's stack."""
+    from tiledmlp.config.patch import FEATURES
+
+    found: dict[str, str] = {}
+    for field in FEATURES:
+        for f, _, key in keys_of(PatchConfig):
+            if f.name == field and key.ours and key.listed:
+                found[key.name] = field
+                break
+    return found
+
+
+def _run_stack(args: argparse.Namespace) -> str | None:
+    """The stack of the feature flags given (over tiledmlp train's defaults), or None."""
+    from tiledmlp.config.stacks import stack_of
+    from tiledmlp.config.values import parse_bool
+    from tiledmlp.train.options import train_patch
+
+    given = {
+        field: parse_bool(getattr(args, f"feature_{key}"), f"--{key.replace('_', '-')}")
+        for key, field in feature_keys().items()
+        if getattr(args, f"feature_{key}", None) is not None
+    }
+    if not given:
+        return None
+    try:
+        patch = train_patch(given)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    stack = stack_of(patch)
+    if stack is None:
+        raise UsageError(
+            "the feature flags given are no stack the planner knows; see --stacks for the stacks"
+        )
+    return stack

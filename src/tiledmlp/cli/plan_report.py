@@ -65,8 +65,9 @@ def _tiles(policy: object, tiles: int) -> str:
 
 
 _OPTIMIZER_TEXT = {
-    "none": "no optimizer state (--optimizer adamw or cpu-offload counts it)",
-    "adamw": "AdamW's two states per parameter on the device",
+    "none": "no optimizer state: a forward and backward only (tiledmlp train steps AdamW; drop "
+    "--optimizer none to count it)",
+    "adamw": "AdamW's two states per parameter on the device, as tiledmlp train steps",
     "cpu-offload": "optimizer state on the host, gradients on the device",
 }
 

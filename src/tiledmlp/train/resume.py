@@ -34,7 +34,7 @@ RUN_SETTINGS = "tiledmlp_run.json"  # written by train/trainer.py into each chec
 PER_INVOCATION = frozenset({
     "resume_from_checkpoint", "output_dir", "logging_steps", "report_to", "save_steps",
     "save_total_limit", "ddp_timeout", "engine", "deepspeed", "fsdp", "fsdp_config", "max_steps",
-    "preflight", "memory_gb",
+    "preflight", "memory_gb", "gpu",
 })  # fmt: skip
 # fields (of TrainOptions and of its PatchConfig, whose schema marks them) that change memory
 # and speed, not the losses: applied with a note when they differ
