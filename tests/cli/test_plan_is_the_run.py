@@ -150,3 +150,25 @@ def test_plan_assumes_train_s_optimizer_and_dtype(capsys: pytest.CaptureFixture[
             "offload_optimizer": {"device": "cpu"},
         }
     }
+
+
+@pytest.mark.slow  # searches two stacks of the 8B, then plans each change (about a minute)
+def test_where_no_length_fits_plan_names_what_would_and_nothing_contradictory(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    flags = ("--model", "llama3-8b", "--seq-len", "131072", "--memory-gb", "24",
+             "--stacks", "tiled_mlp_loss,tiled_layer")  # fmt: skip
+    result = _plan(capsys, *flags)
+    assert all(e.get("max_seq_len") == 0 for e in result["model"].values())
+    line = result["bottom_line"]
+    assert line["fastest"] is None and "longest_that_fits" not in line
+    would = line["would_fit"]
+    assert would, line
+    for alt in would:
+        within = 24.0 if "--gpu" not in alt["train_command"] else 200.0
+        assert alt["gib"] <= within, alt
+    assert any("ZeRO-3" in a["what"] for a in would)
+    assert main(["plan", *flags]) == 0  # the text, from the cache
+    text = " ".join(capsys.readouterr().out.split())
+    assert "shorten" not in text and "a shorter sequence fits" not in text
+    assert "what the planner finds to fit 131,072 tokens" in text

@@ -91,9 +91,9 @@ def alternatives(
             )  # fmt: skip
             if fits(f"the sequence split over {p} GPUs, ZeRO-3 sharding over them", split):
                 break
-    larger = [n for n, c in GPUS.items() if c.gib > memory_gib + 1]
-    for name in sorted(larger, key=lambda n: GPUS[n].gib)[:1]:
-        if card is None or name != card:
-            fits(f"a larger card: {GPUS[name].name} (--gpu {name})", dataclasses.replace(
-                args, gpu=name, memory_gb=None), GPUS[name].gib)  # fmt: skip
+    larger = [n for n, c in GPUS.items() if c.gib > memory_gib + 1 and n != card]
+    for name in sorted(larger, key=lambda n: GPUS[n].gib):  # the smallest that fits
+        changed = dataclasses.replace(args, gpu=name, memory_gb=None)
+        if fits(f"a larger card: {GPUS[name].name} (--gpu {name})", changed, GPUS[name].gib):
+            break
     return found

@@ -108,6 +108,10 @@ def _judged(
     line["host_short"] = sorted(host_short)
     best = stack_speed.fastest(fits)
     line["fastest"] = best
+    longest = {s: e["max_seq_len"] for s, e in stacks.items() if e.get("max_seq_len")}
+    if best is None and longest:  # the search found shorter lengths that fit
+        stack = max(longest, key=lambda s: longest[s])
+        line["longest_that_fits"] = {"stack": stack, "seq_len": longest[stack]}
     if best is not None:
         line["train_command"] = _train_command(args, best)
         line["patch_model"] = patch_call(best, _patch_extra(args))
@@ -125,7 +129,7 @@ def _here(cpu: PlanArgs, replan: Replan, ram: int | None) -> dict[str, Any]:
     if memory is None:
         return {"memory_gib": None}
     asked = _asked(cpu)
-    first = tuple(s for s in ("tiled_mlp_loss", "tiled_layer") if s in asked)
+    first = tuple(s for s in ("tiled_layer",) if s in asked)  # the least, on the CPU too
     planned = replan(cpu, first or asked)
     if any(needs_gib(cpu, e) <= memory.gib for e in planned.values()):
         rest = tuple(s for s in asked if s not in planned)
@@ -230,12 +234,20 @@ def _show_judged(args: PlanArgs, line: dict[str, Any], label: str) -> None:
             f"no stack fits: the least is {least[0]}, {least[1] - line['memory_gib']:,.1f} GiB "
             "over"
         )
+        longest = line.get("longest_that_fits")
+        if longest is not None:
+            _wrapped(
+                f"a shorter sequence fits: {longest['stack']} up to --seq-len "
+                f"{longest['seq_len']} (the search above)"
+            )
         would = line.get("would_fit")
         if would:
-            _wrapped("what the planner finds to fit, each planned:")
+            _wrapped(f"what the planner finds to fit {args.seq_len:,} tokens, each planned:")
             for a in would:
                 _wrapped(f"- {a['what']}: {a['stack']} {a['gib']:,.1f} GiB", first="    ")
                 show(f"      run it:  {a['train_command']}")
+                if "deepspeed_config" in a:
+                    show(f"        with {ZERO3_FILE}:  {json.dumps(a['deepspeed_config'])}")
         elif would is not None:
             _wrapped(
                 "nothing the planner tried fits (bfloat16, ZeRO-3 with offload, the sequence "
