@@ -15,6 +15,7 @@ from tiledmlp.config.gpus import GPUS
 
 __all__ = ["GPUS", "Memory", "gpu_memory", "here"]
 
+
 @dataclass(frozen=True)
 class Memory:
     """What a plan is judged against: `gib` of memory, described by `what`; `here`: the memory

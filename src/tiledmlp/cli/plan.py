@@ -15,9 +15,10 @@ from typing import Any
 from tiledmlp.cli.common import UsageError
 from tiledmlp.cli.flags import add_config_flags
 from tiledmlp.cli.output import StderrHandler, show
-from tiledmlp.cli.plan_args import PlanArgs, feature_keys
+from tiledmlp.cli.plan_args import PlanArgs
 from tiledmlp.cli.plan_kernels import plan_with_kernels
 from tiledmlp.cli.plan_report import show_text
+from tiledmlp.cli.plan_request import model_config_of, model_request_of, step_of
 from tiledmlp.config.gpus import GPUS
 from tiledmlp.ops.tiling.values import check_positive_number
 
@@ -42,17 +43,11 @@ def add_parser(sub: Any) -> None:
             "With --budget-gb, the fewest tiles with which the MLP alone fits."
         ),
     )
-    groups = ("what to plan", "tiling", "the whole training step (with --model)", "output")
+    groups = ("what to plan", "tiling", "the whole training step (with --model)",
+              "the run's features (tiledmlp train's flags; with --model)", "output")  # fmt: skip
     where = {title: pl.add_argument_group(title) for title in groups}
     # every flag from PlanArgs' schema
     add_config_flags(where, PlanArgs)
-    # tiledmlp train's feature flags: they name the run's stack, planned alone
-    run = pl.add_argument_group("the run's features (tiledmlp train's flags; with --model)")
-    for key in feature_keys():
-        run.add_argument(f"--{key.replace('_', '-')}", dest=f"feature_{key}", nargs="?",
-                         const="true", metavar="true|false", default=None,
-                         help="as tiledmlp train: plan the stack these flags turn on "
-                         "(over train's defaults, the tiled MLPs and the tiled loss)")  # fmt: skip
 
 
 def _progress_on_stderr() -> None:
@@ -117,7 +112,7 @@ def _cache_key(args: PlanArgs) -> str | None:
 
     fields: dict[str, Any] | None = {"mlp": True}
     if args.model is not None:
-        model = _model_request(args)
+        model = model_request_of(args)
         if model is None:
             return None
         fields = model.fields
@@ -250,7 +245,7 @@ def _plan_model(args: PlanArgs, config: Any, dtype: Any) -> dict[str, Any]:
     else:  # each stack from the cache where an earlier plan or pre-flight of this model made it
         from tiledmlp.plan.cached import plan_stacks
 
-        model = _model_request(args)
+        model = model_request_of(args)
         planner = functools.partial(plan_stacks, fields=None if model is None else model.fields)
     # the attention kernel's buffers: --attention-kernel (cli/plan_kernels.py)
     request: Any = args  # read by attribute, as the flags are named
@@ -279,71 +274,3 @@ def _plan_model(args: PlanArgs, config: Any, dtype: Any) -> dict[str, Any]:
         layer_tiled_mib=layer["tiled_mib"],
         layer_saving=layer["saving"],
     )
-
-
-def _model_request(args: PlanArgs) -> Any:
-    """The model `tiledmlp train --model` trains at --seq-len (train/step_request.py), or None."""
-    from tiledmlp.train.step_request import model_request
-
-    return model_request(str(args.model), args.seq_len)
-
-
-def run_options(args: PlanArgs) -> Any:
-    """The TrainOptions of `tiledmlp train` with plan's flags that matter to memory."""
-    from tiledmlp.train.options import options_from
-
-    values: dict[str, Any] = {
-        "model": args.model,
-        "seq_len": args.seq_len,
-        "dtype": args.dtype,
-        "gradient_checkpointing": args.gradient_checkpointing,
-        "num_tiles": str(args.num_tiles),
-        "preflight": False,
-    }
-    if args.sequence_parallel_size > 1:
-        values["sequence_parallel_size"] = args.sequence_parallel_size
-    try:
-        return options_from(values)
-    except ValueError as e:
-        raise UsageError(str(e)) from None
-
-
-def step_of(args: PlanArgs) -> Any:
-    """The StepSpec that `tiledmlp train`'s pre-flight plans for the same flags: the request
-    train/step_request.py builds from them, placed as plan's flags say."""
-    import dataclasses
-
-    from tiledmlp.train.step_request import Placement, Unplanned, step_request
-
-    where = Placement(
-        device_type=args.device,
-        engine=args.engine,
-        optimizer=args.optimizer,
-        offload_params=args.offload_params,
-        expandable_segments=args.expandable_segments,
-    )
-    opts = run_options(args)
-    try:
-        step = step_request(opts, where).step
-    except Unplanned as e:
-        raise UsageError(str(e)) from None
-    # the tile policy as plan was given it (train parses the same text into the same policy)
-    return dataclasses.replace(step, num_tiles=args.num_tiles)
-
-
-def model_config_of(args: PlanArgs) -> Any:
-    """The transformers config of --model: a preset as `tiledmlp train` builds it (its byte
-    tokenizer's vocabulary), a config.json as written.
-
-    Raises:
-        ValueError: neither a preset nor a readable config (load_config's one line).
-    """
-    from tiledmlp.plan.layer import load_config
-
-    config = load_config(str(args.model))  # refuses a name that is neither, in one line
-    model = _model_request(args)
-    if model is not None and model.preset is not None:  # the model train builds
-        from tiledmlp.models.build import llama_config
-
-        return llama_config(**model.preset)
-    return config

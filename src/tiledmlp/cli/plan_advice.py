@@ -29,7 +29,7 @@ def replanner() -> Replan:
     """A function planning `stacks` for a PlanArgs, as `plan` would (through the plan cache)."""
 
     def replan(args: PlanArgs, stacks: tuple[str, ...]) -> dict[str, Any]:
-        from tiledmlp.cli.plan import model_config_of, step_of
+        from tiledmlp.cli.plan_request import model_config_of, step_of
         from tiledmlp.plan.cached import plan_stacks
         from tiledmlp.train.step_request import model_request
 

@@ -105,6 +105,27 @@ _TILES, _BUDGET, _SP = (schema_key(PatchConfig, k)[2] for k in ("num_tiles", "ti
                                                                   "sequence_parallel_size"))  # fmt: skip
 
 
+_RUN = "the run's features (tiledmlp train's flags; with --model)"
+_FEATURE_HELP = (
+    "as tiledmlp train: plan the stack the feature flags turn on (over train's defaults, the "
+    "tiled MLPs and the tiled loss), alone"
+)
+
+
+def _feature_keys() -> dict[str, Key]:
+    """PatchConfig's main key of each feature (use_tiled_mlp, tiled_loss, ...)."""
+    from tiledmlp.config.patch import FEATURES
+
+    found: dict[str, Key] = {}
+    for f, _, key in keys_of(PatchConfig):
+        if f.name in FEATURES and f.name not in found and key.ours and key.listed:
+            found[f.name] = key
+    return found
+
+
+_FEATURES = _feature_keys()
+
+
 @dataclass(frozen=True, kw_only=True)
 class PlanArgs:
     """What `tiledmlp plan` was asked: each field is declared once with its flag's key,
@@ -277,7 +298,18 @@ class PlanArgs:
     json: bool = option(
         default=False, group="output", help="print one JSON object", keys=(_flag("json"),)
     )
-    run_stack: str | None = None  # the stack tiledmlp train's feature flags name, if given
+    # tiledmlp train's feature flags (PatchConfig's own keys): they name the run's stack
+    use_tiled_mlp: bool | None = option(default=None, group=_RUN, help=_FEATURE_HELP,
+                                        keys=(_FEATURES["tiled_mlp"],))  # fmt: skip
+    tiled_loss: bool | None = option(default=None, group=_RUN, help=_FEATURE_HELP,
+                                     keys=(_FEATURES["tiled_loss"],))  # fmt: skip
+    tiled_norms: bool | None = option(default=None, group=_RUN, help=_FEATURE_HELP,
+                                      keys=(_FEATURES["tiled_norms"],))  # fmt: skip
+    tiled_layers: bool | None = option(default=None, group=_RUN, help=_FEATURE_HELP,
+                                       keys=(_FEATURES["tiled_layers"],))  # fmt: skip
+    activation_offloading: bool | None = option(default=None, group=_RUN, help=_FEATURE_HELP,
+                                                keys=(_FEATURES["activation_offloading"],))  # fmt: skip
+    run_stack: str | None = None  # the stack the feature flags name, if given
 
     @classmethod
     def of(cls, args: argparse.Namespace) -> PlanArgs:
@@ -324,30 +356,15 @@ def _tiles(num_tiles: TilePolicy, budget: TilePolicy | None) -> TilePolicy:
     return budget
 
 
-def feature_keys() -> dict[str, str]:
-    """tiledmlp train's feature flags that `plan` takes (a key -> PatchConfig's field): they
-    name the run's stack."""
-    from tiledmlp.config.patch import FEATURES
-
-    found: dict[str, str] = {}
-    for field in FEATURES:
-        for f, _, key in keys_of(PatchConfig):
-            if f.name == field and key.ours and key.listed:
-                found[key.name] = field
-                break
-    return found
-
-
 def _run_stack(args: argparse.Namespace) -> str | None:
     """The stack of the feature flags given (over tiledmlp train's defaults), or None."""
     from tiledmlp.config.stacks import stack_of
-    from tiledmlp.config.values import parse_bool
     from tiledmlp.train.options import train_patch
 
     given = {
-        field: parse_bool(getattr(args, f"feature_{key}"), f"--{key.replace('_', '-')}")
-        for key, field in feature_keys().items()
-        if getattr(args, f"feature_{key}", None) is not None
+        field: bool(getattr(args, key.name))
+        for field, key in _FEATURES.items()
+        if getattr(args, key.name, None) is not None
     }
     if not given:
         return None

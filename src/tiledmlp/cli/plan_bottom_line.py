@@ -221,7 +221,9 @@ def _show_judged(args: PlanArgs, line: dict[str, Any], label: str) -> None:
     """One memory's judgement: what fits, the fastest and its command, or what would fit."""
     fits = ", ".join(f"{s} {g:,.1f}" for s, g in line["fits"].items()) or "none"
     short = ", ".join(f"{s} {g:,.1f}" for s, g in line["does_not_fit"].items()) or "none"
-    per = "GiB, device and host" if args.device == "cpu" else "GiB per GPU, with the device overhead"
+    per = (
+        "GiB, device and host" if args.device == "cpu" else "GiB per GPU, with the device overhead"
+    )
     _wrapped(
         f"{label}bottom line for {line['memory']}, {args.seq_len:,} tokens ({per}): fits: "
         f"{fits}; does not fit: {short}",
@@ -231,8 +233,7 @@ def _show_judged(args: PlanArgs, line: dict[str, Any], label: str) -> None:
     if best is None:
         least = min(line["does_not_fit"].items(), key=lambda kv: kv[1])
         _wrapped(
-            f"no stack fits: the least is {least[0]}, {least[1] - line['memory_gib']:,.1f} GiB "
-            "over"
+            f"no stack fits: the least is {least[0]}, {least[1] - line['memory_gib']:,.1f} GiB over"
         )
         longest = line.get("longest_that_fits")
         if longest is not None:
