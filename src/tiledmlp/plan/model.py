@@ -311,11 +311,32 @@ def _plan_stack(
     return entry
 
 
+# the overhead's terms that go through the caching allocator: the card counts them allocated
+_ALLOCATED_TERMS = ("attention_backward", "cublas_workspace")
+
+
 def _device_entry(est: StepEstimate, overhead: DeviceOverhead) -> dict[str, Any]:
-    """A stack's device figures: the estimate's and the overhead's on a full card."""
+    """A stack's device figures on a full card, in the card's categories: "peak_mib" what the
+    caching allocator hands out at the peak (max_memory_allocated: the tensors, the attention
+    backward's buffers at their moment, the cuBLAS workspaces; "breakdown_mib" by part),
+    "reserved_mib" what it holds then (max_memory_reserved: with its reserve), and
+    "device_overhead_mib" what the process holds beyond the allocated peak (the reserve and
+    the memory outside the allocator; by term in "device_overhead_breakdown_mib")."""
     # the card's figure when it is full: the held blocks come back (reclaimable_mib below)
     beyond = (est.full_card_reserve, est.attention)
-    entry = {**est.as_json(), **overhead.as_json(*beyond)}
+    terms = overhead.terms(*beyond)
+    through = {k: terms.pop(k) for k in _ALLOCATED_TERMS}
+    entry = est.as_json()
+    allocated = est.peak + sum(through.values())
+    entry["peak_mib"] = round(allocated / MiB, 1)
+    if overhead.replayed:  # a GPU: the allocator's own parts of the peak
+        entry["breakdown_mib"] = {
+            **entry["breakdown_mib"],
+            **{k: round(v / MiB, 1) for k, v in through.items()},
+        }
+    entry["reserved_mib"] = round((allocated + terms["allocator"]) / MiB, 1)
+    entry["device_overhead_mib"] = round(sum(terms.values()) / MiB, 1)
+    entry["device_overhead_breakdown_mib"] = {k: round(v / MiB, 1) for k, v in terms.items()}
     entry["per_gpu_mib"] = round((est.peak + overhead.total(*beyond)) / MiB, 1)
     if overhead.replayed and est.reclaimable:
         # held beyond per_gpu_mib for the side stream's copies while the card has room

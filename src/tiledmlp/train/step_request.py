@@ -89,7 +89,10 @@ def model_request(name: str, seq_len: int) -> ModelRequest | None:
     if not file.is_file():  # a Hub id: its cached config.json, if any
         from huggingface_hub import try_to_load_from_cache
 
-        found = try_to_load_from_cache(name, "config.json")
+        try:
+            found = try_to_load_from_cache(name, "config.json")
+        except Exception:  # not a Hub id either (a missing path): nothing to read
+            return None
         if not isinstance(found, str):
             return None
         file = Path(found)
