@@ -108,9 +108,19 @@ def _command_of(flags: tuple[str, ...], stack: str, cpu: bool) -> str:
         ("--model", "tiny", "--seq-len", "8192"),
         ("--model", "tiny", "--seq-len", "8192", "--dtype", "bf16", "--gpu", "h100-80gb"),
         ("--model", "tiny", "--seq-len", "4096", "--tiled-loss", "false", "--gpu", "4090"),
-        ("--model", "tiny", "--seq-len", "4096", "--gradient-checkpointing",
-         "--activation-offloading", "--num-tiles", "4", "--gpu", "h100-80gb"),
-    ],  # fmt: skip
+        (
+            "--model",
+            "tiny",
+            "--seq-len",
+            "4096",
+            "--gradient-checkpointing",
+            "--activation-offloading",
+            "--num-tiles",
+            "4",
+            "--gpu",
+            "h100-80gb",
+        ),
+    ],
     ids=["cpu-fp32", "h100-bf16", "4090-untiled-loss", "h100-offload-4-tiles"],
 )
 def test_plan_of_train_s_flags_gives_the_pre_flight_s_figure(

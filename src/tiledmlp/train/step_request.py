@@ -166,7 +166,9 @@ def step_request(opts: TrainOptions, where: Placement | None = None) -> StepRequ
 
     where = Placement() if where is None else where
     if opts.dtype == "float16":
-        raise Unplanned("fp16 mixed precision (float32 weights, float16 activations) is not planned")
+        raise Unplanned(
+            "fp16 mixed precision (float32 weights, float16 activations) is not planned"
+        )
     if opts.per_device_train_batch_size != 1:
         raise Unplanned("the planner plans batches of one sequence")
     stack = stack_of(opts.patch)
