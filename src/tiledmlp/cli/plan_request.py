@@ -26,8 +26,13 @@ def run_options(args: PlanArgs) -> Any:
     """The TrainOptions of `tiledmlp train` with plan's flags that matter to memory."""
     from tiledmlp.train.options import options_from
 
+    from pathlib import Path
+
+    model = str(args.model)
+    if Path(model).is_dir():  # plan reads its config.json alone (train would want weights)
+        model = str(Path(model) / "config.json")
     values: dict[str, Any] = {
-        "model": args.model,
+        "model": model,
         "seq_len": args.seq_len,
         "dtype": args.dtype,
         "gradient_checkpointing": args.gradient_checkpointing,
