@@ -24,9 +24,9 @@ def model_request_of(args: PlanArgs) -> Any:
 
 def run_options(args: PlanArgs) -> Any:
     """The TrainOptions of `tiledmlp train` with plan's flags that matter to memory."""
-    from tiledmlp.train.options import options_from
-
     from pathlib import Path
+
+    from tiledmlp.train.options import options_from
 
     model = str(args.model)
     if Path(model).is_dir():  # plan reads its config.json alone (train would want weights)
