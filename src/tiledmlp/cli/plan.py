@@ -110,7 +110,7 @@ def _cache_key(args: PlanArgs) -> str | None:
     the answer; None when the model's configuration cannot be read (load_config says why)."""
     from tiledmlp.plan.cache import cache_key
 
-    fields: dict[str, Any] | None = {"mlp": True}
+    fields: dict[str, Any] = {"mlp": True}
     if args.model is not None:
         model = model_request_of(args)
         if model is None:
