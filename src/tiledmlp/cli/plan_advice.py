@@ -36,7 +36,7 @@ def replanner() -> Replan:
         model = model_request(str(args.model), args.seq_len)
         fields = None if model is None else model.fields
         return plan_stacks(lambda: model_config_of(args), fields, stacks=stacks,
-                           step=step_of(args), processes=None)  # fmt: skip
+                           step=step_of(args), budget_bytes=None, processes=None)  # fmt: skip
 
     return replan
 
