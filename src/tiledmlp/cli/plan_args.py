@@ -124,10 +124,21 @@ def _feature_keys() -> dict[str, Key]:
 
 
 _FEATURES = _feature_keys()
+# tiledmlp train's feature flags, one field each named by its key (no feature named here): they
+# name the run's stack
+_RunFeatures = dataclasses.make_dataclass(
+    "_RunFeatures",
+    [
+        (key.name, "bool | None", option(default=None, group=_RUN, help=_FEATURE_HELP, keys=(key,)))
+        for key in _FEATURES.values()
+    ],
+    frozen=True,
+    kw_only=True,
+)
 
 
 @dataclass(frozen=True, kw_only=True)
-class PlanArgs:
+class PlanArgs(_RunFeatures):  # type: ignore[misc,valid-type]
     """What `tiledmlp plan` was asked: each field is declared once with its flag's key,
     parser, help, default and section of `plan --help` (config/schema.py), the tiling ones
     with PatchConfig's own keys; cli/plan.py makes the flags from them."""
@@ -298,17 +309,6 @@ class PlanArgs:
     json: bool = option(
         default=False, group="output", help="print one JSON object", keys=(_flag("json"),)
     )
-    # tiledmlp train's feature flags (PatchConfig's own keys): they name the run's stack
-    use_tiled_mlp: bool | None = option(default=None, group=_RUN, help=_FEATURE_HELP,
-                                        keys=(_FEATURES["tiled_mlp"],))  # fmt: skip
-    tiled_loss: bool | None = option(default=None, group=_RUN, help=_FEATURE_HELP,
-                                     keys=(_FEATURES["tiled_loss"],))  # fmt: skip
-    tiled_norms: bool | None = option(default=None, group=_RUN, help=_FEATURE_HELP,
-                                      keys=(_FEATURES["tiled_norms"],))  # fmt: skip
-    tiled_layers: bool | None = option(default=None, group=_RUN, help=_FEATURE_HELP,
-                                       keys=(_FEATURES["tiled_layers"],))  # fmt: skip
-    activation_offloading: bool | None = option(default=None, group=_RUN, help=_FEATURE_HELP,
-                                                keys=(_FEATURES["activation_offloading"],))  # fmt: skip
     run_stack: str | None = None  # the stack the feature flags name, if given
 
     @classmethod
