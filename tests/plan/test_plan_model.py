@@ -252,7 +252,7 @@ def test_cli_text_states_its_assumptions_in_aligned_gib_rows_with_progress(tmp_p
     start = next(i for i, line in enumerate(lines) if line.startswith("one training step"))
     assert lines[start].endswith("; assumes:")
     assumed = [line for line in lines[start + 1 :] if line.startswith("  - ")]
-    assert any(a.startswith("  - no optimizer state") for a in assumed), assumed
+    assert any(a.startswith("  - AdamW's two states per parameter") for a in assumed), assumed
     assert any(a.startswith("  - checkpointing off, except") for a in assumed), assumed
     assert all(len(line) <= 100 for line in lines[start : start + 1 + len(assumed)])
     assert "none optimizer" not in res.stdout
