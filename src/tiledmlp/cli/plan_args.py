@@ -24,7 +24,7 @@ from tiledmlp.cli.flags import schema_key
 from tiledmlp.config.gpus import GPUS
 from tiledmlp.config.patch import PatchConfig
 from tiledmlp.config.schema import Key, keys_of, option
-from tiledmlp.ops.attention.buffers import KERNEL_NAMES
+from tiledmlp.ops.attention.buffers import KERNEL_NAMES, KernelChoice
 from tiledmlp.ops.tiling.policy import TilePolicy
 
 __all__ = ["PlanArgs"]
@@ -88,6 +88,24 @@ def _measure_lengths(text: str) -> tuple[int, ...]:
             f"{text!r}"
         )
     return values
+
+
+def _kernel(text: str) -> KernelChoice:
+    """--attention-kernel: auto or a kernel's name, parsed once into the one kernel type (plan's
+    auto is bounded by --memory-gb, not by auto:<GB>)."""
+    from tiledmlp.config.values import parse_attention_kernel
+
+    expected = f"expected auto or one of {', '.join(KERNEL_NAMES)}, got {text!r}"
+    try:
+        choice = parse_attention_kernel(text, "--attention-kernel")
+    except ValueError:
+        raise argparse.ArgumentTypeError(expected) from None
+    if choice.budget_bytes is not None:
+        raise argparse.ArgumentTypeError(
+            f"{expected}: plan's auto takes the kernel that fits the longest sequence within "
+            "--memory-gb"
+        )
+    return choice
 
 
 def _key(name: str, parse: Any, metavar: str = "", **kwargs: Any) -> Key:
@@ -275,13 +293,13 @@ class PlanArgs(_RunFeatures):  # type: ignore[misc,valid-type]
         "reserve beyond the tensors depends on it (default: true)",
         keys=(_key("expandable_segments", _argtype(_true_false), "true|false", kind="bool"),),
     )
-    attention_kernel: str = option(
-        default="auto",
+    attention_kernel: KernelChoice = option(  # noqa: RUF009 (option() returns a dataclasses.field)
+        default_factory=KernelChoice,
         group=_WHOLE,
         help="the attention kernel whose buffers the step is planned with: auto (cuDNN, "
         "SDPA's choice on Hopper, unless another kernel (by_heads: the attention by head "
         "groups) fits a longer sequence within --memory-gb), or one kernel (default: auto)",
-        keys=(_key("attention_kernel", _text, choices=("auto", *KERNEL_NAMES)),),
+        keys=(_key("attention_kernel", _argtype(_kernel), "|".join(("auto", *KERNEL_NAMES))),),
     )
     measure: bool = option(
         default=False,

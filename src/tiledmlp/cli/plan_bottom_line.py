@@ -188,6 +188,8 @@ def _train_command(args: PlanArgs, stack: str) -> str:
         words += ["--num-tiles", str(args.num_tiles)]
     if p > 1:
         words += ["--sequence-parallel-size", str(p)]
+    if args.attention_kernel.name != "auto":  # its buffers were planned
+        words += ["--attention-kernel", args.attention_kernel.name]
     if args.engine == "fsdp2":
         words += ["--fsdp", "full_shard"]
     elif args.engine == "zero3":

@@ -143,7 +143,7 @@ def _show_model(args: PlanArgs, stacks: dict[str, Any]) -> None:
 
 def _kernel_text(args: PlanArgs) -> str:
     """Whose attention buffers the plan counts (--attention-kernel)."""
-    kernel = getattr(args, "attention_kernel", "auto")
+    kernel = args.attention_kernel.name
     if kernel == "auto":
         return "cuDNN attention's, or another kernel's where it fits a longer sequence,"
     return f"the {kernel} attention kernel's"
