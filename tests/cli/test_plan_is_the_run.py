@@ -182,3 +182,35 @@ def test_where_no_length_fits_plan_names_what_would_and_nothing_contradictory(
     text = " ".join(capsys.readouterr().out.split())
     assert "shorten" not in text and "a shorter sequence fits" not in text
     assert "what the planner finds to fit 131,072 tokens" in text
+
+
+def test_the_attention_kernel_is_one_type_from_the_flag_to_the_step() -> None:
+    import dataclasses
+
+    from tiledmlp.cli.plan_args import PlanArgs
+    from tiledmlp.config.plan import StepSpec
+    from tiledmlp.ops.attention.buffers import KernelChoice
+
+    parsed = _build_parser().parse_args(
+        ["plan", "--model", "tiny", "--attention-kernel", "by-heads"]
+    )
+    args = PlanArgs.of(parsed)
+    assert args.attention_kernel == KernelChoice("by_heads")
+    assert PlanArgs.of(_build_parser().parse_args(["plan"])).attention_kernel == KernelChoice()
+    step = StepSpec(seq_len=1024, attention_kernel="flash")  # a name is typed once, here
+    assert step.attention_kernel == KernelChoice("flash")
+    assert StepSpec(seq_len=1024).attention_kernel == KernelChoice("cudnn")
+    assert dataclasses.replace(step, attention_kernel="math").attention_kernel == KernelChoice(
+        "math"
+    )
+    with pytest.raises(ValueError, match="one attention kernel"):
+        StepSpec(seq_len=1024, attention_kernel="auto")
+    from tiledmlp.cli.plan_request import step_of
+
+    assert step_of(args).attention_kernel == KernelChoice("by_heads")  # train's option too
+    auto = PlanArgs.of(_build_parser().parse_args(["plan", "--model", "tiny"]))
+    assert step_of(auto).attention_kernel == KernelChoice("cudnn")  # auto: cuDNN's first
+    opts = options_from({"model": "tiny", "attention_kernel": "by_heads"})
+    from tiledmlp.train.step_request import step_request
+
+    assert step_request(opts).step.attention_kernel == KernelChoice("by_heads")

@@ -57,4 +57,5 @@ def plan_with_kernels(
 
 def _with_kernel(kwargs: dict[str, Any], kernel: str) -> dict[str, Any]:
     """plan_model's keyword arguments with the step planned for attention `kernel`."""
-    return {**kwargs, "step": dataclasses.replace(kwargs["step"], attention_kernel=kernel)}
+    step = dataclasses.replace(kwargs["step"], attention_kernel=KernelChoice(kernel))
+    return {**kwargs, "step": step}

@@ -39,6 +39,8 @@ def run_options(args: PlanArgs) -> Any:
         "num_tiles": str(args.num_tiles),
         "preflight": False,
     }
+    if args.attention_kernel.name != "auto":  # a named kernel is train's option too
+        values["attention_kernel"] = args.attention_kernel.name
     if args.sequence_parallel_size > 1:
         values["sequence_parallel_size"] = args.sequence_parallel_size
     try:

@@ -74,6 +74,7 @@ import torch
 from tiledmlp.config.patch import PatchConfig
 from tiledmlp.config.plan import StepSpec
 from tiledmlp.config.stacks import STACKS, stack_patch
+from tiledmlp.ops.attention.buffers import KernelChoice
 from tiledmlp.ops.offloading.host_memory import offload_bytes
 from tiledmlp.plan.device_overhead import DeviceOverhead, device_overhead
 from tiledmlp.plan.engines import ENGINES, GPUS_PER_NODE, check_engine, engine_memory
@@ -246,7 +247,7 @@ def _with_other_kernels(
     for kernel in kernels_to_try(config, longest, step, patch):
         logger.info("%s: with the %s attention kernel, above %s tokens", stack, kernel,
                     f"{longest:,}")  # fmt: skip
-        other = dataclasses.replace(step, attention_kernel=kernel)
+        other = dataclasses.replace(step, attention_kernel=KernelChoice(kernel))
         others[kernel] = _plan_stack(
             config, stack, patch, other, dataclasses.replace(search, above=longest), {}
         )
@@ -267,7 +268,7 @@ def _plan_stack(
     p = step.sequence_parallel_size
     local = dataclasses.replace(step, seq_len=step.seq_len // p)
     per_token = _all_to_all_bytes_per_token(config, p, step.dtype)
-    overhead = device_overhead(step.device_type, step.attention_kernel)
+    overhead = device_overhead(step.device_type, step.attention_kernel.name)
     # what a full device holds beyond the tensors' peak, by length: the attention buffers'
     # share and the reserve, the held blocks taken back before an allocation fails
     reserves: dict[int, tuple[int, int]] = {}

@@ -19,6 +19,7 @@ from typing import Any
 
 from tiledmlp.config.plan import StepSpec
 from tiledmlp.config.stacks import STACKS, stack_of
+from tiledmlp.ops.attention.buffers import KernelChoice
 from tiledmlp.ops.tiling.policy import TilePolicy
 from tiledmlp.train.options import TrainOptions
 
@@ -193,6 +194,6 @@ def step_request(opts: TrainOptions, where: Placement | None = None) -> StepRequ
         engine=where.engine,
         offload_params=where.offload_params,
         expandable_segments=where.expandable_segments,
-        attention_kernel="cudnn" if kernel == "auto" else kernel,
+        attention_kernel=KernelChoice("cudnn" if kernel == "auto" else kernel),
     )
     return StepRequest(model, stack, step)
