@@ -64,9 +64,8 @@ def test_auto_plans_flash_where_cudnn_fits_a_shorter_sequence() -> None:
 
     from tiledmlp.cli.plan_kernels import plan_with_kernels
     from tiledmlp.config.plan import StepSpec
-    from tiledmlp.plan.model import plan_model
-
     from tiledmlp.ops.attention.buffers import KernelChoice
+    from tiledmlp.plan.model import plan_model
 
     args = argparse.Namespace(attention_kernel=KernelChoice(), device="cuda", dtype="bfloat16",
                               seq_len=4096)  # fmt: skip
