@@ -131,7 +131,7 @@ def test_plan_parses_the_tile_policy_once_and_settles_the_budget_into_it() -> No
     args = parser.parse_args(["plan", "--tile-budget-gb", "2", "--sequence-parallel-size", "2"])
     request = PlanArgs.of(args)
     assert request.num_tiles == TilePolicy.budget(2.0)
-    assert request.sequence_parallel_size == 2 and request.dtype == "bfloat16"
+    assert request.sequence_parallel_size == 2 and request.dtype == "float32"  # train's
     assert args.num_tiles == TilePolicy()  # the parsed arguments are left as they were
     with pytest.raises(dataclasses.FrozenInstanceError):
         request.num_tiles = TilePolicy.of(4)  # type: ignore[misc]

@@ -63,7 +63,7 @@ def test_the_bottom_line_names_what_fits_a_card_and_the_command_that_runs_it(
         assert gib == pytest.approx(result["model"][stack]["per_gpu_mib"] / 1024, abs=0.01)
     assert line["fastest"] == "tiled_mlp_loss"
     assert line["train_command"] == (
-        f"tiledmlp train --model {config} --seq-len 65536 --dtype bfloat16"
+        f"tiledmlp train --model {config} --seq-len 65536 --dtype float32"
     )
     assert line["patch_model"] == "patch_model(model, tiled_loss=True)"
     assert "tiledmlp_tiled_loss: true" in line["axolotl"]

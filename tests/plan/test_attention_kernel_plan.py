@@ -64,9 +64,10 @@ def test_auto_plans_flash_where_cudnn_fits_a_shorter_sequence() -> None:
 
     from tiledmlp.cli.plan_kernels import plan_with_kernels
     from tiledmlp.config.plan import StepSpec
+    from tiledmlp.ops.attention.buffers import KernelChoice
     from tiledmlp.plan.model import plan_model
 
-    args = argparse.Namespace(attention_kernel="auto", device="cuda", dtype="bfloat16",
+    args = argparse.Namespace(attention_kernel=KernelChoice(), device="cuda", dtype="bfloat16",
                               seq_len=4096)  # fmt: skip
     kwargs = {"step": StepSpec(seq_len=4096, checkpointing=True),
               "budget_bytes": int(1.5 * 2**30), "stacks": ("tiled_mlp_loss_offload",)}  # fmt: skip

@@ -215,13 +215,12 @@ def test_cli_json_has_every_stack_and_max_seq_len(tmp_path) -> None:
     assert list(out["model"]) == list(STACKS)
     for entry in out["model"].values():
         assert set(entry["breakdown_mib"]) == {
-            "weights", "grads", "optimizer", "checkpoints", "activations", "loss", "recompute"
+            "weights", "grads", "optimizer", "checkpoints", "activations", "loss", "recompute",
+            "attention_backward", "cublas_workspace",  # the allocator's own, on a GPU
         }  # fmt: skip
         assert entry["peak_mib"] > 0 and entry["max_seq_len"] % 1024 == 0
         # the card's GiB hold the memory outside the allocator and workspaces beside the tensors
-        assert set(entry["device_overhead_breakdown_mib"]) == {
-            "outside_allocator", "cublas_workspace", "attention_backward", "allocator"
-        }  # fmt: skip
+        assert set(entry["device_overhead_breakdown_mib"]) == {"outside_allocator", "allocator"}
         assert entry["device_overhead_mib"] == pytest.approx(
             sum(entry["device_overhead_breakdown_mib"].values()), abs=0.3
         )
@@ -253,7 +252,7 @@ def test_cli_text_states_its_assumptions_in_aligned_gib_rows_with_progress(tmp_p
     start = next(i for i, line in enumerate(lines) if line.startswith("one training step"))
     assert lines[start].endswith("; assumes:")
     assumed = [line for line in lines[start + 1 :] if line.startswith("  - ")]
-    assert any(a.startswith("  - no optimizer state") for a in assumed), assumed
+    assert any(a.startswith("  - AdamW's two states per parameter") for a in assumed), assumed
     assert any(a.startswith("  - checkpointing off, except") for a in assumed), assumed
     assert all(len(line) <= 100 for line in lines[start : start + 1 + len(assumed)])
     assert "none optimizer" not in res.stdout

@@ -177,6 +177,11 @@ def _add_typed(group: Any, key: Key, text: str, default: Any) -> None:
     if key.kind == "flag":
         group.add_argument(key.flag, action="store_true", help=text.replace("%", "%%"))
         return
+    if key.kind == "bool":  # a switch alone is true, as train's flags read it
+        group.add_argument(key.flag, type=_parser(key), default=default, nargs="?",
+                           const=True, metavar=key.metavar or None,
+                           help=text.replace("%", "%%"))  # fmt: skip
+        return
     group.add_argument(
         key.flag,
         type=_parser(key),

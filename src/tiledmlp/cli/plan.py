@@ -13,12 +13,13 @@ import logging
 from typing import Any
 
 from tiledmlp.cli.common import UsageError
-from tiledmlp.cli.device_memory import GPUS
 from tiledmlp.cli.flags import add_config_flags
 from tiledmlp.cli.output import StderrHandler, show
 from tiledmlp.cli.plan_args import PlanArgs
 from tiledmlp.cli.plan_kernels import plan_with_kernels
 from tiledmlp.cli.plan_report import show_text
+from tiledmlp.cli.plan_request import model_config_of, model_request_of, step_of
+from tiledmlp.config.gpus import GPUS
 from tiledmlp.ops.tiling.values import check_positive_number
 
 __all__ = ["add_parser", "run"]
@@ -42,7 +43,8 @@ def add_parser(sub: Any) -> None:
             "With --budget-gb, the fewest tiles with which the MLP alone fits."
         ),
     )
-    groups = ("what to plan", "tiling", "the whole training step (with --model)", "output")
+    groups = ("what to plan", "tiling", "the whole training step (with --model)",
+              "the run's features (tiledmlp train's flags; with --model)", "output")  # fmt: skip
     where = {title: pl.add_argument_group(title) for title in groups}
     # every flag from PlanArgs' schema
     add_config_flags(where, PlanArgs)
@@ -80,9 +82,10 @@ def run(parsed: argparse.Namespace) -> int:
         result["model_name"] = args.model
     line = None
     if args.model is not None:
+        from tiledmlp.cli.plan_advice import replanner
         from tiledmlp.cli.plan_bottom_line import bottom_line
 
-        line = bottom_line(args, result["model"])
+        line = bottom_line(args, result["model"], replanner())
     if args.json:
         show(json.dumps(result if line is None else {**result, "bottom_line": line}))
         return 0
@@ -105,15 +108,14 @@ _NOT_ASKED = ("json", "verbose", "command", "argv", "gpu")  # flags that do not 
 def _cache_key(args: PlanArgs) -> str | None:
     """The plan's cache key: the model's configuration as written and every flag that changes
     the answer; None when the model's configuration cannot be read (load_config says why)."""
-    from tiledmlp.models.presets import PRESETS
-    from tiledmlp.plan.cache import cache_key, config_fields
+    from tiledmlp.plan.cache import cache_key
 
-    if args.model is None:
-        fields: dict[str, Any] | None = {"mlp": True}
-    else:
-        fields = config_fields(args.model, PRESETS)
-    if fields is None:
-        return None
+    fields: dict[str, Any] = {"mlp": True}
+    if args.model is not None:
+        model = model_request_of(args)
+        if model is None:
+            return None
+        fields = model.fields
     options = {k: v for k, v in sorted(args.asked().items()) if k not in _NOT_ASKED}
     options.pop("model", None)  # the configuration, not the name, decides the answer
     return cache_key("plan", fields, options)
@@ -148,10 +150,8 @@ def _check_flags(args: PlanArgs) -> None:
             check_positive_number(flag, value)
     whole = (
         ("--gradient-checkpointing", args.gradient_checkpointing),
-        (
-            "--optimizer",
-            args.optimizer != "none",
-        ),
+        ("--optimizer", args.optimizer != "adamw" and not args.offload_params),
+        ("the feature flags", args.run_stack is not None),
         ("--memory-gb", args.memory_gb is not None),
         ("--sequence-parallel-size", args.sequence_parallel_size != 1),
         ("--engine", args.engine != "ddp"),
@@ -206,7 +206,7 @@ def _shape(args: PlanArgs) -> tuple[Any, int, int]:
         hidden = 4096 if args.hidden is None else args.hidden
         intermediate = 14336 if args.intermediate is None else args.intermediate
     else:
-        from tiledmlp.plan.layer import load_config, mlp_shape
+        from tiledmlp.plan.layer import mlp_shape
 
         given = [f for f, v in (("--hidden", args.hidden), ("--intermediate", args.intermediate))
                  if v is not None]  # fmt: skip
@@ -215,28 +215,16 @@ def _shape(args: PlanArgs) -> tuple[Any, int, int]:
                 f"give --model or {' and '.join(given)}, not both: with --model the MLP shape "
                 "comes from the model's config"
             )
-        config = load_config(args.model)
+        config = model_config_of(args)
         hidden, intermediate = mlp_shape(config)
     return config, hidden, intermediate
 
 
 def _plan_model(args: PlanArgs, config: Any, dtype: Any) -> dict[str, Any]:
     """The decoder layer's and the whole model's figures (the keys --model adds to the JSON)."""
-    from tiledmlp.config.plan import StepSpec
     from tiledmlp.plan.layer import RoutedExperts, plan_layer
 
-    step = StepSpec(
-        seq_len=args.seq_len,
-        dtype=dtype,
-        checkpointing=args.gradient_checkpointing,
-        optimizer=args.optimizer,
-        num_tiles=args.num_tiles,
-        device_type=args.device,
-        sequence_parallel_size=args.sequence_parallel_size,
-        engine=args.engine,
-        offload_params=args.offload_params,
-        expandable_segments=args.expandable_segments,
-    )
+    step = step_of(args)
     try:
         layer = plan_layer(config, step)
     except RoutedExperts:  # one layer's figures are for dense MLPs; the step plans the experts
@@ -254,12 +242,11 @@ def _plan_model(args: PlanArgs, config: Any, dtype: Any) -> dict[str, Any]:
     )
     if args.measure:  # the estimates by length go on to the measurement's fit
         planner: Any = functools.partial(plan_model, known_peaks=known_peaks)
-    else:  # each stack from the cache where an earlier plan of this model made it
-        from tiledmlp.models.presets import PRESETS
-        from tiledmlp.plan.cache import config_fields
+    else:  # each stack from the cache where an earlier plan or pre-flight of this model made it
         from tiledmlp.plan.cached import plan_stacks
 
-        planner = functools.partial(plan_stacks, fields=config_fields(str(args.model), PRESETS))
+        model = model_request_of(args)
+        planner = functools.partial(plan_stacks, fields=None if model is None else model.fields)
     # the attention kernel's buffers: --attention-kernel (cli/plan_kernels.py)
     request: Any = args  # read by attribute, as the flags are named
     stacks = plan_with_kernels(planner, config, request, dtype.itemsize, options)

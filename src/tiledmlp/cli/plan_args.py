@@ -20,11 +20,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from tiledmlp.cli.common import DTYPE_CHOICES, UsageError, dtype_name, positive_int
-from tiledmlp.cli.device_memory import GPUS
 from tiledmlp.cli.flags import schema_key
+from tiledmlp.config.gpus import GPUS
 from tiledmlp.config.patch import PatchConfig
-from tiledmlp.config.schema import Key, option
-from tiledmlp.ops.attention.buffers import KERNEL_NAMES
+from tiledmlp.config.schema import Key, keys_of, option
+from tiledmlp.ops.attention.buffers import KERNEL_NAMES, KernelChoice
 from tiledmlp.ops.tiling.policy import TilePolicy
 
 __all__ = ["PlanArgs"]
@@ -90,6 +90,24 @@ def _measure_lengths(text: str) -> tuple[int, ...]:
     return values
 
 
+def _kernel(text: str) -> KernelChoice:
+    """--attention-kernel: auto or a kernel's name, parsed once into the one kernel type (plan's
+    auto is bounded by --memory-gb, not by auto:<GB>)."""
+    from tiledmlp.config.values import parse_attention_kernel
+
+    expected = f"expected auto or one of {', '.join(KERNEL_NAMES)}, got {text!r}"
+    try:
+        choice = parse_attention_kernel(text, "--attention-kernel")
+    except ValueError:
+        raise argparse.ArgumentTypeError(expected) from None
+    if choice.budget_bytes is not None:
+        raise argparse.ArgumentTypeError(
+            f"{expected}: plan's auto takes the kernel that fits the longest sequence within "
+            "--memory-gb"
+        )
+    return choice
+
+
 def _key(name: str, parse: Any, metavar: str = "", **kwargs: Any) -> Key:
     return Key(name, parse, metavar=metavar, kind=kwargs.pop("kind", "str"), **kwargs)
 
@@ -105,8 +123,40 @@ _TILES, _BUDGET, _SP = (schema_key(PatchConfig, k)[2] for k in ("num_tiles", "ti
                                                                   "sequence_parallel_size"))  # fmt: skip
 
 
+_RUN = "the run's features (tiledmlp train's flags; with --model)"
+_FEATURE_HELP = (
+    "as tiledmlp train: plan the stack the feature flags turn on (over train's defaults, the "
+    "tiled MLPs and the tiled loss), alone"
+)
+
+
+def _feature_keys() -> dict[str, Key]:
+    """PatchConfig's main key of each feature (use_tiled_mlp, tiled_loss, ...)."""
+    from tiledmlp.config.patch import FEATURES
+
+    found: dict[str, Key] = {}
+    for f, _, key in keys_of(PatchConfig):
+        if f.name in FEATURES and f.name not in found and key.ours and key.listed:
+            found[f.name] = key
+    return found
+
+
+_FEATURES = _feature_keys()
+# tiledmlp train's feature flags, one field each named by its key (no feature named here): they
+# name the run's stack
+_RunFeatures = dataclasses.make_dataclass(
+    "_RunFeatures",
+    [
+        (key.name, "bool | None", option(default=None, group=_RUN, help=_FEATURE_HELP, keys=(key,)))
+        for key in _FEATURES.values()
+    ],
+    frozen=True,
+    kw_only=True,
+)
+
+
 @dataclass(frozen=True, kw_only=True)
-class PlanArgs:
+class PlanArgs(_RunFeatures):  # type: ignore[misc,valid-type]
     """What `tiledmlp plan` was asked: each field is declared once with its flag's key,
     parser, help, default and section of `plan --help` (config/schema.py), the tiling ones
     with PatchConfig's own keys; cli/plan.py makes the flags from them."""
@@ -138,9 +188,9 @@ class PlanArgs:
         keys=(_key("seq_len", _POSITIVE, kind="int"),),
     )
     dtype: str = option(  # the torch dtype's name, once `of` has read the spelling
-        default="bfloat16",
+        default="float32",
         group=_WHAT,
-        help="dtype (default: bfloat16)",
+        help="dtype of the weights and activations (default: float32, as tiledmlp train)",
         keys=(_key("dtype", _text, choices=DTYPE_CHOICES),),
     )
     num_tiles: TilePolicy = option(  # noqa: RUF009 (option() returns a dataclasses.field)
@@ -173,15 +223,16 @@ class PlanArgs:
         default=False,
         group=_WHOLE,
         help="the model's own non-reentrant checkpointing for every stack (default: only the "
-        "offloading stacks, which need it)",
-        keys=(_flag("gradient_checkpointing"),),
+        "offloading stacks, which need it, as tiledmlp train requires)",
+        keys=(_key("gradient_checkpointing", _argtype(_true_false), "true|false", kind="bool"),),
     )
-    optimizer: str = option(
-        default="none",
+    optimizer: str = option(  # None on the command line: train's, by the engine
+        default=None,
         group=_WHOLE,
-        help="optimizer state counted on the device: none (not counted), adamw (two states per "
-        "parameter, in its dtype), cpu-offload (states on the host, gradients on the device) "
-        "(default: none)",
+        help="the optimizer's state: adamw (AdamW's two states per parameter on the device, "
+        "as tiledmlp train steps), cpu-offload (states and update on the host, as a ZeRO-3 or "
+        "FSDP2 run that offloads them), none (a forward and backward only: no optimizer "
+        "state) (default: as tiledmlp train: adamw, cpu-offload with --offload-params)",
         keys=(_key("optimizer", _text, choices=("none", "adamw", "cpu-offload")),),
     )
     memory_gb: float | None = option(
@@ -242,13 +293,13 @@ class PlanArgs:
         "reserve beyond the tensors depends on it (default: true)",
         keys=(_key("expandable_segments", _argtype(_true_false), "true|false", kind="bool"),),
     )
-    attention_kernel: str = option(
-        default="auto",
+    attention_kernel: KernelChoice = option(  # noqa: RUF009 (option() returns a dataclasses.field)
+        default_factory=KernelChoice,
         group=_WHOLE,
         help="the attention kernel whose buffers the step is planned with: auto (cuDNN, "
         "SDPA's choice on Hopper, unless another kernel (by_heads: the attention by head "
         "groups) fits a longer sequence within --memory-gb), or one kernel (default: auto)",
-        keys=(_key("attention_kernel", _text, choices=("auto", *KERNEL_NAMES)),),
+        keys=(_key("attention_kernel", _argtype(_kernel), "|".join(("auto", *KERNEL_NAMES))),),
     )
     measure: bool = option(
         default=False,
@@ -276,6 +327,7 @@ class PlanArgs:
     json: bool = option(
         default=False, group="output", help="print one JSON object", keys=(_flag("json"),)
     )
+    run_stack: str | None = None  # the stack the feature flags name, if given
 
     @classmethod
     def of(cls, args: argparse.Namespace) -> PlanArgs:
@@ -290,6 +342,16 @@ class PlanArgs:
         values["dtype"] = dtype_name(args.dtype)
         values["num_tiles"] = _tiles(args.num_tiles, args.tile_budget_gb)
         values["tile_budget_gb"] = None  # one policy: num_tiles
+        if values.get("optimizer") is None:  # train's: AdamW, on the host with the params
+            values["optimizer"] = "cpu-offload" if args.offload_params else "adamw"
+        values["run_stack"] = _run_stack(args)
+        if values["run_stack"] is not None:
+            if values.get("stacks") not in (None, (values["run_stack"],)):
+                raise UsageError(
+                    f"the feature flags name the stack {values['run_stack']}; --stacks "
+                    f"{','.join(values['stacks'])} names others: give one"
+                )
+            values["stacks"] = (values["run_stack"],)
         if values.get("measure_lengths") is None:
             cpu = args.device == "cpu"
             values["measure_lengths"] = (512, 1024, 2048) if cpu else (8192, 16384, 32768)
@@ -310,3 +372,27 @@ def _tiles(num_tiles: TilePolicy, budget: TilePolicy | None) -> TilePolicy:
             f"(--tile-budget-gb GB is --num-tiles target:GB)"
         )
     return budget
+
+
+def _run_stack(args: argparse.Namespace) -> str | None:
+    """The stack of the feature flags given (over tiledmlp train's defaults), or None."""
+    from tiledmlp.config.stacks import stack_of
+    from tiledmlp.train.options import train_patch
+
+    given = {
+        field: bool(getattr(args, key.name))
+        for field, key in _FEATURES.items()
+        if getattr(args, key.name, None) is not None
+    }
+    if not given:
+        return None
+    try:
+        patch = train_patch(given)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    stack = stack_of(patch)
+    if stack is None:
+        raise UsageError(
+            "the feature flags given are no stack the planner knows; see --stacks for the stacks"
+        )
+    return stack

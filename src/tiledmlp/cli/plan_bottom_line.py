@@ -11,12 +11,15 @@ host memory per node within the RAM available.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import shlex
 import textwrap
 from typing import Any
 
 from tiledmlp.cli.device_memory import Memory, gpu_memory, here
 from tiledmlp.cli.output import show
+from tiledmlp.cli.plan_advice import Replan, alternatives, needs_gib
 from tiledmlp.cli.plan_args import PlanArgs
 from tiledmlp.cli.stack_command import axolotl_keys, patch_call, train_flags
 from tiledmlp.plan import stack_speed
@@ -43,17 +46,44 @@ def _memory(args: PlanArgs) -> Memory | None:
     return found
 
 
-def bottom_line(args: PlanArgs, stacks: dict[str, Any]) -> dict[str, Any]:
+def bottom_line(
+    args: PlanArgs, stacks: dict[str, Any], replan: Replan | None = None
+) -> dict[str, Any]:
     """The bottom line as a dict (the JSON's "bottom_line"): memory_gib and what it is, fits
     and does_not_fit (stack -> GiB per GPU), host_gib of each stack that keeps host memory,
     ram_gib (this machine's available RAM), fastest, its train command, patch_model call and
     axolotl keys; without a GPU here, --gpu or --memory-gb, an H100 80GB is what it is judged
-    against (and says so); "memory_gib" None only where no memory is known. With
-    --device cpu a stack's figure is its device and host memory together (one RAM)."""
+    against (and says so), and "here" holds the same judgement for this machine's CPU and RAM;
+    where no stack fits, "would_fit" lists the changes the planner found to fit (cli/
+    plan_advice.py); "memory_gib" None only where no memory is known. With --device cpu a
+    stack's figure is its device and host memory together (one RAM). `replan` plans other
+    requests (for "here" and "would_fit"; None: neither is planned)."""
     from tiledmlp.process_memory import available_ram_bytes
 
     memory = _memory(args)
     ram = available_ram_bytes()
+    line = _judged(args, stacks, memory, ram)
+    if memory is None or replan is None:
+        return line
+    card = args.gpu if args.gpu is not None else (None if memory.here else _DEFAULT_GPU)
+    if line["fastest"] is None:
+        line["would_fit"] = [
+            {"what": a["what"], "stack": a["stack"], "gib": a["gib"],
+             "train_command": _train_command(a["args"], a["stack"]),
+             **({"deepspeed_config": _deepspeed_config(a["args"])}
+                if a["args"].engine == "zero3" else {})}
+            for a in alternatives(args, memory.gib, card, replan)
+        ]  # fmt: skip
+    if args.gpu is None and args.memory_gb is None and not memory.here:  # no GPU here
+        cpu = dataclasses.replace(args, device="cpu")
+        line["here"] = _here(cpu, replan, ram)
+    return line
+
+
+def _judged(
+    args: PlanArgs, stacks: dict[str, Any], memory: Memory | None, ram: int | None
+) -> dict[str, Any]:
+    """The stacks `stacks` judged against `memory` (bottom_line's keys but "here")."""
     line: dict[str, Any] = {
         "memory_gib": None if memory is None else round(memory.gib, 2),
         "memory": None if memory is None else memory.what,
@@ -66,13 +96,11 @@ def bottom_line(args: PlanArgs, stacks: dict[str, Any]) -> dict[str, Any]:
     }
     if memory is None:
         return line
-    need = {s: e["per_gpu_mib"] / _GIB for s, e in stacks.items()}
-    if args.device == "cpu":  # the host memory a stack keeps is the same RAM
-        need = {s: gib + stacks[s].get("host_per_node_mib", 0.0) / _GIB for s, gib in need.items()}
+    need = {s: needs_gib(args, e) for s, e in stacks.items()}
     host_short = {
         s
         for s, gib in line["host_gib"].items()
-        if memory.here and ram is not None and gib * 2**30 > ram
+        if memory.here and args.device != "cpu" and ram is not None and gib * 2**30 > ram
     }
     fits = [s for s in stacks if need[s] <= memory.gib and s not in host_short]
     line["fits"] = {s: round(need[s], 2) for s in fits}
@@ -80,11 +108,49 @@ def bottom_line(args: PlanArgs, stacks: dict[str, Any]) -> dict[str, Any]:
     line["host_short"] = sorted(host_short)
     best = stack_speed.fastest(fits)
     line["fastest"] = best
+    longest = {s: e["max_seq_len"] for s, e in stacks.items() if e.get("max_seq_len")}
+    if best is None and longest:  # the search found shorter lengths that fit
+        stack = max(longest, key=lambda s: longest[s])
+        line["longest_that_fits"] = {"stack": stack, "seq_len": longest[stack]}
     if best is not None:
         line["train_command"] = _train_command(args, best)
         line["patch_model"] = patch_call(best, _patch_extra(args))
         line["axolotl"] = axolotl_keys(best)
+        if args.engine == "zero3":
+            line["deepspeed_config"] = _deepspeed_config(args)
     return line
+
+
+def _here(cpu: PlanArgs, replan: Replan, ram: int | None) -> dict[str, Any]:
+    """What fits this machine's RAM, planned for its CPU: the stacks that keep nothing on the
+    host first, the others only where one of those fits (on the CPU offloading moves memory
+    within the same RAM)."""
+    memory = here("cpu")
+    if memory is None:
+        return {"memory_gib": None}
+    asked = _asked(cpu)
+    first = tuple(s for s in ("tiled_layer",) if s in asked)  # the least, on the CPU too
+    planned = replan(cpu, first or asked)
+    if any(needs_gib(cpu, e) <= memory.gib for e in planned.values()):
+        rest = tuple(s for s in asked if s not in planned)
+        planned = {**planned, **(replan(cpu, rest) if rest else {})}
+    return _judged(cpu, {s: planned[s] for s in asked if s in planned}, memory, ram)
+
+
+def _asked(args: PlanArgs) -> tuple[str, ...]:
+    from tiledmlp.config.stacks import STACKS
+
+    return STACKS if args.stacks is None else args.stacks
+
+
+def _deepspeed_config(args: PlanArgs) -> dict[str, Any]:
+    """The DeepSpeed config a ZeRO-3 plan's command names (--deepspeed ZERO3.json)."""
+    zero: dict[str, Any] = {"stage": 3}
+    if args.offload_params:
+        zero["offload_param"] = {"device": "cpu"}
+    if args.optimizer == "cpu-offload":
+        zero["offload_optimizer"] = {"device": "cpu"}
+    return {"zero_optimization": zero}
 
 
 def _patch_extra(args: PlanArgs) -> dict[str, Any]:
@@ -96,13 +162,24 @@ def _patch_extra(args: PlanArgs) -> dict[str, Any]:
     return extra
 
 
+ZERO3_FILE = "ZERO3.json"  # the DeepSpeed config a ZeRO-3 command names ("deepspeed_config")
+
+
 def _train_command(args: PlanArgs, stack: str) -> str:
-    """The `tiledmlp train` command of `stack` for the planned run (torchrun where it shards)."""
+    """The `tiledmlp train` command of `stack` for the planned run (torchrun where it shards):
+    every assumption of the plan that changes its memory, so that its pre-flight plans the
+    same step and judges it against the same memory (--gpu CARD where a card not here was
+    judged, --memory-gb where it was given)."""
     p = args.sequence_parallel_size
     words = ["tiledmlp", "train"]
     if p > 1 or args.engine != "ddp":
         words = ["torchrun", f"--nproc_per_node={p}", "-m", "tiledmlp", "train"]
     words += ["--model", str(args.model), "--seq-len", str(args.seq_len), "--dtype", args.dtype]
+    memory = _memory(args)
+    if args.memory_gb is not None:
+        words += ["--memory-gb", f"{args.memory_gb:g}"]
+    elif args.device != "cpu" and memory is not None and not memory.here:
+        words += ["--gpu", args.gpu or _DEFAULT_GPU]
     flags = train_flags(stack)
     if args.gradient_checkpointing and "--gradient-checkpointing" not in flags:
         words.append("--gradient-checkpointing")
@@ -111,15 +188,18 @@ def _train_command(args: PlanArgs, stack: str) -> str:
         words += ["--num-tiles", str(args.num_tiles)]
     if p > 1:
         words += ["--sequence-parallel-size", str(p)]
+    if args.attention_kernel.name != "auto":  # its buffers were planned
+        words += ["--attention-kernel", args.attention_kernel.name]
     if args.engine == "fsdp2":
         words += ["--fsdp", "full_shard"]
     elif args.engine == "zero3":
-        words += ["--deepspeed", "ZERO3_CONFIG.json"]
+        words += ["--deepspeed", ZERO3_FILE]
     return shlex.join(words)
 
 
 def show_bottom_line(args: PlanArgs, line: dict[str, Any]) -> None:
-    """The bottom line's text, after the report."""
+    """The bottom line's text, after the report: what fits here first where this machine has
+    no GPU, then the card's line, labelled as the card's."""
     if line["memory_gib"] is None:
         _wrapped(
             "bottom line: no GPU here to judge the stacks by; name the card with --gpu "
@@ -128,21 +208,54 @@ def show_bottom_line(args: PlanArgs, line: dict[str, Any]) -> None:
         )
         _show_host(line, None)
         return
+    here_line = line.get("here")
+    if here_line is not None and here_line.get("memory_gib") is not None:
+        _show_judged(dataclasses.replace(args, device="cpu"), here_line, "here: ")
+        _wrapped(
+            "on the card (not this machine; the same step planned for the card's CUDA "
+            "kernels and overheads):",
+            first="",
+        )
+    _show_judged(args, line, "")
+
+
+def _show_judged(args: PlanArgs, line: dict[str, Any], label: str) -> None:
+    """One memory's judgement: what fits, the fastest and its command, or what would fit."""
     fits = ", ".join(f"{s} {g:,.1f}" for s, g in line["fits"].items()) or "none"
     short = ", ".join(f"{s} {g:,.1f}" for s, g in line["does_not_fit"].items()) or "none"
+    per = (
+        "GiB, device and host" if args.device == "cpu" else "GiB per GPU, with the device overhead"
+    )
     _wrapped(
-        f"bottom line for {line['memory']}, {args.seq_len:,} tokens (GiB per GPU, with the "
-        f"device overhead): fits: {fits}; does not fit: {short}",
+        f"{label}bottom line for {line['memory']}, {args.seq_len:,} tokens ({per}): fits: "
+        f"{fits}; does not fit: {short}",
         first="",
     )
     best = line["fastest"]
     if best is None:
         least = min(line["does_not_fit"].items(), key=lambda kv: kv[1])
         _wrapped(
-            f"no stack fits: the least is {least[0]}, {least[1] - line['memory_gib']:,.1f} GiB "
-            "over; shorten --seq-len, or split the sequence over GPUs (--sequence-parallel-size)"
-            + ("" if args.memory_gb is not None else "; --memory-gb GiB finds each stack's longest")
+            f"no stack fits: the least is {least[0]}, {least[1] - line['memory_gib']:,.1f} GiB over"
         )
+        longest = line.get("longest_that_fits")
+        if longest is not None:
+            _wrapped(
+                f"a shorter sequence fits: {longest['stack']} up to --seq-len "
+                f"{longest['seq_len']} (the search above)"
+            )
+        would = line.get("would_fit")
+        if would:
+            _wrapped(f"what the planner finds to fit {args.seq_len:,} tokens, each planned:")
+            for a in would:
+                _wrapped(f"- {a['what']}: {a['stack']} {a['gib']:,.1f} GiB", first="    ")
+                show(f"      run it:  {a['train_command']}")
+                if "deepspeed_config" in a:
+                    show(f"        with {ZERO3_FILE}:  {json.dumps(a['deepspeed_config'])}")
+        elif would is not None:
+            _wrapped(
+                "nothing the planner tried fits (bfloat16, ZeRO-3 with offload, the sequence "
+                "over up to 8 GPUs, a larger card)"
+            )
     else:
         ratio = stack_speed.time_ratio(best)
         _wrapped(
@@ -150,6 +263,13 @@ def show_bottom_line(args: PlanArgs, line: dict[str, Any]) -> None:
             f"measured on {stack_speed.SOURCE_TEXT}; {stack_speed.SOURCE})"
         )
         show(f"  run it:  {line['train_command']}")
+        if "deepspeed_config" in line:
+            show(f"    with {ZERO3_FILE}:  {json.dumps(line['deepspeed_config'])}")
+        if args.optimizer == "none":
+            _wrapped(
+                "planned without optimizer state (--optimizer none): that command steps AdamW, "
+                "and its pre-flight counts the states"
+            )
         show(f"  or in Python:  {line['patch_model'] or 'nothing to patch (untiled)'}")
         show(f"  or axolotl:  {'; '.join(line['axolotl']) or 'no tiledmlp keys (untiled)'}")
     _show_host(line, best)

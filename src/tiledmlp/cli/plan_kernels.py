@@ -24,7 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 from tiledmlp.cli.common import UsageError
-from tiledmlp.ops.attention.buffers import unusable
+from tiledmlp.ops.attention.buffers import KernelChoice, unusable
 from tiledmlp.plan.kernel_choice import attention_shape
 
 __all__ = ["plan_with_kernels"]
@@ -43,7 +43,7 @@ def plan_with_kernels(
     Raises:
         UsageError: a named kernel the planned device or dtype cannot run.
     """
-    choice = getattr(args, "attention_kernel", "auto")
+    choice = getattr(args, "attention_kernel", KernelChoice()).name
     device, dtype = args.device, args.dtype
     if choice != "auto":
         why = unusable(choice, attention_shape(config, args.seq_len, itemsize), device, dtype)
@@ -57,4 +57,5 @@ def plan_with_kernels(
 
 def _with_kernel(kwargs: dict[str, Any], kernel: str) -> dict[str, Any]:
     """plan_model's keyword arguments with the step planned for attention `kernel`."""
-    return {**kwargs, "step": dataclasses.replace(kwargs["step"], attention_kernel=kernel)}
+    step = dataclasses.replace(kwargs["step"], attention_kernel=KernelChoice(kernel))
+    return {**kwargs, "step": step}

@@ -65,8 +65,9 @@ def _tiles(policy: object, tiles: int) -> str:
 
 
 _OPTIMIZER_TEXT = {
-    "none": "no optimizer state (--optimizer adamw or cpu-offload counts it)",
-    "adamw": "AdamW's two states per parameter on the device",
+    "none": "no optimizer state: a forward and backward only (tiledmlp train steps AdamW; drop "
+    "--optimizer none to count it)",
+    "adamw": "AdamW's two states per parameter on the device, as tiledmlp train steps",
     "cpu-offload": "optimizer state on the host, gradients on the device",
 }
 
@@ -142,7 +143,7 @@ def _show_model(args: PlanArgs, stacks: dict[str, Any]) -> None:
 
 def _kernel_text(args: PlanArgs) -> str:
     """Whose attention buffers the plan counts (--attention-kernel)."""
-    kernel = getattr(args, "attention_kernel", "auto")
+    kernel = args.attention_kernel.name
     if kernel == "auto":
         return "cuDNN attention's, or another kernel's where it fits a longer sequence,"
     return f"the {kernel} attention kernel's"

@@ -5,9 +5,12 @@ cgroup's limit (or --memory-gb). A run that cannot fit is refused in one line th
 much and what fits (another stack at this length, or the longest length that fits); one within
 10% of the memory gets a note; a sequence past the model's max_position_embeddings gets a note.
 
-The figure is one stack at one length (plan/cached.py): read from the plan cache where an
-earlier plan or run of the same configuration and options made it, else planned once (one
-estimate) and kept. The other stacks and the longest length are planned only for a refusal.
+The run is planned as the request train/step_request.py builds from its options (the one
+`tiledmlp plan` builds from the same flags: the same figure). --gpu CARD plans and judges it
+for that card's whole memory, as `plan --gpu` does. The figure is one stack at one length
+(plan/cached.py): read from the plan cache where an earlier plan or run of the same
+configuration and options made it, else planned once and kept. The other stacks and the
+longest length are planned only for a refusal.
 
 Invariant: a run the planner cannot describe exactly (a stack it does not know, fp16 mixed
 precision, batches above 1, DeepSpeed below ZeRO-3, sharding over more GPUs than the sequence
@@ -16,16 +19,15 @@ is split over) is not judged: a note says so and the run goes on.
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import logging
 import os
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-from tiledmlp.config.stacks import STACK_PATCHES, STACKS, stack_of
+from tiledmlp.config.stacks import STACK_PATCHES, STACKS
 from tiledmlp.train.launch import Launch
 from tiledmlp.train.options import TrainOptions
 
@@ -60,24 +62,26 @@ class _Request:
 
 def preflight(opts: TrainOptions, launch: Launch) -> None:
     """The pre-flight (module docstring); raises ValueError for a run that cannot fit."""
+    from tiledmlp.train.step_request import Unplanned, model_request
+
     if not opts.preflight:
         return
     start = time.perf_counter()
-    fields, load = _model(opts)
-    if fields is not None:
-        _position_note(opts, fields)
+    model = model_request(opts.model, opts.seq_len)
+    if model is not None:
+        _position_note(opts, model.fields)
+    card = opts.gpu is not None
+    launch = dataclasses.replace(launch, cuda=True) if card else launch
     try:
-        if fields is None:
-            raise _Skip(f"no configuration of --model {opts.model} to plan from")
-        request = _Request(fields, load, _stack(opts), _options(opts, launch))
+        request = _request(opts, launch)
         memory, what = _memory(opts, launch)
         entry = _plan(request, (request.stack,))[request.stack]
-    except _Skip as e:
+    except (_Skip, Unplanned) as e:
         _say(f"pre-flight skipped: {e}")
         return
-    free_read = launch.cuda and opts.memory_gb is None
+    free_read = launch.cuda and opts.memory_gb is None and not card
     need, host = _needs(entry, launch, free_read)
-    ram = _ram()
+    ram = None if card else _ram()  # planned for another machine: this RAM is not its
     host_short = host > 0 and launch.cuda and ram is not None and host > ram
     elapsed = time.perf_counter() - start
     if need > memory or host_short:
@@ -95,44 +99,29 @@ def preflight(opts: TrainOptions, launch: Launch) -> None:
     )  # fmt: skip
 
 
-def _model(opts: TrainOptions) -> tuple[dict[str, Any] | None, Any]:
-    """(what identifies the model's configuration, a loader of it), or (None, None) where it
-    cannot be read without loading the model (a Hub id not in the local cache)."""
-    from tiledmlp.models.presets import PRESETS, preset_fields
+def _request(opts: TrainOptions, launch: Launch) -> _Request:
+    """The run's request (train/step_request.py) with its loader and plan_model's options."""
+    from tiledmlp.train.step_request import placement_of, step_request
 
-    name = opts.model
-    if name in PRESETS:
-        from tiledmlp.train.tokenizer import VOCAB_SIZE
+    where = placement_of(opts, cuda=launch.cuda, engine=launch.engine, world=launch.world)
+    asked = step_request(opts, where)
+    return _Request(asked.model.fields, model_loader(asked.model), asked.stack,
+                    {"step": asked.step})  # fmt: skip
 
-        values = preset_fields(name, VOCAB_SIZE, opts.seq_len)
 
-        def build() -> Any:
-            from tiledmlp.models.build import llama_config
-
-            return llama_config(**values)
-
-        return {"train_preset": values}, build
-    path = Path(name)
-    file = path / "config.json" if path.is_dir() else path
-    if not file.is_file():  # a Hub id: its cached config.json, if any
-        from huggingface_hub import try_to_load_from_cache
-
-        found = try_to_load_from_cache(name, "config.json")
-        if not isinstance(found, str):
-            return None, None
-        file = Path(found)
-    from tiledmlp.plan.cache import config_fields
-
-    fields = config_fields(str(file), {})
-    if fields is None:
-        return None, None
+def model_loader(model: Any) -> Any:
+    """A function of no arguments that gives the transformers config of a ModelRequest."""
 
     def load() -> Any:
+        if model.preset is not None:
+            from tiledmlp.models.build import llama_config
+
+            return llama_config(**model.preset)
         from tiledmlp.plan.layer import load_config
 
-        return load_config(str(file))
+        return load_config(str(model.file))
 
-    return fields, load
+    return load
 
 
 def _position_note(opts: TrainOptions, fields: dict[str, Any]) -> None:
@@ -160,80 +149,15 @@ def _position_note(opts: TrainOptions, fields: dict[str, Any]) -> None:
     )
 
 
-def _stack(opts: TrainOptions) -> str:
-    """The planner's stack that this run's features are."""
-    from tiledmlp.config.patch import FEATURES
-
-    stack = stack_of(opts.patch)
-    if stack is None:
-        on = {f for f in FEATURES if getattr(opts.patch, f)}
-        raise _Skip(
-            f"the planner knows the stacks {', '.join(STACKS)}; this run's features "
-            f"({', '.join(sorted(on))}) are not one of them"
-        )
-    return stack
-
-
-def _options(opts: TrainOptions, launch: Launch) -> dict[str, Any]:
-    """plan_model's options for this run."""
-    import torch
-
-    from tiledmlp.allocator import allocator_setting
-    from tiledmlp.config.plan import StepSpec
-    from tiledmlp.ops.tiling.policy import TilePolicy
-
-    if opts.dtype == "float16":
-        raise _Skip("fp16 mixed precision (float32 weights, float16 activations) is not planned")
-    if opts.per_device_train_batch_size != 1:
-        raise _Skip("the planner plans batches of one sequence")
-    p = opts.sequence_parallel_size
-    engine, optimizer, offload = "ddp", "adamw", False
-    if launch.engine == "fsdp2":
-        engine = "fsdp2"
-    elif launch.engine == "deepspeed":
-        engine, optimizer, offload = _deepspeed(opts)
-    if engine != "ddp" and launch.world != p:
-        raise _Skip(
-            f"the planner shards over the {p} GPU(s) the sequence is split over; this run "
-            f"shards over {launch.world}"
-        )
-    step = StepSpec(
-        seq_len=opts.seq_len,
-        dtype=getattr(torch, opts.dtype),
-        checkpointing=opts.gradient_checkpointing,
-        optimizer=optimizer,
-        num_tiles=opts.patch.tiles if opts.patch is not None else TilePolicy(),
-        device_type="cuda" if launch.cuda else "cpu",
-        sequence_parallel_size=p,
-        engine=engine,
-        offload_params=offload,
-        expandable_segments="expandable_segments:True"
-        in allocator_setting()["value"].replace(" ", ""),
-    )
-    return {"step": step}
-
-
-def _deepspeed(opts: TrainOptions) -> tuple[str, str, bool]:
-    """(engine, optimizer, offload_params) of the run's DeepSpeed config: ZeRO-3 only."""
-    try:
-        zero = json.loads(Path(str(opts.deepspeed)).read_text()).get("zero_optimization", {})
-    except (OSError, ValueError, AttributeError):
-        raise _Skip(f"--deepspeed {opts.deepspeed} could not be read as JSON") from None
-    if not isinstance(zero, dict) or zero.get("stage") != 3:
-        raise _Skip("the planner plans DeepSpeed's ZeRO-3 only")
-
-    def on_cpu(key: str) -> bool:
-        part = zero.get(key)
-        return isinstance(part, dict) and part.get("device") in ("cpu", "nvme")
-
-    optimizer = "cpu-offload" if on_cpu("offload_optimizer") else "adamw"
-    return "zero3", optimizer, on_cpu("offload_param")
-
-
 def _memory(opts: TrainOptions, launch: Launch) -> tuple[int, str]:
     """(bytes, what they are) the run is checked against."""
     if opts.memory_gb is not None:
         return int(opts.memory_gb * _GIB), f"--memory-gb {opts.memory_gb:g}"
+    if opts.gpu is not None:
+        from tiledmlp.config.gpus import GPUS
+
+        card = GPUS[opts.gpu]
+        return int(card.gib * _GIB), f"{card.name} (--gpu {opts.gpu})"
     if launch.cuda:
         import torch
 

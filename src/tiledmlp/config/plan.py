@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tiledmlp.ops.attention.buffers import KernelChoice
 from tiledmlp.ops.tiling.policy import TilePolicy
 from tiledmlp.ops.tiling.values import check_int
 
@@ -46,8 +47,9 @@ class StepSpec:
         offload_params: the engine keeps its parameter and gradient shards on the host.
         sequence_parallel_size: P > 1: Ulysses sequence parallelism over P GPUs.
         expandable_segments: the CUDA caching allocator's setting the step runs with.
-        attention_kernel: the kernel whose backward buffers a GPU's attention calls get
-            ("cudnn", SDPA's choice on Hopper; ops/attention/buffers.py).
+        attention_kernel: the kernel whose backward buffers a GPU's attention calls get, a
+            KernelChoice of one kernel (a name is taken too; "cudnn", SDPA's choice on Hopper;
+            ops/attention/buffers.py).
     """
 
     seq_len: int
@@ -61,9 +63,18 @@ class StepSpec:
     offload_params: bool = False
     sequence_parallel_size: int = 1
     expandable_segments: bool = True
-    attention_kernel: str = "cudnn"
+    attention_kernel: KernelChoice = KernelChoice("cudnn")  # noqa: RUF009 (frozen: shared safely)
 
     def __post_init__(self) -> None:
+        kernel = self.attention_kernel
+        if not isinstance(kernel, KernelChoice):  # a kernel's name, typed once here
+            object.__setattr__(self, "attention_kernel", KernelChoice(str(kernel)))
+        if self.attention_kernel.name == "auto":
+            raise ValueError(
+                "a step is planned with one attention kernel: cudnn, by_heads, flash, efficient "
+                "or math, not auto (plan's auto plans each and keeps the longest: "
+                "cli/plan_kernels.py)"
+            )
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(
                 f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}"

@@ -15,7 +15,10 @@ __all__ = [
     "closest_preset",
     "default_learning_rate",
     "preset_fields",
+    "trained_fields",
 ]
+
+BYTE_VOCAB_SIZE = 258  # `tiledmlp train`'s byte tokenizer: 256 bytes, BOS and EOS
 
 # name -> LlamaConfig fields. "tiny" trains in a couple of minutes on a 2-core CPU with an MLP
 # large enough (intermediate 4 x hidden) that its intermediates dominate activation memory.
@@ -96,3 +99,9 @@ def preset_fields(name: str, vocab_size: int, seq_len: int) -> dict[str, Any]:
         "pad_token_id": 257,
         **{k: v for k, v in PRESETS[name].items() if k != "vocab_size"},
     }
+
+
+def trained_fields(name: str, seq_len: int) -> dict[str, Any]:
+    """The LlamaConfig fields of the model `tiledmlp train --model NAME` builds at `seq_len`
+    (its byte tokenizer's vocabulary): what `plan` and the pre-flight plan for a preset."""
+    return preset_fields(name, BYTE_VOCAB_SIZE, seq_len)

@@ -74,6 +74,7 @@ import torch
 from tiledmlp.config.patch import PatchConfig
 from tiledmlp.config.plan import StepSpec
 from tiledmlp.config.stacks import STACKS, stack_patch
+from tiledmlp.ops.attention.buffers import KernelChoice
 from tiledmlp.ops.offloading.host_memory import offload_bytes
 from tiledmlp.plan.device_overhead import DeviceOverhead, device_overhead
 from tiledmlp.plan.engines import ENGINES, GPUS_PER_NODE, check_engine, engine_memory
@@ -246,7 +247,7 @@ def _with_other_kernels(
     for kernel in kernels_to_try(config, longest, step, patch):
         logger.info("%s: with the %s attention kernel, above %s tokens", stack, kernel,
                     f"{longest:,}")  # fmt: skip
-        other = dataclasses.replace(step, attention_kernel=kernel)
+        other = dataclasses.replace(step, attention_kernel=KernelChoice(kernel))
         others[kernel] = _plan_stack(
             config, stack, patch, other, dataclasses.replace(search, above=longest), {}
         )
@@ -267,7 +268,7 @@ def _plan_stack(
     p = step.sequence_parallel_size
     local = dataclasses.replace(step, seq_len=step.seq_len // p)
     per_token = _all_to_all_bytes_per_token(config, p, step.dtype)
-    overhead = device_overhead(step.device_type, step.attention_kernel)
+    overhead = device_overhead(step.device_type, step.attention_kernel.name)
     # what a full device holds beyond the tensors' peak, by length: the attention buffers'
     # share and the reserve, the held blocks taken back before an allocation fails
     reserves: dict[int, tuple[int, int]] = {}
@@ -311,11 +312,32 @@ def _plan_stack(
     return entry
 
 
+# the overhead's terms that go through the caching allocator: the card counts them allocated
+_ALLOCATED_TERMS = ("attention_backward", "cublas_workspace")
+
+
 def _device_entry(est: StepEstimate, overhead: DeviceOverhead) -> dict[str, Any]:
-    """A stack's device figures: the estimate's and the overhead's on a full card."""
+    """A stack's device figures on a full card, in the card's categories: "peak_mib" what the
+    caching allocator hands out at the peak (max_memory_allocated: the tensors, the attention
+    backward's buffers at their moment, the cuBLAS workspaces; "breakdown_mib" by part),
+    "reserved_mib" what it holds then (max_memory_reserved: with its reserve), and
+    "device_overhead_mib" what the process holds beyond the allocated peak (the reserve and
+    the memory outside the allocator; by term in "device_overhead_breakdown_mib")."""
     # the card's figure when it is full: the held blocks come back (reclaimable_mib below)
     beyond = (est.full_card_reserve, est.attention)
-    entry = {**est.as_json(), **overhead.as_json(*beyond)}
+    terms = overhead.terms(*beyond)
+    through = {k: terms.pop(k) for k in _ALLOCATED_TERMS}
+    entry = est.as_json()
+    allocated = est.peak + sum(through.values())
+    entry["peak_mib"] = round(allocated / MiB, 1)
+    if overhead.replayed:  # a GPU: the allocator's own parts of the peak
+        entry["breakdown_mib"] = {
+            **entry["breakdown_mib"],
+            **{k: round(v / MiB, 1) for k, v in through.items()},
+        }
+    entry["reserved_mib"] = round((allocated + terms["allocator"]) / MiB, 1)
+    entry["device_overhead_mib"] = round(sum(terms.values()) / MiB, 1)
+    entry["device_overhead_breakdown_mib"] = {k: round(v / MiB, 1) for k, v in terms.items()}
     entry["per_gpu_mib"] = round((est.peak + overhead.total(*beyond)) / MiB, 1)
     if overhead.replayed and est.reclaimable:
         # held beyond per_gpu_mib for the side stream's copies while the card has room

@@ -34,7 +34,7 @@ RUN_SETTINGS = "tiledmlp_run.json"  # written by train/trainer.py into each chec
 # options that belong to one command, not to the run it continues
 PER_INVOCATION = frozenset({
     "resume_from_checkpoint", "output_dir", "ddp_timeout", "engine", "deepspeed", "fsdp",
-    "fsdp_config", "max_steps", "preflight", "memory_gb",
+    "fsdp_config", "max_steps", "preflight", "memory_gb", "gpu",
 })  # fmt: skip
 # what the run saves and logs: kept from the checkpoint, changed (and said) where given again
 _SAVING = frozenset({"save_steps", "save_total_limit", "logging_steps", "report_to"})

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tiledmlp.config.gpus import GPUS
 from tiledmlp.config.patch import FEATURES, PatchConfig
 from tiledmlp.config.schema import Key, option, option_of
 from tiledmlp.config.values import (
@@ -297,6 +298,15 @@ class TrainOptions:
         help="the memory the pre-flight checks the run against, in GiB",
         keys=(_key("memory_gb", as_float, "GB", kind="float"),),
     )
+    gpu: str | None = option(
+        default=None,
+        group="pre-flight",
+        default_text="the GPU here",
+        help="plan and judge the run for this card (" + ", ".join(GPUS) + ") by its whole "
+        "memory, as `tiledmlp plan --gpu` does, instead of the free memory read here: a run "
+        "planned for another machine (this machine's RAM is then not checked)",
+        keys=(_key("gpu", as_text, "CARD", choices=tuple(GPUS)),),
+    )
 
     def __post_init__(self) -> None:
         self._check_numbers()
@@ -322,6 +332,11 @@ class TrainOptions:
             _check_positive(name, getattr(self, name))
         if self.memory_gb is not None:
             check_positive_number("--memory-gb", self.memory_gb)
+            if self.gpu is not None:
+                raise ValueError(
+                    f"give --gpu or --memory-gb, not both: --gpu {self.gpu} is a card of "
+                    f"{GPUS[self.gpu].gib:.1f} GiB"
+                )
         for name in (
             "gradient_accumulation_steps",
             "eval_sequences",
@@ -344,6 +359,8 @@ class TrainOptions:
         """Options that name one of a set."""
         if self.dtype not in set(DTYPES.values()):
             raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.gpu is not None and self.gpu not in GPUS:
+            raise ValueError(f"--gpu must be one of {', '.join(GPUS)}, got {self.gpu!r}")
         if self.engine not in ENGINES:
             raise ValueError(f"--engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
         if self.lr_scheduler_type not in SCHEDULES:

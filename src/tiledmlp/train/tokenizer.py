@@ -16,11 +16,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from tiledmlp.models.presets import BYTE_VOCAB_SIZE
+
 __all__ = ["BOS_ID", "CHAT_TEMPLATE", "EOS_ID", "VOCAB_SIZE", "byte_tokenizer"]
 
 BOS_ID = 256
 EOS_ID = 257
-VOCAB_SIZE = 258
+VOCAB_SIZE = BYTE_VOCAB_SIZE
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% for turn in messages %}{{ turn['role'] }}: {{ turn['content'] }}\n"
     "{% endfor %}{{ eos_token }}"

@@ -21,7 +21,6 @@ from torch import nn
 
 from tiledmlp.config.patch import PatchConfig
 from tiledmlp.config.plan import StepSpec
-from tiledmlp.config.values import parse_attention_kernel
 from tiledmlp.ops.tiling.assumed import assume_device
 from tiledmlp.patching.features.activation_offloading import enable_checkpointing, offloader_of
 from tiledmlp.plan.apply_stack import apply_stack, build_model, decoder_layers_of, decoder_of
@@ -59,8 +58,8 @@ def prepare(config: Any, layers: int, patch: PatchConfig | None, step: StepSpec)
     model = build_model(config, step.dtype, layers)
     if patch is not None:
         hidden = config.get_text_config().hidden_size
-        if step.attention_kernel == "by_heads":
-            patch = dataclasses.replace(patch, attention_kernel=parse_attention_kernel("by_heads"))
+        if step.attention_kernel.name == "by_heads":
+            patch = dataclasses.replace(patch, attention_kernel=step.attention_kernel)
         apply_stack(model, hidden, patch)
     if step.checkpointing:
         enable_checkpointing(model)
@@ -191,7 +190,7 @@ def _run(
         # on a GPU, the attention backward's own buffers at their calls (device_overhead.py)
         tracker = PhaseTracker(
             [*model.parameters(), *model.buffers(), *built.states, ids],
-            device_overhead(device_type, step.attention_kernel).buffers,
+            device_overhead(device_type, step.attention_kernel.name).buffers,
         )
         offloader = offloader_of(model)
         if offloader is not None and device_type != "cpu":
