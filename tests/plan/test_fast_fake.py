@@ -14,7 +14,7 @@ from tiledmlp.config.plan import StepSpec
 from tiledmlp.config.stacks import stack_patch
 from tiledmlp.plan.estimate import estimate_step
 from tiledmlp.plan.layer import load_config
-from tiledmlp.plan.sim import fake_step
+from tiledmlp.plan import fake_step
 from tiledmlp.plan.sim.fast_fake import PlannerFakeMode, fake_mode
 
 

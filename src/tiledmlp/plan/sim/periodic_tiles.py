@@ -31,7 +31,7 @@ states: once a copy leaves the allocator as an earlier copy did (free blocks, re
 bytes, the loop's storages' blocks by their place in the pattern), the copies between them
 repeat, the allocator being deterministic.
 
-Invariant: outside the context `TilePlan.bounds` is the product's own; inside, a tile is
+Invariant: outside the context `TilePlan.bounds` walks every tile; inside, a tile is
 skipped only after a steady tile of its size, and `whole_trace` is the trace the loops would
 have recorded run whole. A loop inside another's tile runs whole.
 """
@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 
-from tiledmlp.ops.tiling.tiles import TilePlan
+from tiledmlp.ops.tiling.tiles import TilePlan, walking_tiles
 from tiledmlp.plan.sim.caching_allocator import FREE, HOLD, CachingAllocator
 from tiledmlp.plan.sim.phase_tracker import PhaseTracker
 
@@ -81,21 +81,16 @@ class PeriodicTiles:
         self.cut = False
         self.repeats: list[Repeat] = []
         self._open = 0  # loops running now (a loop inside another's tile is not cut)
-        self._original: Any = None
+        # the plans are made inside the product's ops, per call: their bounds() read this walk
+        # from the context (ops/tiling/tiles.py, Note [The tile-loop contract])
+        self._walking = walking_tiles(self._bounds)
 
     def __enter__(self) -> PeriodicTiles:
-        self._original = TilePlan.bounds
-        periodic = self
-
-        def bounds(plan: TilePlan) -> Iterator[tuple[int, int]]:
-            return periodic._bounds(plan)
-
-        # on the class: the plans are made inside the product's ops, per call; restored on exit
-        TilePlan.bounds = bounds  # type: ignore[method-assign,assignment]
+        self._walking.__enter__()
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        TilePlan.bounds = self._original  # type: ignore[method-assign]
+    def __exit__(self, *exc: Any) -> None:
+        self._walking.__exit__(*exc)
 
     def _bounds(self, plan: TilePlan) -> Iterator[tuple[int, int]]:
         sizes = plan.sizes
