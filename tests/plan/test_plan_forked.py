@@ -25,12 +25,6 @@ from tiledmlp.plan.model import plan_model
 pytest.importorskip("transformers")
 
 fork_only = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork (Linux, macOS)")
-# where this process's autograd engine already runs device threads (a CUDA build of torch after
-# an earlier test's fake backward: forked.py, Note [Autograd threads and fork]) nothing forks
-forks_here = pytest.mark.skipif(
-    not hasattr(os, "fork") or forked.autograd_threads_running(),
-    reason="needs fork, and an autograd engine without device threads in this process",
-)
 
 SMALL = {
     **BASE,
@@ -50,11 +44,20 @@ def _config() -> Any:
     return tr.LlamaConfig(**SMALL)
 
 
+@pytest.fixture
+def forks_here() -> None:
+    """Skips where nothing forks now: no fork, or this process's autograd engine already runs
+    device threads (a CUDA build of torch after an earlier test's fake backward: forked.py,
+    Note [Autograd threads and fork]); read when the test runs, not when it is collected."""
+    if not hasattr(os, "fork") or forked.autograd_threads_running():
+        pytest.skip("needs fork, and an autograd engine without device threads in this process")
+
+
 def _pid_times(a: int, b: int) -> tuple[int, int]:
     return a * b, os.getpid()
 
 
-@forks_here
+@pytest.mark.usefixtures("forks_here")
 def test_jobs_come_back_in_their_order_from_other_processes() -> None:
     got = run_jobs(_pid_times, [(i, 10) for i in range(5)], processes=2)
     assert [v for v, _ in got] == [0, 10, 20, 30, 40]
@@ -129,7 +132,7 @@ def _fail_unpicklable() -> int:
     raise _Unpicklable()
 
 
-@forks_here
+@pytest.mark.usefixtures("forks_here")
 def test_beside_forks_where_a_cpu_is_idle_and_hands_errors_back() -> None:
     _, (here, there) = run_jobs(_side, [("quick",), ("pair",)], processes=2)
     assert here != there and os.getpid() not in (here, there)
@@ -143,7 +146,7 @@ def test_beside_forks_where_a_cpu_is_idle_and_hands_errors_back() -> None:
         forked.beside(os.getpid, _fail)
 
 
-@forks_here
+@pytest.mark.usefixtures("forks_here")
 def test_speculation_runs_only_on_an_idle_cpu() -> None:
     _, (here, there) = run_jobs(_side, [("quick",), ("speculate",)], processes=2)
     assert there is not None and here != there
@@ -196,7 +199,7 @@ def test_a_process_whose_autograd_runs_device_threads_plans_without_forking(
     (tmp_path / "guard.cpp").write_text(_GUARD)
     library = tmp_path / "guard.so"
     subprocess.run(
-        ["c++", "-std=c++17", "-shared", "-fPIC", "-O0", f"-I{root / 'include'}",
+        ["c++", "-std=c++20", "-shared", "-fPIC", "-O0", f"-I{root / 'include'}",
          str(tmp_path / "guard.cpp"), "-o", str(library), f"-L{root / 'lib'}", "-lc10",
          f"-Wl,-rpath,{root / 'lib'}"],
         check=True, capture_output=True,
