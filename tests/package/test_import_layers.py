@@ -19,6 +19,9 @@ Inside ops, the same rule one level down (OPS_LAYERS): tiling (tile plans and po
 shared gradient, state and probe pieces) is the floor; the ops (mlp, loss, attention,
 offloading) stand on it as siblings, importing each other only where OPS_SIBLINGS declares it;
 the ops facade (ops/__init__.py) sits on top.
+
+Inside plan, the simulator (plan/sim: fake tensors tracked, records extended, the allocator
+replayed) is a floor below the planner: it imports nothing of plan/ outside plan/sim.
 """
 
 from __future__ import annotations
@@ -259,3 +262,51 @@ def test_the_ops_contract_catches_what_it_forbids(
         path.write_text(text)
     errors = _ops_errors(tmp_path)
     assert any(f"({expected})" in e for e in errors), errors
+
+
+def _sim_errors(root: Path) -> list[str]:
+    """The imports from plan/sim into plan/ proper (module docstring)."""
+    modules = _modules(root)
+    sim = f"{PACKAGE}.plan.sim"
+    errors = []
+    for name, path in modules.items():
+        if name != sim and not name.startswith(f"{sim}."):
+            continue
+        for target, line in _imports(name, path, modules):
+            if _part(target) == "plan" and target != sim and not target.startswith(f"{sim}."):
+                errors.append(
+                    f"{path.relative_to(root)}:{line}: {name} imports {target}: the simulator "
+                    "(plan/sim) is a floor below the planner; move the piece down into "
+                    "plan/sim or pass it in"
+                )
+    return errors
+
+
+def test_the_simulator_imports_nothing_of_the_planner() -> None:
+    errors = _sim_errors(SRC)
+    assert not errors, "\n".join(errors)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "from tiledmlp.plan.forked import beside\n",
+        "def f():\n    from tiledmlp.plan import apply_stack\n",
+        "import tiledmlp.plan.estimate\n",
+        "from .. import forked\n",
+    ],
+)
+def test_the_simulator_contract_catches_what_it_forbids(tmp_path: Path, text: str) -> None:
+    files = {"plan/sim/a.py": text, "plan/forked.py": "", "plan/apply_stack.py": "",
+             "plan/estimate.py": "", "plan/sim/b.py": ""}  # fmt: skip
+    for rel, body in {"__init__.py": "", **files}.items():
+        path = tmp_path / PACKAGE / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        for folder in (path.parent, *path.parent.parents):
+            if folder == tmp_path:
+                break
+            (folder / "__init__.py").touch()
+        path.write_text(body)
+    assert _sim_errors(tmp_path), text
+    (tmp_path / PACKAGE / "plan/sim/a.py").write_text("from tiledmlp.plan.sim import b\n")
+    assert not _sim_errors(tmp_path)

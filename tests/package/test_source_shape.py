@@ -53,3 +53,40 @@ def test_no_planner_function_is_over_80_lines() -> None:
                 if lines > MAX_FUNCTION_LINES and name not in LONG_PLANNER_FUNCTIONS:
                     long[name] = lines
     assert not long, f"split these into named helpers (at most {MAX_FUNCTION_LINES} lines): {long}"
+
+
+MAX_PLANNER_DOCSTRING_LINES = 25
+
+
+def test_planner_module_docstrings_are_at_most_25_lines() -> None:
+    """A planner module's docstring states its purpose and invariant; measured figures and long
+    explanations live in docs/how-it-works/planner.md, which it points to."""
+    import ast
+
+    long = {}
+    for path in sorted((PACKAGE / "plan").rglob("*.py")):
+        body = ast.parse(path.read_text(encoding="utf-8")).body
+        first = body[0] if body else None
+        if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+            lines = (first.end_lineno or first.lineno) - first.lineno + 1
+            if lines > MAX_PLANNER_DOCSTRING_LINES:
+                long[str(path.relative_to(PACKAGE))] = lines
+    assert not long, (
+        f"shorten these module docstrings to {MAX_PLANNER_DOCSTRING_LINES} lines (the long "
+        f"explanation goes to docs/how-it-works/planner.md): {long}"
+    )
+
+
+def test_the_planner_s_pointers_into_its_docs_page_name_its_sections() -> None:
+    """Every `docs/how-it-works/planner.md, "<section>"` a source file points to is a heading
+    of that page."""
+    page = (PACKAGE.parents[1] / "docs" / "how-it-works" / "planner.md").read_text("utf-8")
+    headings = {line.lstrip("#").strip() for line in page.splitlines() if line.startswith("#")}
+    pointer = re.compile(r'docs/how-it-works/planner\.md,\s+"([^"]+)"')
+    missing = {
+        f"{p.relative_to(PACKAGE)}: {m}"
+        for p in _sources()
+        for m in pointer.findall(p.read_text("utf-8"))
+        if m not in headings
+    }
+    assert not missing, f"no such section in docs/how-it-works/planner.md: {sorted(missing)}"

@@ -147,7 +147,7 @@ def test_the_planner_replays_its_step_trace() -> None:
     from tiledmlp.plan.sim.segments import larger
 
     pytest.importorskip("transformers")
-    from tiledmlp.plan.sim import fake_step
+    from tiledmlp.plan import fake_step
 
     cfg = load_config("llama3-8b")
     cfg.num_hidden_layers, cfg.vocab_size = 2, 1024

@@ -16,8 +16,8 @@ import torch
 from test_periodic_tiles import SMALL as TINY
 from tiledmlp.config.plan import StepSpec
 from tiledmlp.config.stacks import STACKS, stack_patch
+from tiledmlp.plan import fake_step
 from tiledmlp.plan.estimate import estimate_step
-from tiledmlp.plan.sim import fake_step
 from tiledmlp.plan.sim.deeper import deeper
 from tiledmlp.plan.sim.step_record import segment_peaks
 

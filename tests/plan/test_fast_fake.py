@@ -12,9 +12,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from tiledmlp.config.plan import StepSpec
 from tiledmlp.config.stacks import stack_patch
+from tiledmlp.plan import fake_step
 from tiledmlp.plan.estimate import estimate_step
 from tiledmlp.plan.layer import load_config
-from tiledmlp.plan.sim import fake_step
 from tiledmlp.plan.sim.fast_fake import PlannerFakeMode, fake_mode
 
 

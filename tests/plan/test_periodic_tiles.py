@@ -15,7 +15,7 @@ from hf_models import BASE
 from tiledmlp.config.plan import StepSpec
 from tiledmlp.config.stacks import STACKS, stack_patch
 from tiledmlp.ops.tiling.tiles import TilePlan, split_even
-from tiledmlp.plan.sim import fake_step
+from tiledmlp.plan import fake_step
 from tiledmlp.plan.sim.caching_allocator import FREE, HOLD, reserve_beyond_peak
 from tiledmlp.plan.sim.fake_memory import fake_peak_bytes
 from tiledmlp.plan.sim.periodic_tiles import (

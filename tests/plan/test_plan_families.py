@@ -231,7 +231,7 @@ def test_the_sliding_window_is_read_as_transformers_builds_its_masks(
     `sliding_window` is set; none where the config turns it off."""
     import transformers as tr
 
-    from tiledmlp.plan.sim.fake_step import _sliding_window
+    from tiledmlp.plan.fake_step import _sliding_window
 
     config = tr.AutoConfig.for_model(model_type, **{**SMALL, **fields})
     with torch.device("meta"):

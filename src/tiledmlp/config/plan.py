@@ -4,7 +4,7 @@ What the planner is asked about a step beside the model's config and the feature
 PatchConfig, or None for the untiled model): the sequence, the dtype, checkpointing, the
 optimizer, the tile policy of the named stacks, the device, the sharding engine, sequence
 parallelism and the allocator's setting. The planner's entry points (plan/estimate.py's
-estimate_step, plan/model.py's plan_model, plan/sim/fake_step.py's simulate) take it whole.
+estimate_step, plan/model.py's plan_model, plan/fake_step.py's simulate) take it whole.
 
 Invariant: a StepSpec that constructs has a known optimizer and positive counts; what the
 engine can combine is checked by the planner (plan/engines.py), which knows the engines.

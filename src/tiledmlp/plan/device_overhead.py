@@ -1,81 +1,20 @@
 """What a training process holds on its device beyond the step's tensors: the device overhead.
 
 The planner's peaks (plan/model.py) are tensor-level: every storage the step creates, exactly.
-A CUDA process also holds memory no tensor accounts for. Each term, with its source:
+A CUDA process also holds memory no tensor accounts for:
 
 - "outside_allocator": what the process holds outside PyTorch's caching allocator (the CUDA
-  context and the modules of CUDA, cuBLAS, cuDNN and the attention kernels loaded into it):
-  the largest of the figures measured beside whole training steps on an H100
-  (benchmarks/results/gpu/2026-11-25-h100/whole_steps.jsonl, "outside_allocator_mib":
-  766.8 to 848.8 MiB): 849 MiB.
-- "cublas_workspace": PyTorch gives each cuBLAS handle and stream a workspace of
-  CUBLAS_WORKSPACE_CONFIG's default 8.125 MiB (the 8,519,680-byte block every matmul user sees
-  in a memory snapshot) and cuBLASLt 32 MiB on Hopper (4 MiB on Ampere cards of 24 GB and more;
-  pytorch/pytorch#120925, after the cuBLAS guide's recommendation): 40.125 MiB, Hopper's,
-  taken from the caching allocator.
-- "attention_backward": buffers an attention backward allocates inside the kernel call, for
-  the heads it is given, invisible to a tensor-level trace (its dq, dk and dv are tensors the
-  simulation counts): what they add to the step's tensor peak at their moment. See Note
-  [Attention backward buffers].
+  context and the modules loaded into it), measured beside whole steps on an H100;
+- "cublas_workspace": the cuBLAS and cuBLASLt workspaces, taken from the caching allocator;
+- "attention_backward": buffers an attention backward allocates inside the kernel call,
+  invisible to a tensor-level trace: what they add to the step's tensor peak at their moment
+  (Note [Attention backward buffers]);
 - "allocator": the caching allocator's reserve beyond the allocated peak, which an
-  out-of-memory error counts. See Note [Allocator reserve].
+  out-of-memory error counts (Note [Allocator reserve]).
 
-Note [Attention backward buffers]: a model's own attention calls
-`F.scaled_dot_product_attention`, which on Hopper runs cuDNN attention
-(`aten._scaled_dot_product_cudnn_attention`; docs/guides/gpus.md), and so does the attention
-core by head groups of tiled decoder layers (ops/attention/select.py: SDPA's kernel, per group).
-cuDNN's backward takes one workspace per call: two float32 values per query element (a dq
-accumulator among them) and a float32 row sum per query row, and 256 bytes more; grouped-query
-attention is taken natively (no per-query-head dk and dv). The source is the caching
-allocator's own trace of whole steps on an H100 (benchmarks/results/gpu/2026-11-26T0933-h100/
-trace/, bench/allocator_trace.py): each attention backward requests dq, a second buffer of dq's
-size, dk and dv (tensors, which the simulation's fake kernel creates as well) and then that
-workspace, released before the call returns (1,077,936,384 bytes at 32K tokens, 4,311,744,768
-at 128K, 32 query heads of 128). The H100 record of the op (benchmarks/results/gpu/2026-11-25-
-h100/attention_by_heads.jsonl, "sdpa": 53,504 bytes per token for 32 query and 8 key/value
-heads of 128, bf16) is exactly the row statistics, dq, the second buffer, dk, dv and the
-workspace; with key/value repeated to 32 heads ("sdpa_repeat", 65,792) exactly the larger dk
-and dv. The buffers exist while the call runs: the simulation
-(plan/sim/phase_tracker.py) adds them to the trace at each attention backward call, for the call's
-own query (one head group's, or under sequence parallelism the whole sequence with heads / P),
-beside its outputs, so the allocator replays them in order and the term is what they add to the
-step's tensor peak at their moment: nothing where the step peaks elsewhere (the loss, an MLP's
-recompute), a whole call's buffers where it peaks inside an attention backward. Another
-kernel (the attention-kernel option) gets its own buffers instead (AttentionBuffers.kernel;
-ops/attention/buffers.py, Note [Kernel buffers]).
-
-Note [Allocator reserve]: PyTorch's caching allocator keeps the segments it obtained from the
-driver. Without expandable segments, a freed block can serve only requests no larger than
-itself, and a segment is cut into blocks by the requests it served first, so a step whose
-tensors change size from phase to phase holds segments it cannot reuse. The term is the
-allocator's own rules (c10/cuda/CUDACachingAllocator.cpp: 512-byte rounding, the 2 MiB small
-and 20 MiB large segments, best fit, splitting, merging; plan/sim/caching_allocator.py) replayed
-on the step's allocation trace, every storage's creation and release in order, which the
-simulation records (plan/sim/phase_tracker.py): the segments' total minus the step's tensor peak,
-over every layer of the model (the first four simulated, the rest built from their record;
-five where four do not show the middle layers: plan/estimate.py, plan/sim/deeper.py; with
-AdamW stepping on the device, whose requests are not per layer, the larger of the 5- and
-6-layer steps', plan/estimate.py). With `expandable_segments:True` (the
-same file, Note [Expandable Segments]) each pool has one segment that grows by mapping pages
-(20 MiB for the large pool) at its end when no free block is large enough; a freed block
-still serves only requests no larger than itself, so the mapped range fragments as well: a
-step whose loss frees 16 GiB of logits and then asks for other sizes maps new pages beyond
-them. The term is the same trace
-replayed through those rules (plan/sim/caching_allocator.py): on the H200 records of 2026-11-26
-(benchmarks/results/gpu/2026-11-26-h200/suite/records.jsonl) the replay maps 62,682 MiB for the
-4-layer untiled step at 32K tokens where the card reserved 62,684. The replay of a trace whose
-repeated tiles ran once (plan/sim/periodic_tiles.py) maps the same pages, so it needs no exact
-simulation; the reserve follows no line in the depth (which blocks a later request finds free
-depends on every size before it), so it too is the whole depth's trace replayed, as above. In
-both modes the attention backward's buffers are in
-the trace at their calls; the cuBLAS workspaces are allocated before the step's first request.
-Blocks the offloader's side-stream copies still use when their tensors die stay taken until the
-phase ends (plan/sim/phase_tracker.py); a full card takes them back before an allocation fails, so
-the plan's figure leaves them out and names them (StepEstimate.reclaimable).
-
-On the CPU none of these terms exists (no context or workspaces are reserved from a device, the
-allocator is the system's): the overhead is zero, and `--memory-gb` there is the memory the
-step's tensors may use.
+On the CPU none of these terms exists: the overhead is zero, and `--memory-gb` there is the
+memory the step's tensors may use. The figures, their sources and both Notes:
+docs/how-it-works/planner.md, "Device overhead".
 
 Invariant: the overhead is a non-negative function of the step's simulated trace (the attention
 buffers' share of its peak, the replayed allocator reserve); it is zero on the CPU.

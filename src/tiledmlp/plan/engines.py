@@ -5,38 +5,8 @@ The whole-model planner (plan/model.py) simulates the step's tensors on fake ten
 sharding engine it lets every parameter's gradient go once accumulated (the engine takes it into
 its reduce-scatter) and takes the engine's own memory from here, by formula over the model's
 parameter counts. The world is the GPUs the engine shards over: with sequence parallelism the P
-GPUs of the sequence (ALST shards over every rank). N parameters, e bytes per element of the
-model's dtype, shard(x) = sum over parameters of ceil(numel / world) (each parameter is split on
-its own, as both engines do).
-
-- "ddp": everything whole on every GPU; not modelled here (the simulation counts it).
-- "zero3" (DeepSpeed ZeRO-3 with bf16/fp16 enabled and its defaults): on the device, the
-  parameters' partitions (e per element); the gradients' partitions (DeepSpeed's
-  grad_partitions_flat_buffer, in the gradient accumulation dtype, the model's dtype unless
-  data_types.grad_accum_dtype says otherwise); the contiguous reduce bucket (the "IPG" buffer of
-  reduce_bucket_size elements, 5e8 by default, allocated whole) as "reduce_scatter"; and the
-  gathered parameters in flight, "gathered": the layer being computed plus what the prefetcher
-  fetches ahead (stage3_prefetch_bucket_size elements, 5e7 by default, at most one more layer),
-  or, around the loss, the output embedding plus that prefetch. The optimizer (torch AdamW under
-  DeepSpeed's mixed-precision wrapper): float32 master partitions (none when the model is float32:
-  DeepSpeed then updates the partitions themselves) and two float32 states per element.
-  `--optimizer cpu-offload` (offload_optimizer to the CPU) moves the master partitions, the
-  states and the gradient partitions to the host, plus the float32 gradient of one sub-group
-  (sub_group_size, 1e9 elements) that the host optimizer steps on. `offload_params`
-  (offload_param to the CPU, ZeRO-Infinity) moves the parameters' partitions to the host too;
-  the device keeps only what is gathered in flight and the reduce bucket.
-- "fsdp2" (fully_shard on every decoder layer and on the root, the model in its own dtype, no
-  MixedPrecisionPolicy, as `tiledmlp train --engine fsdp2` sets it up): on the device, the
-  parameters' and gradients' shards (e per element), AdamW's two states per shard element in the
-  parameters' dtype; "gathered": the root's parameters (input and output embeddings: the root is
-  not resharded after the forward, they stay gathered for the whole step) plus two layers (the
-  one being computed and the one the implicit prefetch all-gathers next, forward and backward);
-  "reduce_scatter": one layer's unsharded gradients copied into the reduce-scatter input, and its
-  output shard. `offload_params` is FSDP2's CPUOffloadPolicy: parameters, gradients and the
-  optimizer step on the host (the optimizer can only step there: it needs `--optimizer
-  cpu-offload` or none).
-
-Host memory per node: the per-GPU figure times the GPUs of this job on one node (at most 8).
+GPUs of the sequence (ALST shards over every rank). Each engine's terms, the settings they
+assume, and host memory per node: docs/how-it-works/planner.md, "Engines".
 
 Invariant: the figures depend only on the parameter counts, the world size, the dtype and the
 options; a world of 1 shards nothing (every partition is whole).

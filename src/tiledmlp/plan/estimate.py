@@ -20,7 +20,7 @@ from tiledmlp.config.patch import PatchConfig
 from tiledmlp.config.plan import OPTIMIZERS, StepSpec
 from tiledmlp.plan.apply_stack import build_model, decoder_layers_of
 from tiledmlp.plan.engines import ParamCounts, check_engine, engine_memory
-from tiledmlp.plan.sim.fake_step import MARKED, simulate
+from tiledmlp.plan.fake_step import MARKED, simulate
 from tiledmlp.plan.sim.segments import SHORT, Segments, StepEstimate, extrapolate, larger
 
 __all__ = ["OPTIMIZERS", "estimate_step", "param_counts"]

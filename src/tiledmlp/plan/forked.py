@@ -10,6 +10,9 @@ other jobs done: a long stack's search would otherwise run alone): the second in
 from the job's; `speculate` does the same for work that may be needed next (a search's next
 length), and skips it where no CPU is idle.
 
+Nothing forks a process whose autograd engine runs device threads (Note [Autograd threads and
+fork]): the work then runs one after another here.
+
 Invariant: the answer is that of running the jobs one after another in this process; an exception
 raised by a job is raised here (the jobs not yet started are cancelled).
 """
@@ -26,7 +29,14 @@ from typing import Any, TypeVar
 
 import torch
 
-__all__ = ["available_cpus", "beside", "default_processes", "run_jobs", "speculate"]
+__all__ = [
+    "autograd_threads_running",
+    "available_cpus",
+    "beside",
+    "default_processes",
+    "run_jobs",
+    "speculate",
+]
 
 T = TypeVar("T")
 U = TypeVar("U")
@@ -44,12 +54,46 @@ def available_cpus() -> int:
     return os.cpu_count() or 1
 
 
+# Note [Autograd threads and fork]
+# At the first backward of a process, torch's autograd engine starts one thread per device of
+# every device type but the CPU's (c10's device guards say how many) and from then on refuses
+# a backward in a child forked from that process ("Unable to handle autograd's threading in
+# combination with fork-based multiprocessing"). A CUDA build of torch on a machine without a
+# GPU reports devices once a FakeTensorMode has been entered (the mode stands a fake CUDA
+# guard in, to trace CUDA code), so the planner's own first fake backward starts them; the
+# +cpu build never does; on macOS, MPS does. Whether a GPU is visible says nothing of it: the
+# engine's threads do, by their names.
+
+
+def autograd_threads_running() -> bool:
+    """Whether torch's autograd engine runs device threads in this process (Note [Autograd
+    threads and fork]): a thread named pt_autograd_<device>, as the engine names them. Where the
+    threads' names cannot be read (no /proc: not Linux), they are taken as running."""
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return True
+    for task in tasks:
+        try:
+            with open(f"/proc/self/task/{task}/comm", encoding="utf-8") as comm:
+                if comm.read().startswith("pt_autograd_"):
+                    return True
+        except OSError:  # the thread ended meanwhile
+            continue
+    return False
+
+
+def _forks() -> bool:
+    """Whether a child forked from this process now can run the planner's steps."""
+    return "fork" in multiprocessing.get_all_start_methods() and not autograd_threads_running()
+
+
 def default_processes(jobs: int) -> int:
     """How many processes `jobs` independent jobs run in: one per available CPU, at most one
-    per job; 1 where fork is unavailable or a GPU is visible (the planner reads a CUDA device's
-    properties, and a child forked after its parent touched CUDA cannot use it;
+    per job; 1 where no child can be forked (_forks) or a GPU is visible (the planner reads a
+    CUDA device's properties, and a child forked after its parent touched CUDA cannot use it;
     `torch.cuda.device_count` asks NVML where it can, which leaves CUDA untouched)."""
-    if "fork" not in multiprocessing.get_all_start_methods() or torch.cuda.device_count() > 0:
+    if not _forks() or torch.cuda.device_count() > 0:
         return 1
     return max(1, min(jobs, available_cpus()))
 
@@ -59,13 +103,14 @@ def run_jobs(fn: Callable[..., T], jobs: Sequence[tuple[Any, ...]], processes: i
 
     The jobs are started last first: a later stack adds features to the earlier ones and
     usually takes longer, so starting it first keeps the processes busy until the end.
-    `fn`, its arguments and its results cross the process boundary pickled.
+    `fn`, its arguments and its results cross the process boundary pickled. Where no child can
+    be forked now (Note [Autograd threads and fork]) they run here, one after another.
 
     Raises:
         Whatever a job raised (the first in the jobs' order).
     """
     workers = min(processes, len(jobs))
-    if workers <= 1:
+    if workers <= 1 or not _forks():
         return [fn(*args) for args in jobs]
     context = multiprocessing.get_context("fork")
     busy = context.Value("i", 0)
@@ -104,9 +149,10 @@ def speculate(first: Callable[[], T], second: Callable[[], U]) -> tuple[T, U | N
 
 def _take_idle_cpu() -> bool:
     """Whether a CPU is idle inside a job of run_jobs; if so it is counted as computing (the
-    caller's fork releases it in _forked)."""
+    caller's fork releases it in _forked); never where a child cannot be forked now (Note
+    [Autograd threads and fork])."""
     busy = _busy
-    if busy is None:
+    if busy is None or autograd_threads_running():
         return False
     with busy.get_lock():
         idle = busy.value < _workers

@@ -1,62 +1,17 @@
 """Peak device memory of one full training step of a whole model, per stack, on fake tensors.
 
 The model described by a `transformers` config is built under torch's FakeTensorMode with all
-its layers (nothing is allocated; an 8B model at 128K tokens is planned on a laptop CPU) and runs
-one training step on (1, seq_len) tokens: the decoder forward, the loss, the backward and, with
-an optimizer, its step; storages are tracked as in fake_memory.py. Stacks:
+its layers (nothing is allocated; an 8B model at 128K tokens is planned on a laptop CPU) and
+runs one training step on (1, seq_len) tokens: the decoder forward, the loss, the backward and,
+with an optimizer, its step. Each stack (config/stacks.py) is its own estimate
+(plan/estimate.py) and, with a budget, its own search (plan/search.py): independent jobs
+(plan/forked.py). The breakdown sorts what is alive at the peak by what it is ("weights",
+"grads", "optimizer", "checkpoints", "activations", "loss", "recompute"; "all_to_all" under
+sequence parallelism; "gathered" and "reduce_scatter" under a sharding engine); host memory is
+counted apart.
 
-- "untiled": the model as it is (logits upcast to float32 for the loss, like Hugging Face);
-- "tiled_mlp": every decoder MLP through tiled_mlp;
-- "tiled_mlp_loss": also the loss through tiled_cross_entropy (logits never exist at once);
-- "tiled_mlp_loss_offload": also activation offloading (always with checkpointing, which it
-  needs): the checkpointed layers' inputs live in host memory, counted apart ("host");
-- "tiled_mlp_loss_offload_norms": also the normalisation layers tiled (the norms
-  feature): their float32 intermediates exist one tile at a time;
-- "tiled_layer": also the rest of each decoder layer that is token-wise (patch_model's
-  tiled_layers: norm, q/k/v, rotary; o_proj, residuals, norm, MLP): a layer's recompute holds
-  the layer input, q, k, v, the attention output and their gradients; the attention core runs
-  by head groups (patching/attention_core.py), and the device overhead counts one group's
-  attention backward buffers.
-
-Checkpointing is the model's own non-reentrant gradient checkpointing (`--gradient-checkpointing`).
-Optimizers: "none"; "adamw" (torch.optim.AdamW, foreach, states in the parameters' dtype,
-created before the step as in any step after the first); "cpu-offload" (states and the update
-on the host, e.g. DeepSpeed ZeRO-Offload; gradients are still counted on the device, an upper
-bound). The breakdown sorts what is alive at the peak by what it is: "weights", "grads",
-"optimizer" (states and update temporaries), "checkpoints" (the layers' saved inputs),
-"activations" (other tensors kept from the forward), "loss" (created while computing the loss),
-"recompute" (created in the backward: the recomputed layer, activation gradients, prefetched
-inputs). Attention runs through SDPA as in layer.py (flash-like O(seq) memory).
-
-Sequence parallelism (Ulysses, P ranks): each GPU holds seq_len / P tokens of every tensor
-outside attention; inside, whole sequences with heads / P, i.e. the same number of elements as
-the local tokens with all heads. So a GPU's step is simulated at seq_len / P tokens, its
-attention on the whole sequence's shapes (plan/sim/exchange.py: views, so that the attention core's
-per-call temporaries are those of the GPU), plus the
-all-to-all's transient buffers (a send copy and the received tensor of the largest of query, key
-and value, key/value heads repeated up to P when there are fewer): "all_to_all" in the
-breakdown.
-
-Engines ("engine"; plan/engines.py has the model and its assumptions): "ddp" (the default)
-counts weights, gradients and optimizer states whole on every GPU, as the simulation sees them.
-"zero3" (DeepSpeed ZeRO-3) and "fsdp2" (fully_shard) shard them over the P GPUs: the simulation
-then counts no parameter and lets each gradient go once accumulated (the engine reduce-scatters
-it; one in flight shows as "grads"), and the engine's own bytes are added: "weights", "grads"
-and "optimizer" become the GPU's shards, "gathered" the parameters gathered in flight (a layer
-and its prefetch, the embeddings for the loss), "reduce_scatter" the gradient buffers.
-"offload_params" (ZeRO-Infinity's offload_param, FSDP2's CPUOffloadPolicy) keeps the shards of
-the parameters, the gradients and the optimizer on the host. The moment of the peak is found
-with the engine in place, so it may differ from DDP's.
-
-Host memory ("host_peak_mib", the same as "host_per_gpu_mib"; by part in
-"host_breakdown_mib"): what a stack keeps on the host for one GPU's step: with offloading, the
-inputs of every checkpointed layer but the last, pinned ("checkpoints"; ops/offloading/host_memory.py,
-what the offloader moves and what patch_model checks before the first offloaded step); under
-"ddp" with the "cpu-offload" optimizer, its two states per parameter in the parameters' dtype
-(the figure the "adamw" optimizer counts on the device); under "zero3" or "fsdp2", what the
-engine keeps there (engines.py: DeepSpeed's float32 master partitions, states and gradient
-partitions; the parameters' shards with "offload_params"). "host_per_node_mib": the same for the
-GPUs of one node (at most 8 of the P).
+What each stack, optimizer, engine and category covers, sequence parallelism and host memory:
+docs/how-it-works/planner.md, "The whole-model plan".
 
 Invariant: the estimate depends only on the config's shapes, the step (config/plan.py's
 StepSpec) and the stack's features; no weights are read or downloaded.

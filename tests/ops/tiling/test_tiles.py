@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
 from hypothesis import given
@@ -66,3 +68,32 @@ def test_split_by_tile_tokens_properties(tokens: int, tile: int) -> None:
     assert plan.num_tokens == tokens
     assert all(s == tile for s in plan.sizes[:-1])
     assert all(0 < s <= tile for s in plan.sizes)
+
+
+def test_a_walk_is_what_bounds_yields_inside_its_block_in_its_thread_only() -> None:
+    """walking_tiles: the planner's hook (Note [The tile-loop contract]) is scoped to the block
+    and the thread; outside them bounds() walks every tile."""
+    import threading
+
+    from tiledmlp.ops.tiling.tiles import walking_tiles
+
+    plan = split_even(10, 4)
+    every = [(0, 3), (3, 6), (6, 8), (8, 10)]
+
+    def first_only(p: TilePlan) -> Iterator[tuple[int, int]]:
+        return iter(list(p.every_tile())[:1])
+
+    seen: list[list[tuple[int, int]]] = []
+    with walking_tiles(first_only):
+        assert list(plan.bounds()) == [(0, 3)]
+        other = threading.Thread(target=lambda: seen.append(list(plan.bounds())))
+        other.start()
+        other.join()
+        with walking_tiles(lambda p: iter(())):
+            assert list(plan.bounds()) == []
+        assert list(plan.bounds()) == [(0, 3)]
+    assert seen == [every]
+    assert list(plan.bounds()) == every
+    with pytest.raises(RuntimeError), walking_tiles(first_only):
+        raise RuntimeError("a step that fails")
+    assert list(plan.bounds()) == every

@@ -1,6 +1,6 @@
 """The device type a planned step runs on, where its tensors are fake CPU tensors.
 
-The planner simulates a GPU's step on fake tensors that live on the CPU (plan/sim/fake_step.py).
+The planner simulates a GPU's step on fake tensors that live on the CPU (plan/fake_step.py).
 Decisions that depend on the device type ("auto" tiles, whether a GEMM can accumulate in
 float32) read the assumed type inside `assume_device` instead of the tensors' own.
 

@@ -4,17 +4,37 @@ Invariant: a plan's split sizes are computed once per call and used by the forwa
 backward alike; every size is positive and the sizes sum to the token count (an empty input has
 an empty plan). Code never assumes it got the number of tiles it asked for: with more tiles
 requested than tokens, the plan simply has one tile per token.
+
+Note [The tile-loop contract]: a tiled op walks its tiles with `TilePlan.bounds()` (never with
+offsets of its own from `sizes`), and its loop body branches on the tile's index only for the
+first tile (which may allocate accumulators or output buffers, or keep its output): every later
+tile of one size runs the same code on the same shapes. The planner relies on both: inside
+`walking_tiles` (plan/sim/periodic_tiles.py) `bounds()` may stop yielding a size's tiles once,
+on fake tensors, one of them is seen to repeat the tiles before it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from tiledmlp.ops.tiling.values import check_int
 
-__all__ = ["TileCount", "TilePlan", "arctic_num_tiles", "split_by_tile_tokens", "split_even"]
+__all__ = [
+    "TileCount",
+    "TilePlan",
+    "arctic_num_tiles",
+    "split_by_tile_tokens",
+    "split_even",
+    "walking_tiles",
+]
+
+TileWalk = Callable[["TilePlan"], Iterator[tuple[int, int]]]
+# the walk `TilePlan.bounds` hands its plan to inside `walking_tiles`; None: every tile in order
+_WALK: contextvars.ContextVar[TileWalk | None] = contextvars.ContextVar("tile_walk", default=None)
 
 
 @dataclass(frozen=True)
@@ -44,11 +64,28 @@ class TilePlan:
         return max(self.sizes, default=0)
 
     def bounds(self) -> Iterator[tuple[int, int]]:
-        """Yields (start, stop) token offsets of each tile."""
+        """Yields (start, stop) token offsets of each tile; inside `walking_tiles`, what its walk
+        yields for this plan (Note [The tile-loop contract])."""
+        walk = _WALK.get()
+        return self.every_tile() if walk is None else walk(self)
+
+    def every_tile(self) -> Iterator[tuple[int, int]]:
+        """Yields (start, stop) token offsets of every tile, in order."""
         start = 0
         for size in self.sizes:
             yield start, start + size
             start += size
+
+
+@contextlib.contextmanager
+def walking_tiles(walk: TileWalk) -> Iterator[None]:
+    """Within the block (in this thread), `TilePlan.bounds()` returns `walk(plan)`: the
+    planner's hook to cut repeated tiles on fake tensors (Note [The tile-loop contract])."""
+    token = _WALK.set(walk)
+    try:
+        yield
+    finally:
+        _WALK.reset(token)
 
 
 def split_even(num_tokens: int, num_tiles: int) -> TilePlan:

@@ -5,43 +5,9 @@ A CUDA step's tensors do not take memory from the driver one by one: PyTorch's c
 allocator (c10/cuda/CUDACachingAllocator.cpp, its header comment and the constants beside it)
 takes segments from the driver, cuts blocks out of them, and keeps every segment it took (no
 `empty_cache`) unless an allocation fails. `max_memory_reserved` is the sum of the segments;
-what it holds beyond `max_memory_allocated` is this module's answer. The rules replayed:
-
-- a request is rounded up to a multiple of 512 bytes (kMinBlockSize); a zero-byte one takes
-  nothing;
-- requests of at most 1 MiB (kSmallSize) use the small pool, the rest the large pool; a block
-  of one pool never serves the other;
-- a request takes the smallest free block of its pool that is large enough (best fit; among
-  equal sizes the lowest address);
-- when none is, a new segment: 2 MiB (kSmallBuffer) for the small pool; 20 MiB (kLargeBuffer)
-  for a large request under 10 MiB (kMinLargeAlloc); otherwise the request rounded up to
-  2 MiB (kRoundLarge);
-- the block taken is split when what remains is at least 512 bytes (small pool) or more than
-  1 MiB (large pool); otherwise the request keeps the whole block;
-- a freed block merges with the free blocks beside it in its segment.
-
-With `expandable_segments:True` (the same file, Note [Expandable Segments], and its
-find_expandable_block, try_allocate_expandable_block, map_block, get_free_block and
-should_split) each pool has one segment per stream, a range of virtual addresses into which
-physical pages are mapped as requests need them: 2 MiB pages for the small pool, 20 MiB
-(kLargeBuffer) for the large one. A freed block still serves only requests no larger than
-itself, so the mapped range fragments too; what changes:
-
-- a request no free block can serve extends the segment at its end: the free block at the end
-  of the mapped range (if any) plus as many new pages as the rest needs, rounded up to whole
-  pages; the request is cut from the front, the rest stays free at the end;
-- best fit skips the free block at the end of the mapped range when another free block is large
-  enough (it counts as large as it could grow);
-- a block is split whenever at least 512 bytes remain, in either pool.
-
-One stream, the default settings (no max_split_size, no garbage-collection threshold, no
-power-of-two rounding), and a device large enough that no allocation fails (so no page is ever
-unmapped, and no segment released but by `release_unused`, which is `torch.cuda.empty_cache()`
-without expandable segments).
-
-The rules are checked against the card: replayed on the caching allocator's own trace of whole
-steps on an H100 (bench/allocator_trace.py; tests/plan/test_allocator_traces.py), with and
-without expandable segments, they take exactly the segments the card took.
+what it holds beyond `max_memory_allocated` is this module's answer. The rules replayed (rounding,
+pools, best fit, splitting, merging; expandable segments' pages), what the replay assumes and how
+it was checked against the card: docs/how-it-works/planner.md, "The caching allocator replayed".
 
 Invariant: the reserved bytes never decrease but by `release_unused`, and are at least the
 rounded live bytes.

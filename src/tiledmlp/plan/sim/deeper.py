@@ -5,19 +5,9 @@ simulated step the forward of layer L-2 creates and releases the same storages, 
 order, as that of layer L-3, and so do their backwards. One more middle layer would do it once
 more. `deeper` builds that step's record from the record of L layers (StepRecord,
 step_record.py) without running it: the forward and the backward of layer L-2 appear twice, the
-copy's storages under new serials, and every release names the storage that plays the same part
-in the deeper step: a storage of the layer d places before or after the releasing one (counted
-from its window's start in the forward, from its end in the backward, where each layer's work
-ends with the gradient of its input) is the one of the layer d places from it in the deeper
-step. The held blocks released at each phase change are those of the deeper step.
-
-It refuses (None) wherever the record does not show this: fewer than four layers, the two
-middle layers' windows unlike (their events, with each release named relative to the layer
-doing it; layer L-3 lacking only the releases of storages of layers before the first, which it
-cannot name, is alike), a release outside the layers of a storage of the copied layer, a tile window or a
-phase change inside a layer's window across its bounds, a release that would name no storage,
-or an optimizer step on the device (its foreach operations request memory for every layer's
-parameters at once).
+copy's storages under new serials, every release naming the storage that plays the same part in
+the deeper step. It refuses (None) wherever the record does not show this (the cases:
+docs/how-it-works/planner.md, "One more layer").
 
 The work, in named steps: `_layout` finds the layers' windows and checks that the record shows
 the deeper step (Note [Alike windows]); `_Layout` maps the deeper step's layers to the recorded

@@ -1,25 +1,13 @@
 """FakeTensorMode whose dispatch-cache keys and hits are served faster for the planner's tensors.
 
-FakeTensorMode caches each op's output metadata under a key made from the op's arguments. Its key
-for a tensor argument is a TensorMetadata flattened field by field through a generic recursion
-(`_prep_args_for_hash`, TensorMetadata._flatten_into); that costs about a third of a planned step.
-`PlannerFakeMode` appends the same values in the same order directly for the tensors a planned
-step has (this mode's fake tensors: dense, strided, without symbolic sizes, no constant) and plain
-scalars, and leaves every other argument to FakeTensorMode's own code.
-
-On a hit FakeTensorMode builds the output from the cached metadata through generic code (each
-size checked for a symbolic stub, FakeTensor's constructor checking and normalising every
-argument, each of its five memo fields set through a descriptor); that is about a fifth of a
-planned step. `PlannerFakeMode` builds the same tensor directly where the mode has no shape
-environment (no symbolic sizes) and the output is a new strided tensor or a view: the same meta
-tensor, the view on the same storage, and a FakeTensor whose attributes are those FakeTensor's
-constructor sets (copied from one it built). The view ops a planned step calls most (`_VIEWS`:
-slices, transposes, unsqueezes, expands, detaches, the strided views FakeTensorMode's own view
-builds, and `aten._unsafe_view`, which ends every matmul of a 3-d input and which the cache
-bypasses; about a third of its operations) and the matrix products run their meta kernels
-directly, as FakeTensorMode's uncached dispatch ends by doing, past the cache's key and lookup
-and that dispatch's generic checks; so do the elementwise ops and reductions at a cache miss,
-past FakeTensorMode's decompositions in Python (Note [Views run directly]).
+FakeTensorMode caches each op's output metadata under a key made from the op's arguments, built
+through generic recursions; on a hit it builds the output through generic code. For the tensors
+a planned step has (this mode's fake tensors: dense, strided, without symbolic sizes, no
+constant) and plain scalars, `PlannerFakeMode` appends the same key values in the same order
+directly, builds a hit's output directly, and runs the meta kernels of the view ops a planned
+step calls most, the matrix products, and the elementwise ops and reductions at a cache miss
+directly, as FakeTensorMode's uncached dispatch ends by doing (Note [Views run directly]). What
+each path costs and skips: docs/how-it-works/planner.md, "The fake mode".
 
 Invariant: a key is element for element the one FakeTensorMode builds, and an output from a hit
 or from a meta kernel run directly is attribute for attribute the one it builds

@@ -1,39 +1,19 @@
 """Tile loops cut short on fake tensors: a loop's repeated tiles run once each.
 
-Every tiled op (the MLPs, the loss, the norms, the decoder layers' blocks) walks its tiles
-with `TilePlan.bounds()`; tiles of one size run the same code on the same shapes, so on fake
-tensors (values are meaningless) they create and free the same storages in the same order
-once the loop's first tiles (which allocate accumulators and output buffers, or keep the
-first tile's output) are past. While `PeriodicTiles` is active, `bounds()` yields the tiles
-one by one and watches each tile's window of the tracker's events (phase_tracker.py): from the
-start of the tile's loop body to the next. As soon as a tile is steady, it skips the rest of
-the tiles of its size: its window leaves the live bytes it found, closes no segment and holds
-no block for another stream, and every storage it releases that it did not create belongs to
-the tiles just before it, each of its size, not the loop's first tile, and each creating as
-many storages as it did (or, the same evidence another way, two consecutive tiles of its size
-are alike: the same allocations and phases, the same releases relative to the tile's first new
-storage and of the same bytes, the same live bytes at their start). A skipped tile would start
-from the state the steady tile started from (the tiles before it of its size, the same code on
-the same shapes, created the same storages of the same bytes) and run the same code on the
-same shapes: it would repeat the steady tile's window exactly, so the step's peak, the moment
-it is first reached, what is alive then and its categories are those of the whole loop. (The
-product's loops branch on the tile's index only for the first tile.) A loop of two sizes (as
-`split_even` cuts them) runs its first tile, then about two of each size.
+Every tiled op walks its tiles with `TilePlan.bounds()`, and tiles of one size run the same code
+on the same shapes once the loop's first tile is past (ops/tiling/tiles.py, Note [The tile-loop
+contract]); so on fake tensors they create and free the same storages in the same order. While
+`PeriodicTiles` is active, `bounds()` walks the tiles through it (`walking_tiles`): it yields them
+one by one, watches each tile's window of the tracker's events (phase_tracker.py), and as soon
+as a tile is steady skips the rest of the tiles of its size: a skipped tile would repeat the
+steady tile's window exactly, so the step's peak, the moment it is first reached, what is alive
+then and its categories are those of the whole loop. When a tile is steady, and how
+`whole_trace` and `replayed_reserve` rebuild the whole loops' trace for the caching allocator's
+replay: docs/how-it-works/planner.md, "Tile loops cut short".
 
-The tracker's allocation trace is the cut one; `whole_trace` gives the whole loop's, for the
-caching allocator's replay (caching_allocator.py), which depends on every request in order:
-each skipped tile's events are the repeated tile's, its new storages under new keys, its
-releases of earlier tiles' storages (relative to its own, as in the repeated window) resolved
-to the copies before it; a later release of a storage that the repeated pattern would have
-released in a skipped tile names the copy that took its place in the whole loop.
-`replayed_reserve` drives the allocator with those events and leaves out whole cycles of its
-states: once a copy leaves the allocator as an earlier copy did (free blocks, reserve, live
-bytes, the loop's storages' blocks by their place in the pattern), the copies between them
-repeat, the allocator being deterministic.
-
-Invariant: outside the context `TilePlan.bounds` is the product's own; inside, a tile is
-skipped only after a steady tile of its size, and `whole_trace` is the trace the loops would
-have recorded run whole. A loop inside another's tile runs whole.
+Invariant: outside the context `TilePlan.bounds` walks every tile; inside, a tile is skipped
+only after a steady tile of its size, and `whole_trace` is the trace the loops would have
+recorded run whole. A loop inside another's tile runs whole.
 """
 
 from __future__ import annotations
@@ -46,7 +26,7 @@ from typing import Any
 
 import torch
 
-from tiledmlp.ops.tiling.tiles import TilePlan
+from tiledmlp.ops.tiling.tiles import TilePlan, walking_tiles
 from tiledmlp.plan.sim.caching_allocator import FREE, HOLD, CachingAllocator
 from tiledmlp.plan.sim.phase_tracker import PhaseTracker
 
@@ -81,21 +61,16 @@ class PeriodicTiles:
         self.cut = False
         self.repeats: list[Repeat] = []
         self._open = 0  # loops running now (a loop inside another's tile is not cut)
-        self._original: Any = None
+        # the plans are made inside the product's ops, per call: their bounds() read this walk
+        # from the context (ops/tiling/tiles.py, Note [The tile-loop contract])
+        self._walking = walking_tiles(self._bounds)
 
     def __enter__(self) -> PeriodicTiles:
-        self._original = TilePlan.bounds
-        periodic = self
-
-        def bounds(plan: TilePlan) -> Iterator[tuple[int, int]]:
-            return periodic._bounds(plan)
-
-        # on the class: the plans are made inside the product's ops, per call; restored on exit
-        TilePlan.bounds = bounds  # type: ignore[method-assign,assignment]
+        self._walking.__enter__()
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        TilePlan.bounds = self._original  # type: ignore[method-assign]
+    def __exit__(self, *exc: Any) -> None:
+        self._walking.__exit__(*exc)
 
     def _bounds(self, plan: TilePlan) -> Iterator[tuple[int, int]]:
         sizes = plan.sizes
