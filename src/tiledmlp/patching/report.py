@@ -32,7 +32,9 @@ class PatchReport:
             tiled_cross_entropy ("tiled, except calls with logits_to_keep as ..." naming the
             forms that run the model's own loss, and why), else the reason it does not; None
             when not asked.
-        offloading: with activation_offloading=True, what is offloaded; None when not asked.
+        offloading: with activation_offloading=True, what is offloaded (and, where
+            transformers' own offload=True is on too, that ours owns the job); without it,
+            transformers' offloading where that is on; else None.
         sequence_parallel: with sequence_parallel_size, what the attention now runs as (Ulysses
             over P ranks, wrapping the model's own implementation); None when not asked.
         attention_kernel: with attention_kernel other than a plain "auto", what each decoder
