@@ -18,16 +18,17 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import assert_close_rel
 from hf_models import BASE, VOCAB
 from tiledmlp import patch_model, unpatch_model
-from tiledmlp.patching.patch import patch_report
 from tiledmlp.config.stacks import STACK_PATCHES
 from tiledmlp.patching.features.activation_offloading import (
     OffloadingCheckpoint,
     offloader_of,
     transformers_offload_plain,
 )
+from tiledmlp.patching.patch import patch_report
+
+from conftest import assert_close_rel
 
 LAYERS = 4
 NON_REENTRANT = {"use_reentrant": False}
