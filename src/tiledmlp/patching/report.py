@@ -39,6 +39,9 @@ class PatchReport:
             over P ranks, wrapping the model's own implementation); None when not asked.
         attention_kernel: with attention_kernel other than a plain "auto", what each decoder
             layer's attention call runs; None when not asked.
+        native: who owns a job where another library's piece was in place (Liger-Kernel's
+            MLP forwards tiled over, its fused linear cross-entropy, TRL's fused LM head):
+            one line each (patching/native.py).
     """
 
     patched: list[str]
@@ -49,6 +52,7 @@ class PatchReport:
     offloading: str | None = None
     sequence_parallel: str | None = None
     attention_kernel: str | None = None
+    native: list[str] = field(default_factory=list)
 
     def __str__(self) -> str:
         norms = sum(1 for name in self.patched if self.paths[name] == "generic: norm")
@@ -69,6 +73,7 @@ class PatchReport:
             lines.append(f"  sequence parallelism: {self.sequence_parallel}")
         if self.attention_kernel is not None:
             lines.append(f"  attention kernel: {self.attention_kernel}")
+        lines += [f"  beside native pieces: {line}" for line in self.native]
         return "\n".join(lines)
 
 
@@ -84,6 +89,7 @@ class ReportParts:
         offloading: activation offloading's part.
         sequence_parallel: sequence parallelism's part.
         attention_kernel: the attention kernel's part.
+        native: who owns a job beside another library's piece (PatchReport.native).
     """
 
     paths: dict[str, str] = field(default_factory=dict)
@@ -93,6 +99,7 @@ class ReportParts:
     offloading: str | None = None
     sequence_parallel: str | None = None
     attention_kernel: str | None = None
+    native: list[str] = field(default_factory=list)
 
     def empty(self) -> bool:
         """Whether no feature reported anything installed."""
@@ -109,4 +116,5 @@ class ReportParts:
             self.offloading,
             self.sequence_parallel,
             self.attention_kernel,
+            list(self.native),
         )
