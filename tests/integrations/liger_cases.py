@@ -52,13 +52,14 @@ import liger_kernel.ops.rms_norm as _liger_rms_norm  # noqa: E402
 
 _liger_rms_norm.rsqrt = _rsqrt
 
-from conftest import assert_close_rel  # noqa: E402
 from hf_models import BASE, VOCAB  # noqa: E402
 from tiledmlp import patch_model, unpatch_model  # noqa: E402
 from tiledmlp.config.stacks import STACK_PATCHES  # noqa: E402
 from tiledmlp.patching.features.activation_offloading import enable_checkpointing  # noqa: E402
 from tiledmlp.patching.native import liger_kind  # noqa: E402
 from tiledmlp.patching.state import STATE  # noqa: E402
+
+from conftest import assert_close_rel  # noqa: E402
 
 FAMILIES = {"llama": "LlamaConfig", "qwen3": "Qwen3Config", "qwen3_moe": "Qwen3MoeConfig"}
 
@@ -204,12 +205,11 @@ def _sft(out: str, tiled: bool) -> tuple[list[float], Any, Any]:
     """TRL's SFTTrainer with use_liger_kernel=True (Liger's layer kernels; TRL keeps its fused
     LM head and its default loss), with or without TiledMLPCallback(tiled_loss=True)."""
     import datasets
+    import transformers as tr
     from trl import SFTConfig, SFTTrainer
 
     from tiledmlp.integrations.hf import TiledMLPCallback
     from tiledmlp.train.tokenizer import byte_tokenizer
-
-    import transformers as tr
 
     torch.manual_seed(0)
     cfg = tr.LlamaConfig(
@@ -255,7 +255,7 @@ def trl_with_liger() -> dict[str, Any]:
     assert calls["trl"] > 0
     assert liger_kind(ref_trainer.model.model.layers[0].mlp) == "LigerSwiGLUMLP"
     calls["trl"] = 0
-    got, trainer, callback = _sft(f"{tmp}/tiled", tiled=True)
+    got, _, callback = _sft(f"{tmp}/tiled", tiled=True)
     assert calls["trl"] == 0, calls
     report = str(callback.report)
     assert "tiled over LigerSwiGLUMLP" in report, report

@@ -473,7 +473,7 @@ def test_sft_default_loss_has_one_owner_and_never_forms_the_logits(
         model = _model()
         tokens: list[int] = []
         model.model.embed_tokens.register_forward_pre_hook(
-            lambda _m, args: tokens.append(args[0].numel())
+            lambda _m, args, seen=tokens: seen.append(args[0].numel())
         )
         ds = datasets.Dataset.from_dict(
             {"text": [f"hello world, sample number {i}" for i in range(12)]}
