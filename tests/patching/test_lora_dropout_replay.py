@@ -12,9 +12,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from conftest import assert_close_rel
 from hf_models import BASE, VOCAB
 from tiledmlp import patch_model
+
+from conftest import assert_close_rel
 
 TILES = 3
 P = 0.3  # larger than ms-swift's 0.05, so that every mask has zeros to compare
