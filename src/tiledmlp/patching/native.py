@@ -59,6 +59,7 @@ def liger_kind(module: nn.Module) -> str | None:
     from tiledmlp.patching.state import STATE
 
     state = module.__dict__.get(STATE)
+    owner: tuple[str, str] | None
     if state is not None:
         saved = state.saved
         if saved is None:
