@@ -50,3 +50,26 @@ def test_liger_forwards_are_recognised_without_running_them() -> None:
 
     assert liger_loss(lce_forward) == "liger_kernel.transformers.model.llama"
     assert liger_loss(nn.Linear.forward) is None
+
+
+def test_liger_applied_after_patching_is_named_in_the_report() -> None:
+    # a Trainer with use_liger_kernel=True binds Liger's forwards when training starts (the
+    # way Liger's instance patching does, reproduced here without running a kernel)
+    import transformers as tr
+    from liger_kernel.transformers.swiglu import LigerSwiGLUMLP
+
+    from hf_models import BASE
+    from tiledmlp import patch_model, unpatch_model
+    from tiledmlp.patching.patch import patch_report
+
+    model = tr.LlamaForCausalLM(tr.LlamaConfig(**BASE))
+    patch_model(model, num_tiles=2)
+    mlp = model.model.layers[0].mlp
+    mlp.__dict__["forward"] = LigerSwiGLUMLP.forward.__get__(mlp)
+    report = patch_report(model)
+    assert report is not None
+    path = report.paths["model.layers.0.mlp"]
+    assert "covered: liger_kernel.transformers.swiglu.LigerSwiGLUMLP.forward" in path, path
+    assert report.paths["model.layers.1.mlp"] == "fast: gated"
+    with pytest.raises(RuntimeError, match="another forward was installed over the tiled one"):
+        unpatch_model(model)
