@@ -23,7 +23,8 @@ pytest.importorskip("liger_kernel", reason="liger-kernel is not installed")
     "case", ["each_stack", "qwen3", "qwen3_moe", "liger_tiled_mlp", "auto_model", "trl_with_liger"]
 )
 def test_liger_models_under_patch_model(case: str) -> None:
-    run_interpreted("liger_cases", case)
+    # whole models with Liger's kernels interpreted: minutes on 2 loaded cores
+    run_interpreted("liger_cases", case, timeout=3600)
 
 
 def test_liger_forwards_are_recognised_without_running_them() -> None:
