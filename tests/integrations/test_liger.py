@@ -6,6 +6,11 @@ or computing the loss without it), Liger's own tiled MLP left alone, unpatch + p
 Liger's kernels are Triton: each case runs in a fresh process under Triton's interpreter
 (liger_cases.py says which two interpreter gaps it bridges). What needs no kernel to run (the
 recognition of Liger's forwards) is tested here in-process.
+
+What cannot run on the CPU: Liger 0.8.5's fused MoE experts kernel (`apply_liger_kernel_to_qwen3_moe`
+with its defaults, liger_kernel/ops/fused_moe.py) is autotuned, and Triton's autotuner times its
+configurations through a GPU driver the interpreter does not have ("0 active drivers"); Qwen3-MoE
+under Liger is therefore not tested here (liger_cases.qwen3_moe runs it where a GPU is).
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ pytest.importorskip("liger_kernel", reason="liger-kernel is not installed")
 
 @pytest.mark.slow  # each case: a fresh process, Liger's kernels interpreted (~40-120 s on 2 cores)
 @pytest.mark.parametrize(
-    "case", ["each_stack", "qwen3", "qwen3_moe", "liger_tiled_mlp", "auto_model", "trl_with_liger"]
+    "case", ["each_stack", "qwen3", "liger_tiled_mlp", "auto_model", "trl_with_liger"]
 )
 def test_liger_models_under_patch_model(case: str) -> None:
     # whole models with Liger's kernels interpreted: minutes on 2 loaded cores
