@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+import pytest
 import torch
 from torch import nn
 
@@ -65,6 +66,7 @@ def _dropouts(model: nn.Module) -> dict[str, nn.Module]:
     }
 
 
+@pytest.mark.slow  # two PEFT models, two steps each, one probed by patch_model
 def test_each_steps_gradients_are_exact_for_the_masks_it_drew() -> None:
     tiled = _lora_model()
     ref = copy.deepcopy(tiled)
