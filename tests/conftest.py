@@ -348,11 +348,12 @@ def assert_tiled_layers_bf16_within_twice_untiled(base: nn.Module, ids: torch.Te
         assert et <= 2 * eu + 1e-6, f"{name}: tiled error {et:.3e} > 2 x untiled error {eu:.3e}"
 
 
-def run_interpreted(module: str, function: str) -> Any:
+def run_interpreted(module: str, function: str, timeout: int = 600) -> Any:
     """Calls tests/**/<module>.py's `function()` in a fresh process with Triton's interpreter on
     (TRITON_INTERPRET=1: Triton kernels run on CPU tensors; triton.jit reads it when kernels are
     built, so it cannot be switched on inside this process) and returns its JSON result.
-    Skips when triton is not installed; fails with the process's output when it fails."""
+    Skips when triton is not installed; fails with the process's output when it fails or runs
+    past `timeout` seconds."""
     pytest.importorskip("triton", reason="triton is not installed")
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONWARNINGS": "ignore"}
     tests = Path(__file__).resolve().parent
@@ -366,7 +367,7 @@ def run_interpreted(module: str, function: str) -> Any:
         env=env,
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=timeout,
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
     line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))

@@ -37,6 +37,9 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from table import EXTRAS, install_line  # noqa: E402  (this folder: the install lines' source)
+
 ROOT = Path(__file__).resolve().parents[2]
 PROBE = Path(__file__).resolve().parent / "probe"
 CONSTRAINTS = ROOT / "constraints.txt"
@@ -46,11 +49,14 @@ BATCHES = (1, 2)
 RTOL = 1e-5
 
 # framework -> (what pip installs, the module whose version is reported, the tiledmlp extra
-# installed beside it: the docs' install line for that framework)
+# installed beside it: table.py's EXTRAS, the one source of the docs' install lines)
 FRAMEWORKS = {
-    "swift": ("ms-swift==4.6.0", "ms-swift", "hf"),
-    "axolotl": ("axolotl==0.19.0", "axolotl", "hf"),
-    "trl": ("trl peft", "trl", "trl"),
+    name: (spec, dist, EXTRAS[name])
+    for name, spec, dist in (
+        ("swift", "ms-swift==4.6.0", "ms-swift"),
+        ("axolotl", "axolotl==0.19.0", "axolotl"),
+        ("trl", "trl peft", "trl"),
+    )
 }
 PINNED = ("transformers", "trl", "peft", "accelerate")
 
@@ -344,7 +350,7 @@ def main() -> int:
         entry = {
             "version": versions.get(dist),
             "versions": {p: versions.get(p) for p in ("torch", *PINNED)},
-            "install": f'pip install -c constraints.txt -e ".[{extra}]"',
+            "install": install_line(name, constraints=True),
             "tested": TESTED[name],
             "pins_moved": venv_info["moved"],
             "trl_extra_moves": venv_info["trl_extra_moves"],

@@ -437,3 +437,68 @@ def test_logits_to_keep_is_tiled_with_trls_head_below_ours() -> None:
         want = ref(input_ids=ids, labels=labels, logits_to_keep=keep)
         assert out.logits is None
         assert_close_rel(out.loss.detach(), want.loss.detach(), f"loss, logits_to_keep={keep}")
+
+
+class _VocabRows(torch.utils._python_dispatch.TorchDispatchMode):
+    """The most rows of any tensor an op returns whose last dimension is the vocabulary (a
+    block of logits, or of their gradient: rows = numel / vocab)."""
+
+    def __init__(self, vocab: int) -> None:
+        super().__init__()
+        self.vocab = vocab
+        self.most = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[-1] == self.vocab:
+                self.most = max(self.most, t.numel() // self.vocab)
+        return out
+
+
+@pytest.mark.slow  # two SFT runs of 3 steps under a dispatch mode (~30 s on 2 cores)
+def test_sft_default_loss_has_one_owner_and_never_forms_the_logits(
+    tmp_path: Any, trl_calls: dict[str, int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # TRL's default loss (loss_type="nll") asks the model for per-token log-probabilities in
+    # chunks of 32,768 tokens; scaled down to this run's size (4 x ~30 tokens a batch) so that
+    # "never the whole logits" can be seen: chunks of 32 tokens, and 4 tiles for ours
+    import trl.trainer.utils as trl_utils
+    from trl import SFTConfig, SFTTrainer
+
+    monkeypatch.setattr(trl_utils, "_CHUNKED_LOGPROB_CHUNK_SIZE", 32)
+    runs = {}
+    for patch in ("none", "after"):
+        trl_calls["trl"] = trl_calls["ours"] = 0
+        model = _model()
+        tokens: list[int] = []
+        model.model.embed_tokens.register_forward_pre_hook(
+            lambda _m, args, seen=tokens: seen.append(args[0].numel())
+        )
+        ds = datasets.Dataset.from_dict(
+            {"text": [f"hello world, sample number {i}" for i in range(12)]}
+        )
+        args = SFTConfig(max_length=32, **_common(str(tmp_path / patch)))
+        assert args.loss_type == "nll" and not args.use_liger_kernel  # TRL's defaults
+        trainer = SFTTrainer(
+            model=model, args=args, train_dataset=ds, processing_class=byte_tokenizer()
+        )
+        if patch == "after":
+            report = tiledmlp.patch_model(trainer.model, tiled_loss=True, loss_num_tiles=4)
+            assert "loss: the tiled loss computes it, TRL's fused LM head calls included" in (
+                str(report)
+            )
+        rows = _VocabRows(model.config.vocab_size)
+        tokens.clear()  # (patch_model's probes ran the model on a few tokens)
+        with rows:
+            trainer.train()
+        # one owner: TRL's chunked head or ours, never both
+        owner = "trl" if patch == "none" else "ours"
+        assert trl_calls[owner] > 0 and trl_calls["ours" if owner == "trl" else "trl"] == 0
+        assert min(tokens) >= 100 and rows.most <= 32, (rows.most, min(tokens))
+        runs[patch] = trainer.state.log_history
+    got = [e["loss"] for e in runs["after"] if "loss" in e]
+    ref = [e["loss"] for e in runs["none"] if "loss" in e]
+    assert len(got) == len(ref) == 3
+    for a, b in zip(got, ref):
+        assert math.isclose(a, b, rel_tol=1e-6), (a, b)

@@ -364,6 +364,17 @@ def test_activation_offloading_keeps_the_losses_exactly() -> None:
     assert offloaded["offloaded_mib"] == pytest.approx(3 * 3 * 256 * 256 * 4 / 2**20, abs=0.05)
 
 
+@pytest.mark.slow
+def test_every_n_layers_keeps_the_losses_and_offloads_the_checkpointed_layers_only() -> None:
+    args = ("--seq-len", "256", "--steps", "2", "--gradient-checkpointing")
+    every = summary_here(*args)
+    second = summary_here(*args, "--every-n-layers", "2", "--activation-offloading")
+    assert second["losses"] == pytest.approx(every["losses"], rel=1e-6)
+    assert second["every_n_layers"] == 2 and every["every_n_layers"] == 1
+    # tiny preset: 4 layers, layers 0 and 2 checkpointed: layer 0's input moves each step
+    assert second["offloaded_mib"] == pytest.approx(2 * 256 * 256 * 4 / 2**20, abs=0.05)
+
+
 def _bad_files(tmp: Path) -> dict[str, str]:
     (tmp / "bin.txt").write_bytes(bytes(range(128, 256)) * 4)
     (tmp / "no-text.csv").write_text("body,id\nhello,1\n")
@@ -378,6 +389,11 @@ def _bad_files(tmp: Path) -> dict[str, str]:
 # (args, message): bad input to `tiledmlp train`, reported in one line with exit status 2
 BAD_INPUT = [
     (["--activation-offloading"], "add --gradient-checkpointing"),
+    (
+        ["--every-n-layers", "2"],
+        "chooses which layers are checkpointed: add --gradient-checkpointing",
+    ),
+    (["--every-n-layers", "0"], "--every-n-layers must be an integer >= 1, got 0"),
     (["--data", "/nonexistent.txt"], "is not a file"),
     (["--data", "TMP/bin.txt"], "bin.txt is not UTF-8 text"),
     (["--data", "TMP/no-text.csv"], 'no-text.csv record 0 has no field "text" (fields: body'),

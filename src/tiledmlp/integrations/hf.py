@@ -169,7 +169,10 @@ class TiledMLPCallback(_callback_base()):  # type: ignore[misc]
     The model is patched at the end of the Trainer's construction (before the Trainer wraps
     it for DDP, FSDP or DeepSpeed, and before TRL's trainers add their fused LM head, which the
     tiled loss then serves); at the start of training a model that is not patched (replaced
-    since, or built by model_init) is patched then. `report` holds the latest PatchReport.
+    since, or built by model_init) is patched then. With `use_liger_kernel=True` it is
+    patched at the start of training only, after the Trainer applied Liger's kernels (which
+    bind Liger's forwards on the model's modules): the tiled MLPs then tile over Liger's, and
+    each job's owner is in the report. `report` holds the latest PatchReport.
 
     Args:
         config: a PatchConfig, instead of the keyword options.
@@ -188,6 +191,11 @@ class TiledMLPCallback(_callback_base()):  # type: ignore[misc]
         self.report = patch_model(model, self.config)  # logs its report
 
     def on_init_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if getattr(args, "use_liger_kernel", False):
+            # the Trainer applies Liger's kernels when training starts, binding Liger's forwards
+            # over the MLPs' (and the loss's): patched now, the tiled MLPs would be replaced
+            # unseen; patched then (on_train_begin), they tile over Liger's
+            return
         self._patch(kwargs.get("model"))
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:

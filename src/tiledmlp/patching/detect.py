@@ -34,6 +34,7 @@ from torch import nn
 from tiledmlp.ops.mlp.structure import recognise
 from tiledmlp.ops.mlp.untiled import UntiledCall
 from tiledmlp.ops.tiling.probe import stand_ins
+from tiledmlp.patching.native import left_alone, liger_kind
 from tiledmlp.patching.state import NORM_KIND, original_forward
 
 __all__ = ["Candidate", "Detection", "detect_mlps", "experts_count", "hidden_size_of", "norms_of"]
@@ -310,6 +311,9 @@ def _examine(name: str, m: nn.Module, hidden: int) -> tuple[str, Any] | None:
     the module."""
     if is_projection(m) or (_matrices_touching(m, hidden) < 2 and experts_count(m) is None):
         return None
+    why = left_alone(m, "MLP")  # another library's kernel owns it (native.py)
+    if why is not None:
+        return "skipped", why
     experts = experts_count(m)
     if experts is not None:
         if _probe_experts(m, hidden, experts):
@@ -334,6 +338,10 @@ def _examine(name: str, m: nn.Module, hidden: int) -> tuple[str, Any] | None:
     if structure is not None:
         return "candidate", Candidate(name, m, "fast", structure.kind.value)
     kind = _classify_dense(m)
+    if kind is None and _mlp_shaped(m) and liger_kind(m) is not None:
+        # a Liger MLP class (its activation inside Liger's kernel, no act_fn to read): the
+        # generic path recomputes its own forward per tile
+        kind = "Liger MLP"
     if kind is not None:
         return "candidate", Candidate(name, m, "generic", kind)
     if _has_mlp_inside(m):
@@ -386,11 +394,15 @@ def detect_mlps(model: nn.Module, hidden: int) -> Detection:
 _NORM_NAMES = ("LayerNorm", "RMSNorm")
 
 
-def norms_of(model: nn.Module, hidden: int) -> list[Candidate]:
+def norms_of(
+    model: nn.Module, hidden: int, skipped: list[tuple[str, str]] | None = None
+) -> list[Candidate]:
     """The normalisation layers over the hidden size (token-wise: each token is normalised on
     its own), as generic-path candidates: nn.LayerNorm, nn.RMSNorm and modules whose class
     name ends in LayerNorm or RMSNorm, with one weight of `hidden` elements. Per-head norms
-    (e.g. Qwen3's q_norm over the head dimension) are left alone."""
+    (e.g. Qwen3's q_norm over the head dimension) are left alone, and so are norms another
+    library's kernel already owns (native.py: Liger's RMSNorm, hub kernels), each added to
+    `skipped` with the reason."""
     found = []
     for name, module in model.named_modules():
         named = type(module).__name__.endswith(_NORM_NAMES)
@@ -398,5 +410,9 @@ def norms_of(model: nn.Module, hidden: int) -> list[Candidate]:
             continue
         weight = _weight_of(module)
         if isinstance(weight, torch.Tensor) and tuple(weight.shape) == (hidden,):
-            found.append(Candidate(name, module, "generic", NORM_KIND))
+            why = left_alone(module, "norm")
+            if why is None:
+                found.append(Candidate(name, module, "generic", NORM_KIND))
+            elif skipped is not None:
+                skipped.append((name, why))
     return found

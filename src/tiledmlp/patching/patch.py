@@ -25,6 +25,7 @@ from tiledmlp.config.patch import PatchConfig
 from tiledmlp.ops.mlp.structure import forget
 from tiledmlp.patching.features import FEATURES, Found
 from tiledmlp.patching.features.tiled_modules import reset_tile_counts, tile_counts, tiled_forward
+from tiledmlp.patching.loss_owner import loss_owner
 from tiledmlp.patching.probe_cache import probes_released
 from tiledmlp.patching.report import PatchReport, ReportParts
 from tiledmlp.patching.state import original_forward
@@ -116,7 +117,15 @@ def apply_features(model: nn.Module, config: PatchConfig, found: Found) -> Patch
         if feature.wanted(config):
             feature.apply(model, config, found.get(feature.name), parts)
     reset_tile_counts(model)
+    _own_loss(model, parts)
     return parts.report()
+
+
+def _own_loss(model: nn.Module, parts: ReportParts) -> None:
+    """Names the loss's owner where another library's loss forward is on the model."""
+    owner = loss_owner(model)
+    if owner is not None:
+        parts.native.append(owner)
 
 
 def patch_report(model: nn.Module) -> PatchReport | None:
@@ -127,7 +136,10 @@ def patch_report(model: nn.Module) -> PatchReport | None:
     parts = ReportParts()
     for feature in FEATURES:
         feature.describe(model, parts)
-    return None if parts.empty() else parts.report()
+    if parts.empty():
+        return None
+    _own_loss(model, parts)
+    return parts.report()
 
 
 def unpatch_model(model: nn.Module) -> list[str]:

@@ -32,11 +32,16 @@ class PatchReport:
             tiled_cross_entropy ("tiled, except calls with logits_to_keep as ..." naming the
             forms frameworks pass that run the model's own loss, and why; the others are in the
             debug log), else the reason it does not; None when not asked.
-        offloading: with activation_offloading=True, what is offloaded; None when not asked.
+        offloading: with activation_offloading=True, what is offloaded (and, where
+            transformers' own offload=True is on too, that ours owns the job); without it,
+            transformers' offloading where that is on; else None.
         sequence_parallel: with sequence_parallel_size, what the attention now runs as (Ulysses
             over P ranks, wrapping the model's own implementation); None when not asked.
         attention_kernel: with attention_kernel other than a plain "auto", what each decoder
             layer's attention call runs; None when not asked.
+        native: who owns a job where another library's piece was in place (Liger-Kernel's
+            MLP forwards tiled over, its fused linear cross-entropy, TRL's fused LM head):
+            one line each (patching/native.py).
     """
 
     patched: list[str]
@@ -47,6 +52,7 @@ class PatchReport:
     offloading: str | None = None
     sequence_parallel: str | None = None
     attention_kernel: str | None = None
+    native: list[str] = field(default_factory=list)
 
     def __str__(self) -> str:
         norms = sum(1 for name in self.patched if self.paths[name] == "generic: norm")
@@ -67,6 +73,7 @@ class PatchReport:
             lines.append(f"  sequence parallelism: {self.sequence_parallel}")
         if self.attention_kernel is not None:
             lines.append(f"  attention kernel: {self.attention_kernel}")
+        lines += [f"  beside native pieces: {line}" for line in self.native]
         return "\n".join(lines)
 
 
@@ -82,6 +89,7 @@ class ReportParts:
         offloading: activation offloading's part.
         sequence_parallel: sequence parallelism's part.
         attention_kernel: the attention kernel's part.
+        native: who owns a job beside another library's piece (PatchReport.native).
     """
 
     paths: dict[str, str] = field(default_factory=dict)
@@ -91,6 +99,7 @@ class ReportParts:
     offloading: str | None = None
     sequence_parallel: str | None = None
     attention_kernel: str | None = None
+    native: list[str] = field(default_factory=list)
 
     def empty(self) -> bool:
         """Whether no feature reported anything installed."""
@@ -107,4 +116,5 @@ class ReportParts:
             self.offloading,
             self.sequence_parallel,
             self.attention_kernel,
+            list(self.native),
         )

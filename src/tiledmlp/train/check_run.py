@@ -129,7 +129,7 @@ def run_check(opts: TrainOptions, *, seq_len_given: bool) -> CheckResult:
     )
     model = model.to(launch.device)
     if opts.gradient_checkpointing:
-        enable_checkpointing(model)
+        enable_checkpointing(model, every_n_layers=opts.every_n_layers)
     engine: StepEngine = LocalEngine()
     if launch.engine in ("ddp", "fsdp2"):
         if not dist.is_initialized():

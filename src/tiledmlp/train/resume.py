@@ -42,7 +42,7 @@ _SAVING = frozenset({"save_steps", "save_total_limit", "logging_steps", "report_
 _NEEDS_OUTPUT = ("save_steps", "save_total_limit")
 # fields (of TrainOptions and of its PatchConfig, whose schema marks them) that change memory
 # and speed, not the losses: applied with a note when they differ
-_SAFE = frozenset({"gradient_checkpointing", *SAME_LOSSES})
+_SAFE = frozenset({"gradient_checkpointing", "every_n_layers", *SAME_LOSSES})
 # a field's flag where the two differ
 _FLAGS = {"tiles": "--num-tiles", "tiled_mlp": "--use-tiled-mlp", "patch": "the tiling options"}
 

@@ -140,7 +140,7 @@ def run(
     model, tokenizer = load_model(opts.model, opts.dtype, opts.seq_len, opts.seed, build_on)
     train_set, eval_set, corpus = _sequences(build, tokenizer, launch.world // sp)
     if opts.gradient_checkpointing:
-        enable_checkpointing(model)
+        enable_checkpointing(model, every_n_layers=opts.every_n_layers)
     config = opts.patch_config()
     report = patch_model(model, config) if config is not None else None
 

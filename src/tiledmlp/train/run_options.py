@@ -131,6 +131,14 @@ class TrainOptions:
         help="the model's own (non-reentrant) checkpointing",
         keys=(_key("gradient_checkpointing", parse_bool, "true|false", kind="bool"),),
     )
+    every_n_layers: int = option(
+        default=1,
+        group="long context",
+        help="with --gradient-checkpointing, checkpoint every N-th decoder layer only "
+        "(transformers' activation_checkpointing_enable(every_n_layers=N), transformers 5.25 "
+        "and later): the others keep their activations, faster where the memory allows",
+        keys=(_key("every_n_layers", as_int, kind="int"),),
+    )
     # the feature options: PatchConfig's own schema (tiling, loss, norms, layers, offloading,
     # sequence parallelism), listed here in `tiledmlp train --help`
     patch: PatchConfig | None = DEFAULT_PATCH
@@ -371,6 +379,12 @@ class TrainOptions:
 
     def _check_switches(self) -> None:
         """Switches that need another one."""
+        check_int("--every-n-layers", self.every_n_layers, minimum=1)
+        if self.every_n_layers > 1 and not self.gradient_checkpointing:
+            raise ValueError(
+                f"--every-n-layers {self.every_n_layers} chooses which layers are checkpointed: "
+                "add --gradient-checkpointing"
+            )
         offloading = self.patch is not None and self.patch.activation_offloading
         if offloading and not self.gradient_checkpointing:
             raise ValueError(

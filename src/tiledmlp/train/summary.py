@@ -84,6 +84,7 @@ def summary(
         "tiles_per_mlp": {n: c.last for n, c in counts.items() if n not in norms},
         "tiles_per_norm": {n: c.last for n, c in counts.items() if n in norms},
         "gradient_checkpointing": opts.gradient_checkpointing,
+        "every_n_layers": opts.every_n_layers,
         "offloaded_mib": _offloaded_mib(model),
         "tiled_modules": report.patched if report else [],
         "losses": losses.losses,

@@ -11,6 +11,13 @@ inside the offloader's saved-tensor hooks. With checkpointing off or reentrant o
 silently do nothing (nothing is saved, or the reentrant checkpoint keeps its own copies), so both
 are errors.
 
+transformers' own offloading (`activation_checkpointing_enable(offload=True)`) wraps the same
+checkpoint in `save_on_cpu`. Both cannot act: inside theirs, every saved tensor would go to the
+host synchronously before ours sees it. With activation_offloading=True ours owns the job: a
+layer whose checkpoint function is transformers' offloading one runs the plain checkpoint with
+the same keywords under our offloader (the report says so), and removing the feature puts
+transformers' function back. See Note [One offloader].
+
 No probe: the checkpointed layers are found by structure when it is applied, and checkpointing
 itself is checked at each training forward (it may be turned on after patching).
 
@@ -21,6 +28,7 @@ restores every checkpoint function it wrapped and removes the hook.
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -55,32 +63,92 @@ _HOW = (
 )
 
 
+# Note [One offloader]
+# transformers' offload=True and ours move the same tensors (a checkpointed layer's saved
+# inputs). Stacked, the inner one takes every saved tensor and the outer one sees nothing, so
+# the result would depend on the order the two were turned on. The user who asks patch_model
+# for activation_offloading asked for ours (copies on a side stream, prefetched in the
+# backward, pooled host buffers, the host-memory check), so ours runs and transformers'
+# save_on_cpu is set aside for the layers we wrap, and put back by remove_offloading.
+
+
 class OffloadingCheckpoint:
     """A layer's checkpoint function whose call saves the hidden states through the offloader.
 
     Args:
-        inner: the checkpoint function it wraps (a partial of torch.utils.checkpoint.checkpoint
-            with use_reentrant=False).
+        inner: the checkpoint function it replaces (put back by remove_offloading): a partial
+            of torch.utils.checkpoint.checkpoint with use_reentrant=False, or transformers'
+            offloading checkpoint (Note [One offloader]).
         offloader: the model's ActivationOffloader.
     """
 
     def __init__(self, inner: Callable[..., Any], offloader: ActivationOffloader) -> None:
         self.inner = inner
         self.offloader = offloader
+        plain = transformers_offload_plain(inner)
+        #: what runs: `inner`, or the plain checkpoint transformers' offloading one wraps
+        self.run: Callable[..., Any] = inner if plain is None else plain
+        #: whether transformers' offload=True was set aside for this layer
+        self.replaced_native = plain is not None
 
     def __call__(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         if not args or not isinstance(args[0], torch.Tensor):
-            return self.inner(function, *args, **kwargs)
+            return self.run(function, *args, **kwargs)
         with self.offloader.saving(args[0]):
-            return self.inner(function, *args, **kwargs)
+            return self.run(function, *args, **kwargs)
 
 
-def enable_checkpointing(model: Any, *, reentrant: bool = False) -> None:
+def transformers_offload_plain(func: Any) -> functools.partial[Any] | None:
+    """When `func` is transformers' offloading checkpoint function (a partial of the closure
+    `activation_checkpointing_enable(offload=True)` builds around `save_on_cpu` and
+    torch.utils.checkpoint.checkpoint): the plain checkpoint with the same arguments; else
+    None. Recognised by where the closure lives and what it calls (transformers 5.25's
+    modeling_utils; tests/patching/test_native_checkpointing.py fails loudly if it moves)."""
+    if not isinstance(func, functools.partial):
+        return None
+    inner = func.func
+    code = getattr(inner, "__code__", None)
+    if (
+        code is None
+        or getattr(inner, "__module__", None) != "transformers.modeling_utils"
+        or "save_on_cpu" not in code.co_names
+        or "checkpoint" not in code.co_names
+    ):
+        return None
+    return functools.partial(torch.utils.checkpoint.checkpoint, *func.args, **func.keywords)
+
+
+def native_offload_layers(model: nn.Module) -> int:
+    """How many of `model`'s checkpointed layers run transformers' offload=True now (not set
+    aside by ours)."""
+    return sum(
+        1
+        for m in _checkpointed(model)
+        if m.gradient_checkpointing
+        and transformers_offload_plain(m.__dict__.get("_gradient_checkpointing_func")) is not None
+    )
+
+
+def enable_checkpointing(model: Any, *, reentrant: bool = False, every_n_layers: int = 1) -> None:
     """Turns on a Hugging Face model's own checkpointing, non-reentrant by default (the current
-    transformers name first, the deprecated one on older versions)."""
+    transformers name first, the deprecated one on older versions); with `every_n_layers` N > 1,
+    of every N-th decoder layer only (transformers 5.25 and later).
+
+    Raises:
+        ValueError: every_n_layers > 1 on a transformers without it.
+    """
     kwargs = {"use_reentrant": reentrant}
-    if hasattr(model, "activation_checkpointing_enable"):
-        model.activation_checkpointing_enable(kwargs)
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if every_n_layers != 1:
+        if enable is None or "every_n_layers" not in inspect.signature(enable).parameters:
+            raise ValueError(
+                f"every_n_layers={every_n_layers}: {type(model).__name__}'s "
+                "activation_checkpointing_enable has no every_n_layers (transformers 5.25 and "
+                "later have it); upgrade transformers or checkpoint every layer"
+            )
+        enable(kwargs, every_n_layers=every_n_layers)
+    elif enable is not None:
+        enable(kwargs)
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
@@ -93,7 +161,10 @@ def _checkpointed(model: nn.Module) -> list[nn.Module]:
 
 
 def _check_inner(func: Any, layer: nn.Module) -> None:
-    """Raises unless `func` is torch's checkpoint, non-reentrant, with nothing else around it."""
+    """Raises unless `func` is torch's checkpoint, non-reentrant, with nothing else around it
+    but transformers' own offloading (set aside by ours: Note [One offloader])."""
+    plain = transformers_offload_plain(func)
+    func = func if plain is None else plain
     ok = (
         isinstance(func, functools.partial)
         and func.func is torch.utils.checkpoint.checkpoint
@@ -109,9 +180,9 @@ def _check_inner(func: Any, layer: nn.Module) -> None:
         )
     raise ValueError(
         f"activation offloading: {type(layer).__name__} is checkpointed by {func!r}; expected "
-        "torch.utils.checkpoint.checkpoint with use_reentrant=False (and no offloading of its own, "
-        f"e.g. transformers' activation_checkpointing_enable(offload=True): use one of the two). "
-        f"Enable it with {_HOW}"
+        "torch.utils.checkpoint.checkpoint with use_reentrant=False (or transformers' own "
+        f"activation_checkpointing_enable(offload=True), which ours then replaces). Enable it "
+        f"with {_HOW}"
     )
 
 
@@ -233,19 +304,54 @@ class ActivationOffloading(Feature):
 
     name = "activation_offloading"
 
+    def wanted(self, config: PatchConfig) -> bool:
+        del config
+        return True  # off, it still names transformers' offloading when that is on (apply)
+
     def apply(
         self, model: nn.Module, config: PatchConfig, probed: None, report: ReportParts
     ) -> None:
-        del config, probed
+        del probed
+        if not config.activation_offloading:
+            native = native_offload_layers(model)
+            if native:
+                report.offloading = (
+                    f"transformers' activation_checkpointing_enable(offload=True) moves the "
+                    f"inputs of {native} checkpointed layer(s) (tiledmlp's activation_offloading "
+                    "is off)"
+                )
+            return
         install_offloading(model)
-        report.offloading = "checkpointed layer inputs to host memory (all but the last layer's)"
+        report.offloading = _described(model)
 
     def remove(self, model: nn.Module) -> list[str]:
         return ["<activation offloading>"] if remove_offloading(model) else []
 
     def describe(self, model: nn.Module, report: ReportParts) -> None:
         if offloader_of(model) is not None:
-            report.offloading = "on"
+            report.offloading = _described(model, "on")
+
+
+_OWNS = (
+    "; transformers' activation_checkpointing_enable(offload=True) is on too and stands aside "
+    "(tiledmlp's offloader owns the checkpointed inputs; its save_on_cpu is put back by "
+    "unpatch_model)"
+)
+
+
+def _described(
+    model: nn.Module,
+    what: str = "checkpointed layer inputs to host memory (all but the last layer's)",
+) -> str:
+    """The report's line: what is offloaded, and who owns it where transformers' offloading is
+    on as well (Note [One offloader])."""
+    native = native_offload_layers(model) + sum(
+        1
+        for m in model.modules()
+        if isinstance(f := m.__dict__.get("_gradient_checkpointing_func"), OffloadingCheckpoint)
+        and f.replaced_native
+    )
+    return what + (_OWNS if native else "")
 
 
 ACTIVATION_OFFLOADING = ActivationOffloading()

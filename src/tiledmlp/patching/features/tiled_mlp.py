@@ -18,6 +18,7 @@ from tiledmlp.config.patch import PatchConfig
 from tiledmlp.patching.detect import Candidate, detect_mlps
 from tiledmlp.patching.features.base import Found
 from tiledmlp.patching.features.tiled_modules import ModuleTiling, hidden_size, tile_candidates
+from tiledmlp.patching.native import replaced_note
 from tiledmlp.patching.report import ReportParts
 from tiledmlp.patching.state import LAYER_KIND, NORM_KIND, PatchState
 
@@ -47,8 +48,10 @@ class TiledMLPs(ModuleTiling):
     def apply(
         self, model: nn.Module, config: PatchConfig, probed: FoundModules, report: ReportParts
     ) -> None:
+        notes = {c.name: replaced_note(c.module, c.path) for c in probed.candidates}
         tile_candidates(model, probed.candidates, config, report)
         report.skipped += probed.skipped
+        report.native += [f"{name}: {note}" for name, note in notes.items() if note is not None]
 
 
 TILED_MLP = TiledMLPs()

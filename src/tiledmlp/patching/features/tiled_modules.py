@@ -149,12 +149,27 @@ def remove_modules(model: nn.Module, owns: Owns, keys: tuple[str, ...] = ()) -> 
     return restored
 
 
-def describe_modules(model: nn.Module, owns: Owns, report: ReportParts) -> None:
+def describe_modules(
+    model: nn.Module,
+    owns: Owns,
+    report: ReportParts,
+    forward: Callable[..., Any] = tiled_forward,
+) -> None:
     """The owned modules' paths as they are now (a fast-path module whose children changed
-    since, e.g. PEFT adapters injected, is described as the generic path it now takes)."""
+    since, e.g. PEFT adapters injected, is described as the generic path it now takes; one
+    whose tiled forward another library covered since, e.g. Liger's kernels applied by a
+    Trainer after patching, is said to run that forward instead)."""
     for name, module, state in _owned(model, owns):
         report.config = state.config
-        if (
+        if not _ours_on_top(module, forward):
+            top = module.__dict__.get("forward")
+            func = getattr(top, "__func__", top)
+            where = f"{getattr(func, '__module__', '?')}.{getattr(func, '__qualname__', '?')}"
+            report.paths[name] = (
+                f"{state.path}: {state.kind}, covered: {where}, installed over the tiled "
+                "forward since, runs instead (patch after it to tile it)"
+            )
+        elif (
             state.path == "fast"
             and recognise(module, UntiledCall(module, original_forward(module))) is None
         ):
@@ -180,7 +195,7 @@ class ModuleTiling(Feature):
         return remove_modules(model, self.owns, keys=self.removed_keys)
 
     def describe(self, model: nn.Module, report: ReportParts) -> None:
-        describe_modules(model, self.owns, report)
+        describe_modules(model, self.owns, report, self.installed_forward)
 
 
 def tile_candidates(

@@ -3,7 +3,8 @@
 float32 intermediates exist one tile at a time.
 
 Probe: the norms by structure (patching/detect.py's norms_of: class and weight shape, no
-values), less the modules the tiled MLPs take. Apply: tiled_forward on each
+values), less the modules the tiled MLPs take and those another library's kernel owns
+(patching/native.py: Liger's RMSNorm, hub kernels; reported as skipped). Apply: tiled_forward on each
 (features/tiled_modules.py).
 
 Invariant: only norms whose weight has exactly hidden-size elements are tiled (per-head norms
@@ -36,13 +37,15 @@ class TiledNorms(ModuleTiling):
     def probe(self, model: nn.Module, config: PatchConfig, found: Found) -> FoundModules:
         mlps = found.get("tiled_mlp")
         taken = {id(c.module) for c in mlps.candidates} if mlps is not None else set()
-        norms = norms_of(model, hidden_size(model, config))
-        return FoundModules([c for c in norms if id(c.module) not in taken])
+        skipped: list[tuple[str, str]] = []
+        norms = norms_of(model, hidden_size(model, config), skipped)
+        return FoundModules([c for c in norms if id(c.module) not in taken], skipped)
 
     def apply(
         self, model: nn.Module, config: PatchConfig, probed: FoundModules, report: ReportParts
     ) -> None:
         tile_candidates(model, probed.candidates, config, report)
+        report.skipped += probed.skipped
 
 
 TILED_NORMS = TiledNorms()

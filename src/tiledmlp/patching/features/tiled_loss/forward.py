@@ -56,6 +56,7 @@ from tiledmlp.patching.features.tiled_loss.head import (
     targets_of,
 )
 from tiledmlp.patching.features.tiled_loss.probe import probe
+from tiledmlp.patching.native import liger_loss
 
 __all__ = [
     "LossProbe",
@@ -337,11 +338,30 @@ def probe_loss(model: nn.Module, num_tiles: TilePolicy) -> LossProbe:
     def use(head: HeadTransform) -> None:
         state.head = head
 
+    own = _original(model)
+    if liger_loss(own) is not None:
+        # Liger's fused linear cross-entropy (patching/native.py) reads labels of some
+        # logits_to_keep forms out of bounds. Set on the instance, it fuses the class's own
+        # loss, which the tiled loss is probed against instead; set on the class, the probe
+        # keeps it away from those forms (their calls then run Liger's forward, named in the
+        # report)
+        if liger_loss(type(model).forward) is None:
+            own = type(model).forward.__get__(model)
+        else:
+            own = functools.partial(_no_kept_positions, own)
     try:
-        why = probe(model, _original(model), functools.partial(_loss_forward, model), use)
+        why = probe(model, own, functools.partial(_loss_forward, model), use)
     finally:
         del model.__dict__[_STATE]
     return state.head if why is None else why
+
+
+def _no_kept_positions(forward: Any, *args: Any, **kwargs: Any) -> Any:
+    """Liger's loss forward, refusing the probe's logits_to_keep forms (probe_loss)."""
+    keep = kwargs.get("logits_to_keep")
+    if keep is not None and not (isinstance(keep, int) and keep == 0):
+        raise ValueError("not probed on Liger's fused linear cross-entropy")
+    return forward(*args, **kwargs)
 
 
 def install_loss(
