@@ -25,11 +25,19 @@ from typing import Any, NamedTuple
 
 import torch
 
-from tiledmlp.ops.loss.inputs import HeadInput, check_inputs, shift_labels, targets_of
-from tiledmlp.ops.loss.tile_loop import HeadRun, run_head
+from tiledmlp.ops.loss.inputs import (
+    HeadInput,
+    check_inputs,
+    loss_plan,
+    shift_labels,
+    targets_of,
+)
+from tiledmlp.ops.loss.tile_loop import HeadRun, run_head, run_scalar_parts
 from tiledmlp.ops.loss.tile_math import STATS, CrossEntropyMath, LogprobMath
 from tiledmlp.ops.tiling.policy import TilePolicy
 from tiledmlp.ops.tiling.probe import absent
+from tiledmlp.ops.tiling.state import AutocastState
+from tiledmlp.ops.tiling.tiles import TilePlan
 from tiledmlp.ops.tiling.values import check_positive_number
 
 __all__ = [
@@ -125,6 +133,34 @@ def tiled_cross_entropy(
     """
     scoring = _Scoring(reduction, label_smoothing, z_loss, return_aux)
     _check_logit_scale(logit_scale, "tiled_cross_entropy")
+    if torch.compiler.is_compiling():
+        return _compiled_cross_entropy(
+            hidden_states, lm_head_weight, labels, bias, num_tiles, tile_tokens, ignore_index,
+            scoring, shift, softcap, logit_scale, weight, mask,
+        )  # fmt: skip
+    return _eager_cross_entropy(
+        hidden_states, lm_head_weight, labels, bias, num_tiles, tile_tokens, ignore_index,
+        scoring, shift, softcap, logit_scale, weight, mask,
+    )  # fmt: skip
+
+
+def _eager_cross_entropy(
+    hidden_states: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    labels: torch.Tensor,
+    bias: torch.Tensor | None,
+    num_tiles: int | str | TilePolicy,
+    tile_tokens: int | None,
+    ignore_index: int,
+    scoring: _Scoring,
+    shift: bool,
+    softcap: float | None,
+    logit_scale: float,
+    weight: torch.Tensor | None,
+    mask: torch.Tensor | None,
+) -> Any:
+    """tiled_cross_entropy through the tile loop's autograd Functions (module docstring)."""
+    reduction, return_aux = scoring.reduction, scoring.return_aux
     check_inputs(hidden_states, lm_head_weight, labels, bias, softcap, mask, "labels")
     vocab = lm_head_weight.shape[0]
     _check_class_weight(weight, vocab)
@@ -140,6 +176,120 @@ def tiled_cross_entropy(
     if not return_aux:
         return loss
     return _with_aux(loss, math_, targets, counted, labels.shape)
+
+
+# See Note [compiled loss]
+_eager_cross_entropy = torch.compiler.disable(_eager_cross_entropy)
+
+# Note [compiled loss]
+# ~~~~~~~~~~~~~~~~~~~~
+# Under torch.compile, a loss reduced by "mean" or "sum" without return_aux is one call of the
+# custom operator tiledmlp::lm_head_loss (ops/library.py): the labels' checks and the "mean"
+# count read values, which only the operator's own (eager) body may do. Per-token reductions
+# and return_aux run the eager function as one graph break; dynamo never resumes inside it.
+
+
+def _compiled_cross_entropy(
+    hidden_states: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    labels: torch.Tensor,
+    bias: torch.Tensor | None,
+    num_tiles: int | str | TilePolicy,
+    tile_tokens: int | None,
+    ignore_index: int,
+    scoring: _Scoring,
+    shift: bool,
+    softcap: float | None,
+    logit_scale: float,
+    weight: torch.Tensor | None,
+    mask: torch.Tensor | None,
+) -> Any:
+    """tiled_cross_entropy as traced by torch.compile (Note [compiled loss])."""
+    if scoring.reduction == "none" or scoring.return_aux:
+        return _eager_cross_entropy(
+            hidden_states, lm_head_weight, labels, bias, num_tiles, tile_tokens, ignore_index,
+            scoring, shift, softcap, logit_scale, weight, mask,
+        )  # fmt: skip
+    from tiledmlp.ops import library
+
+    check_inputs(hidden_states, lm_head_weight, labels, bias, softcap, mask, "labels")
+    vocab = lm_head_weight.shape[0]
+    _check_class_weight(weight, vocab)
+    hidden = hidden_states.reshape(-1, hidden_states.shape[-1])
+    autocast = AutocastState.capture(hidden.device.type)
+    cd = autocast.compute_dtype(hidden.dtype, lm_head_weight.dtype) or hidden.dtype
+    elem = _ELEMENT_SIZES.get(cd, 4)
+    plan = loss_plan(hidden.shape[0], hidden.shape[1], vocab, elem, num_tiles, tile_tokens)
+    grad = torch.is_grad_enabled()
+    needs = [grad and t is not None and t.requires_grad for t in (hidden, lm_head_weight, bias)]
+    loss, *_ = library.lm_head_loss(
+        hidden, lm_head_weight, bias, labels.reshape(-1),
+        None if mask is None else mask.reshape(-1), weight, list(plan.sizes), ignore_index,
+        scoring.reduction, shift_rows(shift, labels), float(softcap or 0.0), float(logit_scale),
+        float(scoring.label_smoothing), float(scoring.z_loss),
+        autocast.dtype if autocast.compute_dtype(hidden.dtype, lm_head_weight.dtype) else None,
+        needs,
+    )  # fmt: skip
+    return loss
+
+
+_ELEMENT_SIZES = {torch.float32: 4, torch.float16: 2, torch.bfloat16: 2, torch.float64: 8}
+
+
+def shift_rows(shift: bool, labels: torch.Tensor) -> int:
+    """The shift as the operator takes it: 0 for none, else the sequence length (labels are
+    flattened before the operator sees them; each sequence's last position is then ignored)."""
+    return labels.shape[-1] if shift else 0
+
+
+def scalar_loss_parts(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    labels: torch.Tensor,
+    mask: torch.Tensor | None,
+    class_weight: torch.Tensor | None,
+    plan: TilePlan,
+    ignore_index: int,
+    reduction: str,
+    shift: int,
+    softcap: float,
+    logit_scale: float,
+    label_smoothing: float,
+    z_loss: float,
+    autocast_dtype: torch.dtype | None,
+    needs: list[bool],
+) -> list[torch.Tensor]:
+    """The body of tiledmlp::lm_head_loss (ops/library.py): the scalar head's forward, its
+    gradients formed for an upstream gradient of 1, on real values.
+
+    Args:
+        hidden: (tokens, hidden); labels, mask: (tokens,); shift: 0, or the sequence length
+            by which the flat labels are shifted per sequence.
+    """
+    scoring = _Scoring(reduction, label_smoothing, z_loss, False)
+    vocab = weight.shape[0]
+    if shift:
+        labels = labels.view(-1, shift)
+        mask = None if mask is None else mask.view(-1, shift)
+    targets, counted = targets_of(
+        labels, mask, bool(shift), ignore_index, vocab, "tiled_cross_entropy"
+    )
+    autocast = AutocastState(
+        device_type=hidden.device.type,
+        enabled=autocast_dtype is not None,
+        dtype=autocast_dtype if autocast_dtype is not None else torch.float32,
+        cache_enabled=False,
+    )
+    cd = autocast.compute_dtype(hidden.dtype, weight.dtype) or hidden.dtype
+    head = HeadInput(hidden, autocast, torch.promote_types(cd, torch.float32), plan)
+    math_ = _cross_entropy_math(scoring, head, targets, counted, class_weight, vocab)
+    run = HeadRun(plan, targets, counted, softcap or None, 1.0, autocast, math_, logit_scale)
+    run_scalar_parts(hidden, run, weight, bias, (needs[0], needs[1], needs[2]))
+    empty = hidden.new_empty(0)
+    alpha = torch.tensor(run.alpha, dtype=torch.float32, device=hidden.device)
+    grads = [empty if g is None else g for g in (run.dh, run.dw, run.db)]
+    return [math_.total().clone(), alpha, *grads]
 
 
 @dataclass(frozen=True)
