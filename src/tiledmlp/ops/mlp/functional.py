@@ -20,7 +20,7 @@ from tiledmlp.ops.mlp.fast import FastEngine
 from tiledmlp.ops.mlp.function import TiledMLPFunction, TiledRun, anchor_input
 from tiledmlp.ops.mlp.generic import GenericEngine
 from tiledmlp.ops.mlp.memory_model import MemoryModel
-from tiledmlp.ops.mlp.structure import MLPStructure, recognise
+from tiledmlp.ops.mlp.structure import MLPStructure, recognise, recognised_before
 from tiledmlp.ops.mlp.tile_rules import resolve_tiles
 from tiledmlp.ops.mlp.traced import traced_tiled_mlp
 from tiledmlp.ops.mlp.untiled import UntiledCall, running_untiled
@@ -100,7 +100,7 @@ def tiled_mlp(
     _check_args(x, args)
     if torch.compiler.is_compiling() and (backend is None or backend is LOCAL):
         # See Note [tiled_mlp under torch.compile]
-        structure = None if args else recognise(mlp, UntiledCall(mlp, forward))
+        structure = None if args else recognised_before(mlp)
         fwd = forward if forward is not None else mlp
         return traced_tiled_mlp(mlp, x, args, policy, fwd, structure, plan_tokens, kernels)
     return _eager_tiled_mlp(
@@ -112,7 +112,9 @@ def tiled_mlp(
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # Dynamo cannot trace TiledMLPFunction (Python-side tile loops, anchors read through grad_fn):
 # while compiling, tiled_mlp goes through ops/mlp/traced.py instead (the custom operator
-# tiledmlp::mlp for recognised MLPs, per-tile checkpoints for any other module). The eager
+# tiledmlp::mlp for recognised MLPs, per-tile checkpoints for any other module). The probe
+# runs eagerly only (patch_model runs it; so does an eager call): a module never recognised
+# before takes the per-tile checkpoints, exact as well. The eager
 # function below is never traced: a call that must run it under compile (a parameter-
 # partitioning engine's backend) is one graph break.
 @torch.compiler.disable
