@@ -130,6 +130,16 @@ class TrainOptions:
         help="the model's own (non-reentrant) checkpointing",
         keys=(_key("gradient_checkpointing", parse_bool, "true|false", kind="bool"),),
     )
+    torch_compile: bool = option(
+        default=False,
+        group="long context",
+        help="torch.compile the patched model (the Trainer's torch_compile, inductor): the "
+        "tiled ops are custom operators inside its graphs",
+        keys=(
+            _key("torch_compile", parse_bool, "true|false", kind="bool"),
+            _key("compile", parse_bool, "true|false", kind="bool"),
+        ),
+    )
     # the feature options: PatchConfig's own schema (tiling, loss, norms, layers, offloading,
     # sequence parallelism), listed here in `tiledmlp train --help`
     patch: PatchConfig | None = DEFAULT_PATCH
