@@ -20,11 +20,11 @@ contributes exactly zero.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
 
+from tiledmlp.ops.loss import operator
 from tiledmlp.ops.loss.inputs import (
     HeadInput,
     check_inputs,
@@ -32,12 +32,11 @@ from tiledmlp.ops.loss.inputs import (
     shift_labels,
     targets_of,
 )
-from tiledmlp.ops.loss.tile_loop import HeadRun, run_head, run_scalar_parts
+from tiledmlp.ops.loss.scoring import Scoring, cross_entropy_math
+from tiledmlp.ops.loss.tile_loop import HeadRun, run_head
 from tiledmlp.ops.loss.tile_math import STATS, CrossEntropyMath, LogprobMath
 from tiledmlp.ops.tiling.policy import TilePolicy
-from tiledmlp.ops.tiling.probe import absent
 from tiledmlp.ops.tiling.state import AutocastState
-from tiledmlp.ops.tiling.tiles import TilePlan
 from tiledmlp.ops.tiling.values import check_positive_number
 
 __all__ = [
@@ -48,8 +47,6 @@ __all__ = [
     "tiled_token_logprobs",
     "tiled_token_stats",
 ]
-
-_REDUCTIONS = ("mean", "sum", "none")
 
 
 class CrossEntropyOutput(NamedTuple):
@@ -131,7 +128,7 @@ def tiled_cross_entropy(
     Raises:
         TypeError / ValueError: wrong dtypes, shapes, reduction, option values or tile policy.
     """
-    scoring = _Scoring(reduction, label_smoothing, z_loss, return_aux)
+    scoring = Scoring(reduction, label_smoothing, z_loss, return_aux)
     _check_logit_scale(logit_scale, "tiled_cross_entropy")
     if torch.compiler.is_compiling():
         return _compiled_cross_entropy(
@@ -152,7 +149,7 @@ def _eager_cross_entropy(
     num_tiles: int | str | TilePolicy,
     tile_tokens: int | None,
     ignore_index: int,
-    scoring: _Scoring,
+    scoring: Scoring,
     shift: bool,
     softcap: float | None,
     logit_scale: float,
@@ -166,7 +163,7 @@ def _eager_cross_entropy(
     _check_class_weight(weight, vocab)
     targets, counted = targets_of(labels, mask, shift, ignore_index, vocab, "tiled_cross_entropy")
     head = HeadInput.of(hidden_states, lm_head_weight, num_tiles, tile_tokens)
-    math_ = _cross_entropy_math(scoring, head, targets, counted, weight, vocab)
+    math_ = cross_entropy_math(scoring, head, targets, counted, weight, vocab)
     run = HeadRun(
         head.plan, targets, counted, softcap or None, 1.0, head.autocast, math_, float(logit_scale)
     )
@@ -184,7 +181,7 @@ _eager_cross_entropy = torch.compiler.disable(_eager_cross_entropy)
 # Note [compiled loss]
 # ~~~~~~~~~~~~~~~~~~~~
 # Under torch.compile, a loss reduced by "mean" or "sum" without return_aux is one call of the
-# custom operator tiledmlp::lm_head_loss (ops/library.py): the labels' checks and the "mean"
+# custom operator tiledmlp::lm_head_loss (ops/loss/operator.py): the labels' checks and the "mean"
 # count read values, which only the operator's own (eager) body may do. Per-token reductions
 # and return_aux run the eager function as one graph break; dynamo never resumes inside it.
 
@@ -197,7 +194,7 @@ def _compiled_cross_entropy(
     num_tiles: int | str | TilePolicy,
     tile_tokens: int | None,
     ignore_index: int,
-    scoring: _Scoring,
+    scoring: Scoring,
     shift: bool,
     softcap: float | None,
     logit_scale: float,
@@ -210,8 +207,6 @@ def _compiled_cross_entropy(
             hidden_states, lm_head_weight, labels, bias, num_tiles, tile_tokens, ignore_index,
             scoring, shift, softcap, logit_scale, weight, mask,
         )  # fmt: skip
-    from tiledmlp.ops import library
-
     check_inputs(hidden_states, lm_head_weight, labels, bias, softcap, mask, "labels")
     vocab = lm_head_weight.shape[0]
     _check_class_weight(weight, vocab)
@@ -222,7 +217,7 @@ def _compiled_cross_entropy(
     plan = loss_plan(hidden.shape[0], hidden.shape[1], vocab, elem, num_tiles, tile_tokens)
     grad = torch.is_grad_enabled()
     needs = [grad and t is not None and t.requires_grad for t in (hidden, lm_head_weight, bias)]
-    loss, *_ = library.lm_head_loss(
+    loss, *_ = operator.lm_head_loss(
         hidden, lm_head_weight, bias, labels.reshape(-1),
         None if mask is None else mask.reshape(-1), weight, list(plan.sizes), ignore_index,
         scoring.reduction, shift_rows(shift, labels), float(softcap or 0.0), float(logit_scale),
@@ -242,75 +237,6 @@ def shift_rows(shift: bool, labels: torch.Tensor) -> int:
     return labels.shape[-1] if shift else 0
 
 
-def scalar_loss_parts(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    labels: torch.Tensor,
-    mask: torch.Tensor | None,
-    class_weight: torch.Tensor | None,
-    plan: TilePlan,
-    ignore_index: int,
-    reduction: str,
-    shift: int,
-    softcap: float,
-    logit_scale: float,
-    label_smoothing: float,
-    z_loss: float,
-    autocast_dtype: torch.dtype | None,
-    needs: list[bool],
-) -> list[torch.Tensor]:
-    """The body of tiledmlp::lm_head_loss (ops/library.py): the scalar head's forward, its
-    gradients formed for an upstream gradient of 1, on real values.
-
-    Args:
-        hidden: (tokens, hidden); labels, mask: (tokens,); shift: 0, or the sequence length
-            by which the flat labels are shifted per sequence.
-    """
-    scoring = _Scoring(reduction, label_smoothing, z_loss, False)
-    vocab = weight.shape[0]
-    if shift:
-        labels = labels.view(-1, shift)
-        mask = None if mask is None else mask.view(-1, shift)
-    targets, counted = targets_of(
-        labels, mask, bool(shift), ignore_index, vocab, "tiled_cross_entropy"
-    )
-    autocast = AutocastState(
-        device_type=hidden.device.type,
-        enabled=autocast_dtype is not None,
-        dtype=autocast_dtype if autocast_dtype is not None else torch.float32,
-        cache_enabled=False,
-    )
-    cd = autocast.compute_dtype(hidden.dtype, weight.dtype) or hidden.dtype
-    head = HeadInput(hidden, autocast, torch.promote_types(cd, torch.float32), plan)
-    math_ = _cross_entropy_math(scoring, head, targets, counted, class_weight, vocab)
-    run = HeadRun(plan, targets, counted, softcap or None, 1.0, autocast, math_, logit_scale)
-    run_scalar_parts(hidden, run, weight, bias, (needs[0], needs[1], needs[2]))
-    empty = hidden.new_empty(0)
-    alpha = torch.tensor(run.alpha, dtype=torch.float32, device=hidden.device)
-    grads = [empty if g is None else g for g in (run.dh, run.dw, run.db)]
-    return [math_.total().clone(), alpha, *grads]
-
-
-@dataclass(frozen=True)
-class _Scoring:
-    """tiled_cross_entropy's options about the loss itself, checked once."""
-
-    reduction: str
-    label_smoothing: float
-    z_loss: float
-    return_aux: bool
-
-    def __post_init__(self) -> None:
-        if self.reduction not in _REDUCTIONS:
-            raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {self.reduction!r}")
-        if not 0.0 <= self.label_smoothing <= 1.0:
-            raise ValueError(f"label_smoothing must be in [0, 1], got {self.label_smoothing!r}")
-        z = self.z_loss
-        if not (isinstance(z, int | float) and math.isfinite(z) and z >= 0):
-            raise ValueError(f"z_loss must be a coefficient >= 0, got {z!r}")
-
-
 def _check_logit_scale(logit_scale: Any, op: str) -> None:
     if isinstance(logit_scale, bool) or not (
         isinstance(logit_scale, int | float) and math.isfinite(logit_scale)
@@ -324,42 +250,6 @@ def _check_class_weight(weight: torch.Tensor | None, vocab: int) -> None:
             f"tiled_cross_entropy: weight must be ({vocab},) class weights, got "
             f"{tuple(weight.shape)}"
         )
-
-
-def _cross_entropy_math(
-    scoring: _Scoring,
-    head: HeadInput,
-    targets: torch.Tensor,
-    counted: torch.Tensor,
-    weight: torch.Tensor | None,
-    vocab: int,
-) -> CrossEntropyMath:
-    """The per-tile math, with the "mean" denominators of the whole input."""
-    class_weight = None if weight is None else weight.detach().to(head.wide)
-    # Planning on fake tensors has no values: every token counts (the scale changes no memory).
-    # Only "mean" and the accuracy read the counts: other reductions skip their device sync.
-    if absent(counted) or (scoring.reduction != "mean" and not scoring.return_aux):
-        count, weight_total = counted.numel(), float(counted.numel())
-    else:
-        count = int(counted.sum().item())
-        weight_total = (
-            float(count)
-            if class_weight is None
-            else float(class_weight[torch.where(counted, targets, 0)][counted].sum())
-        )
-    return CrossEntropyMath(
-        reduction=scoring.reduction,
-        label_smoothing=float(scoring.label_smoothing),
-        class_weight=class_weight,
-        z_loss=float(scoring.z_loss),
-        weight_total=weight_total,
-        count=count,
-        vocab=vocab,
-        num_tokens=head.hidden.shape[0],
-        device=head.hidden.device,
-        dtype=head.wide,
-        want_argmax=scoring.return_aux,
-    )
 
 
 def _with_aux(

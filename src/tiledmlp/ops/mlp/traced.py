@@ -3,7 +3,7 @@ checkpoints for every other token-wise module.
 
 - A recognised MLP (gated, fused gated, plain) whose activation the operator computes by name
   (SiLU, GELU-tanh, GELU: ops/mlp/glu/activation.py) is one call of `tiledmlp::mlp`
-  (ops/library.py), its backward one call of `tiledmlp::mlp_backward`: the eager tile loops,
+  (ops/mlp/operator.py), its backward one call of `tiledmlp::mlp_backward`: the eager tile loops,
   minimal recompute and one gradient per weight, opaque to the compiler.
 - Any other module (LoRA-wrapped projections, MoE blocks, norms, another activation) cannot be
   an operator: its computation is arbitrary Python that only tracing can see. It is traced as
@@ -26,6 +26,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from tiledmlp.ops.mlp import operator
 from tiledmlp.ops.mlp.glu.activation import activation_kind
 from tiledmlp.ops.mlp.memory_model import MemoryModel
 from tiledmlp.ops.mlp.structure import MLPKind, MLPStructure
@@ -109,14 +110,12 @@ def _operator(
     autocast: AutocastState,
     kernels: bool,
 ) -> torch.Tensor:
-    from tiledmlp.ops import library
-
     lins = structure.linears
     up = lins[1] if structure.kind is MLPKind.GATED else None
     first, down = lins[0], lins[-1]
     dtypes = [lin.weight.dtype for lin in lins]
     autocast_dtype = autocast.dtype if autocast.compute_dtype(x.dtype, *dtypes) else None
-    out = library.mlp(
+    out = operator.mlp(
         x.reshape(-1, x.shape[-1]),
         first.weight,
         first.bias,
