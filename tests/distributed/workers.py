@@ -102,6 +102,7 @@ def engine_worker(
     dtype: torch.dtype = torch.float32,
     copy_mode: str | None = None,
     offload: bool = False,
+    compiled: bool = False,
 ) -> dict[str, Any]:
     """Trains a patched (or, with tiled=False, untouched) model for STEPS steps under `engine`
     ("ddp", "fsdp2", "fsdp1" (flat parameters), "fsdp1_orig", "zero1".."zero3"); returns full params and last grads, and the token count
@@ -109,7 +110,7 @@ def engine_worker(
     (made by copy.deepcopy or a pickle round trip) while the original stays alive.
     offload: the model's own non-reentrant checkpointing, the tiled loss, tiled norms, tiled
     decoder layers and activation offloading on top of the tiling (the result's "offloaded"
-    counts the inputs moved)."""
+    counts the inputs moved). compiled: the wrapped model under torch.compile (aot_eager)."""
     model = freeze(build(family).to(dtype), frozen)
     if offload:
         enable_checkpointing(model)
@@ -166,6 +167,8 @@ def engine_worker(
         raise ValueError(engine)
     # After wrapping: fully_shard replaces the parameters with sharded ones, FSDP1 with flat ones.
     trainable = [p for p in runner.parameters() if p.requires_grad]
+    if compiled:
+        runner = torch.compile(runner, backend="aot_eager")
     opt = None if ds_engine is not None else torch.optim.SGD(trainable, lr=LR)
     agreed = []
     for batches in rank_batches(seqs):

@@ -18,7 +18,7 @@ The map (lowest first; see the README's layout section):
 Inside ops, the same rule one level down (OPS_LAYERS): tiling (tile plans and policies, the
 shared gradient, state and probe pieces) is the floor; the ops (mlp, loss, attention,
 offloading) stand on it as siblings, importing each other only where OPS_SIBLINGS declares it;
-the ops facade (ops/__init__.py) sits on top.
+the ops facade (ops/__init__.py) and the list of custom operators (ops/library.py) sit on top.
 
 Inside plan, the simulator (plan/sim: fake tensors tracked, records extended, the allocator
 replayed) is a floor below the planner: it imports nothing of plan/ outside plan/sim.
@@ -57,7 +57,15 @@ LAYERS = {
     "__main__": 8,
 }
 # sub-package of tiledmlp.ops -> layer ("" is the facade, ops/__init__.py)
-OPS_LAYERS = {"tiling": 0, "mlp": 1, "loss": 1, "attention": 1, "offloading": 1, "": 2}
+OPS_LAYERS = {
+    "tiling": 0,
+    "mlp": 1,
+    "loss": 1,
+    "attention": 1,
+    "offloading": 1,
+    "library": 2,
+    "": 2,
+}
 # (importer, imported) pairs of sibling ops allowed to meet; none today
 OPS_SIBLINGS: set[tuple[str, str]] = set()
 # the bottom layers import no third-party package but these (each lazily where optional)

@@ -603,3 +603,12 @@ def test_a_resume_continues_the_runs_settings_and_says_or_refuses_a_change(
     short = json.loads(res.stdout)
     assert short["steps"] == 1 and short["learning_rate"] == 1e-3
     assert short["losses"] == pytest.approx(first["losses"][1:2], rel=1e-5)
+
+
+@pytest.mark.slow
+def test_compile_keeps_the_losses() -> None:
+    # --compile: the Trainer's torch_compile (inductor), the tiled MLPs and loss as operators
+    args = ("--seq-len", "128", "--steps", "3", "--num-tiles", "2", "--tiled-loss")
+    eager = summary_here(*args)
+    compiled = summary_here(*args, "--compile")
+    assert compiled["losses"] == pytest.approx(eager["losses"], rel=1e-5)

@@ -5,6 +5,7 @@
     loss/        the tiled LM-head loss
     attention/   the attention core by groups of heads
     offloading/  checkpointed layers' inputs in host memory
+    library.py   the tiled MLP and loss as PyTorch custom operators, for torch.compile
 
 The path of one tiled-MLP call: mlp/functional.tiled_mlp checks its input and turns the tile
 policy (tiling/policy) into a plan (tiling/tiles); mlp/structure recognises the module (through

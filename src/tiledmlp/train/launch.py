@@ -197,6 +197,7 @@ def training_arguments(opts: TrainOptions, launch: Launch, output_dir: Path, mod
         "dataloader_num_workers": 0,
         "ddp_find_unused_parameters": False,
         "ddp_timeout": opts.ddp_timeout,
+        "torch_compile": opts.torch_compile,
     }
     if engine == "deepspeed":
         kwargs["deepspeed"] = _deepspeed_config(opts)

@@ -139,6 +139,16 @@ class TrainOptions:
         "and later): the others keep their activations, faster where the memory allows",
         keys=(_key("every_n_layers", as_int, kind="int"),),
     )
+    torch_compile: bool = option(
+        default=False,
+        group="long context",
+        help="torch.compile the patched model (the Trainer's torch_compile, inductor): the "
+        "tiled ops are custom operators inside its graphs",
+        keys=(
+            _key("torch_compile", parse_bool, "true|false", kind="bool"),
+            _key("compile", parse_bool, "true|false", kind="bool"),
+        ),
+    )
     # the feature options: PatchConfig's own schema (tiling, loss, norms, layers, offloading,
     # sequence parallelism), listed here in `tiledmlp train --help`
     patch: PatchConfig | None = DEFAULT_PATCH

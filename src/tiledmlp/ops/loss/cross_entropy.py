@@ -20,16 +20,23 @@ contributes exactly zero.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
 
-from tiledmlp.ops.loss.inputs import HeadInput, check_inputs, shift_labels, targets_of
+from tiledmlp.ops.loss import operator
+from tiledmlp.ops.loss.inputs import (
+    HeadInput,
+    check_inputs,
+    loss_plan,
+    shift_labels,
+    targets_of,
+)
+from tiledmlp.ops.loss.scoring import Scoring, cross_entropy_math
 from tiledmlp.ops.loss.tile_loop import HeadRun, run_head
 from tiledmlp.ops.loss.tile_math import STATS, CrossEntropyMath, LogprobMath
 from tiledmlp.ops.tiling.policy import TilePolicy
-from tiledmlp.ops.tiling.probe import absent
+from tiledmlp.ops.tiling.state import AutocastState
 from tiledmlp.ops.tiling.values import check_positive_number
 
 __all__ = [
@@ -40,8 +47,6 @@ __all__ = [
     "tiled_token_logprobs",
     "tiled_token_stats",
 ]
-
-_REDUCTIONS = ("mean", "sum", "none")
 
 
 class CrossEntropyOutput(NamedTuple):
@@ -123,14 +128,42 @@ def tiled_cross_entropy(
     Raises:
         TypeError / ValueError: wrong dtypes, shapes, reduction, option values or tile policy.
     """
-    scoring = _Scoring(reduction, label_smoothing, z_loss, return_aux)
+    scoring = Scoring(reduction, label_smoothing, z_loss, return_aux)
     _check_logit_scale(logit_scale, "tiled_cross_entropy")
+    if torch.compiler.is_compiling():
+        return _compiled_cross_entropy(
+            hidden_states, lm_head_weight, labels, bias, num_tiles, tile_tokens, ignore_index,
+            scoring, shift, softcap, logit_scale, weight, mask,
+        )  # fmt: skip
+    return _eager_cross_entropy(
+        hidden_states, lm_head_weight, labels, bias, num_tiles, tile_tokens, ignore_index,
+        scoring, shift, softcap, logit_scale, weight, mask,
+    )  # fmt: skip
+
+
+def _eager_cross_entropy(
+    hidden_states: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    labels: torch.Tensor,
+    bias: torch.Tensor | None,
+    num_tiles: int | str | TilePolicy,
+    tile_tokens: int | None,
+    ignore_index: int,
+    scoring: Scoring,
+    shift: bool,
+    softcap: float | None,
+    logit_scale: float,
+    weight: torch.Tensor | None,
+    mask: torch.Tensor | None,
+) -> Any:
+    """tiled_cross_entropy through the tile loop's autograd Functions (module docstring)."""
+    reduction, return_aux = scoring.reduction, scoring.return_aux
     check_inputs(hidden_states, lm_head_weight, labels, bias, softcap, mask, "labels")
     vocab = lm_head_weight.shape[0]
     _check_class_weight(weight, vocab)
     targets, counted = targets_of(labels, mask, shift, ignore_index, vocab, "tiled_cross_entropy")
     head = HeadInput.of(hidden_states, lm_head_weight, num_tiles, tile_tokens)
-    math_ = _cross_entropy_math(scoring, head, targets, counted, weight, vocab)
+    math_ = cross_entropy_math(scoring, head, targets, counted, weight, vocab)
     run = HeadRun(
         head.plan, targets, counted, softcap or None, 1.0, head.autocast, math_, float(logit_scale)
     )
@@ -142,23 +175,66 @@ def tiled_cross_entropy(
     return _with_aux(loss, math_, targets, counted, labels.shape)
 
 
-@dataclass(frozen=True)
-class _Scoring:
-    """tiled_cross_entropy's options about the loss itself, checked once."""
+# See Note [compiled loss]
+_eager_cross_entropy = torch.compiler.disable(_eager_cross_entropy)
 
-    reduction: str
-    label_smoothing: float
-    z_loss: float
-    return_aux: bool
+# Note [compiled loss]
+# ~~~~~~~~~~~~~~~~~~~~
+# Under torch.compile, a loss reduced by "mean" or "sum" without return_aux is one call of the
+# custom operator tiledmlp::lm_head_loss (ops/loss/operator.py): the labels' checks and the "mean"
+# count read values, which only the operator's own (eager) body may do. Per-token reductions
+# and return_aux run the eager function as one graph break; dynamo never resumes inside it.
 
-    def __post_init__(self) -> None:
-        if self.reduction not in _REDUCTIONS:
-            raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {self.reduction!r}")
-        if not 0.0 <= self.label_smoothing <= 1.0:
-            raise ValueError(f"label_smoothing must be in [0, 1], got {self.label_smoothing!r}")
-        z = self.z_loss
-        if not (isinstance(z, int | float) and math.isfinite(z) and z >= 0):
-            raise ValueError(f"z_loss must be a coefficient >= 0, got {z!r}")
+
+def _compiled_cross_entropy(
+    hidden_states: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    labels: torch.Tensor,
+    bias: torch.Tensor | None,
+    num_tiles: int | str | TilePolicy,
+    tile_tokens: int | None,
+    ignore_index: int,
+    scoring: Scoring,
+    shift: bool,
+    softcap: float | None,
+    logit_scale: float,
+    weight: torch.Tensor | None,
+    mask: torch.Tensor | None,
+) -> Any:
+    """tiled_cross_entropy as traced by torch.compile (Note [compiled loss])."""
+    if scoring.reduction == "none" or scoring.return_aux:
+        return _eager_cross_entropy(
+            hidden_states, lm_head_weight, labels, bias, num_tiles, tile_tokens, ignore_index,
+            scoring, shift, softcap, logit_scale, weight, mask,
+        )  # fmt: skip
+    check_inputs(hidden_states, lm_head_weight, labels, bias, softcap, mask, "labels")
+    vocab = lm_head_weight.shape[0]
+    _check_class_weight(weight, vocab)
+    hidden = hidden_states.reshape(-1, hidden_states.shape[-1])
+    autocast = AutocastState.capture(hidden.device.type)
+    cd = autocast.compute_dtype(hidden.dtype, lm_head_weight.dtype) or hidden.dtype
+    elem = _ELEMENT_SIZES.get(cd, 4)
+    plan = loss_plan(hidden.shape[0], hidden.shape[1], vocab, elem, num_tiles, tile_tokens)
+    grad = torch.is_grad_enabled()
+    needs = [grad and t is not None and t.requires_grad for t in (hidden, lm_head_weight, bias)]
+    loss, *_ = operator.lm_head_loss(
+        hidden, lm_head_weight, bias, labels.reshape(-1),
+        None if mask is None else mask.reshape(-1), weight, list(plan.sizes), ignore_index,
+        scoring.reduction, shift_rows(shift, labels), float(softcap or 0.0), float(logit_scale),
+        float(scoring.label_smoothing), float(scoring.z_loss),
+        autocast.dtype if autocast.compute_dtype(hidden.dtype, lm_head_weight.dtype) else None,
+        needs,
+    )  # fmt: skip
+    return loss
+
+
+_ELEMENT_SIZES = {torch.float32: 4, torch.float16: 2, torch.bfloat16: 2, torch.float64: 8}
+
+
+def shift_rows(shift: bool, labels: torch.Tensor) -> int:
+    """The shift as the operator takes it: 0 for none, else the sequence length (labels are
+    flattened before the operator sees them; each sequence's last position is then ignored)."""
+    return labels.shape[-1] if shift else 0
 
 
 def _check_logit_scale(logit_scale: Any, op: str) -> None:
@@ -174,42 +250,6 @@ def _check_class_weight(weight: torch.Tensor | None, vocab: int) -> None:
             f"tiled_cross_entropy: weight must be ({vocab},) class weights, got "
             f"{tuple(weight.shape)}"
         )
-
-
-def _cross_entropy_math(
-    scoring: _Scoring,
-    head: HeadInput,
-    targets: torch.Tensor,
-    counted: torch.Tensor,
-    weight: torch.Tensor | None,
-    vocab: int,
-) -> CrossEntropyMath:
-    """The per-tile math, with the "mean" denominators of the whole input."""
-    class_weight = None if weight is None else weight.detach().to(head.wide)
-    # Planning on fake tensors has no values: every token counts (the scale changes no memory).
-    # Only "mean" and the accuracy read the counts: other reductions skip their device sync.
-    if absent(counted) or (scoring.reduction != "mean" and not scoring.return_aux):
-        count, weight_total = counted.numel(), float(counted.numel())
-    else:
-        count = int(counted.sum().item())
-        weight_total = (
-            float(count)
-            if class_weight is None
-            else float(class_weight[torch.where(counted, targets, 0)][counted].sum())
-        )
-    return CrossEntropyMath(
-        reduction=scoring.reduction,
-        label_smoothing=float(scoring.label_smoothing),
-        class_weight=class_weight,
-        z_loss=float(scoring.z_loss),
-        weight_total=weight_total,
-        count=count,
-        vocab=vocab,
-        num_tokens=head.hidden.shape[0],
-        device=head.hidden.device,
-        dtype=head.wide,
-        want_argmax=scoring.return_aux,
-    )
 
 
 def _with_aux(

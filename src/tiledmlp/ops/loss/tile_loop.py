@@ -55,7 +55,7 @@ from tiledmlp.ops.tiling.guards import refuse_double_backward
 from tiledmlp.ops.tiling.state import AutocastState
 from tiledmlp.ops.tiling.tiles import TilePlan
 
-__all__ = ["HeadRun", "run_head"]
+__all__ = ["HeadRun", "run_head", "run_scalar_parts"]
 
 
 @dataclass
@@ -311,3 +311,16 @@ def run_head(
     if run.math.per_token:
         return _TokenHead.apply(hidden, run, weight, bias)
     return _ScalarHead.apply(hidden, run, weight, bias)
+
+
+def run_scalar_parts(
+    hidden: torch.Tensor,
+    run: HeadRun,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    need: tuple[bool, bool, bool],
+) -> None:
+    """The scalar head's forward without autograd: the math's values, and in run.dh, run.dw,
+    run.db the gradients `need` asks for, formed for an upstream gradient of 1 (run.alpha left
+    out, as _ScalarHead keeps it): what tiledmlp::lm_head_loss returns."""
+    _tiles(hidden.detach(), run, weight, bias, need, None, record=True)

@@ -20,8 +20,9 @@ from tiledmlp.ops.mlp.fast import FastEngine
 from tiledmlp.ops.mlp.function import TiledMLPFunction, TiledRun, anchor_input
 from tiledmlp.ops.mlp.generic import GenericEngine
 from tiledmlp.ops.mlp.memory_model import MemoryModel
-from tiledmlp.ops.mlp.structure import MLPStructure, recognise
+from tiledmlp.ops.mlp.structure import MLPStructure, recognise, recognised_before
 from tiledmlp.ops.mlp.tile_rules import resolve_tiles
+from tiledmlp.ops.mlp.traced import traced_tiled_mlp
 from tiledmlp.ops.mlp.untiled import UntiledCall, running_untiled
 from tiledmlp.ops.tiling.backend import LOCAL, ParamBackend
 from tiledmlp.ops.tiling.policy import TilePolicy
@@ -33,10 +34,6 @@ __all__ = ["tile_plan", "tiled_mlp"]
 logger = logging.getLogger(__name__)
 
 
-# torch.compile: the tiled op runs eagerly (one graph break per MLP call). Dynamo cannot trace
-# its autograd Function (Python-side tile plans, anchors read through grad_fn); the rest of
-# the model compiles around it.
-@torch.compiler.disable
 def tiled_mlp(
     mlp: nn.Module,
     x: torch.Tensor,
@@ -101,6 +98,38 @@ def tiled_mlp(
     policy = TilePolicy.of(num_tiles, tile_tokens)
     _check_x(x)
     _check_args(x, args)
+    if torch.compiler.is_compiling() and (backend is None or backend is LOCAL):
+        # See Note [tiled_mlp under torch.compile]
+        structure = None if args else recognised_before(mlp)
+        fwd = forward if forward is not None else mlp
+        return traced_tiled_mlp(mlp, x, args, policy, fwd, structure, plan_tokens, kernels)
+    return _eager_tiled_mlp(
+        mlp, x, args, policy, forward, backend, plan_tokens, count, kernels
+    )  # fmt: skip
+
+
+# Note [tiled_mlp under torch.compile]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Dynamo cannot trace TiledMLPFunction (Python-side tile loops, anchors read through grad_fn):
+# while compiling, tiled_mlp goes through ops/mlp/traced.py instead (the custom operator
+# tiledmlp::mlp for recognised MLPs, per-tile checkpoints for any other module). The probe
+# runs eagerly only (patch_model runs it; so does an eager call): a module never recognised
+# before takes the per-tile checkpoints, exact as well. The eager
+# function below is never traced: a call that must run it under compile (a parameter-
+# partitioning engine's backend) is one graph break.
+@torch.compiler.disable
+def _eager_tiled_mlp(
+    mlp: nn.Module,
+    x: torch.Tensor,
+    args: tuple[torch.Tensor, ...],
+    policy: TilePolicy,
+    forward: Callable[..., Any] | None,
+    backend: ParamBackend | None,
+    plan_tokens: int | None,
+    count: TileCount | None,
+    kernels: bool,
+) -> Any:
+    """tiled_mlp through TiledMLPFunction (see tiled_mlp)."""
     call = UntiledCall(mlp, forward)
     if running_untiled(mlp):
         return call(x, *args)  # the tiled op is running this module's own forward: never tile twice

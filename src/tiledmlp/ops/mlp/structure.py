@@ -26,7 +26,7 @@ from torch import nn
 
 from tiledmlp.ops.tiling.probe import StandIns, absent
 
-__all__ = ["MLPKind", "MLPStructure", "forget", "recognise"]
+__all__ = ["MLPKind", "MLPStructure", "forget", "recognise", "recognised_before"]
 
 logger = logging.getLogger(__name__)
 
@@ -166,6 +166,18 @@ def recognise(
         "%s: %s path", type(mlp).__name__, structure.kind.value if structure else "generic"
     )
     return structure
+
+
+def recognised_before(mlp: nn.Module) -> MLPStructure | None:
+    """What recognise() found for `mlp` while its children were the same ones, whatever the
+    training mode; None when it found nothing or was never asked. Runs no probe and logs
+    nothing: torch.compile traces it (ops/mlp/traced.py)."""
+    found = mlp.__dict__.get(_REMEMBERED)
+    if not isinstance(found, _Remembered) or found.signature is None:
+        return None
+    if found.signature[0] != tuple(id(c) for c in mlp.children()):
+        return None
+    return found.structure
 
 
 def forget(module: nn.Module) -> None:

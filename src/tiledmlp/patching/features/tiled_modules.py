@@ -100,6 +100,9 @@ def patch_module(
         module.__dict__.get("forward"), config, cand.path, cand.kind, cand.per_token_args, step
     )
     module.__dict__[STATE] = state
+    # recognised now, eagerly: a compiled model's trace reads what the probe found (ops/mlp/traced.py)
+    if not cand.per_token_args:
+        recognise(module, UntiledCall(module, original_forward(module)))
     module.forward = bind(tiled_forward, module, original_forward)  # type: ignore[method-assign]
 
 
