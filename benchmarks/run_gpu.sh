@@ -24,9 +24,9 @@ mkdir -p "$OUT_DIR"
 if [ -d .gpu-wheels ]; then
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .gpu-wheels/*.whl \
     >"$OUT_DIR/pip.log" 2>&1
-  export PYTHONPATH=/tmp/site:$PWD/src
+  export PYTHONPATH=/tmp/site:$PWD/src:$PWD
 else
-  export PYTHONPATH=$PWD/src
+  export PYTHONPATH=$PWD/src:$PWD  # the package, and the checkout for benchmarks/
 fi
 export PYTHONUNBUFFERED=1
 {
