@@ -175,8 +175,8 @@ def test_cli_plans_every_stack_of_a_saved_config(model_type: str, tmp_path: Path
     assert (out["layer_regular_mib"] is None) == (model_type == "qwen3_moe")
 
 
-# with checkpointing the real steps of two stacks take ~21 s on 2 cores
-@pytest.mark.parametrize("checkpointing", [pytest.param(True, marks=pytest.mark.slow), False])
+@pytest.mark.slow  # the real steps of two stacks in a fresh process: ~21 s on 2 cores
+@pytest.mark.parametrize("checkpointing", [True, False])
 def test_a_window_on_every_layer_gets_the_mask_the_real_step_builds(checkpointing: bool) -> None:
     """Mistral's window on every layer (no layer_types), shorter than the sequence: the
     (seq, seq) mask each layer gets, kept by the checkpoints (without it planned 17.6% low
@@ -194,6 +194,7 @@ def test_a_window_on_every_layer_gets_the_mask_the_real_step_builds(checkpointin
         assert abs(est.peak - real[stack]) < bound, (stack, est.peak / MiB, real[stack] / MiB)
 
 
+@pytest.mark.slow  # the real untiled step in a fresh process: over 10 s on 2 cores
 def test_llama4_is_planned_untiled_and_its_tiled_stacks_refused_in_one_line() -> None:
     """Llama 4's text model (chunked-attention layers): the untiled step within 1% of the real
     CPU peak; the stacks that tile its routed feed-forward refuse it in one line."""
