@@ -35,8 +35,8 @@ def _model(hidden: int, intermediate: int, layers: int, vocab: int) -> Any:
         num_hidden_layers=layers,
         num_attention_heads=max(1, hidden // 64),
         num_key_value_heads=max(1, hidden // 128),
-        attn_implementation="sdpa",
     )
+    cfg._attn_implementation = "sdpa"
     return tr.LlamaForCausalLM(cfg).float().train()
 
 

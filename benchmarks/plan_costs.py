@@ -45,9 +45,9 @@ def main() -> None:
     import transformers  # noqa: F401  (imported first: its time is start-up, not planning)
 
     from tiledmlp.config.plan import StepSpec
+    from tiledmlp.plan import fake_step
     from tiledmlp.plan import model as plan_model_module
     from tiledmlp.plan.layer import load_config
-    from tiledmlp.plan.sim import fake_step
 
     imported = time.perf_counter() - started
     seconds: collections.Counter[str] = collections.Counter()

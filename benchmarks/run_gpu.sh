@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # One prepared GPU run that writes its records as it goes (a run cut short keeps what it measured):
-#   0. (trace) the caching allocator's own trace of whole steps (bench/allocator_trace.py): the
+#   0. (trace) the caching allocator's own trace of whole steps (benchmarks/allocator_trace.py): the
 #      4-layer Llama-3-8B shape, tiled_mlp_loss at 128K without expandable segments and the
 #      norms stack at 32K with them, each in a fresh process;
-#   1. the suite within its time budget (python -m tiledmlp.bench.suite --budget SUITE_S;
+#   1. the suite within its time budget (python -m benchmarks.suite --budget SUITE_S;
 #      SUITE_PARTS, if set, is passed as --parts);
 #   2. `tiledmlp plan --measure` of Llama-3-8B cut to 2 layers (tiled_mlp_loss, tiled_layer);
 #   3. a long Llama-3-8B-shaped step with the full stack (tiled_layer), layers cut to 2, and
@@ -24,9 +24,9 @@ mkdir -p "$OUT_DIR"
 if [ -d .gpu-wheels ]; then
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .gpu-wheels/*.whl \
     >"$OUT_DIR/pip.log" 2>&1
-  export PYTHONPATH=/tmp/site:$PWD/src
+  export PYTHONPATH=/tmp/site:$PWD/src:$PWD
 else
-  export PYTHONPATH=$PWD/src
+  export PYTHONPATH=$PWD/src:$PWD  # the package, and the checkout for benchmarks/
 fi
 export PYTHONUNBUFFERED=1
 {
@@ -42,7 +42,7 @@ if want trace; then
               "32768 tiled_mlp_loss_offload_norms expandable_segments:True"; do
     set -- $spec
     echo "trace $2 $1 $3"
-    PYTORCH_CUDA_ALLOC_CONF=$3 timeout 150 python3 -m tiledmlp.bench.allocator_trace \
+    PYTORCH_CUDA_ALLOC_CONF=$3 timeout 150 python3 -m benchmarks.allocator_trace \
       "{\"config\": {$SHAPE}, \"seq_len\": $1, \"stack\": \"$2\"}" \
       "$OUT_DIR/trace/$2-$1-${3#expandable_segments:}.json.gz" >>"$OUT_DIR/trace/trace.log" 2>&1
     echo "trace exit $? at $(($(date +%s) - START)) s"
@@ -51,7 +51,7 @@ fi
 
 if want suite; then
   echo "suite (budget ${SUITE_S} s)"
-  python3 -m tiledmlp.bench.suite --budget "$SUITE_S" --out "$OUT_DIR/suite" -v \
+  python3 -m benchmarks.suite --budget "$SUITE_S" --out "$OUT_DIR/suite" -v \
     ${SUITE_PARTS:+--parts "$SUITE_PARTS"} >"$OUT_DIR/suite.log" 2>&1
   echo "suite exit $? at $(($(date +%s) - START)) s"
 fi

@@ -1,4 +1,4 @@
-"""bench/allocator_trace.py on the CPU: the trace's compact form, and the refusal off CUDA."""
+"""benchmarks/allocator_trace.py on the CPU: the trace's compact form, and the refusal off CUDA."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from tiledmlp.bench.allocator_trace import compact_trace, main
+from benchmarks.allocator_trace import compact_trace, main
 
 
 def test_compact_trace_keeps_order_sizes_and_the_deciding_frame() -> None:

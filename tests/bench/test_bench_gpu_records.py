@@ -1,4 +1,4 @@
-"""The GPU tables of the docs are the committed records (bench/gpu_records.py): every marked
+"""The GPU tables of the docs are the committed records (benchmarks/gpu_records.py): every marked
 table of the pages equals the table rendered from its records folder, and a changed number is
 caught."""
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tiledmlp.bench import gpu_records
+from benchmarks import gpu_records
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "docs" / "benchmarks.md", ROOT / "docs" / "guides" / "gpus.md"]

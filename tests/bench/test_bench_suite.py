@@ -1,4 +1,4 @@
-"""The measurement suite (python -m tiledmlp.bench.suite): `--smoke` runs every part at toy
+"""The measurement suite (python -m benchmarks.suite): `--smoke` runs every part at toy
 sizes on this machine and writes its records and summary; a failing piece is recorded with its
 error and the suite goes on; a small `--budget` skips what its estimate would not fit and
 records each skip with its reason; the estimates read the committed GPU records."""
@@ -16,12 +16,12 @@ from typing import Any
 import pytest
 import torch
 
-from tiledmlp.bench import budget
-from tiledmlp.bench.suite import run as suite
-from tiledmlp.bench.suite import steps as suite_steps
-from tiledmlp.bench.suite.parts import ROOT, Context, Task
-from tiledmlp.bench.suite.run import PARTS
-from tiledmlp.bench.suite.sizes import full_sizes, smoke_sizes
+from benchmarks import budget, checkout_env
+from benchmarks.suite import run as suite
+from benchmarks.suite import steps as suite_steps
+from benchmarks.suite.parts import ROOT, Context, Task
+from benchmarks.suite.run import PARTS
+from benchmarks.suite.sizes import full_sizes, smoke_sizes
 
 # Fields each part's records must carry (beyond part, status and the environment).
 _KEYS = {
@@ -54,7 +54,7 @@ def test_smoke_suite_writes_every_part(tmp_path: Path) -> None:
         [
             sys.executable,
             "-m",
-            "tiledmlp.bench.suite",
+            "benchmarks.suite",
             "--out",
             str(out),
             "--smoke",
@@ -67,7 +67,7 @@ def test_smoke_suite_writes_every_part(tmp_path: Path) -> None:
         # One thread per process: the planner runs in the background beside the whole steps,
         # and two processes of 2 OpenMP threads each on a 2-core CI machine spend their time
         # waiting on each other's threads. What runs and what is recorded stay the same.
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        env=checkout_env({**os.environ, "OMP_NUM_THREADS": "1"}),
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     records = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
@@ -144,7 +144,7 @@ def test_a_tiny_budget_skips_every_real_part_and_still_writes_the_summary(
     assert all("of the 0 s budget" in r["reason"] or "budget" in r["reason"] for r in records)
     summary = (tmp_path / "summary.md").read_text()
     assert "## Skipped" in summary
-    assert f"Command: `python -m tiledmlp.bench.suite --out {tmp_path} --smoke" in summary
+    assert f"Command: `python -m benchmarks.suite --out {tmp_path} --smoke" in summary
 
 
 def test_stacks_of_a_length_that_do_not_fit_are_skipped_one_by_one(

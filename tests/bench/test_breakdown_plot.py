@@ -1,4 +1,4 @@
-"""The planner's breakdown plot (bench/breakdown_plot.py): drawn from `tiledmlp plan --json`
+"""The planner's breakdown plot (benchmarks/breakdown_plot.py): drawn from `tiledmlp plan --json`
 records as they are, merged by length; without matplotlib it says so and draws nothing."""
 
 from __future__ import annotations
@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from benchmarks import checkout_env
 
 pytest.importorskip("transformers")
 
@@ -38,7 +40,7 @@ def records(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_series_are_the_records_figures_by_stack_and_length(records: Path) -> None:
-    from tiledmlp.bench.breakdown_plot import breakdown_series, read_plans
+    from benchmarks.breakdown_plot import breakdown_series, read_plans
 
     plans = read_plans([records])
     series = breakdown_series(plans)
@@ -58,9 +60,9 @@ def test_the_plot_is_drawn_or_the_missing_matplotlib_named(records: Path, tmp_pa
 
     out = tmp_path / "breakdown.png"
     res = subprocess.run(
-        [sys.executable, "-m", "tiledmlp.bench.breakdown_plot", str(records), str(out),
+        [sys.executable, "-m", "benchmarks.breakdown_plot", str(records), str(out),
          "--memory-gb", "1"],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True, text=True, timeout=300, env=checkout_env(),
     )  # fmt: skip
     assert res.returncode == 0, res.stderr
     if matplotlib_available():

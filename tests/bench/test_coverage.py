@@ -1,4 +1,4 @@
-"""The support matrix (bench/coverage.py): tiny configs hold what the full ones hold, a run
+"""The support matrix (benchmarks/coverage.py): tiny configs hold what the full ones hold, a run
 reproduces the committed records, and the docs page is the committed records."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from tiledmlp.bench import coverage, coverage_build, coverage_table
-from tiledmlp.bench.coverage_build import MAX_PARAMS, NotBuildable, build_tiny, tiny_config
+from benchmarks import coverage, coverage_build, coverage_table
+from benchmarks.coverage_build import MAX_PARAMS, NotBuildable, build_tiny, tiny_config
 
 
 def test_the_docs_page_is_the_committed_records() -> None:
@@ -137,7 +137,7 @@ def test_every_architecture_gives_the_committed_records(request: pytest.FixtureR
     """Opt-in (pytest --all-architectures): every causal LM of the installed transformers."""
     if not request.config.getoption("--all-architectures"):
         pytest.skip("every architecture: opt in with --all-architectures")
-    from tiledmlp.bench.coverage_build import causal_lm_types
+    from benchmarks.coverage_build import causal_lm_types
 
     _rerun_matches_the_records(sorted(causal_lm_types()))
 

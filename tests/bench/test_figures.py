@@ -9,8 +9,8 @@ import re
 import shutil
 from pathlib import Path
 
-from tiledmlp.bench import figures
-from tiledmlp.bench.gpu_records import RECORDS, ROOT
+from benchmarks import figures
+from benchmarks.gpu_records import RECORDS, ROOT
 
 
 def test_the_committed_figures_match_the_records() -> None:

@@ -14,7 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 transformers = pytest.importorskip("transformers")
 
-from tiledmlp.bench import offload_step  # noqa: E402
+from benchmarks import offload_step  # noqa: E402
 from tiledmlp.models.build import build_causal_lm, config_from_dir, has_weights, llama_config  # noqa: E402
 from tiledmlp.models.presets import build_preset  # noqa: E402
 

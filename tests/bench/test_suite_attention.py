@@ -1,4 +1,4 @@
-"""The suite's attention part (bench/suite/steps.py: attention): the by-heads variant runs the
+"""The suite's attention part (benchmarks/suite/steps.py: attention): the by-heads variant runs the
 kernel the attention core selects (as a tiled layer does), in that kernel's groups, and each
 record names the kernel its variant ran."""
 
@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from tiledmlp.bench import budget
-from tiledmlp.bench.suite import steps as suite_steps
-from tiledmlp.bench.suite.parts import Context
-from tiledmlp.bench.suite.sizes import smoke_sizes
+from benchmarks import budget
+from benchmarks.suite import steps as suite_steps
+from benchmarks.suite.parts import Context
+from benchmarks.suite.sizes import smoke_sizes
 from tiledmlp.ops.attention import select as attention_select
 from tiledmlp.ops.attention.kernels import FLASH_CPU, FusedKernel
 

@@ -120,7 +120,7 @@ def _text_files() -> list[Path]:
         ("src", ("*.py",)),
         ("tests", ("*.py",)),
         ("examples", ("*.py", "*.sh", "*.json")),
-        ("benchmarks", ("*.md",)),
+        ("benchmarks", ("*.md", "*.py")),
     ):
         for pattern in patterns:
             files += sorted((ROOT / folder).rglob(pattern))

@@ -15,6 +15,10 @@ The map (lowest first; see the README's layout section):
     the package facade (__init__)      re-exports the public API
     cli, __main__                      on top; nothing imports them
 
+The project's tooling (benchmarks/: the GPU suite, the docs' figures and tables) stands outside
+the installed package, above all of it: it may import any part of tiledmlp, and nothing in
+src/ imports it (TOOLING).
+
 Inside ops, the same rule one level down (OPS_LAYERS): tiling (tile plans and policies, the
 shared gradient, state and probe pieces) is the floor; the ops (mlp, loss, attention,
 offloading) stand on it as siblings, importing each other only where OPS_SIBLINGS declares it;
@@ -71,6 +75,8 @@ OPS_SIBLINGS: set[tuple[str, str]] = set()
 # the bottom layers import no third-party package but these (each lazily where optional)
 BOTTOM = {"ops", "sequence_parallel"}
 BOTTOM_THIRD_PARTY = {"torch", "triton", "numpy"}
+# the checkout's tooling folder (not installed): src/ never imports it
+TOOLING = "benchmarks"
 
 
 def _modules(root: Path) -> dict[str, Path]:
@@ -119,6 +125,12 @@ def _graph(root: Path) -> tuple[dict[str, set[str]], list[str]]:
         for target, line in _imports(name, path, modules):
             where = f"{path.relative_to(root)}:{line}"
             top = target.split(".")[0]
+            if top == TOOLING:
+                errors.append(
+                    f"{where}: {name} imports {target}: the installed package never imports "
+                    f"the checkout's tooling ({TOOLING}/); move the piece it needs into src/"
+                )
+                continue
             if top != PACKAGE:
                 if src in BOTTOM and top not in BOTTOM_THIRD_PARTY and top not in _STDLIB:
                     errors.append(f"{where}: {name} ({src}) imports {target}: torch only here")
@@ -195,6 +207,7 @@ def test_no_import_circle() -> None:
         ({"ops/a.py": "from tiledmlp.patching import b\n", "patching/b.py": ""}, "layer ops"),
         ({"plan/a.py": "from tiledmlp.bench.b import x\n", "bench/b.py": ""}, "layer plan"),
         ({"ops/a.py": "def f():\n    import transformers\n"}, "torch only here"),
+        ({"cli/a.py": "def f():\n    from benchmarks import suite\n"}, "never imports"),
         ({"ops/a.py": "from tiledmlp.ops import b\n", "ops/b.py": "from . import a\n"}, "circle"),
     ],
 )
@@ -318,3 +331,14 @@ def test_the_simulator_contract_catches_what_it_forbids(tmp_path: Path, text: st
     assert _sim_errors(tmp_path), text
     (tmp_path / PACKAGE / "plan/sim/a.py").write_text("from tiledmlp.plan.sim import b\n")
     assert not _sim_errors(tmp_path)
+
+
+def test_the_tooling_stays_out_of_the_installed_package() -> None:
+    """The wheel carries src/ only (pyproject: packages found under src): the checkout's tooling
+    is a folder beside it, not a part of tiledmlp, and imports tiledmlp like any user does."""
+    root = SRC.parent
+    tooling = root / TOOLING
+    assert (tooling / "__init__.py").is_file()
+    assert not (SRC / PACKAGE / TOOLING).exists()
+    pyproject = (root / "pyproject.toml").read_text(encoding="utf-8")
+    assert 'where = ["src"]' in pyproject, "the wheel must be built from src/ only"

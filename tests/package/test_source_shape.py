@@ -27,6 +27,29 @@ def test_no_source_file_is_over_500_lines() -> None:
     assert not long, f"split these along their seams (at most {MAX_LINES} lines): {long}"
 
 
+MAX_DOCSTRING_LINES = 25
+
+
+def test_every_module_docstring_is_at_most_25_lines() -> None:
+    """A module's docstring says what it is and its invariant; how it works, measured figures
+    and long reasons live in docs/how-it-works/ (module-notes.md), which a Note points to."""
+    import ast
+
+    long = {}
+    for path in _sources():
+        name = str(path.relative_to(PACKAGE))
+        body = ast.parse(path.read_text(encoding="utf-8")).body
+        assert body and isinstance(body[0], ast.Expr), f"{name} opens without a docstring"
+        doc = body[0]
+        lines = (doc.end_lineno or doc.lineno) - doc.lineno + 1
+        if lines > MAX_DOCSTRING_LINES:
+            long[name] = lines
+    assert not long, (
+        f"shorten these module docstrings to at most {MAX_DOCSTRING_LINES} lines (what the "
+        f"module is and its invariant; the rest to docs/how-it-works/module-notes.md): {long}"
+    )
+
+
 def test_the_norms_switch_is_written_in_at_most_four_files() -> None:
     word = re.compile(r"\btiled_norms\b")
     files = [str(p.relative_to(PACKAGE)) for p in _sources() if word.search(p.read_text("utf-8"))]

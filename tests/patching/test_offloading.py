@@ -268,7 +268,7 @@ def test_a_copy_offloads_with_its_own_offloader(how: str) -> None:
 
 @pytest.mark.slow  # a benchmark run
 def test_offload_benchmark_runs_and_its_pool_does_not_grow() -> None:
-    from tiledmlp.bench.offload_step import measure_offload
+    from benchmarks.offload_step import measure_offload
 
     base, off = measure_offload(
         layers=4, seq_len=64, steps=12, hidden=32, intermediate=64, heads=2, kv_heads=1

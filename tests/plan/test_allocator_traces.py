@@ -1,5 +1,5 @@
 """plan/sim/caching_allocator.py against the card: the CUDA caching allocator's own traces of whole
-steps on an H100 (benchmarks/results/gpu/*/trace/*.json.gz, bench/allocator_trace.py),
+steps on an H100 (benchmarks/results/gpu/*/trace/*.json.gz, benchmarks/allocator_trace.py),
 replayed request by request, take exactly the segments the card took, after the build, the
 warm-up step and the step, with and without expandable segments."""
 

@@ -131,12 +131,10 @@ def _real_peaks(
     return peaks
 
 
+# slow: each family's real steps (every stack, one fresh process) take 45-85 s on 2 cores
+@pytest.mark.slow
 @pytest.mark.parametrize("stack", STACKS)
-@pytest.mark.parametrize(
-    "model_type",
-    # the reference gated delta rule's real step takes ~5-10 s on the CPU
-    ["gemma3_text", "qwen3_moe", pytest.param("qwen3_5_text", marks=pytest.mark.slow)],
-)
+@pytest.mark.parametrize("model_type", ["gemma3_text", "qwen3_moe", "qwen3_5_text"])
 def test_estimate_matches_the_real_tensor_level_peak(model_type: str, stack: str) -> None:
     # the real step runs in a fresh process (_real_peaks): what earlier tests left in this one
     # (seen: Qwen3-MoE's tiled_layer step 0.26 MiB higher after tests/train) is not the step's
@@ -177,6 +175,7 @@ def test_cli_plans_every_stack_of_a_saved_config(model_type: str, tmp_path: Path
     assert (out["layer_regular_mib"] is None) == (model_type == "qwen3_moe")
 
 
+@pytest.mark.slow  # the real steps of two stacks in a fresh process: ~21 s on 2 cores
 @pytest.mark.parametrize("checkpointing", [True, False])
 def test_a_window_on_every_layer_gets_the_mask_the_real_step_builds(checkpointing: bool) -> None:
     """Mistral's window on every layer (no layer_types), shorter than the sequence: the
@@ -195,6 +194,7 @@ def test_a_window_on_every_layer_gets_the_mask_the_real_step_builds(checkpointin
         assert abs(est.peak - real[stack]) < bound, (stack, est.peak / MiB, real[stack] / MiB)
 
 
+@pytest.mark.slow  # the real untiled step in a fresh process: over 10 s on 2 cores
 def test_llama4_is_planned_untiled_and_its_tiled_stacks_refused_in_one_line() -> None:
     """Llama 4's text model (chunked-attention layers): the untiled step within 1% of the real
     CPU peak; the stacks that tile its routed feed-forward refuse it in one line."""

@@ -1,28 +1,14 @@
 """Time and device memory of full training steps of a Llama-shaped model, several stacks in a
-row in one process, each isolated.
-
-Run as `python -m tiledmlp.bench.whole_step '<job JSON>' ['<job JSON>' ...]` it prints one JSON
-record per job, as each finishes: the model is built from the job's Llama config (random init,
-nothing downloaded) directly on the job's device and dtype (models/build.py), with the model's
-own non-reentrant gradient checkpointing, patched for the stack, and runs forward with labels +
-backward: one warm-up step, then `steps` timed steps. Memory is that of the timed steps: on CUDA
-`max_memory_allocated` and `max_memory_reserved` after a reset, and what the device has in use
-beside them (`torch.cuda.mem_get_info`: CUDA context, cuBLAS workspaces, other processes); on the
-CPU the process's peak resident memory (VmHWM) over the timed steps.
-
-On CUDA the last timed step runs with the allocator's history recorded (Python stacks per
-allocation: a few microseconds each), and the record names every byte alive at that step's peak
-by category ("peak_categories_mib", bench/peak_memory.py:
-weights, gradients, checkpointed layer inputs, the current layer's recompute, the loss tile, the
-attention kernel's buffers, offloading's buffers, the rest by allocating frame).
-
-Stacks are the planner's names: "untiled", "tiled_mlp", "tiled_mlp_loss",
-"tiled_mlp_loss_offload", "tiled_mlp_loss_offload_norms", "tiled_layer".
+row in one process, each isolated: `python -m tiledmlp.bench.whole_step '<job JSON>' [...]`
+prints one JSON record per job (`tiledmlp plan --measure` runs it).
 
 Invariant: every job starts from the same seed and the same tokens, and from an empty device: the
 previous job's model, gradients and caches are released (`empty_cache`) and the peak statistics
 reset before the next is built. A job that runs out of memory is recorded with its error and
 the next one runs.
+
+Note: how it works, its costs and its choices are in
+docs/how-it-works/module-notes.md#bench-whole-step.
 """
 
 from __future__ import annotations

@@ -1,45 +1,12 @@
-"""axolotl: a plugin that tiles a model from its YAML config.
-
-    plugins:
-      - tiledmlp.integrations.axolotl.TiledMLPPlugin
-    tiledmlp: true
-    tiledmlp_tiled_loss: true       # optional: tiledmlp_ + any of tiledmlp's keys
-                                    # (tiledmlp_num_tiles, tiledmlp_tile_tokens, ...)
-    tiledmlp_check: true            # optional: tiledmlp.check once before training
-
-The plugin's arguments are derived from the schema (PatchConfig's fields): `tiledmlp_` + each
-of tiledmlp's own keys, typed as the key's value. They are namespaced `tiledmlp*`, so they
-never collide with axolotl's own `tiled_mlp*` (DeepSpeed's TiledMLP port, which axolotl
-applies by class). The plugin runs patch_model on
-the loaded model (after any LoRA adapter; `post_model_load`) and, when the installed TRL gives
-its trainers a fused LM head, lets the tiled loss serve it once the trainer is built
-(`post_trainer_create`). With `tiledmlp_check: true` it first runs tiledmlp.check on the
-loaded model (one step of random token ids, unpatched and patched, float32 reference) and stops
-with the verdict when a gradient is out of tolerance. With axolotl's context parallelism on (`context_parallel_size` > 1)
-the attention is left to axolotl.
-
-The validators refuse, each with a one-line reason, what would make two libraries replace the
-same forward or leave a key without effect: axolotl's `tiled_mlp`, Liger's GLU kernel or fused
-linear cross-entropy, cut cross-entropy, axolotl's LoRA MLP kernels (which it turns on by
-itself for LoRA: the plugin turns them off instead, with a note), `tiledmlp_*` keys without
-`tiledmlp: true`, unknown `tiledmlp*` keys (the closest valid key named), and
-`tiledmlp_sequence_parallel_size` together with axolotl's context parallelism.
-
-What the plugin says goes through axolotl's own logger (`axolotl.integrations.tiledmlp`,
-shown at axolotl's default level, on the main process only): the patch report once the model is
-loaded, and after the first optimizer step the tile counts each patched module ran with (what
-`auto` chose for the batch's length). A refusal found in the config as written (`register`,
-before axolotl's schema runs) ends the training process with one line naming the key and what
-to change (under `axolotl train`'s default launcher, accelerate then adds a traceback of its own
-saying that the process it launched failed); the schema's validator repeats the checks for
-configs that reach it another way.
-
-axolotl discovers plugins by the dotted names under `plugins:` only (its one entry-point group,
-`axolotl.cli_commands`, adds CLI commands), so that name is the way in.
+"""axolotl: a plugin that tiles a model from its YAML config
+(`plugins: [tiledmlp.integrations.axolotl.TiledMLPPlugin]`, `tiledmlp: true`, `tiledmlp_*` keys).
 
 Invariant: with `tiledmlp: true` and a config the validators accept, the model axolotl trains is
 patched with the PatchConfig its `tiledmlp_*` keys parse to (read_keys, the same parsers as
 every other spelling); nothing set is ignored.
+
+Note: how it works, its costs and its choices are in
+docs/how-it-works/module-notes.md#integrations-axolotl.
 """
 
 from __future__ import annotations

@@ -1,32 +1,12 @@
-"""ms-swift: a plugin file that `swift sft --external_plugins FILE` imports.
-
-ms-swift has no slot for another library's options: its argument parser refuses unknown flags,
-and a YAML config is turned into the same flags. What it does offer is `--external_plugins
-FILE...`: each file is imported (its folder put first on sys.path; ms-swift 4.6 names the module
-after a hash of the path, earlier releases after the file's base name) while the arguments are
-built, before the model is loaded, and again in each dataloader worker. So the route is
+"""ms-swift: a plugin file that `swift sft --external_plugins FILE` imports:
 
     swift sft ... --external_plugins "$(tiledmlp swift-plugin --tiled-loss)"
 
-`write_plugin(options)` (behind `tiledmlp swift-plugin`) checks the options with the one
-parser of every spelling (read_keys: ours, ms-swift's `use_tiled_mlp` /
-`tiled_mlp_num_shards`, axolotl's, unsloth's) and writes a two-line plugin file that carries
-them; importing the file calls `activate(options)`, which turns on `tiledmlp.enable` with those
-options, so the causal LM ms-swift loads through transformers comes back patched (MLPs, loss,
-norms, offloading as asked; LoRA adapters ms-swift adds afterwards wrap the patched MLPs, which
-then take the generic path). tiledmlp's log lines (the patch report, refusals) go to ms-swift's
-own log handlers, on the ranks where ms-swift shows its own.
-
-The file lives alone in a folder of its own (ms-swift puts that folder first on sys.path, so a
-neighbour named like a package, e.g. `trl.py`, would shadow that package); its base name never
-collides with a package (where the base name is the module's name, `swift.py` would be
-ms-swift itself).
-
-Refused when written, each with a one-line reason: an unknown or bad key, and tiledmlp's
-`sequence_parallel_size` (ms-swift splits the attention itself: its `--sequence_parallel_size`).
-
 Invariant: the model ms-swift trains is patched with exactly the PatchConfig the written
 options parse to; an option that cannot be honoured is refused before ms-swift starts.
+
+Note: how it works, its costs and its choices are in
+docs/how-it-works/module-notes.md#integrations-swift.
 """
 
 from __future__ import annotations

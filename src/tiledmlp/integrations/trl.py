@@ -1,32 +1,10 @@
 """TRL: the tiled LM head serves the fused-LM-head slot of TRL's trainers.
 
-TRL (1.15 and later) gives the model of its SFT, DPO, GRPO, KTO and RLOO trainers a fused LM
-head: `add_fused_lm_head(model, temperature, cast_lm_head_to_fp32, outputs)` wraps the model's
-forward so that `model(..., labels=labels, fused_lm_head=True)` runs the decoder and returns a
-`FusedCausalLMOutput` (loss, per-token log_probs, entropy, log_sum_sq_probs, mean_logits,
-is_top1, label_mask) computed from the LM head's weight in chunks of its own. On a model whose
-loss tiledmlp patched (`patch_model(..., tiled_loss=True)`), those calls run through
-`tiled_token_stats` instead: the same fields, from our tile loop (tiles chosen by our policy,
-the weight gradient summed in one float32 accumulator, soft-capping, logit scale, temperature,
-bias and a frozen head honoured), never materialising the logits.
-
-Whatever the order:
-- patched before the trainer is built: TRL's `add_fused_lm_head` (in every loaded module that
-  imported it, and in `trl.trainer.utils` for those imported later) is wrapped once, the first
-  time a loss is patched; on a loss-patched model it installs TRL's head BELOW the tiled loss
-  (patching.features.tiled_loss.lifted), so the tiled loss serves `fused_lm_head=True` and hands every other
-  call to TRL's forward, which hands it to the model's own;
-- patched after: patch_model stacks the tiled loss over TRL's forward; same arrangement;
-- `install(trainer)`: patches a built trainer's model and reference model.
-`unpatch_model` then takes off only the tiled loss: TRL's head keeps working.
-
-TRL's settings for a model (temperature, outputs asked for, cast_lm_head_to_fp32, logit scale)
-are read from the forward TRL installed (its closure: private to TRL, hence the version guard;
-tests/integrations/test_trl.py fails loudly when it moves). TRL versions outside TESTED are refused with the
-reason, at the call that would otherwise bypass the tiled loss.
-
 Invariant: on a loss-patched model, no call with `fused_lm_head=True` reaches TRL's chunked
 head, and `fused_lm_head` never reaches the decoder.
+
+Note: how it works, its costs and its choices are in
+docs/how-it-works/module-notes.md#integrations-trl.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The stacks' measured step times, to name the fastest stack that fits.
 
 One source for every stack: the committed H100 records of one run (the `model_steps` part of
-`python -m tiledmlp.bench.suite`), a Llama-3-8B-shaped model cut to 4 layers, bf16, the
+`python -m benchmarks.suite`), a Llama-3-8B-shaped model cut to 4 layers, bf16, the
 model's checkpointing, batch 1 of 32,768 tokens, one timed step after a warm-up; the only
 length at which all six stacks were measured in one run. tests/plan/test_stack_speed.py checks
 these figures against the records file.

@@ -326,7 +326,7 @@ def test_memory_is_one_tile_of_logits_for_every_output() -> None:
 def test_loss_bench_designs_and_their_flops(capsys: pytest.CaptureFixture[str]) -> None:
     import json
 
-    from tiledmlp.bench.loss_step import main
+    from benchmarks.loss_step import main
 
     main(["--tokens", "256", "--vocab", "300", "--hidden", "16", "--repeats", "1"])
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("{")]

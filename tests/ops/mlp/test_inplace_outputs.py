@@ -138,7 +138,7 @@ def test_tiled_norms_and_layers_outputs_may_be_modified_in_place(
 def test_models_that_change_tiled_outputs_in_place_train_exactly(model_type: str) -> None:
     """Llama 4 adds its routed experts into the shared expert's output in place; XLM changes
     its norms' outputs in place: loss and every gradient equal the unpatched model's."""
-    from tiledmlp.bench.coverage import run_architecture
+    from benchmarks.coverage import run_architecture
 
     records = run_architecture(model_type, ["mlp", "mlp+loss+norms"])
     assert [(r["status"], r["detail"]) for r in records] == [("exact", "")] * 2

@@ -1,35 +1,12 @@
 """Causal self-attention a few heads at a time, through PyTorch's fused attention kernels.
 
-A fused attention backward allocates, inside the kernel call and for every head it is given,
-buffers that no tensor trace sees: the flash backward a float32 accumulator for dq (tokens x
-heads x head_dim x 4 bytes) and, for grouped-query attention, dk and dv expanded to the query
-heads. Attention never mixes heads, so running the kernel on groups of heads gives the same
-output and gradients with those buffers sized for one group.
-
-`causal_attention_by_heads` is that op: the forward calls one fused kernel (ops/attention/kernels.py:
-cuDNN, flash, memory-efficient or the CPU flash kernel, which the caller passes: the one
-`scaled_dot_product_attention` would select that passed its self-check, ops/attention/select.py)
-per group (whole key/value heads with their query heads, or a few query heads of one key/value
-head) and writes each group's output into one (batch, tokens, heads, head_dim) buffer; the
-backward calls the kernel's backward per group with its saved state and writes dq, dk and dv into whole buffers, summing in float32 the
-dk and dv of groups that share a key/value head (as the kernels sum per-query-head gradients).
-FLOPs are those of one unchunked call (nothing is recomputed); memory beyond q, k, v, the output
-and their gradients is one group's kernel buffers, its output and its three gradients in flight,
-and, for groups inside a key/value head, that head's dk and dv in float32. `head_groups` picks the
-number of groups: the fewest whose kernel buffers stay a small share of the attention's own
-tensors, within the launch rule (See Note [Head groups]). Per group the op adds no copy of k or
-v (each call gets views: a head slice, and for the memory-efficient kernel a stride-0 expand),
-one copy of the group's output into the whole output, and one of dq, dk and dv each into the
-whole gradients. The backward walks the groups by unit (one key/value head's groups, or one
-group where it holds whole key/value heads) as a tile loop (TilePlan.bounds): every unit runs
-the same code on the same shapes and leaves the live bytes as it found them, so the planner's
-fake tensors run the repeated units once (plan/sim/periodic_tiles.py). The forward keeps each
-group's state for the backward (the live bytes grow from one group to the next): a plain loop.
-
 Invariant: the output and the gradients of q, k and v equal those of
 scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True) up to the
 summation order of the kernels; the op refuses (returns a reason from `unsupported`) anything
 else: masks, dropout, unequal query and key lengths, devices without a fused kernel.
+
+Note: how it works, its costs and its choices are in
+docs/how-it-works/module-notes.md#ops-attention-heads.
 """
 
 from __future__ import annotations

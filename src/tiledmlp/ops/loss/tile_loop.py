@@ -1,45 +1,12 @@
 """The LM-head tile loop: logits one tile at a time, per-tile math plugged in (ops/loss/tile_math.py),
 and the two ways its gradient reaches hidden states, weight and bias.
 
-Per tile: z = hidden_tile @ W.T + b in the compute dtype, multiplied by a logit scale if asked,
-soft-capped if asked (in the compute dtype, as the untiled models do), divided by the temperature
-(in float32) if asked, and its log-softmax taken in float32; the math records its values and,
-when gradients are wanted, writes d/d(logits) in the compute dtype, which the loop turns into the
-tile's d(hidden) = dz @ W, and adds dz.T @ hidden_tile to d(W) (one float32 accumulator; none
-with a single tile, whose product is the gradient) and dz's column sums to d(bias).
-
-- Scalar outputs (a loss reduced by "mean" or "sum"): the gradient is formed in the forward for
-  an upstream gradient of 1 and only scaled in the backward: 3L FLOPs (L = 2 x tokens x hidden x
-  vocab), the untiled cost.
-- Per-token outputs (reduction "none", log-probabilities, entropy): each token has its own
-  upstream gradient, which d(W) cannot take after the fact, so the backward recomputes each
-  tile's logits: 4L FLOPs in all, and nothing of (tokens x vocab) size is ever kept.
-- Evaluation (no gradient wanted): one pass, 1L FLOPs, no gradient buffers.
-
-Note [one float32 tensor per tile]: the loss is bound by memory traffic over (n x V) tensors,
-not by FLOPs, so a tile makes as few passes over them as plain PyTorch ops allow: the logits
-upcast to float32 (for bfloat16, torch's log_softmax(dtype=float32) would make the same copy
-itself) with the compute-dtype logits let go first, one log_softmax, no logsumexp (ATen's makes
-its own (n x V) temporary and four passes), then exp written straight in the compute dtype (the
-cast fused) with the targets' entries written over it from the gathered log-probabilities; a
-per-row coefficient, where the math needs one, is one more multiply before that single
-rounding. At most two float32 (n x V) tensors exist at once (the upcast logits and their
-log-softmax). The untiled path (logits, their float32 copy, log_softmax, nll_loss's dense
-gradient, log_softmax's backward, the cast back) makes more passes (tests/ops/loss/test_loss_passes.py
-counts both).
-
-Note [the factored gradient]: for a plain cross-entropy (no class weights, label smoothing,
-z-loss, soft-capping or bias; a scalar reduction), d(logits) = alpha * diag(v) @ (p - onehot(y))
-with one constant alpha (the "mean" scale, 1/temperature, the logit scale) and v the counted
-rows. The tile then writes p straight from the log-probabilities in the compute dtype (exp and
-cast in one pass, no per-row multiply), the targets' entries p[y] - 1 over it, and masks the
-(n x hidden) side instead: d(W) += p.T @ (v * hidden_tile), d(hidden_tile) = v * (p @ W), both
-exact in v (0 or 1). alpha is the same for every tile, so the scalar head's backward multiplies
-it in with the upstream gradient (one float32 factor, one rounding).
-
 Invariant: memory beyond inputs and outputs is one tile of logits (at most two float32 (n x V)
 tensors at once, or one with the compute-dtype gradient), d(hidden) and one float32 accumulator
 per parameter, whatever the number of tokens.
+
+Note: how it works, its costs, Note [one float32 tensor per tile] and Note [the factored
+gradient] are in docs/how-it-works/module-notes.md#ops-loss-tile-loop.
 """
 
 from __future__ import annotations

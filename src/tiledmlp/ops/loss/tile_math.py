@@ -1,38 +1,16 @@
 """Per-tile math of the LM-head losses: what one tile of logits contributes, and the gradient
 with respect to those logits. The tile loop (ops/loss/tile_loop.py) forms the logits and their
 log-softmax and turns that gradient into d(hidden), d(W) and d(bias); these classes are the
-pluggable part.
-
-Notation per tile: zf (n x V) the logits (after soft-capping and temperature), lp = log_softmax(zf)
-in float32 (the only (n x V) float32 tensor of a tile), lse = logsumexp(zf) per row, p =
-softmax(zf) = exp(lp), y the targets, v the rows that count (not ignore_index, not masked out),
-u the class weights (ones without them), U = sum(u), V the vocabulary.
-
-Cross-entropy, as torch.nn.functional.cross_entropy (label smoothing eps, class weights u):
-    token loss = (1 - eps) * u[y] * (-lp[y]) + (eps / V) * sum_c u_c * (-lp_c)
-                 + zeta * lse**2                      (z-loss, PaLM; zeta = 0 by default)
-    reduction "mean" divides the first two terms by sum(u[y]) over counted rows (torch's rule) and
-    the z-loss by the number of counted rows; "sum" adds; "none" keeps each row (0 if not counted).
-    d(token loss)/d zf = p * ((1-eps) u[y] + (eps/V) U + 2 zeta lse) - (1-eps) u[y] e_y - (eps/V) u
-Log-probabilities of given tokens and the entropy (RL):
-    logprob = lp[y],  d/dzf = e_y - p
-    entropy = -sum_c p_c lp_c,  d/dzf = -p * (lp + entropy)
-  and, recorded without gradient (RL trainers' metrics and weights):
-    log_sum_sq_probs = log(sum_c p_c**2) = logsumexp(2 lp)
-    mean_logits = mean_c zf_c
-    is_top1 = (argmax_c zf_c == y)   (the first maximum, as torch.argmax)
-
-Passes over a tile (see Note [one float32 tensor per tile] in tile_loop.py): the gradient is
-written in the compute dtype straight from p times a per-row coefficient, rounded once; the
-target's entry (where the gradient is p[y] - 1, which a rounded p would lose) is computed apart
-from the gathered lp[y] and written over it. lse and the argmax come from one max over the
-logits, only when a z-loss, mean_logits or an argmax asks for them.
+pluggable part (passes over a tile: Note [one float32 tensor per tile], ops/loss/tile_loop.py).
 
 Invariant: values and gradients are computed in float32 (float64 for float64 inputs) and each
 gradient entry is rounded once to the compute dtype; a row that does not count contributes
 exactly zero to every value, also when its logits are not finite (padding positions may carry
 NaN: selected away, never multiplied by zero), and its gradient follows torch's cross_entropy /
 log_softmax: zero for finite logits, NaN where the logits are NaN.
+
+Note: how it works, its costs and its choices are in
+docs/how-it-works/module-notes.md#ops-loss-tile-math.
 """
 
 from __future__ import annotations

@@ -1,39 +1,12 @@
 """The MLP's tile plan for a tile policy: what "auto" and "target:<GB>" mean for an MLP.
 
-"target:<GB>": the fewest tiles whose working memory (the tile's intermediates plus the float32
-gradient accumulators, by the memory model) fits <GB> GiB; untiled when the untiled module's
-intermediates fit. Tiles are never smaller than one token. Modules without a fast path have no
-memory model: their intermediates are taken as those of a gated MLP with intermediate size
-4 x hidden (GENERIC_WIDTH), in the input's dtype.
-
-"auto" for a recognised MLP on the CPU: tiles of about `weight_bytes / (c_t * m * e)` tokens,
-i.e. a tile's transient intermediates are about the size of the MLP's weights (c_t (n, m) tensors
-of e bytes per token row, see fast.py). It runs untiled unless its memory model predicts that
-tiling needs at most CPU_MARGIN (half) of the untiled module's intermediates (short sequences run
-untiled: there the untiled peak overlaps less with the gradients and sits below the model), so
-"auto" never costs memory and costs no recompute where it saves little (tests/ops/tiling/test_policy.py
-measures this).
-
-"auto" for a recognised MLP on an accelerator (any device but the CPU) is time-aware: small tiles
-lose GEMM efficiency and add a pass over every weight-sized accumulator per tile, while the
-memory saving is nearly all captured by a few large tiles. It takes the largest tiles that keep
-ACCELERATOR_SAVING of the saving the memory model says tiling can reach (untiled intermediates
-minus the accumulators), but never tiles whose working memory exceeds ACCELERATOR_MAX_TILE_BYTES
-(at very long sequences the last part of the saving would cost many GiB) and never fewer than
-ACCELERATOR_MIN_TILE_TOKENS tokens per tile (the three in memory_model.py); untiled when that
-leaves fewer than two tiles or saves less than ACCELERATOR_MIN_SAVING_BYTES (256 MiB) per call:
-a small model's MLP (hidden 512, intermediate 2048, bf16: 352 MiB of untiled intermediates at
-16K tokens, of which two tiles would save 178 MiB) runs untiled there, where its tiles would
-cost more time than the memory they save is worth (docs/benchmarks.md lists the tiles it picks
-for an 8B-shaped MLP, which the floor leaves as they were).
-
-For modules without a fast path "auto" uses the paper's rule beyond two tiles' worth of tokens
-and runs untiled below. A count, tokens per tile and "arctic" need no memory model.
-
 Invariant: the plan depends only on the token count, the module's shapes, dtypes and device
 type, and the policy; never on free memory, so every rank with the same inputs gets the same
 plan. The planner resolves for an accelerator on fake CPU tensors with `assume_device`
 (ops/tiling/assumed.py).
+
+Note: how it works, its costs and its choices are in
+docs/how-it-works/module-notes.md#ops-mlp-tile-rules.
 """
 
 from __future__ import annotations

@@ -18,8 +18,7 @@ layer whose checkpoint function is transformers' offloading one runs the plain c
 the same keywords under our offloader (the report says so), and removing the feature puts
 transformers' function back. See Note [One offloader].
 
-No probe: the checkpointed layers are found by structure when it is applied, and checkpointing
-itself is checked at each training forward (it may be turned on after patching).
+No probe: layers are found by structure; checkpointing is checked at each training forward.
 
 Invariant: the model computes exactly what it computes without offloading; removing the feature
 restores every checkpoint function it wrapped and removes the hook.

@@ -4,27 +4,12 @@ option chooses for that call (ops/attention/buffers.py: kernel_for), so the mode
 attention (transformers' attention interface) and the attention core by heads of tiled decoder
 layers (whose kernel selection follows SDPA's enabled backends) both run it.
 
-"by_heads" (named, or taken by auto:<GB>) runs the model's own SDPA attention through the
-attention core by head groups (patching/attention_core.py: sdpa_by_heads, SDPA's own kernel per
-group of heads): the decoder's config names a registered attention implementation
-(ROUTED_SDPA) that is transformers' sdpa, and inside the call's `by_heads()` context sdpa by
-head groups; its masks are sdpa's. Under sequence parallelism (whose configs name its own
-implementation) the context alone does it: the exchange calls "sdpa" through the attention
-backend, which resolves it by heads inside the context.
-
-The choice is made per call from the layer's input (batch, tokens), the model's heads and head
-size and the dtype the attention runs in: a named kernel is forced (refused in one line where
-the device or dtype cannot run it); "auto:<GB>" keeps SDPA's own choice where its backward
-buffers fit, else takes the fastest kernel whose buffers do. The choice is made around the
-layer's call and around its attention module's: Hugging Face's checkpointing recomputes the
-layer's class forward, inside which the attention module's wrapped forward runs with the same
-input, so the recompute runs the kernel the forward ran (the saved tensors match). Under
-Ulysses sequence parallelism a call holds P x the tokens and heads / P: the buffers,
-proportional to tokens x heads, are the same.
-
 Invariant: the layers' outputs are those of SDPA's attention (kernels differ only in summation
 order); remove() restores each layer's forward and each switched config's implementation
 exactly.
+
+Note: how it works, its costs and its choices are in
+docs/how-it-works/module-notes.md#patching-features-attention-kernel.
 """
 
 from __future__ import annotations

@@ -1,21 +1,5 @@
 """The tiled loss's forward: a Hugging Face causal LM's training loss through tiled_cross_entropy.
 
-The model's own forward stays in charge when no labels are given. With labels, the base model
-runs as usual and the loss is computed from its last hidden states by tiled_cross_entropy with
-the LM head's weight (and bias), the model's logit scale and final-logit soft-capping, causal
-shifting (or the caller's shift_labels), the positions `logits_to_keep` keeps and
-num_items_in_batch handled like Hugging Face's loss (head.py); the logits are never materialised
-(the output's `logits` is None).
-
-A call with `fused_lm_head=True` (the slot through which TRL's trainers ask a model for
-per-token log-probabilities instead of logits) is served by the fused-head server the patch was
-installed with (the one an integration registered with the feature, tiledmlp.integrations.trl);
-`fused_lm_head` never reaches the decoder.
-
-Everything a patch knows lives in its `_LossState`, on the model it patched: the forward it
-replaced, the tile policy, the head transform its probe found, the fused-head server, and the
-notes already logged for it (each note once per patched model). Nothing is kept at module level.
-
 Invariant: a model is only patched after a probe (probe.py) shows that, on random
 ids, the patched loss equals the model's own loss; a model whose forward adds anything else to
 the loss (an MoE auxiliary loss computed otherwise than transformers' load_balancing_loss_func)
@@ -23,6 +7,9 @@ fails the probe and is left alone, with the reason reported. A
 logits_to_keep form the probe could not match runs the model's own loss, logged once and named
 in the report. Unpatching restores the forward this patch replaced; when another forward was
 installed over it since, that one is kept and ours stays below it as a pure pass-through.
+
+Note: how it works, its costs and its choices are in
+docs/how-it-works/module-notes.md#patching-features-tiled-loss-forward.
 """
 
 from __future__ import annotations

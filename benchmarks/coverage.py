@@ -1,16 +1,16 @@
 """The support matrix: every causal LM of the installed transformers, built tiny
-(bench/coverage_build.py), patched with each stack of STACKS, its loss and every gradient
+(benchmarks/coverage_build.py), patched with each stack of STACKS, its loss and every gradient
 compared with the unpatched model (float32, CPU).
 
-    python -m tiledmlp.bench.coverage                  # the popular list, printed
-    python -m tiledmlp.bench.coverage --list all --write   # every architecture: records + docs
+    python -m benchmarks.coverage                  # the popular list, printed
+    python -m benchmarks.coverage --list all --write   # every architecture: records + docs
 
 Each (architecture, stack) gets one record: `exact` (loss and every gradient equal the
 unpatched model's, with what was tiled and what was left untiled and why), `refused` (patch_model
 refused with one line), `not buildable` (the architecture cannot be built or run tiny, and why),
 or a failure: `differs` (a wrong loss or gradient), `crash` (an exception after a successful
 patch) or `patch error` (an exception of patch_model other than a refusal). The records are
-written to RECORDS; bench/coverage_table.py renders them into the docs.
+written to RECORDS; benchmarks/coverage_table.py renders them into the docs.
 
 Invariant: a record says only what its run showed; a failure is never reported as a refusal.
 """
@@ -31,14 +31,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from tiledmlp.bench.coverage_build import (
+from benchmarks.coverage_build import (
     NotBuildable,
     TinyModel,
     build_tiny,
     causal_lm_types,
     clone,
 )
-from tiledmlp.bench.coverage_table import COLUMNS, RECORDS, load, table, write_page
+from benchmarks.coverage_table import COLUMNS, RECORDS, load, table, write_page
 from tiledmlp.config.stacks import stack_keywords
 
 __all__ = ["POPULAR", "RECORDS", "STACKS", "load", "run_architecture", "run_coverage"]
@@ -289,7 +289,7 @@ def _selection(only: str | None, which: str) -> list[str]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m tiledmlp.bench.coverage",
+        prog="python -m benchmarks.coverage",
         description="Builds each causal LM of the installed transformers tiny, patches it with "
         "each stack and compares the loss and every gradient with the unpatched model.",
     )

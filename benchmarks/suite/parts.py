@@ -1,7 +1,7 @@
-"""The parts of the measurement suite (bench/suite/run.py), in order of value: each part gives the
+"""The parts of the measurement suite (benchmarks/suite/run.py), in order of value: each part gives the
 suite its pieces of work (`Task`: one length, one variant set, or the whole part), each with an
-estimate of its seconds from the sizes (bench/budget.py), so that the suite can skip what would
-pass its deadline. Sizes come from a `Sizes` object (bench/suite/sizes.py): the GPU-scale
+estimate of its seconds from the sizes (benchmarks/budget.py), so that the suite can skip what would
+pass its deadline. Sizes come from a `Sizes` object (benchmarks/suite/sizes.py): the GPU-scale
 figures, or toy ones for `--smoke`.
 
 Isolation: whole steps run in a fresh process per length, every stack of that length in a row
@@ -30,9 +30,9 @@ from typing import Any
 
 import torch
 
-from tiledmlp.bench import budget
+from benchmarks import ROOT, budget, checkout_env
+from benchmarks.suite.sizes import Sizes
 from tiledmlp.bench.harness import BenchConfig, run_sweep
-from tiledmlp.bench.suite.sizes import Sizes
 from tiledmlp.bench.variants import Variant, deepspeed_available, liger_available, make_variant
 from tiledmlp.models.mlps import GatedMLP
 from tiledmlp.ops.mlp.glu import kernels as glu_kernels
@@ -42,7 +42,6 @@ __all__ = ["Context", "Task"]
 
 MiB = 2**20
 Record = dict[str, Any]
-ROOT = Path(__file__).resolve().parents[4]  # the source checkout (tests, benchmarks/)
 
 
 @dataclass(frozen=True)
@@ -52,7 +51,7 @@ class Task:
     Attributes:
         part: the part's name.
         what: which piece ("seq_len=131072", "all").
-        estimate_s: the cost model's seconds (bench/budget.py), margin included.
+        estimate_s: the cost model's seconds (benchmarks/budget.py), margin included.
         run: does the work; its argument is the seconds left before the deadline (a bound for
             its subprocesses); returns the records.
         after: the part it runs right after, instead of with its own part (the suite runs
@@ -97,7 +96,11 @@ class Context:
 def _python(*args: str, timeout: float = 3600.0, env: dict[str, str] | None = None) -> str:
     """Runs `python <args>` in a fresh process; its stdout, or RuntimeError with its stderr."""
     res = subprocess.run(
-        [sys.executable, *args], capture_output=True, text=True, timeout=timeout, env=env
+        [sys.executable, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=checkout_env(env),
     )
     if res.returncode != 0:
         tail = " | ".join(res.stderr.strip().splitlines()[-4:])
@@ -266,9 +269,9 @@ def _cuda_ms(fn: Callable[[], object], repeats: int = 5) -> float:
 
 def offload(sizes: Sizes, timeout: float) -> list[Record]:
     """Activation offloading's step-time overhead and host memory over several steps
-    (bench.offload_step, one process, the variants interleaved)."""
+    (benchmarks/offload_step.py, one process, the variants interleaved)."""
     m = sizes.model
-    args = ["-m", "tiledmlp.bench.offload_step", "--layers", str(m["num_hidden_layers"])]
+    args = ["-m", "benchmarks.offload_step", "--layers", str(m["num_hidden_layers"])]
     args += ["--seq-len", str(sizes.offload_seq_len), "--steps", str(sizes.offload_steps)]
     args += ["--hidden", str(m["hidden_size"]), "--intermediate", str(m["intermediate_size"])]
     args += ["--heads", str(m["num_attention_heads"]), "--kv-heads", str(m["num_key_value_heads"])]

@@ -6,7 +6,7 @@ meets the card, i.e. the length beyond which the part it adds stops paying.
 Reads the JSON records `tiledmlp plan --json` writes (one {"command", "machine", "result"}
 object per line, or the bare result), merged by sequence length: a stack planned by a later
 record (e.g. with --stacks) joins the earlier ones. Run as
-`python -m tiledmlp.bench.breakdown_plot RECORDS.jsonl OUT.png [--memory-gb 79.2]`; without
+`python -m benchmarks.breakdown_plot RECORDS.jsonl OUT.png [--memory-gb 79.2]`; without
 matplotlib it draws nothing and says how to install it.
 
 Invariant: every point is a figure of a record; nothing is interpolated or extrapolated.
@@ -144,8 +144,8 @@ def _axes(ax: Any, title: str, lengths: list[int], memory_gb: float | None) -> N
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m tiledmlp.bench.breakdown_plot RECORDS... OUT.png [--memory-gb GB]`."""
-    p = argparse.ArgumentParser(prog="python -m tiledmlp.bench.breakdown_plot")
+    """`python -m benchmarks.breakdown_plot RECORDS... OUT.png [--memory-gb GB]`."""
+    p = argparse.ArgumentParser(prog="python -m benchmarks.breakdown_plot")
     p.add_argument("records", nargs="+", type=Path, help="tiledmlp plan --json records")
     p.add_argument("out", type=Path, help="the PNG to write")
     p.add_argument("--memory-gb", type=float, default=None, help="draw the card's memory")

@@ -3,7 +3,7 @@
 not.
 
 A page marks each table with `<!-- gpu-table: FOLDER/KIND -->` ... `<!-- /gpu-table -->`
-(FOLDER under benchmarks/results/gpu, KIND one of TABLES); `python -m tiledmlp.bench.gpu_records
+(FOLDER under benchmarks/results/gpu, KIND one of TABLES); `python -m benchmarks.gpu_records
 PAGE...` checks every marked table against its records (exit 1 on a difference), `--write`
 rewrites them. tests/bench/test_bench_gpu_records.py runs the check on the docs.
 
@@ -20,10 +20,12 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from benchmarks import ROOT
+
 __all__ = ["TABLES", "check_page", "render", "update_page"]
 
 Record = dict[str, Any]
-ROOT = Path(__file__).resolve().parents[3]
+
 RECORDS = ROOT / "benchmarks" / "results" / "gpu"
 _MARK = re.compile(
     r"(<!-- gpu-table: (?P<folder>[\w.-]+)/(?P<kind>\w+) -->\n)(?P<body>.*?)(<!-- /gpu-table -->)",
@@ -278,7 +280,7 @@ def update_page(text: str, root: Path = RECORDS) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m tiledmlp.bench.gpu_records",
+        prog="python -m benchmarks.gpu_records",
         description="Checks (or with --write, rewrites) the GPU tables of doc pages against the "
         "committed records.",
     )

@@ -2,7 +2,7 @@
 offloading, interleaved in one process.
 
 Usage (prints one JSON object per variant, then a summary line):
-    python -m tiledmlp.bench.offload_step --layers 8 --seq-len 32768 --steps 50
+    python -m benchmarks.offload_step --layers 8 --seq-len 32768 --steps 50
 
 The model is a random-init Llama of the llama3-8b preset's layer shape (hidden 4096,
 intermediate 14336, 32 heads / 8 KV heads) cut to --layers layers, built on the device

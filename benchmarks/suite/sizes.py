@@ -1,8 +1,8 @@
-"""The sizes of the measurement suite's parts (bench/suite/run.py): the GPU-scale suite, a 4-layer
+"""The sizes of the measurement suite's parts (benchmarks/suite/run.py): the GPU-scale suite, a 4-layer
 Llama-3-8B shape from 32K to 256K tokens for one H100, and toy sizes for `--smoke` that run every
 part's code path in a few minutes on a 2-core CPU.
 
-Invariant: sizes are data; what they cost is bench/budget.py's, what is measured the parts'.
+Invariant: sizes are data; what they cost is benchmarks/budget.py's, what is measured the parts'.
 """
 
 from __future__ import annotations

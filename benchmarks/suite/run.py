@@ -1,9 +1,9 @@
 """One command that measures everything within a time budget:
-`python -m tiledmlp.bench.suite [--budget SECONDS] [--out DIR] [--smoke]`.
+`python -m benchmarks.suite [--budget SECONDS] [--out DIR] [--smoke]`.
 
 Parts, in order of value: whole steps of a Llama-shaped model per length and stack, each
 record with the bytes alive at its peak by category and the planner's prediction beside them
-("model_steps", bench/suite/steps.py); the attention core by groups of heads against SDPA
+("model_steps", benchmarks/suite/steps.py); the attention core by groups of heads against SDPA
 ("attention"); one long stack with and without expandable segments ("allocator"); the MLP table
 against DeepSpeed and Liger ("mlp_table"); the weight-gradient error of bf16 against float32
 ("grad_error"); the fused kernels against their references ("kernels"); activation
@@ -12,7 +12,7 @@ offloading's overhead and host memory ("offload"); `tiledmlp train` tiled agains
 the 64K ones last (after the GPU tests). `--smoke` runs every part at toy sizes on whatever device there
 is.
 
-The budget: every piece of work has an estimate (bench/budget.py: a cost model from the sizes,
+The budget: every piece of work has an estimate (benchmarks/budget.py: a cost model from the sizes,
 corrected by the committed GPU records of the same device kind); a piece whose estimate passes
 the deadline is skipped and recorded with its reason; the summary is always written.
 
@@ -43,14 +43,14 @@ from typing import Any
 
 import torch
 
+from benchmarks import budget
+from benchmarks.suite import parts as suite_parts
+from benchmarks.suite import steps as suite_steps
+from benchmarks.suite.parts import ROOT, Context, Task
+from benchmarks.suite.sizes import full_sizes, smoke_sizes
 from tiledmlp.allocator import allocator_setting, prefer_expandable_segments
-from tiledmlp.bench import budget
 from tiledmlp.bench.device import device_name, resolve_device
 from tiledmlp.bench.harness import git_sha, package_versions
-from tiledmlp.bench.suite import parts as suite_parts
-from tiledmlp.bench.suite import steps as suite_steps
-from tiledmlp.bench.suite.parts import ROOT, Context, Task
-from tiledmlp.bench.suite.sizes import full_sizes, smoke_sizes
 
 __all__ = [
     "DEFAULT_BUDGET_S",
@@ -345,7 +345,7 @@ def _cell(value: Any) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     prefer_expandable_segments()  # before CUDA initialises; a user's setting is kept
     p = argparse.ArgumentParser(
-        prog="python -m tiledmlp.bench.suite",
+        prog="python -m benchmarks.suite",
         description="Measures everything that fits the time budget (whole-model steps with "
         "each byte at the peak named and the planner's prediction, the attention core, the "
         "allocator setting, the MLP table, gradient error, kernels, offloading, training, GPU "
@@ -395,11 +395,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             parts=parts,
             budget_s=a.budget,
             command=" ".join(
-                ["python -m tiledmlp.bench.suite", *(sys.argv[1:] if argv is None else argv)]
+                ["python -m benchmarks.suite", *(sys.argv[1:] if argv is None else argv)]
             ),
         )
     except ValueError as e:
-        print(f"tiledmlp.bench.suite: error: {e}", file=sys.stderr)
+        print(f"benchmarks.suite: error: {e}", file=sys.stderr)
         return 2
     print(f"wrote {out / 'records.jsonl'} ({len(records)} records) and {out / 'summary.md'}")
     return 0 if all(r["status"] != "error" for r in records) else 1

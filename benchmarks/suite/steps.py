@@ -1,4 +1,4 @@
-"""The suite's whole-model parts (bench/suite/run.py): whole training steps per length and stack
+"""The suite's whole-model parts (benchmarks/suite/run.py): whole training steps per length and stack
 with the planner's prediction beside them ("model_steps"), the attention core by groups of heads
 against SDPA ("attention"), and one long stack with and without expandable segments
 ("allocator").
@@ -28,9 +28,9 @@ from typing import Any
 
 import torch
 
+from benchmarks import budget
+from benchmarks.suite.parts import Context, Record, Task, _margin
 from tiledmlp.allocator import ALLOC_CONF_ENV, EXPANDABLE, allocator_setting
-from tiledmlp.bench import budget
-from tiledmlp.bench.suite.parts import Context, Record, Task, _margin
 from tiledmlp.bench.whole_step import StepJob, job_json
 
 __all__ = ["allocator_tasks", "attention_tasks", "model_steps_tasks", "run_steps"]

@@ -1,5 +1,5 @@
 """The measurement suite: one command that measures everything within a time budget,
-`python -m tiledmlp.bench.suite [--budget SECONDS] [--out DIR] [--smoke]`.
+`python -m benchmarks.suite [--budget SECONDS] [--out DIR] [--smoke]`.
 
     run.py      the command: plans the parts' tasks within the budget, runs them, writes
                 records.jsonl and summary.md

@@ -1,10 +1,10 @@
-"""The support matrix of the docs, rendered from the committed records of bench/coverage.py
+"""The support matrix of the docs, rendered from the committed records of benchmarks/coverage.py
 (benchmarks/results/coverage/coverage.jsonl), so that the page says only what a run showed.
 
 The page opens with the popular families' rows (`<!-- coverage-popular -->` ...
 `<!-- /coverage-popular -->`) and ends with the whole matrix, grouped: architectures that tile,
 refused ones, not buildable ones (`<!-- coverage-table -->` ... `<!-- /coverage-table -->`);
-`python -m tiledmlp.bench.coverage_table` checks it against the records (exit 1 on a
+`python -m benchmarks.coverage_table` checks it against the records (exit 1 on a
 difference), `--write` rewrites it. tests/bench/test_coverage.py runs the check.
 
 Invariant: the marked parts of the page are a pure function of the records file.
@@ -20,6 +20,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from benchmarks import ROOT
+
 __all__ = [
     "COLUMNS",
     "FAMILIES",
@@ -34,9 +36,9 @@ __all__ = [
     "write_page",
 ]
 
-ROOT = Path(__file__).resolve().parents[3]
+
 RECORDS = ROOT / "benchmarks" / "results" / "coverage" / "coverage.jsonl"
-#: the stacks of the matrix, in column order (their options: bench/coverage.py's STACKS)
+#: the stacks of the matrix, in column order (their options: benchmarks/coverage.py's STACKS)
 COLUMNS = ("mlp", "mlp+loss+norms", "mlp+loss+norms+layers")
 
 PAGE = ROOT / "docs" / "supported-models.md"
@@ -207,7 +209,7 @@ def write_page(page: Path = PAGE, path: Path = RECORDS) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m tiledmlp.bench.coverage_table",
+        prog="python -m benchmarks.coverage_table",
         description="Checks (or with --write, rewrites) the support matrix of the docs against "
         "the committed records.",
     )

@@ -1,8 +1,8 @@
 """Peak tensor memory, FLOPs and time of LM-head + cross-entropy designs, forward + backward.
 
 Usage (prints one JSON object per design):
-    python -m tiledmlp.bench.loss_step --tokens 16384 --vocab 32000 --hidden 512
-    python -m tiledmlp.bench.loss_step --device cuda --dtype bfloat16 --tokens 32768 --vocab 128256 --hidden 4096
+    python -m benchmarks.loss_step --tokens 16384 --vocab 32000 --hidden 512
+    python -m benchmarks.loss_step --device cuda --dtype bfloat16 --tokens 32768 --vocab 128256 --hidden 4096
 
 Designs: "untiled" (logits for all tokens, float32 cross-entropy, as Hugging Face does),
 "tiled" (tiled_cross_entropy: gradients formed in the forward, 3L FLOPs), "recompute" (per-tile

@@ -1,6 +1,6 @@
 """Tiny causal LMs of every architecture the installed transformers ships, built from each
 architecture's own default config with its sizes cut down (for the support matrix,
-bench/coverage.py).
+benchmarks/coverage.py).
 
 A config is shrunk by name: every size it has among SIZES takes the small value, every dropout
 and router noise becomes 0, per-layer lists (layer_types, sliding-window patterns, MoE layer

@@ -1,11 +1,11 @@
 """The GPU figures of the README and the benchmarks page, drawn from the committed records
-(benchmarks/results/gpu/), as the tables are (bench/gpu_records.py).
+(benchmarks/results/gpu/), as the tables are (benchmarks/gpu_records.py).
 
 Two figures: the peak memory of a whole training step of the Llama-3-8B shape against the
 sequence length, per stack, measured on an H100 and on an H200, with the planner's line beside
 the measured points; and the time and peak of the MLP op, ours against DeepSpeed's and Liger's
 tiled MLPs at the same tiles. Each figure's data (every number it draws) is also written to a JSON
-sidecar, docs/assets/gpu-figures.json: `python -m tiledmlp.bench.figures --check` compares it
+sidecar, docs/assets/gpu-figures.json: `python -m benchmarks.figures --check` compares it
 with the records (PNG bytes vary with the matplotlib version; the numbers do not), and CI runs
 that check (tests/bench/test_figures.py).
 
@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from tiledmlp.bench.gpu_records import RECORDS, ROOT
+from benchmarks.gpu_records import RECORDS, ROOT
 from tiledmlp.config.stacks import STACKS
 
 __all__ = ["FIGURES", "SIDECAR", "check", "figure_data", "planned_allocated", "write"]
@@ -245,7 +245,7 @@ def check(out: Path = ASSETS, root: Path = RECORDS) -> list[str]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m tiledmlp.bench.figures",
+        prog="python -m benchmarks.figures",
         description="Draws the GPU figures of the docs from the committed records "
         "(docs/assets/gpu-*.png and gpu-figures.json), or with --check compares them.",
     )

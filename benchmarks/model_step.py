@@ -1,7 +1,7 @@
 """Peak tensor memory of one full training step of a tiny Hugging Face causal LM, patched vs not.
 
 Usage (prints one JSON object per configuration):
-    python -m tiledmlp.bench.model_step --seq-len 16384 --hidden 256 --intermediate 2048
+    python -m benchmarks.model_step --seq-len 16384 --hidden 256 --intermediate 2048
 
 The model is a random-init Llama built from a config (nothing downloaded); a step is forward
 with labels, backward; memory is the torch.profiler memory timeline of the step plus what was

@@ -1,7 +1,7 @@
 """The CUDA caching allocator's own trace of a whole step, from the process's first allocation:
 every block it handed out and took back, and every segment it took from the driver.
 
-Run as `python -m tiledmlp.bench.allocator_trace '<job JSON>' OUT.json.gz` (a whole_step.StepJob:
+Run as `python -m benchmarks.allocator_trace '<job JSON>' OUT.json.gz` (a whole_step.StepJob:
 config, seq_len, stack, dtype; the allocator setting is PYTORCH_CUDA_ALLOC_CONF's, read when
 CUDA starts). The model is built on the device, made ready as whole_step.py makes its steps
 (ready_for_step: checkpointing, patched for the stack, the same tokens), and runs a warm-up
@@ -129,7 +129,7 @@ def _index(device: torch.device) -> int:
 def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 2:
-        raise SystemExit("usage: python -m tiledmlp.bench.allocator_trace '<job JSON>' OUT.json.gz")
+        raise SystemExit("usage: python -m benchmarks.allocator_trace '<job JSON>' OUT.json.gz")
     record = record_step_trace(StepJob(**json.loads(args[0])))
     with gzip.open(args[1], "wt") as f:
         json.dump(record, f, separators=(",", ":"))
