@@ -33,7 +33,6 @@ from tiledmlp.config.values import (
 )
 from tiledmlp.ops.tiling.policy import TilePolicy
 from tiledmlp.ops.tiling.values import check_int, check_positive_number
-from tiledmlp.sequence_parallel.sizes import check_sequence_divisible
 from tiledmlp.train.data import check_data
 from tiledmlp.train.defaults import DEFAULT_PATCH
 from tiledmlp.train.model_source import check_model
@@ -340,6 +339,9 @@ class TrainOptions:
                 f"TrainOptions.patch must be a PatchConfig or None, got {self.patch!r}; build "
                 "the options with options_from"
             )
+        # imported here: the package's facade imports torch, which plan's cached answers skip
+        from tiledmlp.sequence_parallel.sizes import check_sequence_divisible
+
         check_sequence_divisible(
             self.seq_len,
             self.sequence_parallel_size,

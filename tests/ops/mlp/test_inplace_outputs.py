@@ -128,7 +128,10 @@ def test_tiled_norms_and_layers_outputs_may_be_modified_in_place(
     assert_close_rel(got[0], ref[0], "loss")
     assert set(got[1]) == set(ref[1])
     for name, r in ref[1].items():
-        assert_close_rel(got[1][name], r, name)
+        # 5e-5: the second layer's attention weights get gradients of ~1e-7 here, where float32's
+        # summation order alone (the layer in tiles against one pass) moves them by 2e-5 of
+        # their largest entry; every other gradient holds 1e-5
+        assert_close_rel(got[1][name], r, name, rtol=5e-5 if "self_attn" in name else 1e-5)
 
 
 @pytest.mark.parametrize(

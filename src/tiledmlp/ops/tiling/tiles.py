@@ -21,6 +21,8 @@ import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+import torch
+
 from tiledmlp.ops.tiling.values import check_int
 
 __all__ = [
@@ -65,7 +67,10 @@ class TilePlan:
 
     def bounds(self) -> Iterator[tuple[int, int]]:
         """Yields (start, stop) token offsets of each tile; inside `walking_tiles`, what its walk
-        yields for this plan (Note [The tile-loop contract])."""
+        yields for this plan (Note [The tile-loop contract]). A graph torch.compile traces walks
+        every tile: the planner's walk runs eagerly, and dynamo cannot read a context variable."""
+        if torch.compiler.is_compiling():
+            return self.every_tile()
         walk = _WALK.get()
         return self.every_tile() if walk is None else walk(self)
 
