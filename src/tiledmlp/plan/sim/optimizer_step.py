@@ -7,7 +7,8 @@ with the copied layer's repeated after it; its lists are the recorded ones with 
 repeated, created and released at the same places. Anything else the step creates (a scalar)
 does not depend on the layers and is kept as it is. Where the record does not show this (a
 request that is no list and occurs as often as there are layers, a list released in no order,
-a block held for another stream, a phase change inside), the part is refused (None).
+a block held for another stream, a phase change inside), the part is refused (None)
+(docs/how-it-works/planner.md, "One more layer").
 
 Invariant: where it answers, the part is the one the step of L + more layers records (as
 tests/plan/test_deeper.py checks against simulating it).
