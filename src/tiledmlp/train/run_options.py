@@ -441,9 +441,8 @@ class TrainOptions:
             )
         if self.resume_from_checkpoint == "latest" and self.output_dir is None:
             raise ValueError("--resume-from-checkpoint latest looks in --output-dir: add it")
-        # imported here: both import torch, which plan's cached answers skip
-        from tiledmlp.train.data import check_data
-        from tiledmlp.train.model_source import check_model
+        from tiledmlp.train.data import check_data  # here: both import torch, which plan's
+        from tiledmlp.train.model_source import check_model  # cached answers skip
 
         if self.data is not None:
             check_data(Path(self.data))  # known format, readable with what is installed
