@@ -4,14 +4,13 @@
 # the rest of each decoder layer tiled (--tiled-layers), the model's own non-reentrant
 # checkpointing with the layer inputs offloaded to pinned host memory, and DeepSpeed ZeRO-3 with
 # the parameters, gradients and optimizer on the host (ZeRO-Infinity's offload_param and
-# offload_optimizer: examples/ds_zero3_offload_params.json). Host memory: the planner's figure in
-# docs/guides/long-context.md (about 370 GiB for this GPU's step, most of it the offloaded layer
-# inputs). Planned, not yet run on a GPU: the planner puts this step at 70.2 GiB per GPU on a
-# 79.2 GiB card (the attention core runs by head groups; --tiled-layers), and up to 1,188,864
-# tokens fit.
+# offload_optimizer: examples/ds_zero3_offload_params.json). Planned, not yet run on a GPU: the
+# planner puts this step at 69.8 GiB per GPU on a 79.2 GiB card (the attention core runs by head
+# groups; --tiled-layers), up to 1,193,984 tokens fit, and the host keeps about 356 GiB for this
+# GPU's step, most of it the offloaded layer inputs (the command below, 2026-12-07).
 #
 # Check the plan first:
-#   tiledmlp plan --model llama3-8b --seq-len 1048576 --memory-gb 79.2 --engine zero3 \
+#   tiledmlp plan --model llama3-8b --dtype bf16 --seq-len 1048576 --memory-gb 79.2 --engine zero3 \
 #     --offload-params --optimizer cpu-offload --gradient-checkpointing --stacks tiled_layer
 # The same recipe CPU-sized (the tiny preset, 512 tokens, fp32, gloo, and
 # examples/ds_zero3_offload_params_cpu.json: the same DeepSpeed config without bf16 and pinned

@@ -4,11 +4,12 @@
 # tokens per GPU), with the full stack of examples/long_context_1m_one_gpu.sh: tiled MLPs, loss,
 # norms and layers, checkpointing with offloaded layer inputs, and DeepSpeed ZeRO-3 sharding over
 # the 8 GPUs with parameters, gradients and optimizer on the host
-# (examples/ds_zero3_offload_params.json). Planned, not yet run on GPUs: 66.2 GiB per GPU at
-# 5,242,880 tokens, up to 6,316,032 within a 79.2 GiB card; 173.7 GiB of host memory per GPU.
+# (examples/ds_zero3_offload_params.json). Planned, not yet run on GPUs: 66.9 GiB per GPU at
+# 5,242,880 tokens, up to 6,242,304 within a 79.2 GiB card; 171.3 GiB of host memory per GPU
+# (the command below, 2026-12-07).
 #
 # Check the plan first:
-#   tiledmlp plan --model llama3-8b --seq-len 5242880 --sequence-parallel-size 8 \
+#   tiledmlp plan --model llama3-8b --dtype bf16 --seq-len 5242880 --sequence-parallel-size 8 \
 #     --memory-gb 79.2 --engine zero3 --offload-params --optimizer cpu-offload \
 #     --gradient-checkpointing --stacks tiled_layer
 # The same recipe CPU-sized (2 processes with the sequence split over both, the tiny preset, 512

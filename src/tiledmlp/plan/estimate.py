@@ -90,10 +90,8 @@ def _shorts(config: Any, step: StepSpec, depth: int) -> tuple[int, ...]:
     """The short steps the whole depth is built from (simulate's `build_from`), in the order
     tried: 4 layers, then 5, each only where the step built from it (deeper.py: its
     second-to-last layer repeated, its last layer last) has the model's layer types
-    (`layer_types`: deeper.py sees only the recorded layers); none where AdamW steps on the
-    device (deeper.py refuses every such record). With none, every layer is simulated."""
-    if step.optimizer == "adamw":
-        return ()
+    (`layer_types`: deeper.py sees only the recorded layers). With none, every layer is
+    simulated."""
     types = getattr(config.get_text_config(), "layer_types", None)
     return tuple(n for n in (MARKED, SHORT) if _built_alike(types, n, depth))
 

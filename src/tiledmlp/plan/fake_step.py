@@ -217,7 +217,17 @@ def _run(
             )
         grads |= {tracker.serial(p.grad) for p in built.params if p.grad is not None}
         held = _held(built, ids, sharded, device_type)
-    return _record(tracker, periodic, watch, grads, len(decoder_layers)), held
+    record = _record(tracker, periodic, watch, grads, len(decoder_layers))
+    record.params = _param_layers(built.params, decoder_layers)
+    return record, held
+
+
+def _param_layers(
+    params: list[nn.Parameter], decoder_layers: nn.ModuleList
+) -> list[tuple[int, int | None]]:
+    """(bytes, the decoder layer holding it or None) of each trainable parameter, in order."""
+    layer_of = {id(p): i for i, layer in enumerate(decoder_layers) for p in layer.parameters()}
+    return [(p.numel() * p.element_size(), layer_of.get(id(p))) for p in params]
 
 
 def _record(
@@ -243,6 +253,7 @@ def _record(
         forward_end=loss_at[0],
         backward_start=backward_at[0] + backward_at[1],
         backward_ends=[ends.get(i, -1) for i in range(layers)],
+        optimizer_start=changes["optimizer"][0] if "optimizer" in changes else None,
     )
 
 

@@ -33,9 +33,7 @@ from tiledmlp.config.values import (
 )
 from tiledmlp.ops.tiling.policy import TilePolicy
 from tiledmlp.ops.tiling.values import check_int, check_positive_number
-from tiledmlp.train.data import check_data
 from tiledmlp.train.defaults import DEFAULT_PATCH
-from tiledmlp.train.model_source import check_model
 
 __all__ = ["DEFAULT_PATCH", "ENGINES", "SCHEDULES", "TrainOptions"]
 
@@ -443,6 +441,9 @@ class TrainOptions:
             )
         if self.resume_from_checkpoint == "latest" and self.output_dir is None:
             raise ValueError("--resume-from-checkpoint latest looks in --output-dir: add it")
+        from tiledmlp.train.data import check_data  # here: both import torch, which plan's
+        from tiledmlp.train.model_source import check_model  # cached answers skip
+
         if self.data is not None:
             check_data(Path(self.data))  # known format, readable with what is installed
         check_model(self.model)  # a preset (did-you-mean), a loadable folder, config or Hub id

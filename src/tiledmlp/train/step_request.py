@@ -15,13 +15,11 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from tiledmlp.config.plan import StepSpec
-from tiledmlp.config.stacks import STACKS, stack_of
-from tiledmlp.ops.attention.buffers import KernelChoice
-from tiledmlp.ops.tiling.policy import TilePolicy
-from tiledmlp.train.options import TrainOptions
+if TYPE_CHECKING:  # imported where a request is built: plan's cache key reads no torch
+    from tiledmlp.config.plan import StepSpec
+    from tiledmlp.train.options import TrainOptions
 
 __all__ = ["ModelRequest", "Placement", "StepRequest", "Unplanned", "placement_of", "step_request"]
 
@@ -164,6 +162,10 @@ def step_request(opts: TrainOptions, where: Placement | None = None) -> StepRequ
     import torch
 
     from tiledmlp.config.patch import FEATURES
+    from tiledmlp.config.plan import StepSpec
+    from tiledmlp.config.stacks import STACKS, stack_of
+    from tiledmlp.ops.attention.buffers import KernelChoice
+    from tiledmlp.ops.tiling.policy import TilePolicy
 
     where = Placement() if where is None else where
     if opts.dtype == "float16":

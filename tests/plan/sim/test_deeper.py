@@ -43,8 +43,10 @@ def _options(stack: str, **over: Any) -> dict[str, Any]:
 
 CHECKPOINTED_ADAMW = {"checkpointing": True, "optimizer": "adamw"}
 SHARDED_CPU = {"engine": "zero3", "device_type": "cpu"}
+ADAMW_CPU = {"optimizer": "adamw", "device_type": "cpu"}
 CASES = [(stack, {}) for stack in STACKS] + [
     ("tiled_mlp_loss", CHECKPOINTED_ADAMW),
+    ("tiled_mlp_loss_offload", ADAMW_CPU),
     ("tiled_mlp", CHECKPOINTED_ADAMW),
     ("untiled", SHARDED_CPU),
     ("tiled_mlp_loss_offload", SHARDED_CPU),
@@ -57,9 +59,9 @@ CASES = [(stack, {}) for stack in STACKS] + [
 def test_built_step_is_the_simulated_one(stack: str, over: dict[str, Any]) -> None:
     options = _options(stack, **over)
     record, _ = fake_step._run(_config(), 5, **options)
-    # these models' records show their middle layers; an optimizer step on the device is not
-    # theirs (its foreach requests cover every layer): refused, the step simulated
-    assert (deeper(record) is None) == (options["step"].optimizer == "adamw")
+    # these models' records show their middle layers, and an optimizer step on the device its
+    # per-parameter lists (plan/sim/optimizer_step.py)
+    assert deeper(record) is not None
     _, built = fake_step.simulate(_config(), 5, deeper_too=True, **options)
     assert built == fake_step.simulate(_config(), 6, **options)
 
@@ -150,7 +152,7 @@ def test_whole_depth_from_4_layers_only_where_the_layer_types_repeat_so(
         "gemma3_text", **{**TINY, "num_hidden_layers": depth, "layer_types": layer_types}
     )
     assert estimate._shorts(config, _step("untiled"), depth) == shorts
-    assert estimate._shorts(config, _step("untiled", optimizer="adamw"), depth) == ()
+    assert estimate._shorts(config, _step("untiled", optimizer="adamw"), depth) == shorts
 
 
 def test_whole_depth_of_gemma3s_pattern_is_every_layer_s() -> None:
@@ -186,18 +188,43 @@ def test_cpu_estimate_of_gemma3s_pattern_is_every_layer_s() -> None:
     assert estimate_step(config, step, patch) == estimate_step(config, step, patch, exact=True)
 
 
-def test_whole_depth_with_adamw_on_the_device_is_simulated() -> None:
+def test_whole_depth_with_adamw_on_the_device_is_built_from_4_layers() -> None:
     import transformers as tr
 
     config = tr.LlamaConfig(**{**TINY, "num_hidden_layers": 7})
-    step = _step("tiled_mlp_loss", optimizer="adamw")
+    step = _step("tiled_mlp_loss", optimizer="adamw", dtype=torch.float32)
     patch = stack_patch("tiled_mlp_loss", 4)
     with pytest.MonkeyPatch.context() as m:
         layers = _counted_runs(m)
         whole = estimate_step(config, step, patch, whole=True)
-    # its foreach requests cover every layer: every short record refused (deeper.py), none run
-    assert layers == [7]
+    # the optimizer's foreach lists written with the copies' entries (optimizer_step.py)
+    assert layers == [4]
     assert whole == estimate_step(config, step, patch, exact=True)
+    assert whole.breakdown["optimizer"] > 0  # the step's own lists at the peak's segment
+
+
+def test_an_optimizer_part_it_cannot_read_is_refused() -> None:
+    """A per-parameter list released out of order, or requests as many as the layers that are
+    no list: the record does not show the deeper step's optimizer part (None)."""
+    from tiledmlp.plan.sim.caching_allocator import FREE
+
+    record, _ = fake_step._run(_config(), 5, **_options("untiled", optimizer="adamw"))
+    assert record.optimizer_start is not None and deeper(record) is not None
+    begin = record.optimizer_start
+    part = record.trace[begin:]
+    frees = [i for i, (_, b) in enumerate(part) if b == FREE]
+    shuffled = list(part)
+    shuffled[frees[-1]], shuffled[frees[-3]] = shuffled[frees[-3]], shuffled[frees[-1]]
+    assert deeper(dataclasses.replace(record, trace=record.trace[:begin] + shuffled)) is None
+    n = len(record.phase_of)
+    scalars = [(n + i, 4) for i in range(5)] + [(n + i, FREE) for i in range(5)]
+    more = dataclasses.replace(
+        record,
+        trace=record.trace + scalars,
+        phase_of=record.phase_of + ["optimizer"] * 5,
+        bytes_of=record.bytes_of + [4] * 5,
+    )
+    assert deeper(more) is None
 
 
 def test_full_card_estimate_is_the_estimate_without_what_a_card_takes_back() -> None:

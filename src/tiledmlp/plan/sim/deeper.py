@@ -24,6 +24,7 @@ import dataclasses
 from typing import Any
 
 from tiledmlp.plan.sim.caching_allocator import FREE, HOLD
+from tiledmlp.plan.sim.optimizer_step import deeper_optimizer
 from tiledmlp.plan.sim.periodic_tiles import Repeat
 from tiledmlp.plan.sim.step_record import StepRecord
 
@@ -90,8 +91,9 @@ def _first_serial_from(r: StepRecord, index: int) -> int:
 # layer's saved input to the host once the next layer saves its own releases, in layer i's
 # forward, a storage made by layer i-2; layer 1's counterpart is the embeddings' output, no
 # layer's): layer L-3 is alike where it does all the rest (_as_seen_from). A phase change or a tile
-# window that crosses a window's bounds, or an optimizer step on the device, breaks the layers'
-# likeness: refused.
+# window that crosses a window's bounds breaks the layers' likeness: refused. An optimizer step
+# on the device comes after the layers; its per-parameter lists are written with the copies'
+# entries (optimizer_step.py).
 
 
 @dataclasses.dataclass(frozen=True)
@@ -216,9 +218,11 @@ def _crosses(r: StepRecord, wins: list[_Window]) -> bool:
 
 def _steps_on_device(r: StepRecord) -> bool:
     """Whether an optimizer step created storages on the device: its (foreach) operations
-    touch every layer's parameters at once, so its requests are not the layers' own and the
-    deeper step's are not these."""
-    return any(r.phase_of[s] == "optimizer" for s, b in r.trace if b not in (FREE, HOLD))
+    touch every layer's parameters at once, so its requests are not the layers' own; the
+    deeper step's are written from them (optimizer_step.py) where the record says where the
+    step began and what the parameters are, else refused."""
+    on = any(r.phase_of[s] == "optimizer" for s, b in r.trace if b not in (FREE, HOLD))
+    return on and (r.optimizer_start is None or not r.params)
 
 
 # Note [Renaming]
@@ -415,17 +419,36 @@ def deeper(r: StepRecord, more: int = 1) -> StepRecord | None:
     for j in reversed(range(total)):
         ok = ok and out.emit(win["B", source[j]].begin, win["B", source[j]].end, j)
         backward_ends[j] = len(out.trace)
-    ok = ok and out.emit(win["B", 0].end, len(r.trace), None)
+    # the optimizer's step after them, its per-parameter lists with the copies' entries
+    begin = r.optimizer_start if r.params else None
+    if begin is not None and not win["B", 0].end <= begin <= len(r.trace):
+        return None
+    ok = ok and out.emit(win["B", 0].end, len(r.trace) if begin is None else begin, None)
     if not ok:
         return None
+    phase_of, bytes_of = _extended(r.phase_of, layout), _extended(r.bytes_of, layout)
+    params = r.params
+    optimizer_start = None
+    if begin is not None:
+        optimizer_start = out.flushes[-1][0] if begin in out.flush_at else len(out.trace)
+        part = deeper_optimizer(
+            r, begin + out.flush_at.get(begin, 0), layout.copied, more,
+            lambda s: layout.renamed(s, None), len(phase_of),
+        )  # fmt: skip
+        if part is None:
+            return None
+        out.trace += part.trace
+        phase_of += ["optimizer"] * len(part.new_bytes)
+        bytes_of += part.new_bytes
+        params = part.params
     # the segments close as in the deeper step (fake_step.py): at the gradients of the inputs
     # of its layers L-2 and 2, and at the end
     marks = sorted([backward_ends[total - 2], backward_ends[2], len(out.trace)])
     out.repeats.sort(key=lambda rep: rep.begin)
     return StepRecord(
         trace=out.trace,
-        phase_of=_extended(r.phase_of, layout),
-        bytes_of=_extended(r.bytes_of, layout),
+        phase_of=phase_of,
+        bytes_of=bytes_of,
         buffers=out.with_copies(r.buffers),
         marks=marks,
         flushes=out.flushes,
@@ -436,6 +459,8 @@ def deeper(r: StepRecord, more: int = 1) -> StepRecord | None:
         forward_end=forward_end,
         backward_start=backward_start,
         backward_ends=backward_ends,
+        optimizer_start=optimizer_start,
+        params=params,
     )
 
 

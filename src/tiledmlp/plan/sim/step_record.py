@@ -12,7 +12,7 @@ the kernels' buffers.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tiledmlp.plan.sim.caching_allocator import FREE, HOLD
 from tiledmlp.plan.sim.periodic_tiles import Repeat
@@ -39,6 +39,9 @@ class StepRecord:
         forward_end: where the decoder's forward ended (the loss began).
         backward_start: where the backward began, after its phase change.
         backward_ends: where the gradient of each decoder layer's input formed.
+        optimizer_start: where the optimizer's step began (its phase change), or None.
+        params: the trainable parameters in the optimizer's order: (bytes, the decoder layer
+            holding it or None), what an optimizer step's per-parameter requests follow.
     """
 
     trace: list[tuple[int, int]]
@@ -54,6 +57,8 @@ class StepRecord:
     forward_end: int
     backward_start: int
     backward_ends: list[int]
+    optimizer_start: int | None = None
+    params: list[tuple[int, int | None]] = field(default_factory=list)
 
 
 def segment_peaks(record: StepRecord) -> tuple[list[tuple[int, dict[int, int]]], list[int]]:
