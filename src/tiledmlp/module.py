@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from tiledmlp.config import TiledMLPConfig
-from tiledmlp.ops.mlp.functional import tiled_mlp
+from tiledmlp.ops.mlp.functional import run_tiled_mlp
 
 __all__ = ["TiledMLP"]
 
@@ -33,7 +33,7 @@ class TiledMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> Any:
         """x: (batch, seq, hidden) or (tokens, hidden); returns what mlp(x) returns."""
-        return tiled_mlp(self.mlp, x, num_tiles=self.config.policy, kernels=self.config.kernels)
+        return run_tiled_mlp(self.mlp, x, policy=self.config.policy, kernels=self.config.kernels)
 
     def extra_repr(self) -> str:
         extra = "" if self.config.kernels else ", kernels=False"

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import checkout_env
+from tiledmlp.ops.tiling.policy import TilePolicy
 
 pytest.importorskip("transformers")
 
@@ -22,7 +23,7 @@ def _plan(seq_len: int, stacks: tuple[str, ...]) -> dict:
     from tiledmlp.plan.layer import load_config
     from tiledmlp.plan.model import plan_model
 
-    step = StepSpec(seq_len=seq_len, num_tiles=2, engine="zero3", offload_params=True,
+    step = StepSpec(seq_len=seq_len, tiles=TilePolicy.of(2), engine="zero3", offload_params=True,
                     optimizer="cpu-offload")  # fmt: skip
     model = plan_model(load_config("tiny"), step, stacks=stacks)
     return json.loads(json.dumps({"seq_len": seq_len, "model_name": "tiny", "model": model}))

@@ -235,3 +235,18 @@ def test_read_keys_only_and_spellings() -> None:
     assert found["tiles"].value == TilePolicy.of(4) and found["tiled_mlp"].value is True
     with pytest.raises(ValueError, match="'generic' is not supported here"):
         read_keys({"generic": True}, only=("tiles",), what="option")
+
+
+def test_the_planner_takes_a_tile_policy_not_its_spelling() -> None:
+    """Below the edges a tile policy is a TilePolicy: the planner's step and stacks refuse a
+    spelling with a message that says how to build one."""
+    from tiledmlp.config.plan import StepSpec
+    from tiledmlp.config.stacks import stack_patch
+
+    patch = stack_patch("tiled_mlp", TilePolicy.of(4))
+    assert patch is not None and patch.tiles == TilePolicy("count", 4)
+    assert StepSpec(seq_len=8, tiles=TilePolicy.of("arctic")).tiles.rule == "arctic"
+    with pytest.raises(TypeError, match=r"tiles must be a TilePolicy \(e.g. TilePolicy.of\(4\)"):
+        stack_patch("tiled_mlp", 4)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="tiles must be a TilePolicy"):
+        StepSpec(seq_len=8, tiles="auto")  # type: ignore[arg-type]

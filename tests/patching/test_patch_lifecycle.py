@@ -34,26 +34,20 @@ def _tiles_run(model: torch.nn.Module, ids: torch.Tensor) -> list[int]:
     import tiledmlp.patching.features.tiled_modules as patch_module
 
     counts: list[int] = []
-    real = patch_module.tiled_mlp
+    real = patch_module.run_tiled_mlp
 
     def counting(mlp, x, *args, **kw):
         from tiledmlp.ops.mlp.functional import tile_plan
 
-        plan = tile_plan(
-            mlp,
-            x,
-            num_tiles=kw["num_tiles"],
-            tile_tokens=kw.get("tile_tokens"),
-            forward=kw["forward"],
-        )
+        plan = tile_plan(mlp, x, policy=kw["policy"], forward=kw["forward"])
         counts.append(0 if plan is None else plan.num_tiles)
         return real(mlp, x, *args, **kw)
 
-    patch_module.tiled_mlp = counting
+    patch_module.run_tiled_mlp = counting
     try:
         model(input_ids=ids, labels=ids)
     finally:
-        patch_module.tiled_mlp = real
+        patch_module.run_tiled_mlp = real
     return counts
 
 

@@ -10,6 +10,7 @@ import torch
 
 from tiledmlp.cli import main
 from tiledmlp.ops.attention.buffers import AttentionShape, backward_buffer_bytes
+from tiledmlp.ops.tiling.policy import TilePolicy
 from tiledmlp.plan.device_overhead import device_overhead
 
 
@@ -164,10 +165,10 @@ def test_by_heads_lifts_the_stack_whose_peak_is_an_attention_backward() -> None:
     step = StepSpec(seq_len=131072, checkpointing=True, engine="zero3", offload_params=True,
                     optimizer="cpu-offload")  # fmt: skip
     plain = estimate_step(
-        config, step, stack_patch("tiled_mlp_loss_offload", "auto"), full_card=True
+        config, step, stack_patch("tiled_mlp_loss_offload", TilePolicy.of("auto")), full_card=True
     )
     assert plain.attention == 0
-    norms_patch = stack_patch("tiled_mlp_loss_offload_norms", "auto")
+    norms_patch = stack_patch("tiled_mlp_loss_offload_norms", TilePolicy.of("auto"))
     norms = estimate_step(config, step, norms_patch, full_card=True)
     grouped = estimate_step(
         config, dataclasses.replace(step, attention_kernel="by_heads"), norms_patch, full_card=True
@@ -231,8 +232,8 @@ def test_a_stack_of_tiled_layers_is_not_planned_again_by_heads() -> None:
                          num_attention_heads=8, num_key_value_heads=2, head_dim=128,
                          vocab_size=1000)  # fmt: skip
     layers, norms = (
-        stack_patch("tiled_layer", "auto"),
-        stack_patch("tiled_mlp_loss_offload_norms", "auto"),
+        stack_patch("tiled_layer", TilePolicy.of("auto")),
+        stack_patch("tiled_mlp_loss_offload_norms", TilePolicy.of("auto")),
     )
     for tokens in (2048, 5120):
         step = StepSpec(seq_len=tokens, checkpointing=True)

@@ -14,6 +14,7 @@ import torch
 from tiledmlp import tiled_mlp
 from tiledmlp.bench.memory import peak_bytes, tensor_bytes
 from tiledmlp.models.mlps import GatedMLP
+from tiledmlp.ops.tiling.policy import TilePolicy
 from tiledmlp.plan.mlp import plan_mlp
 
 MiB = 2**20
@@ -23,7 +24,12 @@ MiB = 2**20
 def test_fake_estimate_equals_real_tensor_level_peak(tiles: int | str) -> None:
     h, m, n = 256, 768, 2048
     est = plan_mlp(
-        hidden=h, intermediate=m, seq_len=n, dtype=torch.float32, num_tiles=tiles, device_type="cpu"
+        hidden=h,
+        intermediate=m,
+        seq_len=n,
+        dtype=torch.float32,
+        tiles=TilePolicy.of(tiles),
+        device_type="cpu",
     )
     torch.manual_seed(0)
     mlp = GatedMLP(h, m)

@@ -14,6 +14,7 @@ import torch
 from test_plan_model import SMALL
 from tiledmlp.config.plan import StepSpec
 from tiledmlp.config.stacks import stack_patch
+from tiledmlp.ops.tiling.policy import TilePolicy
 from tiledmlp.plan import engines
 from tiledmlp.plan.model import CATEGORIES, estimate_step, param_counts, plan_model
 
@@ -75,7 +76,7 @@ def test_float32_zero3_updates_its_partitions_in_place() -> None:
 @pytest.mark.parametrize("engine", ["zero3", "fsdp2"])
 def test_sharded_step_is_the_same_simulation_plus_the_engine(engine: str) -> None:
     config = _config()
-    patch = stack_patch(STACK[0], 4)
+    patch = stack_patch(STACK[0], TilePolicy.of(4))
     one, four = (
         estimate_step(
             config, StepSpec(seq_len=1024, optimizer="adamw", engine=engine, world=w), patch
@@ -98,9 +99,9 @@ def test_ddp_is_the_default_and_keeps_its_figures() -> None:
     import transformers as tr
 
     config = _config()
-    step = StepSpec(seq_len=1024, optimizer="adamw", num_tiles=4)
+    step = StepSpec(seq_len=1024, optimizer="adamw", tiles=TilePolicy.of(4))
     default = plan_model(config, step, stacks=STACK)
-    ddp = plan_model(config, StepSpec(seq_len=1024, optimizer="adamw", num_tiles=4, engine="ddp"),
+    ddp = plan_model(config, StepSpec(seq_len=1024, optimizer="adamw", tiles=TilePolicy.of(4), engine="ddp"),
                      stacks=STACK)  # fmt: skip
     assert default == ddp
     entry = default[STACK[0]]
@@ -120,7 +121,7 @@ def test_offloaded_params_leave_only_what_is_in_flight_on_the_device(engine: str
     config = _config()
     step = StepSpec(
         seq_len=2048,
-        num_tiles=4,
+        tiles=TilePolicy.of(4),
         optimizer="cpu-offload",
         engine=engine,
         offload_params=True,

@@ -20,6 +20,7 @@ from tiledmlp import patch_model
 from tiledmlp.bench.memory import peak_bytes, tensor_bytes
 from tiledmlp.config.plan import StepSpec
 from tiledmlp.config.stacks import stack_patch
+from tiledmlp.ops.tiling.policy import TilePolicy
 from tiledmlp.patching.features.activation_offloading import enable_checkpointing
 from tiledmlp.plan.model import STACKS, estimate_step
 
@@ -88,7 +89,7 @@ def _real_peak(model_type: str, stack: str, checkpointing: bool = True) -> int:
     model = tr.AutoModelForCausalLM.from_config(
         _config(model_type), attn_implementation="sdpa", dtype=torch.float32
     ).train()
-    patch = stack_patch(stack, TILES)
+    patch = stack_patch(stack, TilePolicy.of(TILES))
     if checkpointing:
         enable_checkpointing(model)
     if patch is not None:
@@ -145,7 +146,7 @@ def test_estimate_matches_the_real_tensor_level_peak(model_type: str, stack: str
         optimizer="adamw",
         device_type="cpu",
     )
-    est = estimate_step(_config(model_type), step, stack_patch(stack, TILES))
+    est = estimate_step(_config(model_type), step, stack_patch(stack, TilePolicy.of(TILES)))
     real = _real_peaks(model_type)[stack]
     error = abs(est.peak - real) / real
     assert error <= TOLERANCE[model_type], (
@@ -189,7 +190,7 @@ def test_a_window_on_every_layer_gets_the_mask_the_real_step_builds(checkpointin
     stacks = ("untiled", "tiled_layer") if checkpointing else ("untiled", "tiled_mlp")
     real = _real_peaks("mistral", ",".join(stacks), checkpointing=checkpointing)
     for stack in stacks:
-        est = estimate_step(_config("mistral"), step, stack_patch(stack, TILES))
+        est = estimate_step(_config("mistral"), step, stack_patch(stack, TilePolicy.of(TILES)))
         bound = TOLERANCE["mistral"] * real[stack] if checkpointing else 1024
         assert abs(est.peak - real[stack]) < bound, (stack, est.peak / MiB, real[stack] / MiB)
 
@@ -207,7 +208,7 @@ def test_llama4_is_planned_untiled_and_its_tiled_stacks_refused_in_one_line() ->
     real = _real_peaks("llama4_text", "untiled")["untiled"]
     assert abs(est.peak - real) / real <= TOLERANCE["llama4_text"], (est.peak / MiB, real / MiB)
     with pytest.raises(ValueError, match=r"no MLP at \.mlp to plan"):
-        estimate_step(config, step, stack_patch("tiled_mlp", TILES))
+        estimate_step(config, step, stack_patch("tiled_mlp", TilePolicy.of(TILES)))
 
 
 @pytest.mark.parametrize(

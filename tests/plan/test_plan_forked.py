@@ -17,6 +17,7 @@ import torch
 
 from hf_models import BASE
 from tiledmlp.config.plan import StepSpec
+from tiledmlp.ops.tiling.policy import TilePolicy
 from tiledmlp.plan import forked
 from tiledmlp.plan import model as plan_model_module
 from tiledmlp.plan.forked import default_processes, run_jobs
@@ -71,7 +72,7 @@ def test_jobs_come_back_in_their_order_from_other_processes() -> None:
 def test_a_plan_in_processes_equals_the_plan_in_one() -> None:
     """Every stack, with a max_seq_len search: the same entries in the same order, and the
     same estimates handed back for a later search."""
-    step = StepSpec(seq_len=1024, dtype=torch.float32, num_tiles=2)
+    step = StepSpec(seq_len=1024, dtype=torch.float32, tiles=TilePolicy.of(2))
     options: dict[str, Any] = {"budget_bytes": 40 * 2**20, "granularity": 512}
     known_one: dict[str, dict[int, int]] = {}
     known_two: dict[str, dict[int, int]] = {}
@@ -96,7 +97,7 @@ def test_a_job_s_error_is_raised_by_the_plan(monkeypatch: pytest.MonkeyPatch) ->
 
     monkeypatch.setattr(plan_model_module, "_plan_stack", fails)  # inherited by the fork
     with pytest.raises(ValueError, match="cannot be planned yet"):
-        step = StepSpec(seq_len=512, dtype=torch.float32, num_tiles=2)
+        step = StepSpec(seq_len=512, dtype=torch.float32, tiles=TilePolicy.of(2))
         plan_model(_config(), step, processes=2)
 
 
@@ -170,13 +171,14 @@ import torch
 ctypes.CDLL(sys.argv[1])  # the guard registers itself as the library loads
 from test_plan_forked import SMALL, _config
 from tiledmlp.config.plan import StepSpec
+from tiledmlp.ops.tiling.policy import TilePolicy
 from tiledmlp.plan import forked
 from tiledmlp.plan.model import plan_model
 assert not forked.autograd_threads_running()
 x = torch.ones(2, requires_grad=True)
 (x * 2).sum().backward()  # the first backward: the engine's device threads start
 assert forked.autograd_threads_running()
-step = StepSpec(seq_len=1024, dtype=torch.float32, num_tiles=2)
+step = StepSpec(seq_len=1024, dtype=torch.float32, tiles=TilePolicy.of(2))
 options = {"budget_bytes": 40 * 2**20, "granularity": 512}
 assert plan_model(_config(), step, processes=2, **options) == plan_model(
     _config(), step, processes=1, **options)

@@ -17,6 +17,7 @@ from tiledmlp import patch_model
 from tiledmlp.bench.memory import peak_bytes, tensor_bytes
 from tiledmlp.config.plan import StepSpec
 from tiledmlp.models.presets import PRESETS
+from tiledmlp.ops.tiling.policy import TilePolicy
 from tiledmlp.plan.layer import load_config, plan_layer
 
 MiB = 2**20
@@ -47,7 +48,7 @@ def test_fake_layer_estimate_equals_real_tensor_level_peak(tiles: int | str) -> 
     import transformers as tr
 
     n = 2048
-    step = StepSpec(seq_len=n, dtype=torch.float32, num_tiles=tiles, device_type="cpu")
+    step = StepSpec(seq_len=n, dtype=torch.float32, tiles=TilePolicy.of(tiles), device_type="cpu")
     est = plan_layer(load_config("tiny"), step)
     cfg = tr.LlamaConfig(**{**PRESETS["tiny"], "num_hidden_layers": 1, "use_cache": False})
     torch.manual_seed(0)
@@ -102,7 +103,7 @@ def _family_config(family: str) -> Any:
 )
 def test_families_plan_and_tiling_saves(family: str) -> None:
     est = plan_layer(
-        _family_config(family), StepSpec(seq_len=4096, dtype=torch.bfloat16, num_tiles=8)
+        _family_config(family), StepSpec(seq_len=4096, dtype=torch.bfloat16, tiles=TilePolicy.of(8))
     )
     assert est["hidden"] == 64 and est["intermediate"] == 256 and est["tiles"] == 8
     assert 0 < est["tiled_mib"] < est["regular_mib"], est
@@ -110,10 +111,10 @@ def test_families_plan_and_tiling_saves(family: str) -> None:
 
 def test_estimate_depends_only_on_shapes() -> None:
     cfg = load_config("tiny")
-    a = plan_layer(cfg, StepSpec(seq_len=1024, dtype=torch.bfloat16, num_tiles=2))
-    b = plan_layer(cfg, StepSpec(seq_len=1024, dtype=torch.bfloat16, num_tiles=2))
+    a = plan_layer(cfg, StepSpec(seq_len=1024, dtype=torch.bfloat16, tiles=TilePolicy.of(2)))
+    b = plan_layer(cfg, StepSpec(seq_len=1024, dtype=torch.bfloat16, tiles=TilePolicy.of(2)))
     assert a == b
-    wide = plan_layer(cfg, StepSpec(seq_len=2048, dtype=torch.bfloat16, num_tiles=2))
+    wide = plan_layer(cfg, StepSpec(seq_len=2048, dtype=torch.bfloat16, tiles=TilePolicy.of(2)))
     assert wide["regular_mib"] > a["regular_mib"]
 
 

@@ -14,6 +14,7 @@ import torch
 
 from tiledmlp.config.plan import StepSpec
 from tiledmlp.config.stacks import stack_patch
+from tiledmlp.ops.tiling.policy import TilePolicy
 from tiledmlp.plan.device_overhead import device_overhead
 from tiledmlp.plan.measured import MeasuredPoint, fit_correction, measured_max_seq_len
 from tiledmlp.plan.search import max_seq_len
@@ -46,7 +47,7 @@ def test_the_lower_estimate_stands_and_is_named() -> None:
     cfg = _config()
     kw: dict[str, Any] = {
         "step": StepSpec(seq_len=512, device_type="cpu", dtype=torch.float32),
-        "patch": stack_patch("tiled_mlp_loss", 2),
+        "patch": stack_patch("tiled_mlp_loss", TilePolicy.of(2)),
     }
     cpu = device_overhead("cpu")
     budget = 64 * MiB
@@ -73,7 +74,7 @@ def test_a_second_search_reuses_the_first_ones_estimates(monkeypatch) -> None:
     cfg = _config()
     kw: dict[str, Any] = {
         "step": StepSpec(seq_len=512, device_type="cpu", dtype=torch.float32),
-        "patch": stack_patch("tiled_mlp", 2),
+        "patch": stack_patch("tiled_mlp", TilePolicy.of(2)),
     }
     known: dict[int, int] = {}
     first = max_seq_len(cfg, 48 * MiB, granularity=512, known_peaks=known, **kw)

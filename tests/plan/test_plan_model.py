@@ -19,6 +19,7 @@ from tiledmlp import patch_model
 from tiledmlp.bench.memory import peak_bytes, tensor_bytes
 from tiledmlp.config.plan import StepSpec
 from tiledmlp.config.stacks import stack_patch
+from tiledmlp.ops.tiling.policy import TilePolicy
 from tiledmlp.patching.features.activation_offloading import enable_checkpointing
 from tiledmlp.plan.model import STACKS, estimate_step, max_seq_len
 
@@ -58,7 +59,7 @@ def _real_peak(stack: str, seq: int, checkpointing: bool, optimizer: str) -> int
     model = tr.LlamaForCausalLM._from_config(
         _config(), attn_implementation="sdpa", dtype=torch.float32
     ).train()
-    patch = stack_patch(stack, TILES)
+    patch = stack_patch(stack, TilePolicy.of(TILES))
     if checkpointing or (patch is not None and patch.activation_offloading):
         enable_checkpointing(model)
     if patch is not None:
@@ -92,10 +93,10 @@ def test_estimate_matches_the_real_tensor_level_peak(
         dtype=torch.float32,
         checkpointing=checkpointing,
         optimizer=optimizer,
-        num_tiles=TILES,
+        tiles=TilePolicy.of(TILES),
         device_type="cpu",  # the step it is compared with runs here (a GPU runs fused kernels)
     )
-    est = estimate_step(_config(), step, stack_patch(stack, TILES))
+    est = estimate_step(_config(), step, stack_patch(stack, TilePolicy.of(TILES)))
     real = _real_peak(stack, seq, checkpointing, optimizer)
     error = abs(est.peak - real) / real
     assert error <= TOLERANCE, (stack, est.peak / MiB, real / MiB, f"{error:.2%}")
@@ -115,7 +116,7 @@ def test_estimate_with_the_attention_core_by_heads_matches_the_real_peak(
     assert attention_heads.head_groups(1, 4, 2, 4096) == 4
     step = StepSpec(seq_len=4096, dtype=torch.float32, checkpointing=True, optimizer="adamw",
                     device_type="cpu")  # fmt: skip
-    est = estimate_step(_config(), step, stack_patch("tiled_layer", TILES))
+    est = estimate_step(_config(), step, stack_patch("tiled_layer", TilePolicy.of(TILES)))
     real = _real_peak("tiled_layer", 4096, True, "adamw")
     error = abs(est.peak - real) / real
     assert error <= TOLERANCE, (est.peak / MiB, real / MiB, f"{error:.2%}")
@@ -126,8 +127,8 @@ def test_estimate_with_the_attention_core_by_heads_matches_the_real_peak(
 def test_depth_extrapolation_equals_simulating_every_layer(stack: str, optimizer: str) -> None:
     cfg = _config(num_hidden_layers=9)
     step = StepSpec(seq_len=4096, optimizer=optimizer, checkpointing=True)
-    fast = estimate_step(cfg, step, stack_patch(stack, 2))
-    exact = estimate_step(cfg, step, stack_patch(stack, 2), exact=True)
+    fast = estimate_step(cfg, step, stack_patch(stack, TilePolicy.of(2)))
+    exact = estimate_step(cfg, step, stack_patch(stack, TilePolicy.of(2)), exact=True)
     # the allocator's reserve does not follow a line in the depth: the extrapolated estimate
     # carries the larger of the 4- and 5-layer steps' (plan/estimate.py), the exact one its own;
     # the blocks held for the offloader's copies, a part of it, neither
@@ -142,14 +143,14 @@ def test_mlp_only_policies_plan_the_loss_with_auto(policy: str) -> None:
     # patch_model(tiled_loss=True) does (the plan used to stop with the loss's error)
     cfg = _config()
     step = StepSpec(seq_len=4096, dtype=torch.float32)
-    named = estimate_step(cfg, step, stack_patch("tiled_mlp_loss", policy))
+    named = estimate_step(cfg, step, stack_patch("tiled_mlp_loss", TilePolicy.of(policy)))
     assert named.peak < estimate_step(cfg, step, None).peak
 
 
 def test_the_stacks_order_and_what_offloading_removes() -> None:
     cfg = _config(vocab_size=8192)  # logits larger than a hidden state, as in real models
     step = StepSpec(seq_len=8192, checkpointing=True, dtype=torch.float32)
-    peaks = {s: estimate_step(cfg, step, stack_patch(s, TILES)) for s in STACKS}
+    peaks = {s: estimate_step(cfg, step, stack_patch(s, TilePolicy.of(TILES))) for s in STACKS}
     assert peaks["untiled"].peak >= peaks["tiled_mlp"].peak > peaks["tiled_mlp_loss"].peak
     assert peaks["tiled_mlp_loss"].peak > peaks["tiled_mlp_loss_offload"].peak
     assert peaks["tiled_mlp_loss_offload"].peak > peaks["tiled_mlp_loss_offload_norms"].peak
@@ -166,8 +167,8 @@ def test_tiled_layers_shrink_the_recompute() -> None:
     cfg = _config(num_attention_heads=2, num_key_value_heads=1)
     step = StepSpec(seq_len=32768, checkpointing=True, dtype=torch.float32)
     # 16 tiles: the post-attention block's tile holds its MLP's whole graph (generic path)
-    norms = estimate_step(cfg, step, stack_patch("tiled_mlp_loss_offload_norms", 16))
-    layer = estimate_step(cfg, step, stack_patch("tiled_layer", 16))
+    norms = estimate_step(cfg, step, stack_patch("tiled_mlp_loss_offload_norms", TilePolicy.of(16)))
+    layer = estimate_step(cfg, step, stack_patch("tiled_layer", TilePolicy.of(16)))
     assert norms.breakdown["recompute"] > layer.breakdown["recompute"] > 0
     assert norms.peak > layer.peak
 
@@ -179,14 +180,14 @@ def test_the_tiled_loss_holds_nothing_through_the_layers_backward() -> None:
     cfg = _config(num_attention_heads=2, num_key_value_heads=1)
     seq = 32768
     step = StepSpec(seq_len=seq, checkpointing=True, dtype=torch.float32)
-    est = estimate_step(cfg, step, stack_patch("tiled_mlp_loss_offload_norms", 16))
+    est = estimate_step(cfg, step, stack_patch("tiled_mlp_loss_offload_norms", TilePolicy.of(16)))
     assert est.breakdown["recompute"] > 0
     assert est.breakdown["loss"] < seq * cfg.hidden_size * 4
 
 
 def test_max_seq_len_is_the_longest_that_fits() -> None:
     cfg = _config()
-    patch = stack_patch("tiled_mlp_loss_offload", TILES)
+    patch = stack_patch("tiled_mlp_loss_offload", TilePolicy.of(TILES))
 
     def peak(n: int) -> int:
         return estimate_step(cfg, StepSpec(seq_len=n), patch).peak
@@ -330,7 +331,7 @@ def test_device_overhead_terms_and_max_seq_len_on_a_card() -> None:
     # every layer simulated: the allocator's reserve is the whole depth's (plan_model does so)
     # (the reserve replayed under the same allocator setting as `cuda`'s: without expandable
     # segments)
-    patch = stack_patch("tiled_mlp_loss_offload", TILES)
+    patch = stack_patch("tiled_mlp_loss_offload", TilePolicy.of(TILES))
 
     def at(n: int) -> StepSpec:
         return StepSpec(seq_len=n, expandable_segments=False)

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from tiledmlp.config.values import parse_tile_policy
 from tiledmlp.ops.mlp.functional import tile_plan, tiled_mlp
 
 __all__ = ["Variant", "deepspeed_available", "liger_available", "make_variant"]
@@ -33,7 +34,7 @@ class Variant:
             return 0
         if self.name in ("deepspeed", "liger"):
             return len(torch.chunk(x, int(self.num_tiles), dim=-2))  # what torch.chunk gives it
-        plan = tile_plan(mlp, x, num_tiles=self.num_tiles)
+        plan = tile_plan(mlp, x, policy=parse_tile_policy(self.num_tiles))
         return 0 if plan is None else plan.num_tiles
 
 

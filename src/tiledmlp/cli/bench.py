@@ -81,7 +81,7 @@ def _add_shape_flags(bench: argparse.ArgumentParser) -> None:
         bench,
         PatchConfig,
         "num_tiles",
-        default=TilePolicy.of("arctic"),
+        default=TilePolicy("arctic"),
         help="tiles for the tiled variants: an int, 'auto' or 'arctic' (default: "
         "arctic, ceil(tokens/hidden); DeepSpeed gets the same count, or the "
         "arctic count when this is 'auto')",

@@ -134,7 +134,7 @@ def _plan(args: PlanArgs) -> dict[str, Any]:
         intermediate=intermediate,
         seq_len=args.seq_len,
         dtype=dtype,
-        num_tiles=args.num_tiles,
+        tiles=args.num_tiles,
         budget_bytes=None if args.budget_gb is None else int(args.budget_gb * 2**30),
         device_type=args.device,
     )

@@ -112,7 +112,7 @@ def measure_stacks(
         points = []
         for n in args.measure_lengths:
             measured = next(measured_bytes)
-            at = StepSpec(seq_len=n, dtype=dtype, checkpointing=True, num_tiles=args.num_tiles,
+            at = StepSpec(seq_len=n, dtype=dtype, checkpointing=True, tiles=args.num_tiles,
                           device_type=args.device,
                           expandable_segments=args.expandable_segments)  # fmt: skip
             sim = estimate_step(cut, at, stack_patch(stack, args.num_tiles), exact=True)
@@ -124,7 +124,7 @@ def measure_stacks(
         measured_entry["per_gpu_mib"] = round((per_gpu + correction.at(args.seq_len)) / MiB, 1)
         if "max_seq_len" in entry:
             step = StepSpec(seq_len=args.seq_len, dtype=dtype, checkpointing=True,
-                            num_tiles=args.num_tiles, device_type=args.device,
+                            tiles=args.num_tiles, device_type=args.device,
                             optimizer=args.optimizer)  # fmt: skip
             measured_entry.update(
                 measured_max_seq_len(

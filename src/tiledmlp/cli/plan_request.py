@@ -69,7 +69,7 @@ def step_of(args: PlanArgs) -> Any:
     except Unplanned as e:
         raise UsageError(str(e)) from None
     # the tile policy as plan was given it (train parses the same text into the same policy)
-    return dataclasses.replace(step, num_tiles=args.num_tiles)
+    return dataclasses.replace(step, tiles=args.num_tiles)
 
 
 def model_config_of(args: PlanArgs) -> Any:

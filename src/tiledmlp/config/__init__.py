@@ -13,7 +13,7 @@
   checkpointing, optimizer, tile policy, device, engine, sequence parallelism); the planner
   takes it with a `PatchConfig` (None: untiled).
 - The named stacks (config/stacks.py): `STACK_PATCHES`, each stack's PatchConfig by its public
-  name (`STACKS`, in order); `stack_patch(name, num_tiles)`.
+  name (`STACKS`, in order); `stack_patch(name, tiles)` with a TilePolicy.
 - `read_keys` (config/keys.py): our keys and other frameworks' (ms-swift / axolotl / unsloth)
   from a dict, a Namespace, a config file's mapping or a training-arguments object, each
   parsed once by the value parsers of config/values.py (flags, tile policies, GiB budgets,

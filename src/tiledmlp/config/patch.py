@@ -28,6 +28,7 @@ from tiledmlp.config.values import (
     parse_int,
     parse_loss_tiles,
     parse_original_mlp,
+    parse_tile_pair,
     parse_tile_policy,
     parse_tile_tokens,
     parse_tiled_mlp,
@@ -191,8 +192,8 @@ class PatchConfig:
             value = getattr(self, name)
             if not isinstance(value, TilePolicy) and not (name == "loss_tiles" and value is None):
                 raise TypeError(
-                    f"PatchConfig.{name} must be a TilePolicy (TilePolicy.of(num_tiles, "
-                    f"tile_tokens)), got {value!r}"
+                    f"PatchConfig.{name} must be a TilePolicy (give patch_model num_tiles / "
+                    f"tile_tokens, or config.values.parse_tile_policy), got {value!r}"
                 )
         if self.loss_tiles is not None and self.loss_tiles.rule not in ("auto", "count", "tokens"):
             raise ValueError(
@@ -238,12 +239,12 @@ class PatchConfig:
     @property
     def mlp_config(self) -> TiledMLPConfig:
         """The MLPs' tile policy as a TiledMLPConfig (what PatchReport.config shows)."""
-        return TiledMLPConfig.of(self.tiles, self.kernels)
+        return TiledMLPConfig(policy=self.tiles, kernels=self.kernels)
 
     @classmethod
     def from_kwargs(cls, kwargs: dict[str, Any]) -> PatchConfig:
         """The config of patch_model's keyword arguments: num_tiles and tile_tokens (see
-        TilePolicy.of) or tiles, loss_num_tiles (a count or "auto") or loss_tiles, and every
+        config.values.parse_tile_pair) or tiles, loss_num_tiles (a count or "auto") or loss_tiles, and every
         other field by name.
 
         Raises:
@@ -264,7 +265,9 @@ class PatchConfig:
         if pair:
             if "tiles" in values:
                 raise ValueError("give tiles or num_tiles / tile_tokens, not both")
-            values["tiles"] = TilePolicy.of(pair.get("num_tiles", "auto"), pair.get("tile_tokens"))
+            values["tiles"] = parse_tile_pair(
+                pair.get("num_tiles", "auto"), pair.get("tile_tokens")
+            )
         if "attention_kernel" in values:
             values["attention_kernel"] = parse_attention_kernel(values["attention_kernel"])
         if "loss_num_tiles" in values:
@@ -272,7 +275,7 @@ class PatchConfig:
                 raise ValueError("give loss_tiles or loss_num_tiles, not both")
             count = values.pop("loss_num_tiles")
             values["loss_tiles"] = (
-                None if count is None else TilePolicy.of(count, name="loss_num_tiles")
+                None if count is None else parse_tile_pair(count, name="loss_num_tiles")
             )
         return cls(**values)
 

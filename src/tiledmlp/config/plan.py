@@ -37,9 +37,9 @@ class StepSpec:
             offloading turns it on by itself).
         optimizer: "none", "adamw" (torch.optim.AdamW, states on the device) or "cpu-offload"
             (states and update on the host).
-        num_tiles: the tile policy the named stacks get (config/stacks.py: stack_patch) and
-            one layer's plan uses: a positive int, "auto", "arctic", "target:<GB>" or a
-            TilePolicy.
+        tiles: the tile policy the named stacks get (config/stacks.py: stack_patch) and one
+            layer's plan uses, a TilePolicy (the edges parse `--num-tiles` and the like into
+            one: config/values.py).
         device_type: the device whose tile rules and overheads are planned ("cuda", "cpu").
         engine: "ddp" (parameters, gradients and optimizer states whole on every GPU), "zero3"
             or "fsdp2" (sharded over `world` GPUs; plan/engines.py).
@@ -56,7 +56,7 @@ class StepSpec:
     dtype: torch.dtype = torch.bfloat16
     checkpointing: bool = False
     optimizer: str = "none"
-    num_tiles: int | str | TilePolicy = "auto"
+    tiles: TilePolicy = TilePolicy()  # noqa: RUF009 (frozen: shared safely)
     device_type: str = "cuda"
     engine: str = "ddp"
     world: int = 1
@@ -66,6 +66,11 @@ class StepSpec:
     attention_kernel: KernelChoice = KernelChoice("cudnn")  # noqa: RUF009 (frozen: shared safely)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.tiles, TilePolicy):
+            raise TypeError(
+                f"StepSpec: tiles must be a TilePolicy (e.g. TilePolicy.of(4), TilePolicy.of("
+                f"'arctic')), got {self.tiles!r}"
+            )
         kernel = self.attention_kernel
         if not isinstance(kernel, KernelChoice):  # a kernel's name, typed once here
             object.__setattr__(self, "attention_kernel", KernelChoice(str(kernel)))

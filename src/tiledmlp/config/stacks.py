@@ -43,18 +43,27 @@ _ADDED: tuple[str, ...] = tuple(
 )
 
 
-def stack_patch(stack: str, num_tiles: int | str | TilePolicy = "auto") -> PatchConfig | None:
-    """The PatchConfig of the named `stack` with the tile policy `num_tiles` (None: untiled).
+def stack_patch(
+    stack: str,
+    tiles: TilePolicy = TilePolicy(),  # noqa: B008 (frozen: shared safely)
+) -> PatchConfig | None:
+    """The PatchConfig of the named `stack` with the tile policy `tiles` (None: untiled).
 
     Raises:
-        ValueError: an unknown stack name, or a bad tile policy (TilePolicy.of).
+        ValueError: an unknown stack name.
+        TypeError: `tiles` is not a TilePolicy.
     """
+    if not isinstance(tiles, TilePolicy):
+        raise TypeError(
+            f"stack_patch: tiles must be a TilePolicy (e.g. TilePolicy.of(4), TilePolicy.of("
+            f"'arctic')), got {tiles!r}"
+        )
     if stack not in STACK_PATCHES:
         raise ValueError(f"stack must be one of {', '.join(STACKS)}, got {stack!r}")
     patch = STACK_PATCHES[stack]
     if patch is None:
         return None
-    return dataclasses.replace(patch, tiles=TilePolicy.of(num_tiles))
+    return dataclasses.replace(patch, tiles=tiles)
 
 
 def stack_of(patch: PatchConfig | None) -> str | None:

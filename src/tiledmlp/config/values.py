@@ -33,6 +33,7 @@ __all__ = [
     "parse_int",
     "parse_loss_tiles",
     "parse_original_mlp",
+    "parse_tile_pair",
     "parse_tile_policy",
     "parse_tile_tokens",
     "parse_tiled_mlp",
@@ -84,6 +85,15 @@ def parse_tile_policy(value: Any, name: str = "num_tiles") -> TilePolicy:
         elif text in ("auto", "arctic"):
             value = text
     return TilePolicy.of(value, name=name)
+
+
+def parse_tile_pair(
+    num_tiles: Any = "auto", tile_tokens: Any = None, name: str = "num_tiles"
+) -> TilePolicy:
+    """The policy of tiled_mlp's keyword pair as Python code passes it (patch_model's
+    num_tiles / tile_tokens, TiledMLPConfig's): a TilePolicy, a positive int, "auto", "arctic"
+    or "target:<GB>", or tokens per tile instead (TilePolicy.of checks them; no text forms)."""
+    return TilePolicy.of(num_tiles, tile_tokens, name=name)
 
 
 def parse_tile_tokens(value: Any, name: str = "tile_tokens") -> TilePolicy:

@@ -25,6 +25,7 @@ from torch import nn
 
 from tiledmlp.config.patch import PatchConfig
 from tiledmlp.ops.loss.cross_entropy import tiled_token_stats
+from tiledmlp.ops.tiling.policy import TilePolicy
 from tiledmlp.patching.detect import text_config
 from tiledmlp.patching.features.tiled_loss import (
     TILED_LOSS,
@@ -118,7 +119,9 @@ def settings_of(model: nn.Module) -> HeadSettings | None:
     )
 
 
-def _serve(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], num_tiles: Any) -> Any:
+def _serve(
+    model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], tiles: TilePolicy
+) -> Any:
     """model(*args, **kwargs, fused_lm_head=True) on a loss-patched model: TRL's
     FusedCausalLMOutput from the tiled LM head."""
     _refuse_untested()
@@ -165,7 +168,7 @@ def _serve(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], num_
             entropy="entropy" in settings.outputs,
             stats=tuple(s for s in _STATS if s in settings.outputs),
             shift=shifted is None,
-            num_tiles=num_tiles,
+            num_tiles=tiles,
         )
     # TRL's layout: (batch, seq - 1) scored positions without shift_labels, (batch, seq) with
     fields = out._asdict()

@@ -86,13 +86,13 @@ def check_policy(config: PatchConfig) -> tuple[PatchConfig, list[str]]:
     notes: list[str] = []
     changes: dict[str, Any] = {}
     if config.tiled_mlp and config.tiles.rule != "count":
-        changes["tiles"] = TilePolicy.of(CHECK_TILES)
+        changes["tiles"] = TilePolicy("count", CHECK_TILES)
         notes.append(
             f"tiles: your policy ({config.tiles}) picks its count from the length or memory; the "
             f"check runs {CHECK_TILES} tiles per call so that the tiles' logic runs"
         )
     if config.tiled_loss and config.loss_policy.rule != "count":
-        changes["loss_tiles"] = TilePolicy.of(CHECK_TILES)
+        changes["loss_tiles"] = TilePolicy("count", CHECK_TILES)
         notes.append(f"loss: the check runs the tiled loss in {CHECK_TILES} tiles")
     return (dataclasses.replace(config, **changes) if changes else config), notes
 

@@ -160,7 +160,7 @@ def _held_of(config: Any, layers: int, *, step: StepSpec) -> _Held:
     applied: patching changes no parameter, buffer or optimizer state (its probes are most of
     the cost of building a deep model)."""
     device_type = step.device_type
-    key = (config.to_json_string(), layers, step.dtype, step.optimizer, str(step.num_tiles),
+    key = (config.to_json_string(), layers, step.dtype, step.optimizer, str(step.tiles),
            device_type, step.sharded)  # fmt: skip
     if key not in _HELD:
         with fake_mode(), assume_device(device_type):

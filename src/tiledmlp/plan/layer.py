@@ -240,7 +240,7 @@ def _estimate(
     config: Any,
     seq_len: int,
     dtype: torch.dtype,
-    tiles: int | str | TilePolicy | None,
+    tiles: TilePolicy | None,
     device_type: str = "cuda",
 ) -> tuple[int, int]:
     """(peak bytes, tiles used) of one layer's forward + backward; tiles None means untiled;
@@ -266,10 +266,10 @@ def _estimate(
         args, kwargs = _layer_inputs(model, layer, x.detach())
         used = 0
         if tiles is not None:
-            plan = tile_plan(mlp, x, num_tiles=tiles)
+            plan = tile_plan(mlp, x, policy=tiles)
             used = 0 if plan is None else plan.num_tiles
             # patch_model's tiled MLPs feature (this model is discarded after)
-            config = PatchConfig(tiles=TilePolicy.of(tiles))
+            config = PatchConfig(tiles=tiles)
             apply_features(layer, config, {"tiled_mlp": declared_mlps(layer, [layer], hidden)})
 
         def step() -> None:
@@ -290,8 +290,8 @@ def plan_layer(config: Any, step: StepSpec) -> dict[str, Any]:
         config: a `transformers` config (e.g. LlamaConfig, Qwen3Config, or a multimodal config
             whose text config is a decoder); only its shapes are used.
         step: the step; its `seq_len` (tokens of the single sequence, hidden states
-            (1, seq_len, hidden)), `dtype` (of weights and activations), `num_tiles` (the
-            MLP's tile policy: a positive int, "auto" or "arctic"; see tiled_mlp) and
+            (1, seq_len, hidden)), `dtype` (of weights and activations), `tiles` (the
+            MLP's tile policy, a TilePolicy; see tiled_mlp) and
             `device_type` (the device whose "auto" rule to plan for) are used.
 
     Returns:
@@ -302,13 +302,13 @@ def plan_layer(config: Any, step: StepSpec) -> dict[str, Any]:
     Raises:
         ValueError: the config's layer cannot be planned (see the module docstring).
     """
-    seq_len, dtype, num_tiles = step.seq_len, step.dtype, step.num_tiles
+    seq_len, dtype, tiles = step.seq_len, step.dtype, step.tiles
     hidden, intermediate = mlp_shape(config)
     regular, _ = _estimate(config, seq_len, dtype, None)
-    tiled, used = _estimate(config, seq_len, dtype, num_tiles, step.device_type)
+    tiled, used = _estimate(config, seq_len, dtype, tiles, step.device_type)
     cfg = config.get_text_config()
     return {
         "model_type": getattr(cfg, "model_type", ""),
-        **estimate_fields(hidden, intermediate, seq_len, dtype, num_tiles, regular, tiled, used),
+        **estimate_fields(hidden, intermediate, seq_len, dtype, tiles, regular, tiled, used),
         "attention": "sdpa",
     }

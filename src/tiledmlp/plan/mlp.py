@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from tiledmlp.models.mlps import GatedMLP
-from tiledmlp.ops.mlp.functional import tile_plan, tiled_mlp
+from tiledmlp.ops.mlp.functional import run_tiled_mlp, tile_plan
 from tiledmlp.ops.tiling.assumed import assume_device
 from tiledmlp.ops.tiling.policy import TilePolicy
 from tiledmlp.plan.sim.fast_fake import fake_mode
@@ -34,7 +34,7 @@ def _estimate(
     intermediate: int,
     seq_len: int,
     dtype: torch.dtype,
-    tiles: int | str | TilePolicy | None,
+    tiles: TilePolicy | None,
     device_type: str = "cuda",
 ) -> tuple[int, int]:
     """(peak bytes, tiles used) of one forward + backward; tiles None means untiled; "auto"
@@ -51,11 +51,11 @@ def _estimate(
         dy = torch.empty(1, seq_len, hidden, dtype=dtype)
         used = 0
         if tiles is not None:
-            plan = tile_plan(mlp, x, num_tiles=tiles)
+            plan = tile_plan(mlp, x, policy=tiles)
             used = 0 if plan is None else plan.num_tiles
 
         def step() -> None:
-            y = mlp(x) if tiles is None else tiled_mlp(mlp, x, num_tiles=tiles)
+            y = mlp(x) if tiles is None else run_tiled_mlp(mlp, x, policy=tiles)
             y.backward(dy)
 
         peak = cut_peak_bytes(step, [*mlp.parameters(), x, dy])
@@ -67,7 +67,7 @@ def estimate_fields(
     intermediate: int,
     seq_len: int,
     dtype: torch.dtype,
-    num_tiles: int | str | TilePolicy,
+    tiles: TilePolicy,
     regular: int,
     tiled: int,
     used: int,
@@ -78,7 +78,7 @@ def estimate_fields(
         "intermediate": intermediate,
         "seq_len": seq_len,
         "dtype": str(dtype).removeprefix("torch."),
-        "num_tiles": TilePolicy.of(num_tiles).num_tiles,  # its JSON spelling
+        "num_tiles": tiles.num_tiles,  # its JSON spelling
         "tiles": used,
         "regular_mib": round(regular / MiB, 1),
         "tiled_mib": round(tiled / MiB, 1),
@@ -92,21 +92,21 @@ def plan_mlp(
     intermediate: int,
     seq_len: int,
     dtype: torch.dtype,
-    num_tiles: int | str | TilePolicy = "auto",
+    tiles: TilePolicy = TilePolicy(),  # noqa: B008 (frozen: shared safely)
     budget_bytes: int | None = None,
     device_type: str = "cuda",
 ) -> dict[str, Any]:
-    """Estimated peak MiB untiled and tiled; with a budget, the fewest tiles (a power of two up
-    to 1024) that fit it. "auto" resolves as on `device_type` (a GPU by default; "cpu" to
-    compare with a CPU run).
+    """Estimated peak MiB untiled and tiled with the tile policy `tiles`; with a budget, the
+    fewest tiles (a power of two up to 1024) that fit it. "auto" resolves as on `device_type`
+    (a GPU by default; "cpu" to compare with a CPU run).
 
     Returns:
         {"regular_mib", "tiled_mib", "tiles", ...,} plus "recommended_num_tiles" (None when no
         tile count fits) and "recommended_mib" when budget_bytes is given.
     """
     regular, _ = _estimate(hidden, intermediate, seq_len, dtype, None)
-    tiled, used = _estimate(hidden, intermediate, seq_len, dtype, num_tiles, device_type)
-    out = estimate_fields(hidden, intermediate, seq_len, dtype, num_tiles, regular, tiled, used)
+    tiled, used = _estimate(hidden, intermediate, seq_len, dtype, tiles, device_type)
+    out = estimate_fields(hidden, intermediate, seq_len, dtype, tiles, regular, tiled, used)
     if budget_bytes is not None:
         out["budget_mib"] = round(budget_bytes / MiB, 1)
         out["recommended_num_tiles"] = None
@@ -119,7 +119,7 @@ def plan_mlp(
             floor = (2 * 3 * hidden * intermediate + 4 * seq_len * hidden) * elem
             k = 1 if floor <= budget_bytes else seq_len + 1
             while k <= min(seq_len, _MAX_SEARCH_TILES):
-                peak, _ = _estimate(hidden, intermediate, seq_len, dtype, k)
+                peak, _ = _estimate(hidden, intermediate, seq_len, dtype, TilePolicy("count", k))
                 if peak <= budget_bytes:
                     out["recommended_num_tiles"] = k
                     out["recommended_mib"] = round(peak / MiB, 1)

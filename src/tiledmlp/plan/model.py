@@ -74,7 +74,7 @@ def plan_model(
 ) -> dict[str, Any]:
     """Every named stack's peak MiB and breakdown for `step`; with a budget, each stack's
     longest sequence that fits ("max_seq_len", a multiple of `granularity`). Each stack is
-    config/stacks.py's PatchConfig with the tile policy `step.num_tiles`, which resolves as on
+    config/stacks.py's PatchConfig with the tile policy `step.tiles`, which resolves as on
     `step.device_type` (a GPU by default). With `step.sequence_parallel_size` P, every figure
     is per GPU for a sequence of `step.seq_len` tokens split over P GPUs (module docstring),
     and "max_seq_len" is the whole sequence's length (a multiple of P x granularity). A
@@ -116,7 +116,7 @@ def plan_model(
     p = step.sequence_parallel_size
     check_sequence_divisible(step.seq_len, p, seq_name="seq_len")
     check_engine(step.engine, offload_params=step.offload_params, optimizer=step.optimizer)
-    patches = {stack: stack_patch(stack, step.num_tiles) for stack in stacks}
+    patches = {stack: stack_patch(stack, step.tiles) for stack in stacks}
     auto = auto_kernel and budget_bytes is not None and step.device_type == "cuda"
     search = _Search(budget_bytes, granularity, _whole(step), auto_kernel=auto)
     above = {} if search_above is None or budget_bytes is None else search_above

@@ -18,6 +18,7 @@ from torch.utils._pytree import tree_leaves
 from tiledmlp import tiled_cross_entropy
 from tiledmlp.bench.flops import count_flops
 from tiledmlp.ops.loss.inputs import loss_plan
+from tiledmlp.ops.tiling.policy import TilePolicy
 
 _SPARSE = ("aten.gather", "aten.scatter_", "aten.scatter", "aten.scatter_add_")
 
@@ -124,15 +125,15 @@ def test_tiled_loss_flops_equal_untiled(reduction: str) -> None:
 def test_auto_loss_tiles() -> None:
     # a byte tokenizer's vocabulary: the whole 16K-token input is one tile (its float32 logits
     # are 16 MiB), where tiles of hidden * elem / 4 tokens would make 64 tiles of 256 tokens
-    assert loss_plan(16384, 512, 258, 2, "auto", None).num_tiles == 1
-    assert loss_plan(1 << 20, 512, 258, 2, "auto", None).num_tiles == 5  # tiles up to 260K tokens
+    assert loss_plan(16384, 512, 258, 2, TilePolicy()).num_tiles == 1
+    assert loss_plan(1 << 20, 512, 258, 2, TilePolicy()).num_tiles == 5  # tiles up to 260K tokens
     # an 8B-shaped head: tiles whose float32 logits are the LM-head weight's size, as before
-    assert loss_plan(32768, 4096, 128256, 2, "auto", None).num_tiles == 16
-    assert loss_plan(16384, 4096, 128256, 2, "auto", None).num_tiles == 8
+    assert loss_plan(32768, 4096, 128256, 2, TilePolicy()).num_tiles == 16
+    assert loss_plan(16384, 4096, 128256, 2, TilePolicy()).num_tiles == 8
     # a 32K vocabulary at hidden 2048: the 256 MiB floor sets 2048-token tiles, not 1024
-    assert loss_plan(32768, 2048, 32000, 2, "auto", None).num_tiles == 16
+    assert loss_plan(32768, 2048, 32000, 2, TilePolicy()).num_tiles == 16
     # an explicit count is kept
-    assert loss_plan(16384, 512, 258, 2, 64, None).num_tiles == 64
+    assert loss_plan(16384, 512, 258, 2, TilePolicy.of(64)).num_tiles == 64
 
 
 def test_auto_small_vocab_runs_as_one_tile_without_an_accumulator() -> None:

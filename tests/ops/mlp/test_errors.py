@@ -93,3 +93,23 @@ def test_config_validation_and_unknown_keys() -> None:
         TiledMLPConfig.from_dict({"shards": 4})
     with pytest.raises(TypeError):
         TiledMLPConfig(4)  # type: ignore[misc]  # keyword-only
+
+
+def test_config_stores_the_policy_and_spells_it_read_only() -> None:
+    import dataclasses
+
+    from tiledmlp import TilePolicy
+
+    config = TiledMLPConfig(tile_tokens=128, kernels=False)
+    assert [f.name for f in dataclasses.fields(config)] == ["policy", "kernels"]
+    assert config.policy == TilePolicy("tokens", 128)
+    assert config == TiledMLPConfig(policy=TilePolicy("tokens", 128), kernels=False)
+    assert (config.num_tiles, config.tile_tokens) == ("auto", 128)
+    assert repr(config) == "TiledMLPConfig(num_tiles='auto', tile_tokens=128, kernels=False)"
+    assert dataclasses.replace(config, kernels=True).policy is config.policy
+    with pytest.raises(AttributeError):
+        config.num_tiles = 4  # type: ignore[misc]  # read-only
+    with pytest.raises(ValueError, match="not both"):
+        TiledMLPConfig(policy=TilePolicy.of(4), num_tiles=4)
+    with pytest.raises(TypeError, match="policy must be a TilePolicy"):
+        TiledMLPConfig(policy=4)  # type: ignore[arg-type]

@@ -15,6 +15,7 @@ from torch import nn
 
 from hf_models import BASE, tiny_causal_lm
 from tiledmlp import PatchConfig, patch_model, unpatch_model
+from tiledmlp.ops.tiling.policy import TilePolicy
 from tiledmlp.patching import patch as hub
 from tiledmlp.patching.detect import Candidate
 from tiledmlp.patching.features import FEATURES
@@ -161,14 +162,14 @@ def test_the_planner_runs_these_features(monkeypatch: pytest.MonkeyPatch) -> Non
     cfg = tr.LlamaConfig(**{**BASE, "num_hidden_layers": 2, "intermediate_size": 256})
     step = StepSpec(seq_len=2048, dtype=torch.float32)
     untiled = estimate_step(cfg, step, None).peak
-    tiled = estimate_step(cfg, step, stack_patch("tiled_mlp", 4)).peak
+    tiled = estimate_step(cfg, step, stack_patch("tiled_mlp", TilePolicy.of(4))).peak
     assert tiled < untiled
 
     def untiled_mlp(module: nn.Module, x: torch.Tensor, *args: Any, **options: Any) -> Any:
         return options["forward"](x, *args)
 
-    monkeypatch.setattr(tiled_modules, "tiled_mlp", untiled_mlp)
-    assert estimate_step(cfg, step, stack_patch("tiled_mlp", 4)).peak == untiled
+    monkeypatch.setattr(tiled_modules, "run_tiled_mlp", untiled_mlp)
+    assert estimate_step(cfg, step, stack_patch("tiled_mlp", TilePolicy.of(4))).peak == untiled
 
 
 def test_integration_hooks_run_when_a_probed_loss_is_first_patched_only(

@@ -16,6 +16,7 @@ import torch
 from test_periodic_tiles import SMALL as TINY
 from tiledmlp.config.plan import StepSpec
 from tiledmlp.config.stacks import STACKS, stack_patch
+from tiledmlp.ops.tiling.policy import TilePolicy
 from tiledmlp.plan import fake_step
 from tiledmlp.plan.estimate import estimate_step
 from tiledmlp.plan.sim.deeper import deeper
@@ -33,12 +34,18 @@ def _config() -> Any:
 def _step(stack: str, **over: Any) -> StepSpec:
     patch = stack_patch(stack)
     offloads = patch is not None and patch.activation_offloading
-    return StepSpec(**{"seq_len": 2048, "num_tiles": 4, "checkpointing": offloads, **over})
+    return StepSpec(
+        **{"seq_len": 2048, "tiles": TilePolicy.of(4), "checkpointing": offloads, **over}
+    )
 
 
 def _options(stack: str, **over: Any) -> dict[str, Any]:
     """simulate's (and _run's) keywords for `stack` at 2048 tokens, 4 tiles, with `over`."""
-    return {"step": _step(stack, **over), "patch": stack_patch(stack, 4), "cut_tiles": True}
+    return {
+        "step": _step(stack, **over),
+        "patch": stack_patch(stack, TilePolicy.of(4)),
+        "cut_tiles": True,
+    }
 
 
 CHECKPOINTED_ADAMW = {"checkpointing": True, "optimizer": "adamw"}
@@ -72,7 +79,7 @@ def test_whole_depth_built_is_the_whole_depth_simulated(stack: str) -> None:
 
     config = tr.LlamaConfig(**{**TINY, "num_hidden_layers": 8})
     step = StepSpec(seq_len=2048, checkpointing=True, expandable_segments=False)
-    patch = stack_patch(stack, 4)
+    patch = stack_patch(stack, TilePolicy.of(4))
     built = estimate_step(config, step, patch, whole=True)
     assert built == estimate_step(config, step, patch, exact=True)
     assert built.reserve > 0  # the whole depth's trace replayed without expandable segments
@@ -111,7 +118,7 @@ def test_whole_depth_estimate_simulates_4_layers_else_5() -> None:
     import transformers as tr
 
     config = tr.LlamaConfig(**{**TINY, "num_hidden_layers": 7})
-    step, patch = _step("tiled_mlp_loss"), stack_patch("tiled_mlp_loss", 4)
+    step, patch = _step("tiled_mlp_loss"), stack_patch("tiled_mlp_loss", TilePolicy.of(4))
     exact = estimate_step(config, step, patch, exact=True)
     build = fake_step.deeper
     with pytest.MonkeyPatch.context() as m:
@@ -167,7 +174,7 @@ def test_whole_depth_of_gemma3s_pattern_is_every_layer_s() -> None:
         **{**TINY, "num_hidden_layers": 8, "layer_types": types[:8], "sliding_window": 256},
     )
     step = dataclasses.replace(_step("tiled_mlp_loss"), seq_len=1024)
-    patch = stack_patch("tiled_mlp_loss", 4)
+    patch = stack_patch("tiled_mlp_loss", TilePolicy.of(4))
     assert estimate_step(config, step, patch, whole=True) == estimate_step(
         config, step, patch, exact=True
     )
@@ -184,7 +191,7 @@ def test_cpu_estimate_of_gemma3s_pattern_is_every_layer_s() -> None:
         **{**TINY, "num_hidden_layers": 8, "layer_types": types[:8], "sliding_window": 256},
     )
     step = dataclasses.replace(_step("tiled_mlp_loss"), seq_len=1024, device_type="cpu")
-    patch = stack_patch("tiled_mlp_loss", 4)
+    patch = stack_patch("tiled_mlp_loss", TilePolicy.of(4))
     assert estimate_step(config, step, patch) == estimate_step(config, step, patch, exact=True)
 
 
@@ -193,7 +200,7 @@ def test_whole_depth_with_adamw_on_the_device_is_built_from_4_layers() -> None:
 
     config = tr.LlamaConfig(**{**TINY, "num_hidden_layers": 7})
     step = _step("tiled_mlp_loss", optimizer="adamw", dtype=torch.float32)
-    patch = stack_patch("tiled_mlp_loss", 4)
+    patch = stack_patch("tiled_mlp_loss", TilePolicy.of(4))
     with pytest.MonkeyPatch.context() as m:
         layers = _counted_runs(m)
         whole = estimate_step(config, step, patch, whole=True)
@@ -232,7 +239,7 @@ def test_full_card_estimate_is_the_estimate_without_what_a_card_takes_back() -> 
 
     config = tr.LlamaConfig(**{**TINY, "num_hidden_layers": 8})
     step = StepSpec(seq_len=8192, checkpointing=True)
-    patch = stack_patch("tiled_mlp_loss_offload", 4)
+    patch = stack_patch("tiled_mlp_loss_offload", TilePolicy.of(4))
     est = estimate_step(config, step, patch, whole=True)
     assert est.reclaimable > 0  # the offloader's copies hold blocks on a GPU
     full = estimate_step(config, step, patch, whole=True, full_card=True)

@@ -12,6 +12,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from tiledmlp.config.plan import StepSpec
 from tiledmlp.config.stacks import stack_patch
+from tiledmlp.ops.tiling.policy import TilePolicy
 from tiledmlp.plan import fake_step
 from tiledmlp.plan.estimate import estimate_step
 from tiledmlp.plan.layer import load_config
@@ -60,7 +61,7 @@ def test_the_keys_are_fake_tensor_mode_s() -> None:
 def test_a_planned_step_is_the_same_under_either_mode(monkeypatch: pytest.MonkeyPatch) -> None:
     config = load_config("tiny")
     step = StepSpec(seq_len=2048, checkpointing=True, optimizer="adamw")
-    patch = stack_patch("tiled_layer", 4)
+    patch = stack_patch("tiled_layer", TilePolicy.of(4))
     fast = estimate_step(config, step, patch)
     monkeypatch.setattr(fake_step, "fake_mode", FakeTensorMode)
     assert estimate_step(config, step, patch) == fast
@@ -128,7 +129,7 @@ def test_an_output_from_a_cache_hit_is_fake_tensor_mode_s(monkeypatch: pytest.Mo
     monkeypatch.setattr(fake_step, "fake_mode", _CrossChecked)
     config = load_config("tiny")
     step = StepSpec(seq_len=2048, checkpointing=True, optimizer="adamw", device_type="cuda")
-    estimate_step(config, step, stack_patch("tiled_layer", 4), full_card=True)
+    estimate_step(config, step, stack_patch("tiled_layer", TilePolicy.of(4)), full_card=True)
     seen = _CrossChecked.seen
     assert seen.count("view") > 100 and seen.count("new") > 100
     every_call = ("slice.Tensor", "t.default", "transpose.int", "unsqueeze.default",

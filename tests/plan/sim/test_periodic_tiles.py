@@ -14,6 +14,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from hf_models import BASE
 from tiledmlp.config.plan import StepSpec
 from tiledmlp.config.stacks import STACKS, stack_patch
+from tiledmlp.ops.tiling.policy import TilePolicy
 from tiledmlp.ops.tiling.tiles import TilePlan, split_even
 from tiledmlp.plan import fake_step
 from tiledmlp.plan.sim.caching_allocator import FREE, HOLD, reserve_beyond_peak
@@ -78,7 +79,7 @@ def test_cut_tiles_give_the_whole_simulation_s_peaks(stack: str) -> None:
         real_cut(self, tracker)
         cuts.append(self)
 
-    patch = stack_patch(stack, 6)
+    patch = stack_patch(stack, TilePolicy.of(6))
     offloads = patch is not None and patch.activation_offloading
     step = StepSpec(seq_len=392, dtype=torch.float32, checkpointing=offloads, optimizer="adamw")
     options: dict[str, Any] = {"step": step, "patch": patch}

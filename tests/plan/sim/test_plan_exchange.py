@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import torch
 
+from tiledmlp.ops.tiling.policy import TilePolicy
 from tiledmlp.plan.sim.exchange import exchanged_attention
 
 
@@ -66,7 +67,7 @@ def test_sliding_window_layers_under_sequence_parallelism_are_refused_in_one_lin
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=256,
         sliding_window=256, layer_types=["sliding_attention"] * 3 + ["full_attention"],
     )  # fmt: skip
-    patch = stack_patch("tiled_mlp", 4)
+    patch = stack_patch("tiled_mlp", TilePolicy.of(4))
 
     def local(tokens: int) -> StepSpec:  # one GPU's share of a sequence over 2 GPUs
         return StepSpec(seq_len=tokens, sequence_parallel_size=2, world=2)

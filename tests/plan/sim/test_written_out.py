@@ -12,6 +12,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from tiledmlp.config.plan import StepSpec
 from tiledmlp.config.stacks import stack_patch
+from tiledmlp.ops.tiling.policy import TilePolicy
 from tiledmlp.plan.estimate import estimate_step
 from tiledmlp.plan.layer import load_config
 from tiledmlp.plan.sim import fake_memory
@@ -67,7 +68,7 @@ def test_a_planned_step_is_the_same_without_the_shortcut(
 ) -> None:
     config = load_config("tiny")
     step = StepSpec(seq_len=2048, checkpointing=True, optimizer="adamw")
-    patch = stack_patch(stack, 4)
+    patch = stack_patch(stack, TilePolicy.of(4))
     fast = estimate_step(config, step, patch)
     monkeypatch.setattr(fake_memory, "written_out", lambda *_: None)
     assert estimate_step(config, step, patch) == fast

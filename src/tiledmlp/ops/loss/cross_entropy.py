@@ -20,6 +20,7 @@ contributes exactly zero.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
@@ -130,44 +131,68 @@ def tiled_cross_entropy(
     """
     scoring = Scoring(reduction, label_smoothing, z_loss, return_aux)
     _check_logit_scale(logit_scale, "tiled_cross_entropy")
-    if torch.compiler.is_compiling():
-        return _compiled_cross_entropy(
-            hidden_states, lm_head_weight, labels, bias, num_tiles, tile_tokens, ignore_index,
-            scoring, shift, softcap, logit_scale, weight, mask,
-        )  # fmt: skip
-    return _eager_cross_entropy(
-        hidden_states, lm_head_weight, labels, bias, num_tiles, tile_tokens, ignore_index,
-        scoring, shift, softcap, logit_scale, weight, mask,
+    request = CrossEntropyRequest(
+        hidden_states=hidden_states, lm_head_weight=lm_head_weight, labels=labels, bias=bias,
+        policy=TilePolicy.of(num_tiles, tile_tokens), scoring=scoring,
+        ignore_index=ignore_index, shift=shift, softcap=softcap, logit_scale=logit_scale,
+        weight=weight, mask=mask,
     )  # fmt: skip
+    if torch.compiler.is_compiling():
+        return _compiled_cross_entropy(request)
+    return _eager_cross_entropy(request)
 
 
-def _eager_cross_entropy(
-    hidden_states: torch.Tensor,
-    lm_head_weight: torch.Tensor,
-    labels: torch.Tensor,
-    bias: torch.Tensor | None,
-    num_tiles: int | str | TilePolicy,
-    tile_tokens: int | None,
-    ignore_index: int,
-    scoring: Scoring,
-    shift: bool,
-    softcap: float | None,
-    logit_scale: float,
-    weight: torch.Tensor | None,
-    mask: torch.Tensor | None,
-) -> Any:
+@dataclass(frozen=True, kw_only=True)
+class CrossEntropyRequest:
+    """One tiled_cross_entropy call as its eager and compiled paths take it: the tensors, the
+    tile policy built and the options checked (tiled_cross_entropy's Args say what each is).
+
+    Attributes:
+        hidden_states: (batch, seq, hidden) or (tokens, hidden).
+        lm_head_weight: (vocab, hidden).
+        labels: (batch, seq) or (tokens,) class indices.
+        bias: (vocab,) or None.
+        policy: the loss's tile policy.
+        scoring: the reduction and the terms of the loss.
+        ignore_index: the label value that contributes nothing.
+        shift: causal-LM shifting of the labels (and mask).
+        softcap: final-logit soft-capping, None or 0 for none.
+        logit_scale: multiplies the logits before soft-capping.
+        weight: (vocab,) class weights, or None.
+        mask: bool, labels' shape (False drops a token), or None.
+    """
+
+    hidden_states: torch.Tensor
+    lm_head_weight: torch.Tensor
+    labels: torch.Tensor
+    bias: torch.Tensor | None
+    policy: TilePolicy
+    scoring: Scoring
+    ignore_index: int
+    shift: bool
+    softcap: float | None
+    logit_scale: float
+    weight: torch.Tensor | None
+    mask: torch.Tensor | None
+
+
+def _eager_cross_entropy(r: CrossEntropyRequest) -> Any:
     """tiled_cross_entropy through the tile loop's autograd Functions (module docstring)."""
-    reduction, return_aux = scoring.reduction, scoring.return_aux
-    check_inputs(hidden_states, lm_head_weight, labels, bias, softcap, mask, "labels")
-    vocab = lm_head_weight.shape[0]
+    reduction, return_aux = r.scoring.reduction, r.scoring.return_aux
+    labels, weight = r.labels, r.weight
+    check_inputs(r.hidden_states, r.lm_head_weight, labels, r.bias, r.softcap, r.mask, "labels")
+    vocab = r.lm_head_weight.shape[0]
     _check_class_weight(weight, vocab)
-    targets, counted = targets_of(labels, mask, shift, ignore_index, vocab, "tiled_cross_entropy")
-    head = HeadInput.of(hidden_states, lm_head_weight, num_tiles, tile_tokens)
-    math_ = cross_entropy_math(scoring, head, targets, counted, weight, vocab)
-    run = HeadRun(
-        head.plan, targets, counted, softcap or None, 1.0, head.autocast, math_, float(logit_scale)
+    targets, counted = targets_of(
+        labels, r.mask, r.shift, r.ignore_index, vocab, "tiled_cross_entropy"
     )
-    loss = run_head(head.hidden, run, lm_head_weight, bias)
+    head = HeadInput.of(r.hidden_states, r.lm_head_weight, r.policy)
+    math_ = cross_entropy_math(r.scoring, head, targets, counted, weight, vocab)
+    run = HeadRun(
+        head.plan, targets, counted, r.softcap or None, 1.0, head.autocast, math_,
+        float(r.logit_scale),
+    )  # fmt: skip
+    loss = run_head(head.hidden, run, r.lm_head_weight, r.bias)
     if reduction == "none":
         loss = loss.view(labels.shape)
     if not return_aux:
@@ -186,43 +211,27 @@ _eager_cross_entropy = torch.compiler.disable(_eager_cross_entropy)
 # and return_aux run the eager function as one graph break; dynamo never resumes inside it.
 
 
-def _compiled_cross_entropy(
-    hidden_states: torch.Tensor,
-    lm_head_weight: torch.Tensor,
-    labels: torch.Tensor,
-    bias: torch.Tensor | None,
-    num_tiles: int | str | TilePolicy,
-    tile_tokens: int | None,
-    ignore_index: int,
-    scoring: Scoring,
-    shift: bool,
-    softcap: float | None,
-    logit_scale: float,
-    weight: torch.Tensor | None,
-    mask: torch.Tensor | None,
-) -> Any:
+def _compiled_cross_entropy(r: CrossEntropyRequest) -> Any:
     """tiled_cross_entropy as traced by torch.compile (Note [compiled loss])."""
+    scoring, labels, mask, weight, w = r.scoring, r.labels, r.mask, r.weight, r.lm_head_weight
     if scoring.reduction == "none" or scoring.return_aux:
-        return _eager_cross_entropy(
-            hidden_states, lm_head_weight, labels, bias, num_tiles, tile_tokens, ignore_index,
-            scoring, shift, softcap, logit_scale, weight, mask,
-        )  # fmt: skip
-    check_inputs(hidden_states, lm_head_weight, labels, bias, softcap, mask, "labels")
-    vocab = lm_head_weight.shape[0]
+        return _eager_cross_entropy(r)
+    check_inputs(r.hidden_states, w, labels, r.bias, r.softcap, mask, "labels")
+    vocab = w.shape[0]
     _check_class_weight(weight, vocab)
-    hidden = hidden_states.reshape(-1, hidden_states.shape[-1])
+    hidden = r.hidden_states.reshape(-1, r.hidden_states.shape[-1])
     autocast = AutocastState.capture(hidden.device.type)
-    cd = autocast.compute_dtype(hidden.dtype, lm_head_weight.dtype) or hidden.dtype
+    cd = autocast.compute_dtype(hidden.dtype, w.dtype) or hidden.dtype
     elem = _ELEMENT_SIZES.get(cd, 4)
-    plan = loss_plan(hidden.shape[0], hidden.shape[1], vocab, elem, num_tiles, tile_tokens)
+    plan = loss_plan(hidden.shape[0], hidden.shape[1], vocab, elem, r.policy)
     grad = torch.is_grad_enabled()
-    needs = [grad and t is not None and t.requires_grad for t in (hidden, lm_head_weight, bias)]
+    needs = [grad and t is not None and t.requires_grad for t in (hidden, w, r.bias)]
     loss, *_ = operator.lm_head_loss(
-        hidden, lm_head_weight, bias, labels.reshape(-1),
-        None if mask is None else mask.reshape(-1), weight, list(plan.sizes), ignore_index,
-        scoring.reduction, shift_rows(shift, labels), float(softcap or 0.0), float(logit_scale),
-        float(scoring.label_smoothing), float(scoring.z_loss),
-        autocast.dtype if autocast.compute_dtype(hidden.dtype, lm_head_weight.dtype) else None,
+        hidden, w, r.bias, labels.reshape(-1),
+        None if mask is None else mask.reshape(-1), weight, list(plan.sizes), r.ignore_index,
+        scoring.reduction, shift_rows(r.shift, labels), float(r.softcap or 0.0),
+        float(r.logit_scale), float(scoring.label_smoothing), float(scoring.z_loss),
+        autocast.dtype if autocast.compute_dtype(hidden.dtype, w.dtype) else None,
         needs,
     )  # fmt: skip
     return loss
@@ -317,7 +326,8 @@ def tiled_token_logprobs(
     """
     out = _token_head(
         hidden_states, lm_head_weight, tokens, bias, temperature, softcap, 1.0, return_entropy,
-        (), shift, mask, ignore_index, num_tiles, tile_tokens, "tiled_token_logprobs",
+        (), shift, mask, ignore_index, TilePolicy.of(num_tiles, tile_tokens),
+        "tiled_token_logprobs",
     )  # fmt: skip
     if return_entropy:
         return out.log_probs, out.entropy
@@ -382,7 +392,7 @@ def tiled_token_stats(
     _check_logit_scale(logit_scale, "tiled_token_stats")
     return _token_head(
         hidden_states, lm_head_weight, tokens, bias, temperature, softcap, float(logit_scale),
-        entropy, tuple(stats), shift, mask, ignore_index, num_tiles, tile_tokens,
+        entropy, tuple(stats), shift, mask, ignore_index, TilePolicy.of(num_tiles, tile_tokens),
         "tiled_token_stats",
     )  # fmt: skip
 
@@ -400,8 +410,7 @@ def _token_head(
     shift: bool,
     mask: torch.Tensor | None,
     ignore_index: int,
-    num_tiles: int | str | TilePolicy,
-    tile_tokens: int | None,
+    policy: TilePolicy,
     op: str,
 ) -> TokenStats:
     check_positive_number("temperature", temperature)
@@ -411,7 +420,7 @@ def _token_head(
     check_inputs(hidden_states, lm_head_weight, tokens, bias, softcap, mask, "tokens")
     vocab = lm_head_weight.shape[0]
     targets, counted = targets_of(tokens, mask, shift, ignore_index, vocab, op)
-    head = HeadInput.of(hidden_states, lm_head_weight, num_tiles, tile_tokens)
+    head = HeadInput.of(hidden_states, lm_head_weight, policy)
     hidden = head.hidden
     math_ = LogprobMath(hidden.shape[0], hidden.device, head.wide, entropy=entropy, stats=stats)
     run = HeadRun(

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -49,10 +48,9 @@ def shift_tokens(t: torch.Tensor, fill: int | bool) -> torch.Tensor:
 LOSS_MIN_TILE_BYTES = 256 * 2**20
 
 
-def loss_plan(
-    num_tokens: int, hidden: int, vocab: int, elem: int, num_tiles: Any, tile_tokens: Any
-) -> TilePlan:
-    """The loss's tiles over `num_tokens` tokens.
+def loss_plan(num_tokens: int, hidden: int, vocab: int, elem: int, policy: TilePolicy) -> TilePlan:
+    """The loss's tiles over `num_tokens` tokens under `policy` (a count, tokens per tile or
+    "auto").
 
     "auto": tiles of max(hidden * elem / 4, LOSS_MIN_TILE_BYTES / (4 * vocab)) tokens: a tile's
     float32 logits (n x vocab x 4 bytes) are about the size of the LM-head weight (vocab x
@@ -61,7 +59,6 @@ def loss_plan(
     weight-sized gradient accumulator) would exceed the logits they spare; one tile when the
     whole input's logits are that small.
     """
-    policy = TilePolicy.of(num_tiles, tile_tokens)
     if policy.rule in ("arctic", "target"):
         raise ValueError(
             f"num_tiles={policy.num_tiles!r} is an MLP policy; give the loss an int or 'auto' "
@@ -164,13 +161,12 @@ class HeadInput:
         cls,
         hidden_states: torch.Tensor,
         lm_head_weight: torch.Tensor,
-        num_tiles: int | str | TilePolicy,
-        tile_tokens: int | None,
+        policy: TilePolicy,
     ) -> HeadInput:
         hidden = hidden_states.reshape(-1, hidden_states.shape[-1])
         autocast = AutocastState.capture(hidden.device.type)
         cd = autocast.compute_dtype(hidden.dtype, lm_head_weight.dtype) or hidden.dtype
         elem = torch.empty((), dtype=cd).element_size()
         vocab = lm_head_weight.shape[0]
-        plan = loss_plan(hidden.shape[0], hidden.shape[1], vocab, elem, num_tiles, tile_tokens)
+        plan = loss_plan(hidden.shape[0], hidden.shape[1], vocab, elem, policy)
         return cls(hidden, autocast, torch.promote_types(cd, torch.float32), plan)

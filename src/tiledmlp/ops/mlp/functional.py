@@ -29,7 +29,7 @@ from tiledmlp.ops.tiling.policy import TilePolicy
 from tiledmlp.ops.tiling.state import AutocastState
 from tiledmlp.ops.tiling.tiles import TileCount, TilePlan, split_even
 
-__all__ = ["tile_plan", "tiled_mlp"]
+__all__ = ["run_tiled_mlp", "tile_plan", "tiled_mlp"]
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +95,26 @@ def tiled_mlp(
         ValueError: bad num_tiles / tile_tokens, x not 2-D or 3-D, x's last dim is not the MLP's
             hidden size, or the module changes the number of tokens.
     """
-    policy = TilePolicy.of(num_tiles, tile_tokens)
+    return run_tiled_mlp(
+        mlp, x, *args, policy=TilePolicy.of(num_tiles, tile_tokens), forward=forward,
+        backend=backend, plan_tokens=plan_tokens, count=count, kernels=kernels,
+    )  # fmt: skip
+
+
+def run_tiled_mlp(
+    mlp: nn.Module,
+    x: torch.Tensor,
+    *args: torch.Tensor,
+    policy: TilePolicy,
+    forward: Callable[..., Any] | None = None,
+    backend: ParamBackend | None = None,
+    plan_tokens: int | None = None,
+    count: TileCount | None = None,
+    kernels: bool = True,
+) -> Any:
+    """tiled_mlp with its tile policy built: what the library's own callers run (TiledMLP,
+    patched modules, the planner), which hold a TilePolicy. The other arguments are
+    tiled_mlp's."""
     _check_x(x)
     _check_args(x, args)
     if torch.compiler.is_compiling() and (backend is None or backend is LOCAL):
@@ -198,12 +217,11 @@ def tile_plan(
     mlp: nn.Module,
     x: torch.Tensor,
     *,
-    num_tiles: int | str | TilePolicy = "auto",
-    tile_tokens: int | None = None,
+    policy: TilePolicy,
     forward: Callable[[torch.Tensor], Any] | None = None,
 ) -> TilePlan | None:
-    """The tile plan tiled_mlp(mlp, x, ...) would use; None when it would run untiled."""
-    policy = TilePolicy.of(num_tiles, tile_tokens)
+    """The tile plan run_tiled_mlp(mlp, x, policy=policy) would use; None when it would run
+    untiled."""
     _check_x(x)
     call = UntiledCall(mlp, forward)
     plan = _prepare(mlp, x, policy, call, recognise(mlp, call))[1]

@@ -10,9 +10,10 @@ tokens per tile or "auto"; "arctic" and "target:<GB>" are the MLP's alone).
 
 A policy is a frozen `TilePolicy`, valid by construction: `TilePolicy.of(num_tiles, tile_tokens)`
 is the one place the Python spellings (an int, "auto", "arctic", "target:<GB>", tokens per tile)
-are checked; `TilePolicy.budget(gb)` builds the memory target from a number of GiB. Edges that
-read text (command lines, config files, other frameworks' keys) normalise it in tiledmlp.config
-and build the same objects; ops take a TilePolicy and never re-validate it per call.
+are checked; `TilePolicy.budget(gb)` builds the memory target from a number of GiB. Only the
+edges parse: the public ops (tiled_mlp, the tiled losses) and tiledmlp.config's value parsers
+(keywords, text, other frameworks' keys); everything below takes a TilePolicy and never
+re-validates it per call (tests/package/test_tile_policy_edges.py).
 
 Invariant: a policy is a value (a rule and an amount): it knows no op, and nothing here imports
 one (ops/tiling is the floor the ops stand on).

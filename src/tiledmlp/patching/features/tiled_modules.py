@@ -19,7 +19,7 @@ from torch import nn
 
 from tiledmlp.config.patch import PatchConfig
 from tiledmlp.config.tiled import TiledMLPConfig
-from tiledmlp.ops.mlp.functional import tiled_mlp
+from tiledmlp.ops.mlp.functional import run_tiled_mlp
 from tiledmlp.ops.mlp.structure import recognise
 from tiledmlp.ops.mlp.untiled import UntiledCall
 from tiledmlp.ops.tiling.tiles import TileCount
@@ -74,11 +74,11 @@ def tiled_forward(self: nn.Module, x: Any, *args: Any, **kwargs: Any) -> Any:
     ):
         return orig(x, *args, **kwargs)  # an unexpected call shape: leave it untiled
     run_checks(self)
-    return tiled_mlp(
+    return run_tiled_mlp(
         self,
         x,
         *args,
-        num_tiles=state.config.policy,
+        policy=state.config.policy,
         forward=orig,
         backend=backend_for(self),
         plan_tokens=state.step.value,

@@ -16,6 +16,7 @@ from hf_models import VOCAB, tiny_causal_lm
 from tiledmlp import patch_model, unpatch_model
 from tiledmlp.config.stacks import STACK_PATCHES, STACKS, stack_patch
 from tiledmlp.integrations import trl
+from tiledmlp.ops.tiling.policy import TilePolicy
 from tiledmlp.patching.features.activation_offloading import enable_checkpointing
 from tiledmlp.patching.features.tiled_layers import LAYER, layer_parts
 from tiledmlp.patching.patch import tile_counts
@@ -220,7 +221,7 @@ def test_a_dropped_patched_model_frees_its_tensors_at_once(stack: str) -> None:
     try:
         model = tiny_causal_lm("llama")
         enable_checkpointing(model)
-        patch_model(model, stack_patch(stack, 2))
+        patch_model(model, stack_patch(stack, TilePolicy.of(2)))
         ids = _ids()
         model(input_ids=ids, labels=ids).loss.backward()
         tensors = [weakref.ref(t) for p in model.parameters() for t in (p, p.grad) if t is not None]

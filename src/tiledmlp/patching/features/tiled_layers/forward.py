@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tiledmlp.ops.mlp.functional import tiled_mlp
+from tiledmlp.ops.mlp.functional import run_tiled_mlp
 from tiledmlp.patching.engine_registry import backend_for, run_checks
 from tiledmlp.patching.features.tiled_layers.blocks import LayerParts, layer_math
 from tiledmlp.patching.state import STATE, PatchState, original_forward
@@ -130,11 +130,11 @@ def _tiled_layer_call(
     run_checks(self)
 
     def run(block: nn.Module, x: torch.Tensor, *extras: torch.Tensor) -> Any:
-        return tiled_mlp(
+        return run_tiled_mlp(
             block,
             x,
             *extras,
-            num_tiles=state.config.policy,
+            policy=state.config.policy,
             backend=backend_for(block),
             plan_tokens=state.step.value,
             count=state.count if block is parts.post else None,

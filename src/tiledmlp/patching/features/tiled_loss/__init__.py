@@ -65,7 +65,7 @@ class TiledLoss(Feature):
 
     Attributes:
         fused_head: the server of `fused_lm_head=True` calls an integration registered, or
-            None: server(model, args, kwargs, num_tiles) -> the call's output.
+            None: server(model, args, kwargs, tiles) -> the call's output.
         on_patch: hooks called with the causal LM when a probed model's loss is patched.
     """
 

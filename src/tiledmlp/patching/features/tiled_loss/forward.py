@@ -72,9 +72,9 @@ LossProbe = HeadTransform | str | None
 @dataclass
 class _LossState:
     saved: Any  # replaced instance-level forward, or None
-    num_tiles: TilePolicy
+    tiles: TilePolicy
     head: HeadTransform = field(default_factory=HeadTransform)
-    #: serves model(..., fused_lm_head=True): server(model, args, kwargs, num_tiles) -> output
+    #: serves model(..., fused_lm_head=True): server(model, args, kwargs, tiles) -> output
     fused_head: Callable[..., Any] | None = None
     #: the notes logged for this patch (each once): the kinds of call told to run the model's
     #: own loss, and the evaluation note (_PREDICTIONS)
@@ -128,7 +128,7 @@ def _loss_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
                 f"{type(self).__name__}(..., fused_lm_head=True): no fused-head server is "
                 "registered; import tiledmlp (it registers TRL's) or call without fused_lm_head"
             )
-        return state.fused_head(self, args, kwargs, state.num_tiles)
+        return state.fused_head(self, args, kwargs, state.tiles)
     orig = _original(self)
     params = _by_name(orig, args, kwargs)
     if params is None:
@@ -173,7 +173,7 @@ def _loss_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         head.weight,
         targets,
         bias=getattr(head, "bias", None),
-        num_tiles=state.num_tiles,
+        num_tiles=state.tiles,
         shift=shift,
         softcap=softcap_of(config),
         logit_scale=state.head.scale,
@@ -306,7 +306,7 @@ def decoder_of(model: nn.Module) -> Any:
     return base
 
 
-def probe_loss(model: nn.Module, num_tiles: TilePolicy) -> LossProbe:
+def probe_loss(model: nn.Module, tiles: TilePolicy) -> LossProbe:
     """The probe of the tiled loss: the HeadTransform with which the loss of `model` equals
     the model's own (it can be routed through tiled_cross_entropy), else why not; None when it
     already is. Runs the model on random ids at a scaled LM head (probe.py); changes nothing.
@@ -319,7 +319,7 @@ def probe_loss(model: nn.Module, num_tiles: TilePolicy) -> LossProbe:
         return None
     # the probe calls the patched forward directly: it reads the state, present for the probe
     # only; the HeadTransform it settles on is the result
-    state = _LossState(model.__dict__.get("forward"), num_tiles)
+    state = _LossState(model.__dict__.get("forward"), tiles)
     model.__dict__[_STATE] = state
 
     def use(head: HeadTransform) -> None:
@@ -353,19 +353,19 @@ def _no_kept_positions(forward: Any, *args: Any, **kwargs: Any) -> Any:
 
 def install_loss(
     model: nn.Module,
-    num_tiles: TilePolicy,
+    tiles: TilePolicy,
     head: HeadTransform | None = None,
     fused_head: Callable[..., Any] | None = None,
 ) -> bool:
     """Routes the training loss of `model` through tiled_cross_entropy, with the tile policy
-    `num_tiles` (a loss policy: a count, tokens per tile or "auto"; PatchConfig.loss_policy);
+    `tiles` (a loss policy: a count, tokens per tile or "auto"; PatchConfig.loss_policy);
     on a loss-patched model, updates the policy and the server. Reads no values (the probe,
     probe_loss, is the caller's): it installs on a model built under fake tensors as on a real
     one.
 
     Args:
         model: the causal LM (or a PEFT wrapper of one).
-        num_tiles: the loss's tile policy.
+        tiles: the loss's tile policy.
         head: what probe_loss found; None where no probe ran (the planner's fake model): the
             likeliest logit scale of the config.
         fused_head: the server of `fused_lm_head=True` calls (an integration's), or None.
@@ -376,13 +376,13 @@ def install_loss(
     model = _causal_lm(model)
     state = model.__dict__.get(_STATE)
     if state is not None:
-        state.num_tiles = num_tiles
+        state.tiles = tiles
         state.fused_head = fused_head
         state.active = True
         return False
     if head is None:  # not probed (the planner's fake model): the likeliest scale
         head = HeadTransform(scale_candidates(getattr(model, "config", None))[0])
-    model.__dict__[_STATE] = _LossState(model.__dict__.get("forward"), num_tiles, head, fused_head)
+    model.__dict__[_STATE] = _LossState(model.__dict__.get("forward"), tiles, head, fused_head)
     # Bound with its module (picklable, deep-copied with it), advertising the model's own
     # forward signature: the Hugging Face Trainer inspects it to decide which inputs to pass.
     model.forward = bind(_loss_forward, model, _original)  # type: ignore[method-assign]
