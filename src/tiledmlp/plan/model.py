@@ -30,12 +30,12 @@ from tiledmlp.config.patch import PatchConfig
 from tiledmlp.config.plan import StepSpec
 from tiledmlp.config.stacks import STACKS, stack_patch
 from tiledmlp.ops.attention.buffers import KernelChoice
-from tiledmlp.ops.offloading.host_memory import offload_bytes
 from tiledmlp.plan.device_overhead import DeviceOverhead, device_overhead
 from tiledmlp.plan.engines import ENGINES, GPUS_PER_NODE, check_engine, engine_memory
 from tiledmlp.plan.estimate import OPTIMIZERS, estimate_step, param_counts
 from tiledmlp.plan.forked import default_processes, run_jobs
 from tiledmlp.plan.kernel_choice import best_entry, kernels_to_try
+from tiledmlp.plan.native_offload import offloaded_bytes
 from tiledmlp.plan.search import UPPER, fits, max_seq_len
 from tiledmlp.plan.sim.segments import CATEGORIES, GROWING, StepEstimate
 from tiledmlp.sequence_parallel.attention import kv_repeat
@@ -315,15 +315,18 @@ def _host_entry(config: Any, local: StepSpec, patch: PatchConfig | None) -> dict
 
 def host_breakdown(config: Any, step: StepSpec, patch: PatchConfig | None) -> dict[str, int]:
     """Host bytes of one GPU's `step` (`step.seq_len` local tokens) with `patch`'s features,
-    by what they hold (module docstring, "host"): "checkpoints" (offloaded layer inputs),
+    by what they hold (module docstring, "host"): "checkpoints" (offloaded layer inputs: of
+    the checkpointed layers, `step.every_n_layers`, by tiledmlp's offloader or transformers'),
     "params", "grads", "optimizer"."""
     text = config.get_text_config()
     elem = torch.empty((), dtype=step.dtype).element_size()
     out = {"checkpoints": 0, "params": 0, "grads": 0, "optimizer": 0}
-    if patch is not None and patch.activation_offloading:
-        out["checkpoints"] = offload_bytes(
-            int(text.num_hidden_layers), step.seq_len, int(text.hidden_size), elem
-        )
+    ours = patch is not None and patch.activation_offloading
+    if ours or step.transformers_offload:  # ours owns the job where both are on
+        out["checkpoints"] = offloaded_bytes(
+            int(text.num_hidden_layers), step.seq_len, int(text.hidden_size), elem,
+            every_n_layers=step.every_n_layers, ours=ours,
+        )  # fmt: skip
     if step.engine != "ddp":
         counts = param_counts(config)
         held = engine_memory(
