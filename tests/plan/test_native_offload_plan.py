@@ -109,7 +109,9 @@ def _model(stack: str, every: int) -> Any:
 
 
 def _ids(seq: int) -> torch.Tensor:
-    return torch.randint(3, SMALL["vocab_size"], (1, seq), generator=torch.Generator().manual_seed(0))
+    return torch.randint(
+        3, SMALL["vocab_size"], (1, seq), generator=torch.Generator().manual_seed(0)
+    )
 
 
 @pytest.mark.slow  # the profiler's memory timeline: ~40 s per step on two loaded CPUs
@@ -117,9 +119,7 @@ def _ids(seq: int) -> torch.Tensor:
     ("stack", "every"),
     [("tiled_mlp_loss", 1), ("tiled_mlp_loss", 2), ("tiled_mlp_loss_offload", 2)],
 )
-def test_transformers_offload_plans_as_it_runs(
-    stack: str, every: int, host: _HostBuffers
-) -> None:
+def test_transformers_offload_plans_as_it_runs(stack: str, every: int, host: _HostBuffers) -> None:
     seq = 2048
     model, ids = _model(stack, every), _ids(seq)
     params = list(model.parameters())

@@ -56,7 +56,7 @@ def host_offload(model: nn.Module) -> int:
     for m in model.modules():
         plain = transformers_offload_plain(m.__dict__.get("_gradient_checkpointing_func"))
         if plain is not None:
-            m._gradient_checkpointing_func = HostCheckpoint(plain)
+            m._gradient_checkpointing_func = HostCheckpoint(plain)  # type: ignore[assignment]
             n += 1
     return n
 

@@ -143,8 +143,10 @@ def enable_checkpointing(
     enable = getattr(model, "activation_checkpointing_enable", None)
     if every_n_layers != 1 or offload:
         asked = {"every_n_layers": every_n_layers, "offload": offload}
-        missing = [k for k in asked if enable is None or k not in inspect.signature(enable).parameters]
-        if missing:
+        missing = [
+            k for k in asked if enable is None or k not in inspect.signature(enable).parameters
+        ]
+        if missing or enable is None:
             raise ValueError(
                 f"{', '.join(f'{k}={asked[k]}' for k in missing)}: {type(model).__name__}'s "
                 f"activation_checkpointing_enable has no {' or '.join(missing)} (transformers "
