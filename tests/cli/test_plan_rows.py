@@ -99,3 +99,10 @@ def test_recipe_alst_refuses_a_flag_it_sets_otherwise(capsys: pytest.CaptureFixt
     assert code != 0
     err = capsys.readouterr().err
     assert "--recipe alst plans --engine zero3; drop --engine fsdp2 or --recipe alst" in err
+
+
+def test_measure_refuses_the_rows_it_does_not_run(capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["plan", "--model", "tiny", "--gradient-checkpointing", "--measure",
+                 "--device", "cpu", "--transformers-offload"])  # fmt: skip
+    assert code != 0
+    assert "drop --every-n-layers and --transformers-offload" in capsys.readouterr().err

@@ -181,6 +181,11 @@ def _check_flags(args: PlanArgs) -> None:
             "--measure runs the model as patch_model's default tile policy ('auto') tiles it: "
             "drop --num-tiles and --tile-budget-gb"
         )
+    if args.measure and (args.every_n_layers != 1 or args.transformers_offload):
+        raise UsageError(
+            "--measure runs each stack checkpointing every layer on the device: drop "
+            "--every-n-layers and --transformers-offload"
+        )
     if args.measure and (args.sequence_parallel_size != 1 or args.engine != "ddp"):
         raise UsageError(
             "--measure runs one GPU's step without sharding: drop --sequence-parallel-size "
