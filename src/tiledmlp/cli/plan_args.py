@@ -155,8 +155,8 @@ _RunFeatures = dataclasses.make_dataclass(
 )
 
 
-# --recipe NAME: the flags a published run's setup plans as (the planner guide says what each
-# stands for); a flag given otherwise is refused
+# --recipe NAME: the flags a published run's setup plans as (docs/how-it-works/planner.md says
+# what each stands for); a flag given otherwise is refused
 RECIPES: dict[str, dict[str, Any]] = {
     "alst": {
         "dtype": "bfloat16",
@@ -168,7 +168,6 @@ RECIPES: dict[str, dict[str, Any]] = {
         "stacks": ("tiled_mlp_loss_offload_norms",),
     },
 }
-_RECIPE_FLAGS = {"stacks": "--stacks", "attention_kernel": "--attention-kernel"}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -309,7 +308,8 @@ class PlanArgs(_RunFeatures):  # type: ignore[misc,valid-type]
         help="plan a published run's setup: alst (ArcticTraining's single-GPU ALST recipe, "
         "run-h100-sp1-llama-8b.yml: Liger's kernels, the tiled MLP, checkpoint offload, "
         "ZeRO-3 with parameters and optimizer on the host, bf16, flash attention; planned as "
-        "the tiled_mlp_loss_offload_norms stack with those flags: see the planner guide)",
+        "the tiled_mlp_loss_offload_norms stack with those flags; How it works > The planner "
+        "says what it assumes of Liger's kernels)",
         keys=(_key("recipe", _text, choices=tuple(RECIPES)),),
     )
     engine: str = option(
@@ -428,7 +428,7 @@ def _recipe(args: argparse.Namespace) -> argparse.Namespace:
         if key == "dtype" and given is not None:
             given = dtype_name(given)
         if given not in (None, defaults.get(key), value):
-            flag = _RECIPE_FLAGS.get(key, "--" + key.replace("_", "-"))
+            flag = "--" + key.replace("_", "-")
             raise UsageError(
                 f"--recipe {name} plans {flag} {_shown(value)}; drop {flag} {_shown(given)} "
                 f"or --recipe {name}"
