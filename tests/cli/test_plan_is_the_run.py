@@ -18,6 +18,7 @@ import pytest
 from tiledmlp.cli import _build_parser, main
 from tiledmlp.cli.preflight import preflight
 from tiledmlp.cli.train import option_values
+from tiledmlp.plan import stack_speed
 from tiledmlp.train.launch import Launch
 from tiledmlp.train.options import options_from
 
@@ -214,3 +215,29 @@ def test_the_attention_kernel_is_one_type_from_the_flag_to_the_step() -> None:
     from tiledmlp.train.step_request import step_request
 
     assert step_request(opts).step.attention_kernel == KernelChoice("by_heads")
+
+
+def test_every_n_layers_plans_the_run_beside_every_layer_and_the_bottom_line_takes_it(
+    capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    # train's flags with --every-n-layers 2: the row "<stack>+every_2" is the pre-flight's
+    # step; the row checkpointing every layer is planned beside it; where both fit, the bottom
+    # line takes the one that recomputes less, and its command's pre-flight has its figure
+    flags = ("--model", "tiny", "--seq-len", "4096", "--gradient-checkpointing",
+             "--activation-offloading", "--every-n-layers", "2", "--num-tiles", "4",
+             "--gpu", "h100-80gb")  # fmt: skip
+    result = _plan(capsys, *flags)
+    assert list(result["model"]) == ["tiled_mlp_loss_offload", "tiled_mlp_loss_offload+every_2"]
+    every, each = (result["model"][r] for r in result["model"])
+    assert every["host_peak_mib"] > each["host_peak_mib"]  # every layer's input but the last
+    assert 0.8 < each["flops_vs_every_layer"] < 1.0 and "flops_vs_every_layer" not in every
+    line = result["bottom_line"]
+    assert line["fastest"] == "tiled_mlp_loss_offload+every_2"
+    assert "--every-n-layers 2" in line["train_command"]
+    assert line["time_ratio"] == pytest.approx(
+        stack_speed.time_ratio("tiled_mlp_loss_offload") * each["flops_vs_every_layer"], abs=1e-4
+    )
+    accepted, gib = _preflight(shlex.join(["tiledmlp", "train", *flags]), caplog)
+    assert accepted and gib == pytest.approx(line["fits"][line["fastest"]], abs=0.01)
+    accepted, gib = _preflight(line["train_command"], caplog)
+    assert accepted and gib == pytest.approx(line["fits"][line["fastest"]], abs=0.01)

@@ -18,7 +18,7 @@ from tiledmlp.cli.output import StderrHandler, show
 from tiledmlp.cli.plan_args import PlanArgs
 from tiledmlp.cli.plan_kernels import plan_with_kernels
 from tiledmlp.cli.plan_report import show_text
-from tiledmlp.cli.plan_request import model_config_of, model_request_of, step_of
+from tiledmlp.cli.plan_request import model_config_of, model_request_of, rows_of, step_of
 from tiledmlp.config.gpus import GPUS
 from tiledmlp.ops.tiling.values import check_positive_number
 
@@ -160,6 +160,9 @@ def _check_flags(args: PlanArgs) -> None:
         ("--offload-params", args.offload_params),
         ("--expandable-segments", args.expandable_segments is not True),
         ("--measure", args.measure),
+        ("--every-n-layers", args.every_n_layers != 1),
+        ("--transformers-offload", args.transformers_offload),
+        ("--recipe", args.recipe is not None),
     )
     if args.model is None and any(on for _, on in whole):
         names = " and ".join(n for n, on in whole if on)
@@ -177,6 +180,11 @@ def _check_flags(args: PlanArgs) -> None:
         raise UsageError(
             "--measure runs the model as patch_model's default tile policy ('auto') tiles it: "
             "drop --num-tiles and --tile-budget-gb"
+        )
+    if args.measure and (args.every_n_layers != 1 or args.transformers_offload):
+        raise UsageError(
+            "--measure runs each stack checkpointing every layer on the device: drop "
+            "--every-n-layers and --transformers-offload"
         )
     if args.measure and (args.sequence_parallel_size != 1 or args.engine != "ddp"):
         raise UsageError(
@@ -222,9 +230,12 @@ def _shape(args: PlanArgs) -> tuple[Any, int, int]:
 
 def _plan_model(args: PlanArgs, config: Any, dtype: Any) -> dict[str, Any]:
     """The decoder layer's and the whole model's figures (the keys --model adds to the JSON)."""
+    import dataclasses
+
     from tiledmlp.plan.layer import RoutedExperts, plan_layer
 
-    step = step_of(args)
+    # the rows set every_n_layers and transformers' offload over a step that sets neither
+    step = dataclasses.replace(step_of(args), every_n_layers=1, transformers_offload=False)
     try:
         layer = plan_layer(config, step)
     except RoutedExperts:  # one layer's figures are for dense MLPs; the step plans the experts
@@ -238,7 +249,7 @@ def _plan_model(args: PlanArgs, config: Any, dtype: Any) -> dict[str, Any]:
         step=step,
         budget_bytes=None if args.memory_gb is None else int(args.memory_gb * 2**30),
         processes=None,  # the stacks in parallel, one process per CPU (plan/forked.py)
-        stacks=STACKS if args.stacks is None else args.stacks,
+        stacks=rows_of(args, STACKS if args.stacks is None else args.stacks),
     )
     if args.measure:  # the estimates by length go on to the measurement's fit
         planner: Any = functools.partial(plan_model, known_peaks=known_peaks)
@@ -261,6 +272,9 @@ def _plan_model(args: PlanArgs, config: Any, dtype: Any) -> dict[str, Any]:
         model=stacks,
         optimizer=args.optimizer,
         gradient_checkpointing=args.gradient_checkpointing,
+        every_n_layers=args.every_n_layers,
+        transformers_offload=args.transformers_offload,
+        recipe=args.recipe,
         memory_gb=args.memory_gb,
         device=args.device,
         sequence_parallel_size=args.sequence_parallel_size,

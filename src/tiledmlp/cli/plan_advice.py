@@ -35,8 +35,10 @@ def replanner() -> Replan:
 
         model = model_request(str(args.model), args.seq_len)
         fields = None if model is None else model.fields
+        # every layer checkpointed, as plan's rows without a suffix (cli/plan_request.py)
+        step = dataclasses.replace(step_of(args), every_n_layers=1)
         return plan_stacks(lambda: model_config_of(args), fields, stacks=stacks,
-                           step=step_of(args), budget_bytes=None, processes=None)  # fmt: skip
+                           step=step, budget_bytes=None, processes=None)  # fmt: skip
 
     return replan
 

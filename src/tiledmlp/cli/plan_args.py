@@ -155,6 +155,21 @@ _RunFeatures = dataclasses.make_dataclass(
 )
 
 
+# --recipe NAME: the flags a published run's setup plans as (docs/how-it-works/planner.md says
+# what each stands for); a flag given otherwise is refused
+RECIPES: dict[str, dict[str, Any]] = {
+    "alst": {
+        "dtype": "bfloat16",
+        "gradient_checkpointing": True,
+        "engine": "zero3",
+        "offload_params": True,
+        "optimizer": "cpu-offload",
+        "attention_kernel": KernelChoice("flash"),
+        "stacks": ("tiled_mlp_loss_offload_norms",),
+    },
+}
+
+
 @dataclass(frozen=True, kw_only=True)
 class PlanArgs(_RunFeatures):  # type: ignore[misc,valid-type]
     """What `tiledmlp plan` was asked: each field is declared once with its flag's key,
@@ -268,6 +283,35 @@ class PlanArgs(_RunFeatures):  # type: ignore[misc,valid-type]
         "each stack's search estimates several lengths, seconds each",
         keys=(_key("stacks", _argtype(_stacks), "NAME[,NAME...]"),),
     )
+    every_n_layers: int = option(
+        default=1,
+        group=_WHOLE,
+        help="as tiledmlp train: with --gradient-checkpointing, checkpoint every N-th decoder "
+        "layer only (transformers' activation_checkpointing_enable(every_n_layers=N)); N > 1 "
+        "adds a row per stack, <stack>+every_<N>, beside the stack checkpointing every layer, "
+        "and the bottom line may take it where it fits, timed by the recompute it saves in "
+        "FLOPs (default: 1)",
+        keys=(_key("every_n_layers", _POSITIVE, "N", kind="int"),),
+    )
+    transformers_offload: bool = option(
+        default=False,
+        group=_WHOLE,
+        help="add a row per stack that does not offload with tiledmlp's offloader, "
+        "<stack>+hf_offload: transformers' activation_checkpointing_enable(offload=True), the "
+        "checkpointed layers' inputs in pinned host memory (device and host memory; shown, "
+        "not chosen: tiledmlp train offloads with its own --activation-offloading)",
+        keys=(_flag("transformers_offload"),),
+    )
+    recipe: str | None = option(
+        default=None,
+        group=_WHAT,
+        help="plan a published run's setup: alst (ArcticTraining's single-GPU ALST recipe, "
+        "run-h100-sp1-llama-8b.yml: Liger's kernels, the tiled MLP, checkpoint offload, "
+        "ZeRO-3 with parameters and optimizer on the host, bf16, flash attention; planned as "
+        "the tiled_mlp_loss_offload_norms stack with those flags; How it works > The planner "
+        "says what it assumes of Liger's kernels)",
+        keys=(_key("recipe", _text, choices=tuple(RECIPES)),),
+    )
     engine: str = option(
         default="ddp",
         group=_WHOLE,
@@ -331,6 +375,11 @@ class PlanArgs(_RunFeatures):  # type: ignore[misc,valid-type]
 
     @classmethod
     def of(cls, args: argparse.Namespace) -> PlanArgs:
+        """The request of `plan`'s parsed flags, a --recipe's flags set (_recipe)."""
+        return cls._of(_recipe(args))
+
+    @classmethod
+    def _of(cls, args: argparse.Namespace) -> PlanArgs:
         """The request of `plan`'s parsed flags.
 
         Raises:
@@ -360,6 +409,40 @@ class PlanArgs(_RunFeatures):  # type: ignore[misc,valid-type]
     def asked(self) -> dict[str, Any]:
         """Every field by name (what the plan's cache key is made of)."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
+def _recipe(args: argparse.Namespace) -> argparse.Namespace:
+    """`args` with --recipe's flags set where they were left at their defaults.
+
+    Raises:
+        UsageError: a flag given with another value than the recipe's.
+    """
+    name = getattr(args, "recipe", None)
+    if name is None:
+        return args
+    values = vars(args).copy()
+    defaults = {f.name: f.default for f in dataclasses.fields(PlanArgs)}
+    defaults["dtype"], defaults["attention_kernel"] = "float32", KernelChoice()
+    for key, value in RECIPES[name].items():
+        given = values.get(key)
+        if key == "dtype" and given is not None:
+            given = dtype_name(given)
+        if given not in (None, defaults.get(key), value):
+            flag = "--" + key.replace("_", "-")
+            raise UsageError(
+                f"--recipe {name} plans {flag} {_shown(value)}; drop {flag} {_shown(given)} "
+                f"or --recipe {name}"
+            )
+        values[key] = value
+    return argparse.Namespace(**values)
+
+
+def _shown(value: Any) -> str:
+    if isinstance(value, tuple):
+        return ",".join(value)
+    if isinstance(value, KernelChoice):
+        return value.name
+    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def _tiles(num_tiles: TilePolicy, budget: TilePolicy | None) -> TilePolicy:

@@ -21,7 +21,9 @@ from tiledmlp.cli.device_memory import Memory, gpu_memory, here
 from tiledmlp.cli.output import show
 from tiledmlp.cli.plan_advice import Replan, alternatives, needs_gib
 from tiledmlp.cli.plan_args import PlanArgs
+from tiledmlp.cli.plan_report import nth
 from tiledmlp.cli.stack_command import axolotl_keys, patch_call, train_flags
+from tiledmlp.config.stacks import StackRow
 from tiledmlp.plan import stack_speed
 
 __all__ = ["bottom_line", "show_bottom_line"]
@@ -106,19 +108,44 @@ def _judged(
     line["fits"] = {s: round(need[s], 2) for s in fits}
     line["does_not_fit"] = {s: round(need[s], 2) for s in stacks if s not in fits}
     line["host_short"] = sorted(host_short)
-    best = stack_speed.fastest(fits)
+    best = _fastest(fits, stacks)
     line["fastest"] = best
+    if best is not None:
+        line["time_ratio"] = round(_time_ratio(best, stacks[best]), 4)
     longest = {s: e["max_seq_len"] for s, e in stacks.items() if e.get("max_seq_len")}
     if best is None and longest:  # the search found shorter lengths that fit
         stack = max(longest, key=lambda s: longest[s])
         line["longest_that_fits"] = {"stack": stack, "seq_len": longest[stack]}
     if best is not None:
         line["train_command"] = _train_command(args, best)
-        line["patch_model"] = patch_call(best, _patch_extra(args))
-        line["axolotl"] = axolotl_keys(best)
+        row = StackRow.of(best)
+        line["patch_model"] = patch_call(row.stack, _patch_extra(args))
+        if row.every_n_layers > 1:  # transformers' checkpointing first, then the patch
+            line["patch_model"] = (
+                f"model.activation_checkpointing_enable({{'use_reentrant': False}}, "
+                f"every_n_layers={row.every_n_layers}); {line['patch_model']}"
+            )
+        line["axolotl"] = axolotl_keys(row.stack)
         if args.engine == "zero3":
             line["deepspeed_config"] = _deepspeed_config(args)
     return line
+
+
+def _fastest(fits: list[str], stacks: dict[str, Any]) -> str | None:
+    """The fastest of the rows `fits` (_time_ratio); transformers' offload rows are shown, not
+    chosen (tiledmlp train offloads with its own offloader, which owns the job beside it)."""
+    timed = [
+        s for s in fits
+        if not StackRow.of(s).transformers_offload and StackRow.of(s).stack in stack_speed.STEP_MS
+    ]  # fmt: skip
+    return min(timed, key=lambda s: _time_ratio(s, stacks[s])) if timed else None
+
+
+def _time_ratio(row: str, entry: dict[str, Any]) -> float:
+    """A row's step time over the untiled step's: its stack's measured ratio (stack_speed.py),
+    times, where it checkpoints only every N-th layer, its FLOPs over the same step's
+    checkpointing every layer (plan/recompute.py: the recompute it saves)."""
+    return stack_speed.time_ratio(StackRow.of(row).stack) * entry.get("flops_vs_every_layer", 1.0)
 
 
 def _here(cpu: PlanArgs, replan: Replan, ram: int | None) -> dict[str, Any]:
@@ -180,10 +207,13 @@ def _train_command(args: PlanArgs, stack: str) -> str:
         words += ["--memory-gb", f"{args.memory_gb:g}"]
     elif args.device != "cpu" and memory is not None and not memory.here:
         words += ["--gpu", args.gpu or _DEFAULT_GPU]
-    flags = train_flags(stack)
+    row = StackRow.of(stack)
+    flags = train_flags(row.stack)
     if args.gradient_checkpointing and "--gradient-checkpointing" not in flags:
         words.append("--gradient-checkpointing")
     words += flags
+    if row.every_n_layers > 1:
+        words += ["--every-n-layers", str(row.every_n_layers)]
     if args.num_tiles.rule != "auto":
         words += ["--num-tiles", str(args.num_tiles)]
     if p > 1:
@@ -257,10 +287,21 @@ def _show_judged(args: PlanArgs, line: dict[str, Any], label: str) -> None:
                 "over up to 8 GPUs, a larger card)"
             )
     else:
-        ratio = stack_speed.time_ratio(best)
+        row = StackRow.of(best)
+        measured = stack_speed.time_ratio(row.stack)
+        ratio = line.get("time_ratio", measured)
+        if row.every_n_layers > 1:
+            how = (
+                f"{row.stack}'s {measured:.2f}x as measured on {stack_speed.SOURCE_TEXT} "
+                f"({stack_speed.SOURCE}), times {ratio / measured:.3f}: FLOP-derived, the "
+                f"matmul FLOPs of its step checkpointing only every {nth(row.every_n_layers)} "
+                "layer over its step checkpointing every layer (less recompute; "
+                "plan/recompute.py)"
+            )
+        else:
+            how = f"as measured on {stack_speed.SOURCE_TEXT}; {stack_speed.SOURCE}"
         _wrapped(
-            f"fastest that fits: {best} (its step {ratio:.2f}x the untiled step's time as "
-            f"measured on {stack_speed.SOURCE_TEXT}; {stack_speed.SOURCE})"
+            f"fastest that fits: {best} (its step {ratio:.2f}x the untiled step's time: {how})"
         )
         show(f"  run it:  {line['train_command']}")
         if "deepspeed_config" in line:

@@ -12,7 +12,7 @@ from typing import Any
 from tiledmlp.cli.output import show
 from tiledmlp.cli.plan_args import PlanArgs
 
-__all__ = ["show_text"]
+__all__ = ["nth", "show_text"]
 
 
 def show_text(
@@ -105,13 +105,13 @@ def _show_model(args: PlanArgs, stacks: dict[str, Any]) -> None:
         + (f" split over {args.sequence_parallel_size} GPUs" if per_gpu else "")
         + f"; {_optimizer_text(args)}; {_ENGINE_TEXT[args.engine]}"
         + (" (parameters, gradients and optimizer on the host)" if args.offload_params else "")
-        + f"; checkpointing {checkpointing}; attention by PyTorch's SDPA ({_kernel_text(args)} "
+        + f"; checkpointing {checkpointing}{_rows_text(args)}; attention by PyTorch's SDPA ({_kernel_text(args)} "
         "buffers on a GPU; the flash kernel by head groups in tiled_layer); the peak counts "
         "tensors, the device overhead (memory outside the allocator, workspaces, the "
         "attention backward's buffers, the allocator's reserve with expandable segments "
         f"{'on' if args.expandable_segments else 'off'}) is given beside it, "
         "and the host memory a stack keeps (offloaded layer inputs, host optimizer states) "
-        "after it"
+        "after it" + (f"; {_RECIPE_TEXT[args.recipe]}" if args.recipe is not None else "")
     )
     head, _, assumed = text.partition("; assumes: ")
     show(head + "; assumes:")
@@ -139,6 +139,43 @@ def _show_model(args: PlanArgs, stacks: dict[str, Any]) -> None:
         )
         if "measured" in entry:
             show(f"  {'':<{width}}  {_measured_text(entry['measured'], args.memory_gb)}")
+
+
+_RECIPE_TEXT = {
+    "alst": "--recipe alst: ALST as its single-GPU recipe ran it (ArcticTraining's "
+    "run-h100-sp1-llama-8b.yml: model type liger, tiled_mlp_compute, "
+    "activation_checkpoint_cpu_offload, ZeRO-3 with offload_param and offload_optimizer on the "
+    "CPU, flash_attention_2), planned as tiled_mlp_loss_offload_norms: Liger's fused linear "
+    "cross-entropy forms no logits, as the tiled loss; Liger's RMSNorm keeps its input and one "
+    "float per token, as the tiled norms keep their input (4 bytes per token more for Liger, "
+    "only in the layer being recomputed: not counted); Liger's SwiGLU is tiled by the tiled "
+    "MLP; Liger's RoPE saves what transformers' does within one layer's recompute (not "
+    "modelled apart); the checkpointed inputs offloaded as tiledmlp's offloader does (the last "
+    "layer's stays on the device)",
+}
+
+
+def nth(n: int) -> str:
+    """2nd, 3rd, 4th, ..., 11th, 21st."""
+    last = {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{'th' if n % 100 in (11, 12, 13) else last}"
+
+
+def _rows_text(args: PlanArgs) -> str:
+    """What the rows named <stack>+every_<N> and <stack>+hf_offload plan (cli/plan_request.py)."""
+    parts = []
+    if args.every_n_layers > 1:
+        parts.append(
+            f"<stack>+every_{args.every_n_layers}: only every {nth(args.every_n_layers)} layer "
+            "checkpointed (transformers' every_n_layers), the others keep their activations"
+        )
+    if args.transformers_offload:
+        parts.append(
+            "<stack>+hf_offload: transformers' activation_checkpointing_enable(offload=True), "
+            "every checkpointed layer's input (the last one's too) in pinned host memory; "
+            "the offloading stacks have none (tiledmlp's offloader owns the job beside it)"
+        )
+    return f" ({'; '.join(parts)})" if parts else ""
 
 
 def _kernel_text(args: PlanArgs) -> str:

@@ -12,7 +12,7 @@ from typing import Any
 from tiledmlp.cli.common import UsageError
 from tiledmlp.cli.plan_args import PlanArgs
 
-__all__ = ["model_config_of", "model_request_of", "run_options", "step_of"]
+__all__ = ["model_config_of", "model_request_of", "rows_of", "run_options", "step_of"]
 
 
 def model_request_of(args: PlanArgs) -> Any:
@@ -43,6 +43,8 @@ def run_options(args: PlanArgs) -> Any:
         values["attention_kernel"] = args.attention_kernel.name
     if args.sequence_parallel_size > 1:
         values["sequence_parallel_size"] = args.sequence_parallel_size
+    if args.every_n_layers > 1:  # train's check: it needs --gradient-checkpointing
+        values["every_n_layers"] = args.every_n_layers
     try:
         return options_from(values)
     except ValueError as e:
@@ -88,3 +90,22 @@ def model_config_of(args: PlanArgs) -> Any:
 
         return llama_config(**model.preset)
     return config
+
+
+def rows_of(args: PlanArgs, stacks: tuple[str, ...]) -> tuple[str, ...]:
+    """The plan's rows for `stacks` (config/stacks.py's StackRow names), planned over a step
+    checkpointing every layer without transformers' offload: each stack; with --every-n-layers
+    N > 1, each stack every N-th layer; with --transformers-offload, each stack that does not
+    offload with tiledmlp's offloader (where it does, that one owns the job: the stack's own
+    row), with transformers' offload (and every N-th layer)."""
+    from tiledmlp.config.stacks import STACK_PATCHES, StackRow
+
+    everies = (1, args.every_n_layers) if args.every_n_layers > 1 else (1,)
+    rows = []
+    for stack in stacks:
+        patch = STACK_PATCHES[stack]
+        offloads: tuple[bool, ...] = (False,)
+        if args.transformers_offload and not (patch is not None and patch.activation_offloading):
+            offloads = (False, True)
+        rows += [StackRow(stack, n, o).name for o in offloads for n in everies]
+    return tuple(rows)

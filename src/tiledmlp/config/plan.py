@@ -50,6 +50,14 @@ class StepSpec:
         attention_kernel: the kernel whose backward buffers a GPU's attention calls get, a
             KernelChoice of one kernel (a name is taken too; "cudnn", SDPA's choice on Hopper;
             ops/attention/buffers.py).
+        every_n_layers: N > 1: where the step checkpoints, only every N-th decoder layer is
+            checkpointed (layers 0, N, 2N, ...: transformers'
+            activation_checkpointing_enable(every_n_layers=N)); the others keep their
+            activations.
+        transformers_offload: the checkpointed layers' inputs held in host memory by
+            transformers' activation_checkpointing_enable(offload=True) (checkpointing on);
+            where the stack offloads with tiledmlp's offloader, that one owns the job instead
+            (patching/features/activation_offloading.py, Note [One offloader]).
     """
 
     seq_len: int
@@ -64,6 +72,8 @@ class StepSpec:
     sequence_parallel_size: int = 1
     expandable_segments: bool = True
     attention_kernel: KernelChoice = KernelChoice("cudnn")  # noqa: RUF009 (frozen: shared safely)
+    every_n_layers: int = 1
+    transformers_offload: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.tiles, TilePolicy):
@@ -86,6 +96,7 @@ class StepSpec:
             )
         check_int("world", self.world)
         check_int("sequence_parallel_size", self.sequence_parallel_size)
+        check_int("every_n_layers", self.every_n_layers)
 
     @property
     def sharded(self) -> bool:

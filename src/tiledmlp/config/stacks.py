@@ -12,11 +12,12 @@ measurement always describe the same model.
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 
 from tiledmlp.config.patch import FEATURES, PatchConfig
 from tiledmlp.ops.tiling.policy import TilePolicy
 
-__all__ = ["STACKS", "STACK_PATCHES", "stack_keywords", "stack_of", "stack_patch"]
+__all__ = ["STACKS", "STACK_PATCHES", "StackRow", "stack_keywords", "stack_of", "stack_patch"]
 
 STACK_PATCHES: dict[str, PatchConfig | None] = {
     "untiled": None,
@@ -81,3 +82,48 @@ def stack_keywords(stack: str) -> dict[str, bool] | None:
     if patch is None:
         return None
     return {f: True for f in _ADDED if f != "tiled_mlp" and getattr(patch, f)}
+
+
+_HF_OFFLOAD, _EVERY = "+hf_offload", "+every_"
+
+
+@dataclass(frozen=True)
+class StackRow:
+    """A row of the whole-model plan: a named stack, with transformers' own checkpointing
+    options where set (its name, the plan's JSON key: "<stack>[+hf_offload][+every_<N>]").
+
+    Attributes:
+        stack: one of STACKS.
+        every_n_layers: N > 1: only every N-th decoder layer checkpointed
+            (activation_checkpointing_enable(every_n_layers=N)).
+        transformers_offload: transformers' activation_checkpointing_enable(offload=True).
+    """
+
+    stack: str
+    every_n_layers: int = 1
+    transformers_offload: bool = False
+
+    @property
+    def name(self) -> str:
+        every = f"{_EVERY}{self.every_n_layers}" if self.every_n_layers > 1 else ""
+        return f"{self.stack}{_HF_OFFLOAD if self.transformers_offload else ''}{every}"
+
+    @classmethod
+    def of(cls, name: str) -> StackRow:
+        """The row named `name`.
+
+        Raises:
+            ValueError: not a stack name with optional +hf_offload and +every_<N> (N > 1).
+        """
+        stack, every, offload = name, 1, False
+        if _EVERY in stack:
+            stack, _, n = stack.rpartition(_EVERY)
+            every = int(n) if n.isdigit() and int(n) > 1 else 0
+        if stack.endswith(_HF_OFFLOAD):
+            stack, offload = stack[: -len(_HF_OFFLOAD)], True
+        if stack not in STACK_PATCHES or every == 0:
+            raise ValueError(
+                f"a plan's row is a stack ({', '.join(STACKS)}) with optional {_HF_OFFLOAD} and "
+                f"{_EVERY}<N> (N > 1), e.g. tiled_mlp_loss{_HF_OFFLOAD}{_EVERY}2; got {name!r}"
+            )
+        return cls(stack, every, offload)

@@ -69,8 +69,10 @@ def estimate_step(
     check_engine(step.engine, offload_params=step.offload_params, optimizer=step.optimizer)
     simulated = dataclasses.replace(
         step,
-        # activation offloading needs checkpointing and turns it on
-        checkpointing=step.checkpointing or (patch is not None and patch.activation_offloading),
+        # activation offloading (ours or transformers') needs checkpointing and turns it on
+        checkpointing=step.checkpointing
+        or step.transformers_offload
+        or (patch is not None and patch.activation_offloading),
         optimizer="none" if step.sharded else step.optimizer,  # the engine's: engines.py
     )
     # repeated tiles run once; the allocator replays the loops' whole trace, rebuilt
@@ -82,7 +84,12 @@ def estimate_step(
         run = functools.partial(run, build_from=_shorts(config, simulated, depth))
     # the line through 5 and 6 layers holds where the layers past the fifth repeat its fourth
     types = getattr(config.get_text_config(), "layer_types", None)
-    est = _simulated(run, depth, exact or whole or not _built_alike(types, SHORT, depth))
+    every = simulated.every_n_layers if simulated.checkpointing else 1
+    if every > 1:  # the layers alternate: a line in whole periods (Note [Every N-th layer])
+        mixed = isinstance(types, list) and len(set(types[:depth])) > 1
+        est = _periodic(run, depth, every, exact or whole or mixed)
+    else:
+        est = _simulated(run, depth, exact or whole or not _built_alike(types, SHORT, depth))
     return _with_engine(config, step, est) if step.sharded else est
 
 
@@ -144,6 +151,32 @@ def _simulated(run: Any, depth: int, exact: bool) -> StepEstimate:
     # the blocks held for the offloader's copies grow with the layers offloaded: along the line
     a, b = short.head.reclaimable, longer.head.reclaimable
     reclaimable = max(a, b, a + (depth - SHORT) * (b - a))
+    return dataclasses.replace(est, reserve=pressed + reclaimable, reclaimable=reclaimable)
+
+
+def _periodic(run: Any, depth: int, every: int, exact: bool) -> StepEstimate:
+    """The simulated peak of the whole depth where only every `every`-th layer is checkpointed
+    (estimate_step), extrapolated unless `exact`.
+
+    Note [Every N-th layer]: layers 0, N, 2N, ... are checkpointed, the others keep their
+    activations: the layers repeat with period N, not 1. Two steps whose depths differ by N
+    and leave the same remainder as the model's (so that their last layers are checkpointed
+    as the model's are) give a line in whole periods through the head and tail segments;
+    deeper.py, which repeats one layer, builds none of them (each is simulated). Where the
+    middle segment peaks above both ends (a checkpointed layer only in the middle), or the
+    model's layer types differ, every layer is simulated."""
+    short = SHORT + (depth - SHORT) % every
+    if exact or depth <= short + every:
+        return larger(run(depth))
+    first, second = run(short), run(short + every)
+    if second.middle.peak > max(second.head.peak, second.tail.peak):
+        return larger(run(depth))
+    head = extrapolate(first.head, second.head, depth, short_layers=short, period=every)
+    tail = extrapolate(first.tail, second.tail, depth, short_layers=short, period=every)
+    est = larger(Segments(head, head, tail))
+    pressed = max(e.head.reserve - e.head.reclaimable for e in (first, second))
+    a, b = first.head.reclaimable, second.head.reclaimable
+    reclaimable = max(a, b, a + (depth - short) // every * (b - a))
     return dataclasses.replace(est, reserve=pressed + reclaimable, reclaimable=reclaimable)
 
 

@@ -26,6 +26,7 @@ from tiledmlp.patching.features.activation_offloading import enable_checkpointin
 from tiledmlp.plan.apply_stack import apply_stack, build_model, decoder_layers_of, decoder_of
 from tiledmlp.plan.device_overhead import CUBLAS_WORKSPACES, device_overhead
 from tiledmlp.plan.forked import beside
+from tiledmlp.plan.native_offload import host_offload
 from tiledmlp.plan.sim.caching_allocator import HOLD, reserve_beyond_peak
 from tiledmlp.plan.sim.deeper import deeper
 from tiledmlp.plan.sim.exchange import register_exchanged
@@ -62,7 +63,10 @@ def prepare(config: Any, layers: int, patch: PatchConfig | None, step: StepSpec)
             patch = dataclasses.replace(patch, attention_kernel=step.attention_kernel)
         apply_stack(model, hidden, patch)
     if step.checkpointing:
-        enable_checkpointing(model)
+        every = step.every_n_layers
+        enable_checkpointing(model, every_n_layers=every, offload=step.transformers_offload)
+        if offloader_of(model) is None:  # else tiledmlp's offloader sets transformers' aside
+            host_offload(model)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = None
     if step.optimizer == "adamw":
@@ -110,6 +114,8 @@ def simulate(
         _finish, checkpointing=step.checkpointing, cut_tiles=cut_tiles,
         expandable=step.expandable_segments, full_card=full_card,
     )  # fmt: skip
+    if step.every_n_layers > 1:  # deeper.py repeats one layer: the layers alternate here
+        build_from = ()
     for short in build_from if not deeper_too else ():
         built = deeper(run(short)[0], layers - short) if MARKED <= short < layers else None
         if built is not None:
@@ -117,7 +123,7 @@ def simulate(
     record, held = run(layers)
     if not deeper_too:
         return finish(record, held)
-    ahead = deeper(record)
+    ahead = deeper(record) if step.every_n_layers == 1 else None
     if ahead is None:
         more, more_held = run(layers + 1)
     else:

@@ -28,14 +28,15 @@ import torch
 
 from tiledmlp.config.patch import PatchConfig
 from tiledmlp.config.plan import StepSpec
-from tiledmlp.config.stacks import STACKS, stack_patch
+from tiledmlp.config.stacks import STACKS, StackRow, stack_patch
 from tiledmlp.ops.attention.buffers import KernelChoice
-from tiledmlp.ops.offloading.host_memory import offload_bytes
 from tiledmlp.plan.device_overhead import DeviceOverhead, device_overhead
 from tiledmlp.plan.engines import ENGINES, GPUS_PER_NODE, check_engine, engine_memory
 from tiledmlp.plan.estimate import OPTIMIZERS, estimate_step, param_counts
 from tiledmlp.plan.forked import default_processes, run_jobs
 from tiledmlp.plan.kernel_choice import best_entry, kernels_to_try
+from tiledmlp.plan.native_offload import offloaded_bytes
+from tiledmlp.plan.recompute import checkpointing_flop_ratio
 from tiledmlp.plan.search import UPPER, fits, max_seq_len
 from tiledmlp.plan.sim.segments import CATEGORIES, GROWING, StepEstimate
 from tiledmlp.sequence_parallel.attention import kv_repeat
@@ -97,6 +98,10 @@ def plan_model(
     longest sequence are planned above it and the longest kept (plan/kernel_choice.py: the
     entry then carries "attention_kernel", and "max_seq_len_by_kernel" and
     "kernels_no_longer" where another kernel was tried).
+    A name in `stacks` may be a row (config/stacks.py's StackRow: "<stack>+hf_offload+every_2"):
+    the stack with transformers' offload and every_n_layers set over `step`'s; an entry whose
+    step checkpoints only every N-th layer carries "flops_vs_every_layer", its step's FLOPs over
+    the same step's checkpointing every layer (plan/recompute.py).
 
     "peak_mib" is tensor-level; "device_overhead_mib" is what the process holds on the device
     beside the tensors (plan/device_overhead.py, per term in "device_overhead_breakdown_mib";
@@ -116,12 +121,13 @@ def plan_model(
     p = step.sequence_parallel_size
     check_sequence_divisible(step.seq_len, p, seq_name="seq_len")
     check_engine(step.engine, offload_params=step.offload_params, optimizer=step.optimizer)
-    patches = {stack: stack_patch(stack, step.tiles) for stack in stacks}
+    rows = {name: StackRow.of(name) for name in stacks}  # a stack's name is its own row
+    patches = {name: stack_patch(row.stack, step.tiles) for name, row in rows.items()}
     auto = auto_kernel and budget_bytes is not None and step.device_type == "cuda"
     search = _Search(budget_bytes, granularity, _whole(step), auto_kernel=auto)
     above = {} if search_above is None or budget_bytes is None else search_above
     jobs = [
-        (config, stack, patches[stack], i, len(stacks), dataclasses.replace(step, world=p),
+        (config, stack, patches[stack], i, len(stacks), _row_step(step, rows[stack], p),
          dataclasses.replace(search, above=above.get(stack)),
          {} if known_peaks is None else known_peaks.get(stack, {}))
         for i, stack in enumerate(stacks, 1)
@@ -135,6 +141,15 @@ def plan_model(
         if known_peaks is not None:
             known_peaks.setdefault(stack, {}).update(known)
     return out
+
+
+def _row_step(step: StepSpec, row: StackRow, world: int) -> StepSpec:
+    """`step` of one row (on `world` GPUs): the row's transformers options over the step's."""
+    every = row.every_n_layers if row.every_n_layers > 1 else step.every_n_layers
+    offload = step.transformers_offload or row.transformers_offload
+    return dataclasses.replace(
+        step, world=world, every_n_layers=every, transformers_offload=offload
+    )
 
 
 def _whole(step: StepSpec) -> bool:
@@ -250,6 +265,9 @@ def _plan_stack(
         )  # fmt: skip
     entry = _device_entry(est, overhead)
     entry.update(_host_entry(config, local, patch))
+    if est.checkpointing and step.every_n_layers > 1:  # the recompute it saves, in FLOPs
+        ratio = checkpointing_flop_ratio(config, local.seq_len, patch, step.every_n_layers)
+        entry["flops_vs_every_layer"] = round(ratio, 4)
     if search.budget_bytes is not None:
         logger.info(
             "%s: searching the longest sequence within %.1f GiB",
@@ -315,15 +333,18 @@ def _host_entry(config: Any, local: StepSpec, patch: PatchConfig | None) -> dict
 
 def host_breakdown(config: Any, step: StepSpec, patch: PatchConfig | None) -> dict[str, int]:
     """Host bytes of one GPU's `step` (`step.seq_len` local tokens) with `patch`'s features,
-    by what they hold (module docstring, "host"): "checkpoints" (offloaded layer inputs),
+    by what they hold (module docstring, "host"): "checkpoints" (offloaded layer inputs: of
+    the checkpointed layers, `step.every_n_layers`, by tiledmlp's offloader or transformers'),
     "params", "grads", "optimizer"."""
     text = config.get_text_config()
     elem = torch.empty((), dtype=step.dtype).element_size()
     out = {"checkpoints": 0, "params": 0, "grads": 0, "optimizer": 0}
-    if patch is not None and patch.activation_offloading:
-        out["checkpoints"] = offload_bytes(
-            int(text.num_hidden_layers), step.seq_len, int(text.hidden_size), elem
-        )
+    ours = patch is not None and patch.activation_offloading
+    if ours or step.transformers_offload:  # ours owns the job where both are on
+        out["checkpoints"] = offloaded_bytes(
+            int(text.num_hidden_layers), step.seq_len, int(text.hidden_size), elem,
+            every_n_layers=step.every_n_layers, ours=ours,
+        )  # fmt: skip
     if step.engine != "ddp":
         counts = param_counts(config)
         held = engine_memory(

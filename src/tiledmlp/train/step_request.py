@@ -197,5 +197,6 @@ def step_request(opts: TrainOptions, where: Placement | None = None) -> StepRequ
         offload_params=where.offload_params,
         expandable_segments=where.expandable_segments,
         attention_kernel=KernelChoice("cudnn" if kernel == "auto" else kernel),
+        every_n_layers=opts.every_n_layers,
     )
     return StepRequest(model, stack, step)

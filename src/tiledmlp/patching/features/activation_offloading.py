@@ -128,24 +128,32 @@ def native_offload_layers(model: nn.Module) -> int:
     )
 
 
-def enable_checkpointing(model: Any, *, reentrant: bool = False, every_n_layers: int = 1) -> None:
+def enable_checkpointing(
+    model: Any, *, reentrant: bool = False, every_n_layers: int = 1, offload: bool = False
+) -> None:
     """Turns on a Hugging Face model's own checkpointing, non-reentrant by default (the current
     transformers name first, the deprecated one on older versions); with `every_n_layers` N > 1,
-    of every N-th decoder layer only (transformers 5.25 and later).
+    of every N-th decoder layer only; with `offload`, transformers' own offloading of the
+    checkpointed inputs (both transformers 5.25 and later).
 
     Raises:
-        ValueError: every_n_layers > 1 on a transformers without it.
+        ValueError: every_n_layers > 1 or offload on a transformers without them.
     """
     kwargs = {"use_reentrant": reentrant}
     enable = getattr(model, "activation_checkpointing_enable", None)
-    if every_n_layers != 1:
-        if enable is None or "every_n_layers" not in inspect.signature(enable).parameters:
+    if every_n_layers != 1 or offload:
+        asked = {"every_n_layers": every_n_layers, "offload": offload}
+        missing = [
+            k for k in asked if enable is None or k not in inspect.signature(enable).parameters
+        ]
+        if missing or enable is None:
             raise ValueError(
-                f"every_n_layers={every_n_layers}: {type(model).__name__}'s "
-                "activation_checkpointing_enable has no every_n_layers (transformers 5.25 and "
-                "later have it); upgrade transformers or checkpoint every layer"
+                f"{', '.join(f'{k}={asked[k]}' for k in missing)}: {type(model).__name__}'s "
+                f"activation_checkpointing_enable has no {' or '.join(missing)} (transformers "
+                "5.25 and later have them); upgrade transformers or checkpoint every layer "
+                "on the device"
             )
-        enable(kwargs, every_n_layers=every_n_layers)
+        enable(kwargs, **{k: v for k, v in asked.items() if k == "every_n_layers" or v})
     elif enable is not None:
         enable(kwargs)
     else:

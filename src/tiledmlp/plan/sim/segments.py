@@ -76,12 +76,17 @@ def larger(s: Segments) -> StepEstimate:
     return dataclasses.replace(top, attention=with_buffers - top.peak)
 
 
-def extrapolate(short: StepEstimate, longer: StepEstimate, depth: int) -> StepEstimate:
-    """From SHORT and SHORT + 1 layers to `depth`, along the line through the two (the peak
-    with the attention buffers too: both moments hold one more layer's state per layer)."""
+def extrapolate(
+    short: StepEstimate, longer: StepEstimate, depth: int, *, short_layers: int = SHORT,
+    period: int = 1,
+) -> StepEstimate:  # fmt: skip
+    """From `short_layers` and `short_layers` + `period` layers (SHORT and SHORT + 1 unless
+    given; `depth` - `short_layers` a multiple of `period`) to `depth`, along the line through
+    the two (the peak with the attention buffers too: both moments hold one more layer's (or
+    period's) state per layer (period))."""
 
     def line(a: int, b: int) -> int:
-        return a + (depth - SHORT) * (b - a)
+        return a + (depth - short_layers) // period * (b - a)
 
     breakdown = {k: line(short.breakdown[k], longer.breakdown[k]) for k in CATEGORIES}
     # no reserve: the allocator's does not follow a line in the depth (which blocks a later
