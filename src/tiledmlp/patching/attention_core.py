@@ -35,9 +35,26 @@ _ACTIVE = contextvars.ContextVar("tiledmlp_attention_by_heads", default=False)
 BY_HEADS = "sdpa"  # the attention implementation run by head groups
 
 
+class _TracedDepth:
+    """How deep in by_heads() a graph torch.compile traces is: dynamo cannot read or set a
+    context variable, and traces (and replays) this attribute's changes instead."""
+
+    depth = 0
+
+
+_TRACED = _TracedDepth()
+
+
 @contextlib.contextmanager
 def by_heads() -> Iterator[None]:
     """Within: "sdpa" resolves to sdpa_by_heads through the attention backend."""
+    if torch.compiler.is_compiling():
+        _TRACED.depth += 1
+        try:
+            yield
+        finally:
+            _TRACED.depth -= 1
+        return
     token = _ACTIVE.set(True)
     try:
         yield
@@ -47,6 +64,8 @@ def by_heads() -> Iterator[None]:
 
 def active() -> bool:
     """Whether the calling code runs inside by_heads()."""
+    if torch.compiler.is_compiling():
+        return _TRACED.depth > 0
     return _ACTIVE.get()
 
 
