@@ -103,17 +103,16 @@ def test_qwen3_moe_patched_is_one_graph() -> None:
     assert frames == 1
 
 
-@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointed"])
-def test_tiled_layers_are_one_graph(checkpointing: bool) -> None:
-    # The blocks trace as per-tile checkpoints, the attention core by heads as its autograd
-    # Function (tests/ops/test_library.py); nothing mutates state inside a checkpoint.
-    keywords = {"tiled_layers": True}
+def test_tiled_layers_under_checkpointing_are_one_graph() -> None:
+    # The blocks trace as per-tile checkpoints inside the layer's checkpoint, the attention as
+    # one SDPA call (without checkpointing: tests/patching/test_attention_core.py).
     frames = _compiled_against_eager(
-        "llama", keywords, "aot_eager", checkpointing=checkpointing, layers=1
+        "llama", {"tiled_layers": True}, "aot_eager", checkpointing=True, layers=1
     )
     assert frames == 1
 
 
+@pytest.mark.slow
 def test_offloading_compiles_in_five_graphs_for_one_layer() -> None:
     # Activation offloading enters saved_tensors_hooks around each checkpointed layer, whose
     # __init__ dynamo refuses to trace (torch.autograd is on its skip list): graph breaks around

@@ -75,6 +75,17 @@ def _hf_sdpa() -> Callable[..., Any]:
     return sdpa_attention_forward  # type: ignore[no-any-return]
 
 
+# Note [The attention plan under torch.compile]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# The plan asks torch which kernel SDPA would select (an int dynamo does not trace) and
+# self-checks a kernel by running it once per device, dtype and head size: neither can be
+# traced, and a graph torch.compile traces holds fake tensors that the planner's branch would
+# take for its own. So a traced call runs as one group, transformers' sdpa, which the compiler
+# lowers itself: the layer stays one graph, exact, with SDPA's own backward buffers (where
+# eager runs by heads, CUDA at long sequences, those are larger). The core itself traces
+# group by group (tests/ops/test_library.py), should a traceable plan ever reach it.
+
+
 def plan_for(
     module: Any,
     query: torch.Tensor,
@@ -99,6 +110,8 @@ def plan_for(
     ):
         return 1, None
 
+    if torch.compiler.is_compiling():
+        return 1, None  # See Note [The attention plan under torch.compile]
     # On fake tensors (the planner) the op is planned with the device type's flash kernel, as
     # it runs on the device it stands for; elsewhere with the kernel SDPA would select that
     # passed its self-check (a call that stays one group checks nothing).
