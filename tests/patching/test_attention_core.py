@@ -146,7 +146,7 @@ def test_compiled_tiled_layer_runs_its_attention_as_one_sdpa_call(
     model = _model()
     del model.model.layers[1:]
     model.config.num_hidden_layers = 1
-    patch_model(model, num_tiles=3, tiled_layers=True)
+    patch_model(model, num_tiles=2, tiled_layers=True)
     compiled_model = copy.deepcopy(model)
     ids = _ids()
     calls.clear()

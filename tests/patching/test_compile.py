@@ -103,6 +103,7 @@ def test_qwen3_moe_patched_is_one_graph() -> None:
     assert frames == 1
 
 
+@pytest.mark.slow  # ~10 s; the quick representative: tests/patching/test_attention_core.py
 def test_tiled_layers_under_checkpointing_are_one_graph() -> None:
     # The blocks trace as per-tile checkpoints inside the layer's checkpoint, the attention as
     # one SDPA call (without checkpointing: tests/patching/test_attention_core.py).
