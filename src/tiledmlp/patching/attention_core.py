@@ -35,25 +35,12 @@ _ACTIVE = contextvars.ContextVar("tiledmlp_attention_by_heads", default=False)
 BY_HEADS = "sdpa"  # the attention implementation run by head groups
 
 
-class _TracedDepth:
-    """How deep in by_heads() a graph torch.compile traces is: dynamo cannot read or set a
-    context variable, and traces (and replays) this attribute's changes instead."""
-
-    depth = 0
-
-
-_TRACED = _TracedDepth()
-
-
 @contextlib.contextmanager
 def by_heads() -> Iterator[None]:
-    """Within: "sdpa" resolves to sdpa_by_heads through the attention backend."""
-    if torch.compiler.is_compiling():
-        _TRACED.depth += 1
-        try:
-            yield
-        finally:
-            _TRACED.depth -= 1
+    """Within: "sdpa" resolves to sdpa_by_heads through the attention backend (in a graph
+    torch.compile traces, nothing changes: See Note [The attention plan under torch.compile])."""
+    if torch.compiler.is_compiling():  # dynamo cannot set a context variable
+        yield
         return
     token = _ACTIVE.set(True)
     try:
@@ -63,10 +50,8 @@ def by_heads() -> Iterator[None]:
 
 
 def active() -> bool:
-    """Whether the calling code runs inside by_heads()."""
-    if torch.compiler.is_compiling():
-        return _TRACED.depth > 0
-    return _ACTIVE.get()
+    """Whether the calling code runs inside by_heads() (never in a traced graph)."""
+    return not torch.compiler.is_compiling() and _ACTIVE.get()
 
 
 def _hf_sdpa() -> Callable[..., Any]:
@@ -80,10 +65,11 @@ def _hf_sdpa() -> Callable[..., Any]:
 # The plan asks torch which kernel SDPA would select (an int dynamo does not trace) and
 # self-checks a kernel by running it once per device, dtype and head size: neither can be
 # traced, and a graph torch.compile traces holds fake tensors that the planner's branch would
-# take for its own. So a traced call runs as one group, transformers' sdpa, which the compiler
-# lowers itself: the layer stays one graph, exact, with SDPA's own backward buffers (where
-# eager runs by heads, CUDA at long sequences, those are larger). The core itself traces
-# group by group (tests/ops/test_library.py), should a traceable plan ever reach it.
+# take for its own. So in a traced graph by_heads() changes nothing and "sdpa" is transformers'
+# sdpa, one call the compiler lowers itself: the layer stays one graph, exact, with SDPA's own
+# backward buffers (where eager runs by heads, CUDA at long sequences, those are larger). The
+# core itself traces group by group (tests/ops/test_library.py), should a traceable plan ever
+# reach it.
 
 
 def plan_for(
@@ -107,11 +93,10 @@ def plan_for(
         or any(kwargs.get(k) is not None for k in ("position_bias", "softcap", "cache"))
         or kwargs.get("output_attentions")
         or unsupported(query, key, value) is not None
+        or torch.compiler.is_compiling()  # See Note [The attention plan under torch.compile]
     ):
         return 1, None
 
-    if torch.compiler.is_compiling():
-        return 1, None  # See Note [The attention plan under torch.compile]
     # On fake tensors (the planner) the op is planned with the device type's flash kernel, as
     # it runs on the device it stands for; elsewhere with the kernel SDPA would select that
     # passed its self-check (a call that stays one group checks nothing).
