@@ -22,8 +22,9 @@ from tiledmlp.config.stacks import stack_keywords
 
 from conftest import assert_close_rel
 
-# The fullest stack that compiles with fullgraph=True: activation offloading installs saved-
-# tensor hooks, which dynamo does not trace (see test_offloading_compiles_with_graph_breaks).
+# The stack the families compile with fullgraph=True (tiled layers: their own tests below);
+# activation offloading's saved-tensor hooks are not traced by dynamo (see
+# test_offloading_compiles_in_five_graphs_for_one_layer).
 FULLGRAPH_KEYWORDS = {"tiled_loss": True, "tiled_norms": True}
 
 
@@ -125,3 +126,5 @@ def test_offloading_compiles_in_five_graphs_for_one_layer() -> None:
     reasons = dict(counters["graph_break"])
     assert frames == 5, reasons
     assert reasons and all("saved_tensors_hooks.__init__" in reason for reason in reasons), reasons
+    with pytest.raises(torch._dynamo.exc.Unsupported, match="saved_tensors_hooks"):
+        _compiled_against_eager("llama", keywords, "aot_eager", checkpointing=True, layers=1)
