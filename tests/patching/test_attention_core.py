@@ -136,3 +136,29 @@ def test_the_attention_backend_resolves_sdpa_by_heads_inside_a_tiled_layer_only(
         assert HF_ATTENTION.function("sdpa") is sdpa_by_heads
         assert HF_ATTENTION.function("flex_attention") is ALL_ATTENTION_FUNCTIONS["flex_attention"]
     assert HF_ATTENTION.function("sdpa") is ALL_ATTENTION_FUNCTIONS["sdpa"]
+
+
+def test_compiled_tiled_layer_runs_its_attention_as_one_sdpa_call(
+    calls: list[int], small_groups: None
+) -> None:
+    # Note [The attention plan under torch.compile]: the plan cannot be traced, so a compiled
+    # layer calls SDPA whole where eager splits the heads; one graph, exact.
+    model = _model()
+    del model.model.layers[1:]
+    model.config.num_hidden_layers = 1
+    patch_model(model, num_tiles=2, tiled_layers=True)
+    compiled_model = copy.deepcopy(model)
+    ids = _ids()
+    calls.clear()
+    ref = model(input_ids=ids, labels=ids, use_cache=False).loss
+    ref.backward()
+    assert calls == [4]  # eager: by heads
+    calls.clear()
+    torch._dynamo.reset()
+    compiled = torch.compile(compiled_model, backend="aot_eager", fullgraph=True)
+    loss = compiled(input_ids=ids, labels=ids, use_cache=False).loss
+    loss.backward()
+    assert calls == []
+    assert_close_rel(loss, ref, "loss")
+    for (name, p), q in zip(compiled_model.named_parameters(), model.parameters()):
+        assert_close_rel(p.grad, q.grad, name)

@@ -13,6 +13,11 @@ Functions; the operators run the same tile math.
     tiledmlp::lm_head_loss     the tiled LM-head cross-entropy reduced by "mean" / "sum"
                                (ops/loss/operator.py)
 
+Traced instead, by decision (tests/ops/test_library.py holds each): the tiled norms (the
+generic path's per-tile checkpoints, any norm class; the compiled step saves only the norm's
+input and weight) and the attention core by heads (its autograd Function, traced group by
+group; its plan is not traceable: patching/attention_core.py).
+
 Each operator is defined beside its op, whose compiled path imports it; importing this module
 registers them all. Invariant: an operator takes tensors, ints, floats, bools, strings and lists
 of them (the tile plan is a list of split sizes, computed once by the caller); nothing else

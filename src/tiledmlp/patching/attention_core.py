@@ -37,7 +37,11 @@ BY_HEADS = "sdpa"  # the attention implementation run by head groups
 
 @contextlib.contextmanager
 def by_heads() -> Iterator[None]:
-    """Within: "sdpa" resolves to sdpa_by_heads through the attention backend."""
+    """Within: "sdpa" resolves to sdpa_by_heads through the attention backend (in a graph
+    torch.compile traces, nothing changes: See Note [The attention plan under torch.compile])."""
+    if torch.compiler.is_compiling():  # dynamo cannot set a context variable
+        yield
+        return
     token = _ACTIVE.set(True)
     try:
         yield
@@ -46,14 +50,26 @@ def by_heads() -> Iterator[None]:
 
 
 def active() -> bool:
-    """Whether the calling code runs inside by_heads()."""
-    return _ACTIVE.get()
+    """Whether the calling code runs inside by_heads() (never in a traced graph)."""
+    return not torch.compiler.is_compiling() and _ACTIVE.get()
 
 
 def _hf_sdpa() -> Callable[..., Any]:
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     return sdpa_attention_forward  # type: ignore[no-any-return]
+
+
+# Note [The attention plan under torch.compile]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# The plan asks torch which kernel SDPA would select (an int dynamo does not trace) and
+# self-checks a kernel by running it once per device, dtype and head size: neither can be
+# traced, and a graph torch.compile traces holds fake tensors that the planner's branch would
+# take for its own. So in a traced graph by_heads() changes nothing and "sdpa" is transformers'
+# sdpa, one call the compiler lowers itself: the layer stays one graph, exact, with SDPA's own
+# backward buffers (where eager runs by heads, CUDA at long sequences, those are larger). The
+# core itself traces group by group (tests/ops/test_library.py), should a traceable plan ever
+# reach it.
 
 
 def plan_for(
@@ -77,6 +93,7 @@ def plan_for(
         or any(kwargs.get(k) is not None for k in ("position_bias", "softcap", "cache"))
         or kwargs.get("output_attentions")
         or unsupported(query, key, value) is not None
+        or torch.compiler.is_compiling()  # See Note [The attention plan under torch.compile]
     ):
         return 1, None
 

@@ -49,6 +49,14 @@ def _guard(mlp: nn.Module) -> Iterator[None]:
         active.discard(id(mlp))
 
 
+# Note [UntiledCall under torch.compile]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A graph torch.compile traces takes tiled_mlp's traced path (ops/mlp/traced.py), which never
+# reads running_untiled: the guard would guard nothing there, and its set, mutated inside a
+# per-tile checkpoint, is a side effect dynamo refuses inside the checkpoint (a graph break per
+# tile). Traced calls run the forward without it.
+
+
 class UntiledCall:
     """Calls `forward` (default: the module itself) as the module's untiled computation.
 
@@ -63,6 +71,9 @@ class UntiledCall:
         self.forward = forward if forward is not None else mlp
 
     def __call__(self, *args: torch.Tensor) -> Any:
+        if torch.compiler.is_compiling():
+            # See Note [UntiledCall under torch.compile]
+            return self.forward(*args)
         with _guard(self.mlp):
             return self.forward(*args)
 
