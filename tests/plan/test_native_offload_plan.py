@@ -24,6 +24,7 @@ from tiledmlp import patch_model
 from tiledmlp.bench.memory import peak_bytes, tensor_bytes
 from tiledmlp.config.plan import StepSpec
 from tiledmlp.config.stacks import stack_patch
+from tiledmlp.ops.tiling.policy import TilePolicy
 from tiledmlp.patching.features.activation_offloading import offloader_of
 from tiledmlp.plan.estimate import estimate_step
 from tiledmlp.plan.model import host_breakdown
@@ -40,7 +41,7 @@ SMALL = {
     "num_key_value_heads": 2,
     "use_cache": False,
 }
-TILES = 4
+TILES = TilePolicy.of(4)
 TOLERANCE = 0.01  # as test_plan_model.py's comparison with the real tensor-level peak
 
 
@@ -87,7 +88,7 @@ def host(monkeypatch: pytest.MonkeyPatch) -> _HostBuffers:
 
 def _step_spec(seq: int, every: int) -> StepSpec:
     return StepSpec(seq_len=seq, dtype=torch.float32, checkpointing=True, optimizer="none",
-                    num_tiles=TILES, device_type="cpu", every_n_layers=every,
+                    tiles=TILES, device_type="cpu", every_n_layers=every,
                     transformers_offload=True)  # fmt: skip
 
 
@@ -163,7 +164,7 @@ def test_the_host_copy_lowers_the_device_peak_by_what_it_moves() -> None:
     # inputs to the host; ours, beside it, owns the job and plans as it does alone
     cfg, seq = _config(), 8192
     stay = dict(seq_len=seq, dtype=torch.float32, checkpointing=True, optimizer="none",
-                num_tiles=TILES, device_type="cpu")  # fmt: skip
+                tiles=TILES, device_type="cpu")  # fmt: skip
     patch = stack_patch("tiled_mlp_loss", TILES)
     kept = estimate_step(cfg, StepSpec(**stay), patch)
     moved = estimate_step(cfg, StepSpec(**stay, transformers_offload=True), patch)
@@ -183,9 +184,9 @@ def test_every_n_layers_extrapolation_equals_simulating_every_layer(
 ) -> None:
     cfg = _config(num_hidden_layers=layers)
     step = StepSpec(seq_len=512, checkpointing=True, optimizer="adamw", every_n_layers=every,
-                    num_tiles=2, device_type="cpu")  # fmt: skip
-    fast = estimate_step(cfg, step, stack_patch(stack, 2))
-    exact = estimate_step(cfg, step, stack_patch(stack, 2), exact=True)
+                    tiles=TilePolicy.of(2), device_type="cpu")  # fmt: skip
+    fast = estimate_step(cfg, step, stack_patch(stack, TilePolicy.of(2)))
+    exact = estimate_step(cfg, step, stack_patch(stack, TilePolicy.of(2)), exact=True)
     # the allocator's reserve follows no line in the depth (test_plan_model.py's same check)
     same = {"reserve": 0, "reclaimable": 0}
     assert dataclasses.replace(fast, **same) == dataclasses.replace(exact, **same)

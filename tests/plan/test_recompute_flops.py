@@ -10,6 +10,7 @@ import torch
 from hf_models import BASE, VOCAB
 from tiledmlp import patch_model
 from tiledmlp.config.stacks import stack_patch
+from tiledmlp.ops.tiling.policy import TilePolicy
 from tiledmlp.plan.recompute import checkpointing_flop_ratio, layer_flops, step_flops
 
 pytest.importorskip("transformers")
@@ -28,7 +29,7 @@ def _counted(stack: str, every: int) -> int:
         tr.LlamaConfig(**CONFIG), attn_implementation="sdpa"
     ).train()
     model.activation_checkpointing_enable({"use_reentrant": False}, every_n_layers=every)
-    patch = stack_patch(stack, 4)
+    patch = stack_patch(stack, TilePolicy.of(4))
     if patch is not None:
         patch_model(model, patch)
     ids = torch.randint(3, VOCAB, (1, TOKENS), generator=torch.Generator().manual_seed(0))
@@ -47,7 +48,7 @@ def test_the_planned_flops_are_the_counted_ones(stack: str) -> None:
 
     config = tr.LlamaConfig(**CONFIG)
     f = layer_flops(config, TOKENS, attention=False)
-    patch = stack_patch(stack, 4)
+    patch = stack_patch(stack, TilePolicy.of(4))
     for every in (1, 2):
         checkpointed = len(range(0, 4, every))
         assert step_flops(f, 4, patch, checkpointed) == _counted(stack, every), (stack, every)
@@ -58,6 +59,6 @@ def test_the_ratio_is_below_one_and_falls_with_fewer_checkpoints() -> None:
 
     config = tr.LlamaConfig(**{**CONFIG, "num_hidden_layers": 32})
     for stack in ("untiled", "tiled_mlp_loss_offload", "tiled_layer"):
-        patch = stack_patch(stack, 4)
+        patch = stack_patch(stack, TilePolicy.of(4))
         ratios = [checkpointing_flop_ratio(config, 8192, patch, n) for n in (1, 2, 4)]
         assert ratios[0] == 1.0 and ratios[0] > ratios[1] > ratios[2] > 0.7, (stack, ratios)
