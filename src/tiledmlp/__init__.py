@@ -6,9 +6,9 @@ and recomputes only what it must, tile by tile, in the backward.
 Invariant: importing the package imports nothing else (no torch: `tiledmlp plan` answers a
 question asked before without it); the first public name read from it (`tiledmlp.patch_model`,
 `from tiledmlp import patch_model`) or sub-package read as an attribute (`tiledmlp.patching`)
-imports the integrations, which register the engines' checks with the patching layer, and then
-the module that defines the name (PEP 562). A process that imports only deep modules gets the
-same registrations when a registry is first asked and found empty (ops/tiling/deferred.py).
+imports the module that defines it (PEP 562). The engines' checks and sequence parallelism's
+attention backend are declared in tiledmlp/registrations.py and imported where first used, so
+a process that imports only deep modules finds them too.
 """
 
 from __future__ import annotations
@@ -16,8 +16,6 @@ from __future__ import annotations
 import importlib
 import importlib.util
 from typing import TYPE_CHECKING, Any
-
-from tiledmlp.ops.tiling.deferred import defer, load_deferred
 
 if TYPE_CHECKING:  # the names below, for type checkers and editors
     from tiledmlp.config import PatchConfig, TiledMLPConfig, TilePolicy
@@ -59,25 +57,13 @@ _HOMES = {
 }
 
 
-def _register() -> None:
-    """What importing the package used to do: the integrations register the engines' checks
-    and backends, the patching layer sequence parallelism's attention backend."""
-    importlib.import_module("tiledmlp.integrations")
-    importlib.import_module("tiledmlp.patching")
-
-
-defer(_register)  # run where a registry is first asked and found empty (ops/tiling/deferred.py)
-
-
 def __getattr__(name: str) -> Any:
     """A public name, imported on first use (module docstring); then kept in the module."""
     home = _HOMES.get(name)
     if home is None:  # a sub-package read as an attribute (`tiledmlp.patching.tile_counts`)
         if name.startswith("_") or importlib.util.find_spec(f"tiledmlp.{name}") is None:
             raise AttributeError(f"module 'tiledmlp' has no attribute {name!r}")
-        load_deferred()
         return importlib.import_module(f"tiledmlp.{name}")
-    load_deferred()  # _register: the engines' checks, SP's attention backend
     value = getattr(importlib.import_module(home), name)
     globals()[name] = value
     return value

@@ -1,6 +1,7 @@
 """What the package and the CLI import before they need it: `import tiledmlp` and the parser of
-one subcommand import no torch; the public names still load (and register the engines) on first
-use; a tiled call under torch.distributed before the engines registered is refused."""
+one subcommand import no torch; the public names still load on first use; a process that
+imported only a deep module finds the declared engines and attention backend
+(tiledmlp/registrations.py) where it first needs them."""
 
 from __future__ import annotations
 
@@ -29,26 +30,13 @@ def test_the_package_and_the_plan_parser_import_no_torch() -> None:
     assert res.returncode == 0, res.stderr
 
 
-def test_a_public_name_loads_its_module_and_registers_the_engines() -> None:
+def test_a_public_name_or_a_sub_package_loads_its_module_only() -> None:
     code = (
         "import sys, tiledmlp\n"
-        "assert 'tiledmlp.integrations' not in sys.modules\n"
         "from tiledmlp import patch_model\n"
-        "from tiledmlp.patching import engine_registry as r\n"
         "assert patch_model is sys.modules['tiledmlp.patching'].patch_model\n"
-        "assert r._BACKENDS and r._CHECKS, (r._BACKENDS, r._CHECKS)\n"
-    )
-    res = _python(code)
-    assert res.returncode == 0, res.stderr
-
-
-def test_a_sub_package_read_as_an_attribute_loads_and_registers_the_engines() -> None:
-    code = (
-        "import sys, tiledmlp\n"
-        "assert 'tiledmlp.patching' not in sys.modules\n"
         "assert tiledmlp.patching.tile_counts is sys.modules['tiledmlp.patching'].tile_counts\n"
-        "from tiledmlp.patching import engine_registry as r\n"
-        "assert r._BACKENDS and r._CHECKS, (r._BACKENDS, r._CHECKS)\n"
+        "assert 'tiledmlp.integrations' not in sys.modules  # the engines: on first need\n"
     )
     res = _python(code)
     assert res.returncode == 0, res.stderr
@@ -92,17 +80,21 @@ def test_a_misspelt_command_still_gets_the_closest_one(capsys: pytest.CaptureFix
     assert "did you mean 'plan'?" in err and err.count("\n") == 1, err
 
 
-def test_a_deep_import_gets_the_engines_on_first_need_and_none_is_refused() -> None:
-    # only the patching layer is imported (no public name of the package): the first tiled call
-    # under a process group loads the integrations (ops/tiling/deferred.py) and runs with them;
-    # with nothing left to load, the same call is refused in one line
+def test_a_deep_import_finds_the_engines_and_the_attention_backend_on_first_need() -> None:
+    # only deep modules are imported (no public name of the package, nothing of the
+    # integrations): sequence parallelism's attention backend is the declared one, and the first
+    # tiled call under a process group imports the declared engines and runs with them
     code = (
         "import os, sys, torch, torch.distributed as dist\n"
         "from torch import nn\n"
+        "from tiledmlp.sequence_parallel.attention_backend import attention_backend\n"
+        "assert 'tiledmlp.patching' not in sys.modules\n"
+        "backend = attention_backend()\n"
+        "assert backend is sys.modules['tiledmlp.patching.hf_attention'].HF_ATTENTION\n"
         "from tiledmlp.patching import patch_model\n"
         "from tiledmlp.patching import engine_registry\n"
-        "from tiledmlp.ops.tiling import deferred\n"
-        "assert 'tiledmlp.integrations' not in sys.modules\n"
+        "engines = ('tiledmlp.integrations.fsdp', 'tiledmlp.integrations.deepspeed')\n"
+        "assert not any(m in sys.modules for m in engines)\n"
         "store = dist.HashStore()\n"
         "dist.init_process_group('gloo', store=store, rank=0, world_size=1)\n"
         "class MLP(nn.Module):\n"
@@ -117,16 +109,9 @@ def test_a_deep_import_gets_the_engines_on_first_need_and_none_is_refused() -> N
         "model = nn.ModuleDict({'mlp': MLP()})\n"
         "patch_model(model, num_tiles=2, hidden_size=8)\n"
         "x = torch.randn(1, 6, 8)\n"
-        "model['mlp'](x).sum().backward()\n"
-        "assert 'tiledmlp.integrations' in sys.modules and engine_registry._CHECKS\n"
-        "assert not deferred._LOADERS\n"
-        "engine_registry._CHECKS.clear(); engine_registry._BACKENDS.clear()\n"
-        "try:\n"
-        "    model['mlp'](x)\n"
-        "except RuntimeError as e:\n"
-        "    assert 'engines' in str(e) and 'from tiledmlp import patch_model' in str(e), e\n"
-        "else:\n"
-        "    raise AssertionError('ran without the engines')\n"
+        "out = model['mlp'](x)\n"
+        "assert all(m in sys.modules for m in engines), sorted(sys.modules)\n"
+        "out.sum().backward()\n"
         "dist.destroy_process_group()\n"
     )
     res = _python(code)

@@ -4,16 +4,26 @@ count too).
 
 The map (lowest first; see the README's layout section):
 
-    ops, then sequence_parallel        torch only (and optional kernels)
+    ops, registrations                 torch only (and optional kernels); the declared table of
+                                       the engines' checks and SP's attention backend (stdlib)
+    sequence_parallel                  torch only
     config, models, process_memory     typed configuration; built-in models; process memory;
     allocator                          the CUDA allocator setting of the entry points
     extras                             the install command of an optional extra
     launcher                           whether a distributed launcher started the process
     module, patching                   TiledMLP; finding and patching MLPs of a model
     integrations                       engines and frameworks
-    plan | bench | train               siblings: they share what lies below, never each other
+    plan | bench | train               siblings: they share what lies below, never each other,
+                                       nor the integrations (what a run needs of an engine is
+                                       handed in from the cli: SIDEWAYS)
     the package facade (__init__)      re-exports the public API
     cli, __main__                      on top; nothing imports them
+
+An import by name (importlib.import_module) counts as an import of every module a string of its
+file names ("tiledmlp.x.y" or "tiledmlp.x.y:attribute"), and only the files in BY_NAME may import
+by a computed name: the facades, from their own tables (downward), and the one late import that
+goes up, LATE: tiledmlp/registrations.py imports the providers its table declares (in the
+integrations and the patching layer) on first use, for the layers below them.
 
 The project's tooling (benchmarks/: the GPU suite, the docs' figures and tables) stands outside
 the installed package, above all of it: it may import any part of tiledmlp, and nothing in
@@ -43,6 +53,7 @@ PACKAGE = "tiledmlp"
 # top-level part of tiledmlp -> layer; a part may import only parts of a lower layer
 LAYERS = {
     "ops": 0,
+    "registrations": 0,
     "sequence_parallel": 1,
     "config": 2,
     "models": 2,
@@ -72,8 +83,16 @@ OPS_LAYERS = {
 }
 # (importer, imported) pairs of sibling ops allowed to meet; none today
 OPS_SIBLINGS: set[tuple[str, str]] = set()
+# (importer, imported) parts that may not meet although the map allows it: the siblings above
+# the integrations leave engine internals to the cli, which hands in what a run needs
+SIDEWAYS = {("plan", "integrations"), ("bench", "integrations"), ("train", "integrations")}
+# the one import from a lower layer into a higher one: the declared registrations, imported by
+# name on first use (its targets are checked by tests/package/test_registrations.py)
+LATE = "tiledmlp.registrations"
+# the modules that may call importlib.import_module with a computed name
+BY_NAME = {LATE, "tiledmlp", "tiledmlp.ops", "tiledmlp.cli"}
 # the bottom layers import no third-party package but these (each lazily where optional)
-BOTTOM = {"ops", "sequence_parallel"}
+BOTTOM = {"ops", "registrations", "sequence_parallel"}
 BOTTOM_THIRD_PARTY = {"torch", "triton", "numpy"}
 # the checkout's tooling folder (not installed): src/ never imports it
 TOOLING = "benchmarks"
@@ -89,12 +108,37 @@ def _modules(root: Path) -> dict[str, Path]:
     return out
 
 
+_IMPORTERS = {"import_module", "__import__"}
+
+
+def _by_name(tree: ast.AST, modules: dict[str, Path]) -> tuple[list[tuple[str, int]], int | None]:
+    """(module a string names, line) for a file that imports by name, and the line of its first
+    import by a computed name (None if none)."""
+    calls = [
+        n for n in ast.walk(tree)
+        if isinstance(n, ast.Call) and (getattr(n.func, "attr", None) in _IMPORTERS
+                                        or getattr(n.func, "id", None) in _IMPORTERS)
+    ]  # fmt: skip
+    if not calls:
+        return [], None
+    computed = [c.lineno for c in calls if not (c.args and isinstance(c.args[0], ast.Constant))]
+    named = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            target = node.value.partition(":")[0]
+            if target in modules:
+                named.append((target, node.lineno))
+    return named, (computed[0] if computed else None)
+
+
 def _imports(name: str, path: Path, modules: dict[str, Path]) -> list[tuple[str, int]]:
     """(imported name, line) of every import in the file; a `from package import submodule`
-    names the submodule, not the package."""
+    names the submodule, not the package; a file that imports by name imports every module its
+    strings name (module docstring)."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    found: list[tuple[str, int]] = []
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    found, _ = _by_name(tree, modules)
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             found += [(alias.name, node.lineno) for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -122,6 +166,13 @@ def _graph(root: Path) -> tuple[dict[str, set[str]], list[str]]:
     errors = []
     for name, path in modules.items():
         src = _part(name)
+        _, computed = _by_name(ast.parse(path.read_text(encoding="utf-8")), modules)
+        if computed is not None and name not in BY_NAME:
+            errors.append(
+                f"{path.relative_to(root)}:{computed}: {name} imports a module by a computed "
+                f"name: only {sorted(BY_NAME)} may; import it by its literal name, or declare "
+                "it in tiledmlp/registrations.py"
+            )
         for target, line in _imports(name, path, modules):
             where = f"{path.relative_to(root)}:{line}"
             top = target.split(".")[0]
@@ -135,11 +186,16 @@ def _graph(root: Path) -> tuple[dict[str, set[str]], list[str]]:
                 if src in BOTTOM and top not in BOTTOM_THIRD_PARTY and top not in _STDLIB:
                     errors.append(f"{where}: {name} ({src}) imports {target}: torch only here")
                 continue
-            if target not in modules or target == name:
+            if target not in modules or target == name or name == LATE:
                 continue
             graph[name].add(target)
             dst = _part(target)
-            if src != dst and LAYERS[dst] >= LAYERS[src]:
+            if (src, dst) in SIDEWAYS:
+                errors.append(
+                    f"{where}: {name} ({src}) imports {target} ({dst}): {src} leaves engine "
+                    "internals to the cli, which hands in what it needs (SIDEWAYS)"
+                )
+            elif src != dst and LAYERS[dst] >= LAYERS[src]:
                 errors.append(
                     f"{where}: {name} (layer {src or 'facade'}) imports {target} (layer "
                     f"{dst or 'facade'}): only lower layers may be imported"
@@ -209,6 +265,32 @@ def test_no_import_circle() -> None:
         ({"ops/a.py": "def f():\n    import transformers\n"}, "torch only here"),
         ({"cli/a.py": "def f():\n    from benchmarks import suite\n"}, "never imports"),
         ({"ops/a.py": "from tiledmlp.ops import b\n", "ops/b.py": "from . import a\n"}, "circle"),
+        (
+            {"train/a.py": "from tiledmlp.integrations import b\n", "integrations/b.py": ""},
+            "SIDEWAYS",
+        ),
+        (
+            {
+                "ops/a.py": "import importlib\nimportlib.import_module('tiledmlp.patching.b')\n",
+                "patching/b.py": "",
+            },
+            "layer ops",
+        ),
+        (
+            {
+                "ops/a.py": "import importlib\nT = {'x': 'tiledmlp.patching.b:f'}\n"
+                "def f(k):\n    return importlib.import_module(T[k])\n",
+                "patching/b.py": "",
+            },
+            "computed name",
+        ),
+        (
+            {
+                "sequence_parallel/a.py": "def f():\n    return __import__('tiledmlp.patching.b')\n",
+                "patching/b.py": "",
+            },
+            "layer sequence_parallel",
+        ),
     ],
 )
 def test_the_contract_catches_what_it_forbids(

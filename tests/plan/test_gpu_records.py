@@ -41,7 +41,7 @@ KNOWN_GAPS = {
     # The next three were measured in one process after earlier patched models whose weights
     # (3,668 MiB each in bf16) were still allocated: a patched forward held its module strongly,
     # so a dropped model waited for Python's cycle collector. Fixed since (patching/bound.py
-    # holds the module weakly; tests/patching/test_tiled_layers.py::
+    # holds the module weakly; tests/patching/features/tiled_layers/test_tiled_layers.py::
     # test_a_dropped_patched_model_frees_its_tensors_at_once). The records cannot separate the
     # step's own allocation from the held weights: planned tensor peak + 1, 2 and 2 held models
     # is 18,980, 16,987 and 36,489 MiB against 19,044, 17,051 and 36,553 allocated.
@@ -58,7 +58,7 @@ KNOWN_GAPS = {
     # the caching allocator take (patching/probe_cache.py). Without expandable segments those
     # segments, cut into blocks of the probes' sizes, cost the step 1,340 MiB of reserve: the
     # allocator's trace of that step (H100_2's trace/), replayed with and without them
-    # (tests/plan/test_allocator_traces.py). The same step measured since reserves 34,684 MiB
+    # (tests/plan/sim/test_allocator_traces.py). The same step measured since reserves 34,684 MiB
     # where these reserved 36,002-36,024 (H100_3), and is within bounds.
     (H200, "allocator", 131072, "tiled_mlp_loss", "fixed"): (
         "optimistic (0.965): measured with patch_model's probe segments still cached"

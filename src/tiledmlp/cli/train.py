@@ -18,11 +18,15 @@ import json
 import os
 import shlex
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tiledmlp.cli.common import UsageError
 from tiledmlp.cli.flags import RUN_GROUPS, add_run_flags
 from tiledmlp.cli.output import show
+
+if TYPE_CHECKING:
+    from tiledmlp.train.launch import Launch
+    from tiledmlp.train.options import TrainOptions
 
 __all__ = ["add_parser", "option_values", "run"]
 
@@ -78,10 +82,9 @@ def run(args: argparse.Namespace) -> int:
     opts = options_from(values)
     # Imported after the options are checked: a bad option is reported before the Trainer's
     # imports (transformers, accelerate) take seconds.
-    from tiledmlp.cli.preflight import preflight
     from tiledmlp.train.run import run as train
 
-    summary = train(opts, given=values, before_load=preflight)
+    summary = train(opts, given=values, before_load=_before_load)
     if int(os.environ.get("RANK", "0")) != 0:
         return 0
     if args.json:
@@ -89,6 +92,20 @@ def run(args: argparse.Namespace) -> int:
     else:
         _print_summary(summary, getattr(args, "argv", []))
     return 130 if summary["interrupted"] else 0
+
+
+def _before_load(opts: TrainOptions, launch: Launch) -> None:
+    """The run's logging for its engine, then the pre-flight (cli/preflight.py), once every
+    input is checked and before the model is loaded."""
+    from tiledmlp.cli.preflight import preflight
+
+    if launch.engine != "deepspeed":
+        # the Trainer imports DeepSpeed whenever it is installed, which on a machine without a
+        # GPU logs a guess about DeepSpeed's own device that says nothing about this run
+        from tiledmlp.integrations.deepspeed import quiet_accelerator_guess
+
+        quiet_accelerator_guess()
+    preflight(opts, launch)
 
 
 def option_values(args: argparse.Namespace) -> dict[str, Any]:

@@ -28,7 +28,6 @@ import torch
 from torch import nn
 
 from tiledmlp.ops.tiling.backend import ParamBackend
-from tiledmlp.patching.engine_registry import register_backend
 
 __all__ = ["Zero3Backend", "backend_for", "quiet_accelerator_guess"]
 
@@ -140,6 +139,3 @@ def quiet_accelerator_guess() -> None:
     logger = logging.getLogger("DeepSpeed")
     if not any(isinstance(f, _AcceleratorGuess) for f in logger.filters):
         logger.addFilter(_AcceleratorGuess())
-
-
-register_backend(backend_for)

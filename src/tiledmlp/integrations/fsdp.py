@@ -18,8 +18,6 @@ from __future__ import annotations
 
 from torch import nn
 
-from tiledmlp.patching.engine_registry import register_check
-
 __all__ = ["check_mlp"]
 
 
@@ -40,6 +38,3 @@ def check_mlp(module: nn.Module) -> None:
             "weights gathered for the whole call). Apply fully_shard (or FSDP1's auto-wrap "
             "policy) to the MLP module or to the decoder layer, not to the MLP's Linear layers."
         )
-
-
-register_check(check_mlp)

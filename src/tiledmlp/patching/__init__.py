@@ -4,7 +4,6 @@ Patching swaps behaviour on module instances (an instance-level forward), never 
 state_dict keys and values are untouched; unpatch_model restores the original forwards exactly.
 """
 
-from tiledmlp.patching import hf_attention  # noqa: F401  (sequence parallelism's attention backend)
 from tiledmlp.patching.args import patch_from_args
 from tiledmlp.patching.patch import (
     PatchReport,

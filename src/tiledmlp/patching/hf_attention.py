@@ -4,7 +4,7 @@ The Ulysses wrapper (sequence_parallel/) imports torch only; this module is its 
 backend (sequence_parallel/attention_backend.py): a new attention implementation is registered
 with transformers' AttentionInterface (and its mask function with AttentionMaskInterface), the
 model's own implementation is found in ALL_ATTENTION_FUNCTIONS, and the decoder's config is
-detect.text_config's. Importing the patching package registers it.
+detect.text_config's. tiledmlp/registrations.py declares it.
 
 Invariant: transformers is imported only when sequence parallelism registers or calls an
 attention function (by then the model is a transformers model); importing this module does not
@@ -18,7 +18,7 @@ from typing import Any
 
 from tiledmlp.patching.attention_core import BY_HEADS, active, sdpa_by_heads
 from tiledmlp.patching.detect import text_config
-from tiledmlp.sequence_parallel.attention_backend import AttentionBackend, use_attention_backend
+from tiledmlp.sequence_parallel.attention_backend import AttentionBackend
 
 __all__ = ["HF_ATTENTION"]
 
@@ -40,4 +40,3 @@ def _function(name: str) -> Callable[..., Any]:
 
 
 HF_ATTENTION = AttentionBackend(register=_register, function=_function, text_config=text_config)
-use_attention_backend(HF_ATTENTION)

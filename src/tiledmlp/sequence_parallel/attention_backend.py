@@ -3,11 +3,11 @@
 Sequence parallelism wraps the attention function a decoder calls by name (its config's
 attention implementation). Naming a new function, finding the model's own function by name and
 finding a model's text decoder config are the model library's business: the library's layer
-(Hugging Face transformers: patching/hf_attention.py) registers an `AttentionBackend` with
-`use_attention_backend` when it is imported (the package facade defers that import until a
-backend is first asked for: ops/tiling/deferred.py), and this package only calls it.
+(Hugging Face transformers: patching/hf_attention.py) provides an `AttentionBackend`, declared
+in tiledmlp/registrations.py and imported from there when a backend is first asked for; this
+package only calls it.
 
-Invariant: nothing here imports a model library; the backend is asked for the original
+Invariant: nothing here imports a model library itself; the backend is asked for the original
 attention function on every call (a function registered later is found).
 """
 
@@ -17,9 +17,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from tiledmlp.ops.tiling.deferred import load_deferred
+from tiledmlp.registrations import ATTENTION_BACKEND, provided
 
-__all__ = ["AttentionBackend", "attention_backend", "use_attention_backend"]
+__all__ = ["AttentionBackend", "attention_backend"]
 
 
 @dataclass(frozen=True)
@@ -40,25 +40,7 @@ class AttentionBackend:
     text_config: Callable[[Any], Any]
 
 
-_BACKEND: list[AttentionBackend] = []
-
-
-def use_attention_backend(backend: AttentionBackend) -> None:
-    """Makes `backend` the one sequence parallelism uses (replacing any before it)."""
-    _BACKEND[:] = [backend]
-
-
 def attention_backend() -> AttentionBackend:
-    """The registered backend.
-
-    Raises:
-        RuntimeError: none is registered (importing tiledmlp registers Hugging Face's).
-    """
-    if not _BACKEND:
-        load_deferred()  # the patching layer registers Hugging Face's (ops/tiling/deferred.py)
-    if not _BACKEND:
-        raise RuntimeError(
-            "tiledmlp: sequence parallelism has no attention backend; import tiledmlp (which "
-            "registers Hugging Face transformers' attention interface) before installing it"
-        )
-    return _BACKEND[0]
+    """The declared backend (tiledmlp/registrations.py), its module imported on first use."""
+    backend: AttentionBackend = provided(ATTENTION_BACKEND)
+    return backend

@@ -23,7 +23,6 @@ from typing import Any
 
 import torch.distributed as dist
 
-from tiledmlp.integrations.deepspeed import quiet_accelerator_guess
 from tiledmlp.patching import patch_model
 from tiledmlp.patching.features.activation_offloading import enable_checkpointing
 from tiledmlp.sequence_parallel.collectives import guarded
@@ -49,7 +48,7 @@ from tiledmlp.train.model_source import load_model, seq_len_note
 from tiledmlp.train.options import TrainOptions
 from tiledmlp.train.resume import given_of, resume, settings_record
 from tiledmlp.train.summary import peak_mib, summary
-from tiledmlp.train.trainer import make_trainer, use_sequence_parallel
+from tiledmlp.train.trainer import RunState, make_trainer
 
 __all__ = ["METRICS_FILE", "run"]
 
@@ -119,7 +118,8 @@ def run(
             the defaults.
         before_load: called with the run's options (a resumed run's own) and its launch once
             every input is checked, before the model or the data is loaded (the command's
-            memory pre-flight); it refuses the run by raising ValueError.
+            memory pre-flight, and its logging for the launch's engine); it refuses the run by
+            raising ValueError.
     """
     check_launch(opts)  # this command's engine and device, before a checkpoint is read
     plan, _ = resume(opts, given_of(opts) if given is None else given, _say)
@@ -160,14 +160,13 @@ def run(
         callbacks.append(StopAtStep(plan.stop_at))
     if opts.output_dir is not None:
         callbacks.append(MetricsFile(Path(opts.output_dir) / METRICS_FILE))
-    if launch.engine != "deepspeed":
-        quiet_accelerator_guess()  # the Trainer imports DeepSpeed whenever it is installed
-    trainer = make_trainer(opts, model, args, (train_set, eval_set), tokenizer, callbacks)
-    trainer.step_losses = losses
-    trainer.own_fsdp = launch.own_fsdp
-    trainer.run_settings = settings_record(build, build.max_steps)  # the run's own options
-    if sp > 1:
-        use_sequence_parallel(trainer, model)
+    state = RunState(
+        step_losses=losses,
+        own_fsdp=launch.own_fsdp,
+        run_settings=settings_record(build, build.max_steps),  # the run's own options
+        sequence_parallel=sp > 1,
+    )
+    trainer = make_trainer(opts, model, args, (train_set, eval_set), tokenizer, callbacks, state)
     checkpoint = None if plan.checkpoint is None else str(plan.checkpoint)
     rank = args.process_index
     if rank == 0 and opts.output_dir is not None:

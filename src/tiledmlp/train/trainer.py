@@ -5,13 +5,15 @@ exact loss. Everything else (optimizer, schedule, accumulation, clipping, evalua
 checkpoints, resume, DDP and DeepSpeed) is done the Trainer's way.
 
 Invariant: a checkpoint-N appears in OUTPUT_DIR only once every rank has written all of it,
-the run's settings file included.
+the run's settings file included; the Trainer gets all it holds of the run at construction
+(RunState), nothing is set on it afterwards.
 """
 
 from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,23 +26,52 @@ from tiledmlp.train.checkpoints import STAGING, publish
 from tiledmlp.train.options import TrainOptions
 from tiledmlp.train.resume import RUN_SETTINGS
 
-__all__ = ["make_trainer", "use_sequence_parallel"]
+__all__ = ["RunState", "make_trainer"]
+
+
+@dataclass(frozen=True)
+class RunState:
+    """What the run hands its Trainer at construction.
+
+    Attributes:
+        step_losses: records each micro-batch loss.
+        own_fsdp: the model is sharded with FSDP2 by the run itself (saved with a gathered full
+            state dict).
+        run_settings: the run's options, written into each checkpoint (train/resume.py).
+        sequence_parallel: the model runs sequence parallelism (its groups are installed).
+    """
+
+    step_losses: StepLosses
+    own_fsdp: bool = False
+    run_settings: dict[str, Any] | None = None
+    sequence_parallel: bool = False
 
 
 def _trainer_class() -> Any:
     from transformers import Trainer
+    from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
     class TiledTrainer(Trainer):  # type: ignore[misc]
         """The Trainer, recording each micro-batch loss, saving a self-sharded FSDP2 model with
         a gathered full state dict, and with sequence parallelism: batches drawn per
         data-parallel replica (the SP ranks of a replica get the same batch), each rank's shard
-        of the sequences, and the exact token-weighted loss over the whole sequences."""
+        of the sequences, and the exact token-weighted loss over the whole sequences; our
+        progress bar (a callback) instead of transformers' own."""
 
-        step_losses: StepLosses
-        own_fsdp: bool = False
-        sp_groups: Any = None
-        run_settings: dict[str, Any] | None = None
-        _staging: bool = False
+        def __init__(self, *, run: RunState, **kwargs: Any) -> None:
+            self.step_losses = run.step_losses
+            self.own_fsdp = run.own_fsdp
+            self.run_settings = run.run_settings
+            self.sp_groups = _sp_groups(kwargs["model"]) if run.sequence_parallel else None
+            self._staging = False
+            super().__init__(**kwargs)
+            self.remove_callback(PrinterCallback)
+            self.remove_callback(ProgressCallback)
+            if self.sp_groups is not None:
+                # a mean per micro-batch: the Trainer divides by the accumulation steps (both
+                # names, for transformers versions with and without loss_is_scaled_for_ga)
+                self.loss_is_scaled_for_ga = False
+                self.model_accepts_loss_kwargs = False
 
         def _get_output_dir(self, trial: Any) -> Any:
             out = super()._get_output_dir(trial)
@@ -183,6 +214,13 @@ def _save_gathered(trainer: Any, output_dir: str | None) -> None:
         torch.save(trainer.args, os.path.join(out, "training_args.bin"))
 
 
+def _sp_groups(model: Any) -> Any:
+    """The sequence-parallel groups installed on `model`."""
+    from tiledmlp.sequence_parallel import installed_groups
+
+    return installed_groups(model)
+
+
 def make_trainer(
     opts: TrainOptions,
     model: Any,
@@ -190,9 +228,15 @@ def make_trainer(
     datasets: tuple[Any, Any],
     tokenizer: Any,
     callbacks: list[Any],
+    run: RunState,
 ) -> Any:
-    """The Trainer, with our progress bar instead of transformers' own; --report-to naming a
-    tracker that is not installed is one line naming it."""
+    """The Trainer of the run, holding `run`; --report-to naming a tracker that is not
+    installed is one line naming it."""
+    from transformers.utils import logging as hf_logging
+
+    # One progress bar (ours, on stderr); transformers' own bars (e.g. "Writing model shards"
+    # when saving) would interleave with it and leave cursor-movement codes in logs.
+    hf_logging.disable_progress_bar()
     train_set, eval_set = datasets
     try:
         trainer = _trainer_class()(
@@ -202,30 +246,11 @@ def make_trainer(
             eval_dataset=eval_set,
             processing_class=tokenizer,
             callbacks=callbacks,
+            run=run,
         )
     except RuntimeError as e:
         if opts.report_to != "none" and "requires" in str(e):
             # e.g. "TensorBoardCallback requires tensorboard to be installed"
             raise ValueError(f"--report-to {opts.report_to}: {e}") from None
         raise
-    from transformers.trainer_callback import PrinterCallback, ProgressCallback
-    from transformers.utils import logging as hf_logging
-
-    # One progress bar (ours, on stderr); transformers' own bars (e.g. "Writing model shards"
-    # when saving) would interleave with it and leave cursor-movement codes in logs.
-    hf_logging.disable_progress_bar()
-
-    trainer.remove_callback(PrinterCallback)
-    trainer.remove_callback(ProgressCallback)
     return trainer
-
-
-def use_sequence_parallel(trainer: Any, model: Any) -> None:
-    """The Trainer settings sequence parallelism needs (its groups; a mean per micro-batch)."""
-    from tiledmlp.sequence_parallel import installed_groups
-
-    trainer.sp_groups = installed_groups(model)
-    # a mean per micro-batch: the Trainer divides by the accumulation steps (both names, for
-    # transformers versions with and without loss_is_scaled_for_ga)
-    trainer.loss_is_scaled_for_ga = False
-    trainer.model_accepts_loss_kwargs = False

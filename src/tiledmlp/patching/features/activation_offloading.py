@@ -102,7 +102,7 @@ def transformers_offload_plain(func: Any) -> functools.partial[Any] | None:
     `activation_checkpointing_enable(offload=True)` builds around `save_on_cpu` and
     torch.utils.checkpoint.checkpoint): the plain checkpoint with the same arguments; else
     None. Recognised by where the closure lives and what it calls (transformers 5.25's
-    modeling_utils; tests/patching/test_native_checkpointing.py fails loudly if it moves)."""
+    modeling_utils; tests/patching/features/test_native_checkpointing.py fails loudly if it moves)."""
     if not isinstance(func, functools.partial):
         return None
     inner = func.func

@@ -15,7 +15,7 @@ ones and names each recorded storage in the deeper step (Note [Renaming]); `_Wri
 deeper step's trace part by part (Note [Held blocks at phase changes]).
 
 Invariant: where it answers, the record is the one the step of L + 1 layers records (as
-tests/plan/test_deeper.py checks stack by stack against simulating it).
+tests/plan/sim/test_deeper.py checks stack by stack against simulating it).
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ each path costs and skips: docs/how-it-works/planner.md, "The fake mode".
 
 Invariant: a key is element for element the one FakeTensorMode builds, and an output from a hit
 or from a meta kernel run directly is attribute for attribute the one it builds
-(tests/plan/test_fast_fake.py compares them); with a torch whose TensorMetadata has other fields
+(tests/plan/sim/test_fast_fake.py compares them); with a torch whose TensorMetadata has other fields
 than `_FIELDS`, or whose FakeTensor sets other attributes than `_ATTRIBUTES`, `fake_mode()` is
 FakeTensorMode itself.
 """

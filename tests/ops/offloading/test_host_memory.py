@@ -117,7 +117,7 @@ def _assert_flat(rss: list[int], created: list[int], what: str) -> None:
 @pytest.mark.slow
 def test_200_offloaded_steps_keep_resident_memory_flat() -> None:
     proc = subprocess.run(
-        [sys.executable, "-c", SOAK, str(Path(__file__).resolve().parents[1])],
+        [sys.executable, "-c", SOAK, str(Path(__file__).resolve().parents[2])],
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]

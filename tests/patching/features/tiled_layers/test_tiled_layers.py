@@ -28,7 +28,7 @@ from conftest import (
 
 # Families whose decoder layer is norm -> attention -> residual -> norm -> MLP -> residual
 # (Qwen3 with per-head q/k norms; Mistral and Qwen2 pass a sliding window to the attention).
-# Beyond it (tests/patching/test_tiled_layer_families.py has more): Gemma 2/3 with norms after
+# Beyond it (tests/patching/features/tiled_layers/test_tiled_layer_families.py has more): Gemma 2/3 with norms after
 # the attention and the MLP, Phi-3's fused q/k/v, Qwen3-MoE's experts.
 RECOGNISED = [
     "llama",

@@ -14,7 +14,7 @@ import pytest
 
 from tiledmlp.plan.sim.caching_allocator import CachingAllocator, round_size
 
-RECORDS = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "gpu"
+RECORDS = Path(__file__).resolve().parents[3] / "benchmarks" / "results" / "gpu"
 TRACES = sorted(RECORDS.glob("*/trace/*.json.gz"))
 TAKEN = {"segment_alloc": 1, "segment_map": 1, "segment_free": -1, "segment_unmap": -1}
 
