@@ -128,7 +128,9 @@ def smoke_sizes(device: torch.device) -> Sizes:
             "max_position_embeddings": 4096,
             "tie_word_embeddings": False,
         },
-        model_lengths=((256, ALL_STACKS),),
+        # the part's code paths (a plain step, and one with every feature and offloading) in
+        # two fresh processes; the other stacks differ only in what patch_model is given
+        model_lengths=((256, ("untiled", "tiled_mlp_loss_offload_norms")),),
         model_after=(),
         model_dtype=low,
         model_steps=1,

@@ -4,6 +4,10 @@ The ranks meet through a file store in the run's own temporary directory, not a 
 test suites on one machine (or anything else listening) can never take each other's rendezvous.
 Gloo's own connections use ports the system assigns.
 
+The ranks start from a fork server that imported torch, transformers, DeepSpeed and tiledmlp
+once (multiprocessing's "forkserver": a fresh single-threaded process, so every rank is still
+a clean process that has run no torch op): a rank costs a fork, not an interpreter's imports.
+
 Invariant: every worker either returns its result (pickled into a file) or the run fails with
 the worker's traceback; a run past its deadline is killed and reported as a timeout (a deadlock
 never hangs the test suite).
@@ -28,6 +32,16 @@ import torch.multiprocessing as mp
 from conftest import assert_close_rel
 
 WORLD = 2
+#: what the fork server imports before it forks the ranks (what every rank imports anyway)
+PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "transformers",
+    "transformers.models.llama.modeling_llama",
+    "deepspeed",
+    "tiledmlp",
+    "distributed.workers",
+]
 
 
 class DeadlineExceeded(AssertionError):
@@ -99,12 +113,13 @@ def run_distributed(
         AssertionError: a worker raised (its traceback is in the message).
     """
     out_dir = tempfile.mkdtemp(prefix="tiledmlp-dist-")
+    mp.set_forkserver_preload(PRELOAD)  # read when the server starts: this process's first run
     ctx = mp.start_processes(
         _worker,
         args=(fn, _free_port(), out_dir, args, world, pg_timeout, bool(may_exit)),
         nprocs=world,
         join=False,
-        start_method="spawn",
+        start_method="forkserver",
     )
     deadline = time.monotonic() + timeout
     abnormal: str | None = None

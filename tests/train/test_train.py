@@ -343,14 +343,14 @@ def test_a_kill_during_a_save_resumes_from_the_last_complete_checkpoint(
 
 @pytest.mark.slow
 def test_tiling_keeps_the_losses_and_lowers_peak_memory() -> None:
-    tiled = summary("--seq-len", "8192", "--steps", "2", env=STEADY_MALLOC)
+    tiled = summary("--seq-len", "4096", "--steps", "2", env=STEADY_MALLOC)
     untiled = summary(
-        "--seq-len", "8192", "--steps", "2", "--use_tiled_mlp", "false", env=STEADY_MALLOC
+        "--seq-len", "4096", "--steps", "2", "--use_tiled_mlp", "false", env=STEADY_MALLOC
     )
     assert tiled["losses"] == pytest.approx(untiled["losses"], rel=1e-5)
     # process peak (VmHWM) of fresh processes: the untiled run also holds 4 layers of SwiGLU
-    # intermediates (several 8192 x 1024 fp32 tensors each)
-    assert untiled["peak_mib"] > tiled["peak_mib"] + 250
+    # intermediates (several 4096 x 1024 fp32 tensors, 16 MiB each); measured 1091 vs 829 MiB
+    assert untiled["peak_mib"] > tiled["peak_mib"] + 150
 
 
 @pytest.mark.slow
