@@ -144,7 +144,7 @@ def _simulated(run: Any, depth: int, exact: bool) -> StepEstimate:
         return larger(run(depth))  # layers unlike each other: no shortcut
     head = extrapolate(short.head, longer.head, depth)
     tail = extrapolate(short.tail, longer.tail, depth)
-    est = larger(Segments(head, head, tail))
+    est = larger(Segments(head, head, tail, _optimizer_line(short, longer, depth)))
     # the allocator's reserve does not follow a line in the depth; with expandable segments it
     # is that of one layer's backward and the loss, replayed at both depths: the larger stands
     pressed = max(e.head.reserve - e.head.reclaimable for e in (short, longer))
@@ -173,11 +173,23 @@ def _periodic(run: Any, depth: int, every: int, exact: bool) -> StepEstimate:
         return larger(run(depth))
     head = extrapolate(first.head, second.head, depth, short_layers=short, period=every)
     tail = extrapolate(first.tail, second.tail, depth, short_layers=short, period=every)
-    est = larger(Segments(head, head, tail))
+    optimizer = _optimizer_line(first, second, depth, short_layers=short, period=every)
+    est = larger(Segments(head, head, tail, optimizer))
     pressed = max(e.head.reserve - e.head.reclaimable for e in (first, second))
     a, b = first.head.reclaimable, second.head.reclaimable
     reclaimable = max(a, b, a + (depth - short) // every * (b - a))
     return dataclasses.replace(est, reserve=pressed + reclaimable, reclaimable=reclaimable)
+
+
+def _optimizer_line(
+    short: Segments, longer: Segments, depth: int, **line: int
+) -> StepEstimate | None:
+    """The optimizer's step extrapolated on its own line (None where a step has none): its
+    peak grows by a layer's parameters and states per layer, the backward's by a layer's
+    activations, so a line through two steps that peak in different ones misses both."""
+    if short.optimizer is None or longer.optimizer is None:
+        return None
+    return extrapolate(short.optimizer, longer.optimizer, depth, **line)
 
 
 _COUNTS: dict[str, ParamCounts] = {}

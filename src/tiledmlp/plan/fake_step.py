@@ -303,6 +303,8 @@ def _finish(
         )
         for (peak, at_peak), with_buffers in zip(segments, buffer_peaks)
     ]
+    if len(parts) == 4:  # the optimizer's step split from the tail (segment_peaks)
+        return Segments(*parts)
     return Segments(*parts) if len(parts) == 3 else Segments(parts[0], parts[0], parts[0])
 
 

@@ -65,12 +65,15 @@ class Segments:
     head: StepEstimate
     middle: StepEstimate
     tail: StepEstimate
+    # the optimizer's step, apart from the tail's backward (None: no optimizer step): the two
+    # grow by different amounts per layer, so each follows its own line in the depth
+    optimizer: StepEstimate | None = None
 
 
 def larger(s: Segments) -> StepEstimate:
     """The segment with the largest tensor peak, its `attention` raised to what the buffers
     add to it at the segments' largest peak with them."""
-    parts = (s.head, s.middle, s.tail)
+    parts = (s.head, s.middle, s.tail) + (() if s.optimizer is None else (s.optimizer,))
     top = max(parts, key=lambda e: e.peak)
     with_buffers = max(e.peak + e.attention for e in parts)
     return dataclasses.replace(top, attention=with_buffers - top.peak)

@@ -70,6 +70,9 @@ def segment_peaks(record: StepRecord) -> tuple[list[tuple[int, dict[int, int]]],
     segments: list[tuple[int, dict[int, int]]] = []
     buffer_peaks: list[int] = []
     marks = sorted(record.marks)
+    start = record.optimizer_start
+    if start is not None and start < marks[-1] and start not in marks:
+        marks = sorted([*marks, start])  # the optimizer's step: a segment of its own
     m = 0
     buffers = record.buffers
     for i, (serial, nbytes) in enumerate(record.trace):
