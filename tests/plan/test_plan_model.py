@@ -51,13 +51,17 @@ def _config(**changes: Any) -> Any:
     return tr.LlamaConfig(**{**SMALL, **changes})
 
 
-def _real_peak(stack: str, seq: int, checkpointing: bool, optimizer: str) -> int:
-    """The tensor-level peak of the same step on real tensors (profiler memory timeline)."""
+def _real_peak(
+    stack: str, seq: int, checkpointing: bool, optimizer: str, layers: int | None = None
+) -> int:
+    """The tensor-level peak of the same step on real tensors (profiler memory timeline), of
+    the SMALL model or of `layers` of it."""
     import transformers as tr
 
     torch.manual_seed(0)
+    config = _config() if layers is None else _config(num_hidden_layers=layers)
     model = tr.LlamaForCausalLM._from_config(
-        _config(), attn_implementation="sdpa", dtype=torch.float32
+        config, attn_implementation="sdpa", dtype=torch.float32
     ).train()
     patch = stack_patch(stack, TilePolicy.of(TILES))
     if checkpointing or (patch is not None and patch.activation_offloading):
@@ -154,6 +158,19 @@ def test_depth_extrapolation_where_short_steps_peak_in_the_backward_and_deep_one
     exact = estimate_step(cfg, step, patch, exact=True)
     assert (fast.peak, fast.breakdown) == (exact.peak, exact.breakdown)
     assert min(fast.breakdown.values()) >= 0
+
+
+def test_a_step_too_short_to_segment_counts_its_optimizer_step() -> None:
+    # 2 layers (fewer than the planner cuts in segments), 64 tokens: the step peaks in AdamW's
+    # step, which the optimizer's own segment must not leave out
+    step = StepSpec(seq_len=64, dtype=torch.float32, checkpointing=True, optimizer="adamw",
+                    device_type="cpu")  # fmt: skip
+    est = estimate_step(
+        _config(num_hidden_layers=2), step, stack_patch("tiled_mlp_loss", TilePolicy.of(TILES))
+    )
+    real = _real_peak("tiled_mlp_loss", 64, True, "adamw", layers=2)
+    error = abs(est.peak - real) / real
+    assert error <= TOLERANCE, (est.peak / MiB, real / MiB, f"{error:.2%}")
 
 
 @pytest.mark.parametrize("policy", ["arctic", "target:0.001"])

@@ -34,7 +34,7 @@ from tiledmlp.plan.sim.fast_fake import fake_mode
 from tiledmlp.plan.sim.periodic_tiles import PeriodicTiles, replayed_reserve
 from tiledmlp.plan.sim.phase_tracker import PhaseTracker
 from tiledmlp.plan.sim.segments import CATEGORIES, Segments, StepEstimate
-from tiledmlp.plan.sim.step_record import StepRecord, segment_peaks
+from tiledmlp.plan.sim.step_record import StepRecord, optimizer_split, segment_peaks
 
 __all__ = ["MARKED", "FakeStep", "prepare", "simulate"]
 
@@ -303,9 +303,9 @@ def _finish(
         )
         for (peak, at_peak), with_buffers in zip(segments, buffer_peaks)
     ]
-    if len(parts) == 4:  # the optimizer's step split from the tail (segment_peaks)
-        return Segments(*parts)
-    return Segments(*parts) if len(parts) == 3 else Segments(parts[0], parts[0], parts[0])
+    optimizer = parts.pop() if optimizer_split(record) is not None else None
+    head, middle, tail = parts if len(parts) == 3 else [parts[0]] * 3  # < MARKED layers: one
+    return Segments(head, middle, tail, optimizer)
 
 
 def _hand_over(tracker: PhaseTracker, grads: set[int | None], p: torch.Tensor) -> None:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from tiledmlp.plan.sim.caching_allocator import FREE, HOLD
 from tiledmlp.plan.sim.periodic_tiles import Repeat
 
-__all__ = ["StepRecord", "segment_peaks"]
+__all__ = ["StepRecord", "optimizer_split", "segment_peaks"]
 
 
 @dataclass
@@ -61,18 +61,26 @@ class StepRecord:
     params: list[tuple[int, int | None]] = field(default_factory=list)
 
 
+def optimizer_split(record: StepRecord) -> int | None:
+    """Where the optimizer's step begins a segment of its own (segment_peaks' last), or None
+    where the step has no optimizer step inside its last segment."""
+    start, marks = record.optimizer_start, record.marks
+    if start is None or not marks or start >= max(marks) or start in marks:
+        return None
+    return start
+
+
 def segment_peaks(record: StepRecord) -> tuple[list[tuple[int, dict[int, int]]], list[int]]:
     """Per segment: (peak of the step's own storages, {serial: bytes} alive when it was first
-    reached), and the peak with the kernels' buffers; as PhaseTracker counts them."""
+    reached), and the peak with the kernels' buffers; as PhaseTracker counts them. The
+    optimizer's step, where it has one (optimizer_split), is a segment of its own, the last."""
     live = peak = buffer_peak = 0
     alive: dict[int, int] = {}
     at_peak: dict[int, int] = {}
     segments: list[tuple[int, dict[int, int]]] = []
     buffer_peaks: list[int] = []
-    marks = sorted(record.marks)
-    start = record.optimizer_start
-    if start is not None and start < marks[-1] and start not in marks:
-        marks = sorted([*marks, start])  # the optimizer's step: a segment of its own
+    split = optimizer_split(record)
+    marks = sorted(record.marks if split is None else [*record.marks, split])
     m = 0
     buffers = record.buffers
     for i, (serial, nbytes) in enumerate(record.trace):
