@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 
-from hf_models import BASE
+from test_plan_model import SMALL, TOLERANCE, _config  # the same 6-layer Llama and bound
 from tiledmlp import patch_model
 from tiledmlp.bench.memory import peak_bytes, tensor_bytes
 from tiledmlp.config.plan import StepSpec
@@ -31,24 +31,7 @@ from tiledmlp.plan.model import host_breakdown
 
 pytest.importorskip("transformers")
 
-SMALL = {
-    **BASE,
-    "vocab_size": 512,
-    "hidden_size": 128,
-    "intermediate_size": 512,
-    "num_hidden_layers": 6,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "use_cache": False,
-}
 TILES = TilePolicy.of(4)
-TOLERANCE = 0.01  # as test_plan_model.py's comparison with the real tensor-level peak
-
-
-def _config(**changes: Any) -> Any:
-    import transformers as tr
-
-    return tr.LlamaConfig(**{**SMALL, **changes})
 
 
 class _HostBuffers:
