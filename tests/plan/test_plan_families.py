@@ -59,7 +59,7 @@ FAMILIES: dict[str, dict[str, Any]] = {
         "intermediate_size_mlp": 512,
     },
 }
-SEQ = {"gemma3_text": 1024, "qwen3_5_text": 512, "qwen3_moe": 512, "mistral": 1024,
+SEQ = {"gemma3_text": 1024, "qwen3_5_text": 256, "qwen3_moe": 512, "mistral": 1024,
        "llama4_text": 1024}  # fmt: skip
 # As the Llama comparison's (tests/plan/test_plan_model.py): measured here -0.02% to -0.75%.
 # The linear-attention layer's estimate runs high, growing with the length (+0.7% at 256

@@ -1,9 +1,10 @@
 """Tensor-level peak memory of a step, measured the same way for every variant.
 
-CPU: the torch.profiler memory timeline (profile_memory + record_shapes + with_stack, exported as
-JSON): the peak is the largest rise of the summed categories over the step plus the bytes that
-were alive before it. It counts every tensor the step creates, including modules called once
-per tile, and is exactly repeatable. Accelerators (CUDA, NPU): torch.accelerator's
+CPU: torch.profiler's memory events (profile_memory): every allocation and free of the CPU
+allocator in the order they happened; the peak is the largest rise of their running sum over
+the step plus the bytes that were alive before it (the figure the profiler's memory timeline
+gives, summed over its categories, without building the timeline). It counts every tensor the
+step creates, including modules called once per tile, and is exactly repeatable. Accelerators (CUDA, NPU): torch.accelerator's
 max_memory_allocated after a reset. Process level (CPU, Linux): the high-water mark of the
 process's resident memory (VmHWM), reset through /proc/self/clear_refs before the step.
 
@@ -13,10 +14,6 @@ inputs, upstream gradient); the result is absolute bytes at the peak.
 
 from __future__ import annotations
 
-import json
-import os
-import tempfile
-import warnings
 from collections.abc import Callable
 
 import torch
@@ -53,24 +50,26 @@ def peak_bytes(step: Callable[[], object], alive_before: int, device: torch.devi
         return acc.max_memory_allocated(device) - base + alive_before
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(
-        activities=[ProfilerActivity.CPU],
-        profile_memory=True,
-        record_shapes=True,
-        with_stack=True,
-    ) as prof:
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         step()
-    fd, path = tempfile.mkstemp(suffix=".json")
-    os.close(fd)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # the timeline exporter announces its deprecation
-            prof.export_memory_timeline(path, device="cpu")
-        with open(path) as f:
-            _times, sizes = json.load(f)
-    finally:
-        os.unlink(path)
-    totals = [sum(row) for row in sizes]
-    if not totals:
-        return alive_before
-    return max(totals) - min(totals) + alive_before
+    return _largest_rise(prof) + alive_before
+
+
+def _largest_rise(prof: torch.profiler.profile) -> int:
+    """The largest rise of the CPU's allocated bytes over a profiled step: the running sum of
+    its memory events (an allocation's bytes, a free's negative bytes) in time order, its
+    highest point above its lowest."""
+    assert prof.profiler is not None and prof.profiler.kineto_results is not None  # it ran
+    cpu = torch.autograd.DeviceType.CPU
+    events = [
+        (e.start_ns(), e.nbytes())
+        for e in prof.profiler.kineto_results.events()
+        if e.name() == "[memory]" and e.device_type() == cpu
+    ]
+    events.sort(key=lambda e: e[0])  # by time; events at one time keep the profiler's order
+    level = lowest = highest = 0
+    for _, nbytes in events:
+        level += nbytes
+        lowest = min(lowest, level)
+        highest = max(highest, level)
+    return highest - lowest
