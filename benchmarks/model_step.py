@@ -4,7 +4,7 @@ Usage (prints one JSON object per configuration):
     python -m benchmarks.model_step --seq-len 16384 --hidden 256 --intermediate 2048
 
 The model is a random-init Llama built from a config (nothing downloaded); a step is forward
-with labels, backward; memory is the torch.profiler memory timeline of the step plus what was
+with labels, backward; memory is the torch.profiler's memory events of the step plus what was
 alive before it (weights, input ids). Variants: untiled, tiled MLPs, tiled MLPs + tiled loss,
 each without and with the model's own (non-reentrant) gradient checkpointing.
 

@@ -37,7 +37,7 @@ class MemoryModel:
     """Bytes a recognised MLP needs beyond weights, grads, input, output and their gradients.
 
     Coefficients count (tokens, intermediate) tensors alive at the peak; measured with the
-    torch.profiler memory timeline (tests/ops/mlp/test_memory.py holds them to it).
+    torch.profiler's memory events (tests/ops/mlp/test_memory.py holds them to it).
     """
 
     structure: MLPStructure
