@@ -33,10 +33,15 @@ sys.path.extend(folder for folder in TEST_FOLDERS if folder not in sys.path)
 def _plan_cache(tmp_path_factory: pytest.TempPathFactory) -> Any:
     """The planner's answers (plan/cache.py) kept in a folder of this session, not the user's
     cache: a test plans what it asks for, whatever an earlier session kept. Hugging Face's own
-    cache stays where it was (it too would follow XDG_CACHE_HOME)."""
-    saved = {k: os.environ.get(k) for k in ("XDG_CACHE_HOME", "HF_HOME")}
+    cache and torch's built extensions (DeepSpeed builds its CPU shared-memory collectives
+    there on first use: about 35 s) stay where they were (they too would follow
+    XDG_CACHE_HOME)."""
+    saved = {k: os.environ.get(k) for k in ("XDG_CACHE_HOME", "HF_HOME", "TORCH_EXTENSIONS_DIR")}
     base = saved["XDG_CACHE_HOME"] or str(Path.home() / ".cache")
     os.environ["HF_HOME"] = saved["HF_HOME"] or str(Path(base) / "huggingface")
+    os.environ["TORCH_EXTENSIONS_DIR"] = saved["TORCH_EXTENSIONS_DIR"] or str(
+        Path(base) / "torch_extensions"
+    )
     os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("xdg-cache"))
     yield
     for key, value in saved.items():
