@@ -82,12 +82,20 @@ def test_compiled_llama_with_tiled_mlps_and_loss_is_one_graph() -> None:
     assert _compiled_against_eager("llama", stack_keywords("tiled_mlp_loss"), "aot_eager") == 1
 
 
+FAMILIES = ["llama", "qwen3", "gemma3"]
+STACKS = ["tiled_mlp", "tiled_mlp_loss", "tiled_mlp_loss_norms"]
+# Each family and each stack once under inductor (the diagonal), every pair through AOTAutograd:
+# inductor's first compile of a step is 30-40 s of a core, its C++ kernels built cold.
+INDUCTOR = set(zip(FAMILIES, STACKS))
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3"])
-@pytest.mark.parametrize("stack", ["tiled_mlp", "tiled_mlp_loss", "tiled_mlp_loss_norms"])
-def test_fullgraph_inductor_families_and_stacks(family: str, stack: str) -> None:
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("stack", STACKS)
+def test_fullgraph_families_and_stacks(family: str, stack: str) -> None:
     keywords = FULLGRAPH_KEYWORDS if stack == "tiled_mlp_loss_norms" else stack_keywords(stack)
-    assert _compiled_against_eager(family, keywords, "inductor") == 1
+    backend = "inductor" if (family, stack) in INDUCTOR else "aot_eager"
+    assert _compiled_against_eager(family, keywords, backend) == 1
 
 
 @pytest.mark.slow
