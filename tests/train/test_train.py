@@ -52,7 +52,7 @@ def summary(*args: str, env: dict[str, str] | None = None) -> dict:
 def summary_here(*args: str) -> dict:
     """`tiledmlp train ARGS --json` through main() in this process: the same run and losses as
     a fresh process, without its imports. For runs whose assertions are about the run (losses,
-    tiles, options); process memory, signals and resumes keep `summary`. The environment and
+    tiles, options, resumes); process memory and signals keep `summary`. The environment and
     the transformers log level are restored afterwards."""
     from tiledmlp.cli import main
 
@@ -158,7 +158,7 @@ def test_resume_equals_uninterrupted(
     full, out = planned_run[0], _copy_of(planned_run[1], tmp_path)
     args = ("--seq-len", "128", "--max-steps", "4", "--output-dir", str(out))
     assert (out / "checkpoint-2" / "optimizer.pt").is_file()
-    resumed = summary(*args, "--resume-from-checkpoint", str(out / "checkpoint-2"))
+    resumed = summary_here(*args, "--resume-from-checkpoint", str(out / "checkpoint-2"))
     assert resumed["resumed_from_step"] == 2 and resumed["global_step"] == 4
     assert resumed["losses"] == pytest.approx(full["losses"][2:], rel=0, abs=1e-6)
     # Fewer steps than planned: the same schedule and data, stopped early; the summary says so.
@@ -196,7 +196,7 @@ def test_resume_stopping_early_equals_the_planned_run(
 ) -> None:
     full, out = planned_run[0], _copy_of(planned_run[1], tmp_path)
     args = ("--seq-len", "128", "--output-dir", str(out))
-    early = summary(
+    early = summary_here(
         *args, "--max-steps", "3", "--resume-from-checkpoint", str(out / "checkpoint-1")
     )
     assert early["resumed_from_step"] == 1 and early["global_step"] == 3
@@ -305,7 +305,7 @@ sys.exit(main(sys.argv[1:]))
 
 @pytest.mark.slow
 def test_a_kill_during_a_save_resumes_from_the_last_complete_checkpoint(
-    planned_run: tuple[dict, Path], tmp_path: Path
+    planned_run: tuple[dict, Path], tmp_path: Path, train_here: Callable[..., tuple[int, str]]
 ) -> None:
     args = ("--seq-len", "128", "--max-steps", "4", "--save-steps", "1")  # the planned run's
     full = planned_run[0]
@@ -332,13 +332,13 @@ def test_a_kill_during_a_save_resumes_from_the_last_complete_checkpoint(
     (out / "checkpoint-8" / "trainer_state.json").unlink()
     optimizer = out / "checkpoint-4" / "optimizer.pt"
     optimizer.write_bytes(optimizer.read_bytes()[:1000])
-    for spec in ("latest", str(out / "checkpoint-4")):
-        bad = train(*args, "--output-dir", str(out), "--resume-from-checkpoint", spec)
-        assert bad.returncode == 2 and "Traceback" not in bad.stderr, bad.stderr[-3000:]
-        last = bad.stderr.strip().splitlines()[-1]
-        assert f"{optimizer} is damaged" in last, bad.stderr[-3000:]
+    for spec in ("latest", str(out / "checkpoint-4")):  # refused before training: in-process
+        rc, stderr = train_here(*args, "--output-dir", str(out), "--resume-from-checkpoint", spec)
+        assert rc == 2 and "Traceback" not in stderr, stderr[-3000:]
+        last = stderr.strip().splitlines()[-1]
+        assert f"{optimizer} is damaged" in last, stderr[-3000:]
         if spec == "latest":
-            assert "skipping" in bad.stderr and "checkpoint-8: no trainer_state.json" in bad.stderr
+            assert "skipping" in stderr and "checkpoint-8: no trainer_state.json" in stderr
 
 
 @pytest.mark.slow
@@ -574,7 +574,7 @@ def test_a_resume_continues_the_runs_settings_and_says_or_refuses_a_change(
     checkpoint = out / "checkpoint-1"
     assert (checkpoint / "tiledmlp_run.json").is_file()
     # Given the checkpoint alone, the run goes on with its own settings, not the defaults.
-    again = summary("--resume-from-checkpoint", str(checkpoint))
+    again = summary_here("--resume-from-checkpoint", str(checkpoint))
     assert (again["learning_rate"], again["lr_scheduler_type"]) == (1e-3, "cosine")
     assert (again["gradient_accumulation_steps"], again["seq_len"]) == (2, 32)
     assert again["max_steps"] == 3 and again["resumed_from_step"] == 1
