@@ -62,7 +62,7 @@ def _largest_rise(prof: torch.profiler.profile) -> int:
     assert prof.profiler is not None and prof.profiler.kineto_results is not None  # it ran
     cpu = torch.autograd.DeviceType.CPU
     events = [
-        (e.start_ns(), e.nbytes())
+        (e.start_ns(), e.nbytes())  # type: ignore[attr-defined]  # in torch, not its stubs
         for e in prof.profiler.kineto_results.events()
         if e.name() == "[memory]" and e.device_type() == cpu
     ]
