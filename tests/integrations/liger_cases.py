@@ -231,7 +231,7 @@ def _sft(out: str, tiled: bool) -> tuple[list[float], Any, Any]:
     model = tr.LlamaForCausalLM(cfg)
     ds = datasets.Dataset.from_dict({"text": [f"hello world, sample {i}" for i in range(8)]})
     args = SFTConfig(
-        output_dir=out, max_steps=2, per_device_train_batch_size=4, logging_steps=1,
+        output_dir=out, max_steps=2, per_device_train_batch_size=2, logging_steps=1,
         report_to=[], use_cpu=True, optim="sgd", learning_rate=0.1, save_strategy="no", seed=0,
         data_seed=0, disable_tqdm=True, bf16=False, max_length=32, use_liger_kernel=True,
     )  # fmt: skip
