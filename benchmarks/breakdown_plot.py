@@ -38,6 +38,8 @@ COMPONENTS = (
     "checkpoints",
     "loss",
     "recompute",
+    "attention_backward",
+    "cublas_workspace",
     "device_overhead",
 )
 
@@ -60,7 +62,8 @@ def breakdown_series(plans: Sequence[dict[str, Any]]) -> dict[str, dict[int, dic
     and length replaces an earlier one.
 
     Raises:
-        ValueError: a result without a whole-model plan (no "model").
+        ValueError: a result without a whole-model plan (no "model"), or a component the plot
+            does not draw (every part of a stack's peak is drawn).
     """
     series: dict[str, dict[int, dict[str, float]]] = {}
     for plan in plans:
@@ -68,6 +71,10 @@ def breakdown_series(plans: Sequence[dict[str, Any]]) -> dict[str, dict[int, dic
             raise ValueError("a record without a whole-model plan: run tiledmlp plan --model")
         for stack, entry in plan["model"].items():
             parts = {k: v * GiB_PER_MiB for k, v in entry["breakdown_mib"].items()}
+            unknown = sorted(set(parts) - set(COMPONENTS))
+            if unknown:
+                raise ValueError(f"components the plot does not draw: {unknown}; add them to "
+                                 "COMPONENTS")  # fmt: skip
             parts["device_overhead"] = entry.get("device_overhead_mib", 0.0) * GiB_PER_MiB
             series.setdefault(stack, {})[int(plan["seq_len"])] = parts
     return series
@@ -93,7 +100,8 @@ def plot_breakdown(
     cols = 3
     rows = -(-(len(stacks) + 1) // cols)
     fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.6 * rows), squeeze=False)
-    palette = [*plt.get_cmap("tab10").colors, (0.2, 0.2, 0.2)]  # type: ignore[attr-defined]
+    tab10 = plt.get_cmap("tab10").colors  # type: ignore[attr-defined]
+    palette = [*tab10, "#393b79", "#ffbb78", (0.2, 0.2, 0.2)]  # the overhead dark, on top
     colours = dict(zip(COMPONENTS, palette, strict=True))
     for ax, stack in zip(axes.flat, stacks, strict=False):
         lengths = sorted(series[stack])
@@ -156,8 +164,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stderr.write(f"no plot drawn: matplotlib is not installed ({INSTALL_HINT})\n")
         return 0
     first = plans[0] if plans else {}
+    name = str(first.get("model_name"))
+    model = Path(name).stem if name.endswith(".json") else name  # a config file: its name
     title = args.title or (
-        f"{first.get('model_name')}: peak per GPU by component, {first.get('engine', 'ddp')}"
+        f"{model}: peak per GPU by component, {first.get('engine', 'ddp')}"
         + (" + offloaded parameters" if first.get("offload_params") else "")
         + f", optimizer {first.get('optimizer')}"
         + (

@@ -56,6 +56,22 @@ def test_series_are_the_records_figures_by_stack_and_length(records: Path) -> No
         breakdown_series([{"seq_len": 1}])
 
 
+def test_every_part_of_a_stack_s_figure_is_drawn(records: Path) -> None:
+    """The stacked parts add up to the stack's figure per GPU; a part the plot would not draw
+    is refused, not dropped."""
+    from benchmarks.breakdown_plot import breakdown_series, read_plans
+
+    plans = read_plans([records])
+    series = breakdown_series(plans)
+    for stack, entry in plans[0]["model"].items():
+        parts = series[stack][plans[0]["seq_len"]]
+        assert sum(parts.values()) == pytest.approx(entry["per_gpu_mib"] / 1024, abs=0.01)
+    odd = json.loads(json.dumps(plans[0]))
+    next(iter(odd["model"].values()))["breakdown_mib"]["new_part"] = 1.0
+    with pytest.raises(ValueError, match="new_part"):
+        breakdown_series([odd])
+
+
 def test_the_plot_is_drawn_or_the_missing_matplotlib_named(records: Path, tmp_path: Path) -> None:
     from tiledmlp.bench.plot import matplotlib_available
 
