@@ -185,6 +185,20 @@ def test_where_no_length_fits_plan_names_what_would_and_nothing_contradictory(
     assert "what the planner finds to fit 131,072 tokens" in text
 
 
+@pytest.mark.slow  # plans the tiny model at 1M tokens, then its pre-flight (about 15 s)
+def test_where_the_asked_stacks_do_not_fit_the_least_demanding_one_is_named_first(
+    capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    result = _plan(capsys, "--model", "tiny", "--seq-len", "1000000", "--gpu", "h100-80gb",
+                   "--stacks", "untiled")  # fmt: skip
+    line = result["bottom_line"]
+    assert line["fastest"] is None
+    (alt,) = line["would_fit"]  # it fits this card: no larger card, no other change
+    assert alt["stack"] == "tiled_layer" and "--gpu h100-80gb" in alt["train_command"]
+    accepted, gib = _preflight(alt["train_command"], caplog)
+    assert accepted and gib == pytest.approx(alt["gib"], abs=0.05)
+
+
 def test_the_attention_kernel_is_one_type_from_the_flag_to_the_step() -> None:
     import dataclasses
 

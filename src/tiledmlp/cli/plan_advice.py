@@ -2,8 +2,9 @@
 machine when it has no GPU, and, where no stack fits the memory, the changes that would fit it.
 
 Each change is planned before it is named (the least demanding stack, tiled_layer, with the
-step changed): bfloat16 weights where the plan was float32, ZeRO-3 with the weights, gradients
-and optimizer on the host, the sequence split over N GPUs with ZeRO-3 sharding, a larger card.
+step changed): that stack alone where the plan was asked about others (named by itself where it
+fits), bfloat16 weights where the plan was float32, ZeRO-3 with the weights, gradients and
+optimizer on the host, the sequence split over N GPUs with ZeRO-3 sharding, a larger card.
 
 Invariant: nothing is named that the planner did not find to fit; each comes with the
 `tiledmlp train` command that runs it, the one whose pre-flight plans the same step.
@@ -71,6 +72,9 @@ def alternatives(
         found.append({"what": what, "args": changed, "stack": _LEAST, "gib": round(gib, 2)})
         return True
 
+    others_only = args.stacks is not None and _LEAST not in args.stacks
+    if others_only and fits(f"the stack that needs least, {_LEAST} (--tiled-layers)", args):
+        return found
     base = args
     if args.dtype == "float32":
         half = dataclasses.replace(args, dtype="bfloat16")
