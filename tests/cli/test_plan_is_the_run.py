@@ -248,6 +248,7 @@ def test_every_n_layers_plans_the_run_beside_every_layer_and_the_bottom_line_tak
     line = result["bottom_line"]
     assert line["fastest"] == "tiled_mlp_loss_offload+every_2"
     assert "--every-n-layers 2" in line["train_command"]
+    assert line["axolotl"][-1].startswith("# every 2nd layer checkpointed: no axolotl key")
     assert line["time_ratio"] == pytest.approx(
         stack_speed.time_ratio("tiled_mlp_loss_offload") * each["flops_vs_every_layer"], abs=1e-4
     )

@@ -126,6 +126,11 @@ def _judged(
                 f"every_n_layers={row.every_n_layers}); {line['patch_model']}"
             )
         line["axolotl"] = axolotl_keys(row.stack)
+        if row.every_n_layers > 1 and line["axolotl"]:  # no axolotl key says it: say so
+            line["axolotl"].append(
+                f"# every {nth(row.every_n_layers)} layer checkpointed: no axolotl key; axolotl "
+                "checkpoints every layer (the row without +every_N)"
+            )
         if args.engine == "zero3":
             line["deepspeed_config"] = _deepspeed_config(args)
     return line
