@@ -353,8 +353,8 @@ def assert_tiled_layers_bf16_within_twice_untiled(base: nn.Module, ids: torch.Te
         assert et <= 2 * eu + 1e-6, f"{name}: tiled error {et:.3e} > 2 x untiled error {eu:.3e}"
 
 
-def run_interpreted(module: str, function: str, timeout: int = 600) -> Any:
-    """Calls tests/**/<module>.py's `function()` in a fresh process with Triton's interpreter on
+def run_interpreted(module: str, function: str, *args: str, timeout: int = 600) -> Any:
+    """Calls tests/**/<module>.py's `function(*args)` in a fresh process with Triton's interpreter on
     (TRITON_INTERPRET=1: Triton kernels run on CPU tensors; triton.jit reads it when kernels are
     built, so it cannot be switched on inside this process) and returns its JSON result.
     Skips when triton is not installed; fails with the process's output when it fails or runs
@@ -365,7 +365,7 @@ def run_interpreted(module: str, function: str, timeout: int = 600) -> Any:
     (path,) = tests.rglob(f"{module}.py")  # test file names are unique across tests/
     code = (
         "import json, sys; sys.path[:0] = sys.argv[1:]; "
-        f"import {module} as t; print('RESULT ' + json.dumps(t.{function}()))"
+        f"import {module} as t; print('RESULT ' + json.dumps(t.{function}(*{args!r})))"
     )
     proc = subprocess.run(
         [sys.executable, "-c", code, str(tests), str(path.parent), *TEST_FOLDERS],

@@ -66,6 +66,9 @@ def test_every_public_name_resolves_and_a_wrong_one_is_an_attribute_error() -> N
         (["-h", "plan"], tuple(_COMMANDS)),  # the top-level help lists every command
         (["plna"], tuple(_COMMANDS)),  # the error names the closest command
         ([], tuple(_COMMANDS)),
+        (["--version"], ()),  # the top-level parser prints it: no command imported
+        (["-v", "--version", "plan"], ()),
+        (["plan", "--version"], ("plan",)),  # a command's own flag (an error there)
     ],
 )
 def test_only_the_named_command_parser_is_built(words: list[str], built: tuple[str, ...]) -> None:

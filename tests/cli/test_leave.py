@@ -50,14 +50,16 @@ def test_leave_keeps_what_a_normal_exit_does(launched: bool, finalize: bool | No
     assert lines.index("thread finished") < lines.index("atexit ran")
 
 
-def test_the_command_under_a_launcher_prints_and_exits_with_its_status() -> None:
+@pytest.mark.parametrize("ok", [True, False], ids=["version", "refused"])
+def test_the_command_under_a_launcher_prints_and_exits_with_its_status(ok: bool) -> None:
     env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1"}
-    ok = subprocess.run([sys.executable, "-m", "tiledmlp", "--version"], capture_output=True,
-                        text=True, env=env, timeout=120)  # fmt: skip
-    assert ok.returncode == 0 and ok.stdout.startswith("tiledmlp "), ok.stderr
-    bad = subprocess.run([sys.executable, "-m", "tiledmlp", "plan", "--model", "nope"],
-                         capture_output=True, text=True, env=env, timeout=120)  # fmt: skip
-    assert bad.returncode == 2 and bad.stderr.count("\n") == 1, bad.stderr
+    args = ["--version"] if ok else ["plan", "--model", "nope"]
+    res = subprocess.run([sys.executable, "-m", "tiledmlp", *args], capture_output=True,
+                         text=True, env=env, timeout=120)  # fmt: skip
+    if ok:
+        assert res.returncode == 0 and res.stdout.startswith("tiledmlp "), res.stderr
+    else:
+        assert res.returncode == 2 and res.stderr.count("\n") == 1, res.stderr
 
 
 # a module-level object whose __del__ runs only in the interpreter's finalization

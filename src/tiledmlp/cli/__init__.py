@@ -55,11 +55,14 @@ def _module(command: str) -> ModuleType:
 def _asked(words: Sequence[str]) -> tuple[str, ...]:
     """The subcommands whose parsers are built: the one the command line names (its first word
     that is not a flag: the top-level flags take no value), else all of them (for the full
-    help, or the error naming the closest command). Building one command's parser imports only
-    its module: `tiledmlp plan` reads a cached answer without importing the trainer or torch."""
+    help, or the error naming the closest command); none for `--version` before a command.
+    Building one command's parser imports only its module: `tiledmlp plan` reads a cached
+    answer without importing the trainer or torch."""
     for word in words:
         if word in ("-h", "--help"):  # the top-level help lists every command
             break
+        if word == "--version":  # printed by the top-level parser alone
+            return ()
         if not word.startswith("-"):
             return (word,) if word in _COMMANDS else tuple(_COMMANDS)
     return tuple(_COMMANDS)
