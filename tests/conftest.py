@@ -354,9 +354,10 @@ def assert_tiled_layers_bf16_within_twice_untiled(base: nn.Module, ids: torch.Te
 
 
 def run_interpreted(module: str, function: str, *args: str, timeout: int = 600) -> Any:
-    """Calls tests/**/<module>.py's `function(*args)` in a fresh process with Triton's interpreter on
-    (TRITON_INTERPRET=1: Triton kernels run on CPU tensors; triton.jit reads it when kernels are
-    built, so it cannot be switched on inside this process) and returns its JSON result.
+    """Calls tests/**/<module>.py's `function(*args)` in a fresh process with Triton's
+    interpreter on (TRITON_INTERPRET=1: Triton kernels run on CPU tensors; triton.jit reads it
+    when kernels are built, so it cannot be switched on inside this process) and returns its
+    JSON result.
     Skips when triton is not installed; fails with the process's output when it fails or runs
     past `timeout` seconds."""
     pytest.importorskip("triton", reason="triton is not installed")
